@@ -1,0 +1,216 @@
+"""From registered per-layer views to memory registrations and transfer regions.
+
+A *memory* entry is what gets registered with NIXL: one per distinct storage.
+A *region* is a strided family of byte ranges, one per block:
+``[base_addr + b * block_stride, + block_len)``. Inside a block, a region holds
+``len(layers)`` layers ``layer_stride`` bytes apart, each with ``num_heads``
+heads ``head_stride`` bytes apart; one head of one layer is ``head_len``
+contiguous bytes when ``heads_contiguous`` (H outside N), otherwise only the
+whole layer page (``num_heads * head_len`` bytes) is contiguous.
+
+All sizes and addresses are bytes. Regions are msgspec structs because the
+peer receives them verbatim in the handshake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+import torch
+
+from kvxfer.layout import B, CacheSpec, KVCacheLayout, layer_strides, parse_layout
+
+
+class MemoryRegion(msgspec.Struct, frozen=True):
+    """One registration: ``nbytes`` bytes at ``addr`` on device ``device_id`` (0 for CPU)."""
+
+    addr: int
+    nbytes: int
+    device_id: int
+    is_cuda: bool = False
+
+
+class Region(msgspec.Struct, frozen=True):
+    """A transfer region; see the module docstring for the geometry."""
+
+    base_addr: int
+    block_len: int
+    block_stride: int
+    mem_index: int
+    layers: tuple[int, ...]
+    layer_stride: int
+    num_heads: int
+    head_start: int
+    head_stride: int
+    head_len: int
+    heads_contiguous: bool
+
+    def chunk_offset(self, layer: int, head: int) -> int:
+        """Byte offset of (layer, head) inside block 0, from ``base_addr``."""
+        return self.layers.index(layer) * self.layer_stride + (head - self.head_start) * self.head_stride
+
+
+class RegionPlan(msgspec.Struct, frozen=True):
+    """What one TP rank registers and what a peer needs to address its blocks."""
+
+    layout: str
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    itemsize: int
+    separate_kv_head_groups: bool
+    memory: tuple[MemoryRegion, ...]
+    regions: tuple[Region, ...]
+
+    @property
+    def heads_contiguous(self) -> bool:
+        return self.regions[0].heads_contiguous
+
+    @property
+    def head_len(self) -> int:
+        return self.regions[0].head_len
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.memory)
+
+
+def _device_id(tensor: torch.Tensor) -> int:
+    if not tensor.is_cuda:
+        return 0
+    return tensor.device.index or 0
+
+
+def _distinct_views(caches: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Views in first-appearance order; several names may share one view."""
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, view in caches.items():
+        key = (view.data_ptr(), tuple(view.stride()))
+        if key not in seen:
+            seen[key] = name
+            out.append((name, view))
+    return out
+
+
+def _infer_layout(name: str, view: torch.Tensor, layer_step: int | None,
+                  itemsize: int) -> KVCacheLayout:
+    """Read a view's layout from its strides and the byte step to the next layer slot."""
+    s_b, s_h, s_n, s_c = (s * itemsize for s in view.stride())
+    if s_c != itemsize or s_b < max(s_h, s_n):
+        raise ValueError(f"KV cache view {name!r} with strides {tuple(view.stride())} is not "
+                         f"blocks-first with contiguous content")
+    heads_out = s_h > s_n or view.shape[1] == 1
+    if layer_step is None or layer_step >= s_b * view.shape[0]:
+        return KVCacheLayout.LBHNC if heads_out else KVCacheLayout.LBNHC
+    if heads_out and layer_step < s_h:
+        return KVCacheLayout.BHLNC
+    return KVCacheLayout.BLHNC if heads_out else KVCacheLayout.BLNHC
+
+
+def _group_by_storage(views: list[tuple[str, torch.Tensor]]
+                      ) -> list[list[tuple[int, str, torch.Tensor]]]:
+    groups: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+    for index, (name, view) in enumerate(views):
+        groups.setdefault(view.untyped_storage().data_ptr(), []).append((index, name, view))
+    return [sorted(g, key=lambda item: item[2].data_ptr()) for g in groups.values()]
+
+
+def _layer_step(group: list[tuple[int, str, torch.Tensor]]) -> int | None:
+    if len(group) == 1:
+        return None
+    steps = {b[2].data_ptr() - a[2].data_ptr() for a, b in zip(group, group[1:], strict=False)}
+    if len(steps) != 1:
+        names = ", ".join(repr(n) for _, n, _ in group)
+        raise ValueError(f"KV cache views {names} share a storage but are not evenly spaced "
+                         f"(steps {sorted(steps)} bytes)")
+    return steps.pop()
+
+
+def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks: int,
+                 layout: KVCacheLayout | str | None = None) -> RegionPlan:
+    """Build the memory registrations and transfer regions for ``caches``.
+
+    ``caches`` maps layer names to ``[B, H, N, C]`` views; its first-appearance
+    order of distinct views defines the logical layer index both peers use.
+    ``layout`` is inferred from the strides when omitted and checked when given.
+    """
+    views = _distinct_views(caches)
+    if not views:
+        raise ValueError("no KV cache views to plan regions for")
+    expected_shape = (num_blocks, spec.num_heads, spec.block_size, spec.content_size)
+    for name, view in views:
+        if tuple(view.shape) != expected_shape or view.dtype != spec.dtype:
+            raise ValueError(f"KV cache view {name!r} has shape {tuple(view.shape)} and dtype "
+                             f"{view.dtype}; the spec needs {expected_shape} in {spec.dtype}")
+    want = parse_layout(layout) if layout is not None else None
+    memory: list[MemoryRegion] = []
+    regions: list[Region] = []
+    found: set[KVCacheLayout] = set()
+    for group in _group_by_storage(views):
+        step = _layer_step(group)
+        first_name, first = group[0][1], group[0][2]
+        got = _infer_layout(first_name, first, step, spec.itemsize)
+        if want is not None and _equivalent(want, got, len(group)):
+            got = want
+        strides = layer_strides(spec, num_blocks, len(group), got)[B:]
+        for _, name, view in group:
+            if tuple(view.stride()) != strides:
+                raise ValueError(f"KV cache view {name!r} has strides {tuple(view.stride())}; "
+                                 f"layout {got.name} with this spec needs {strides}")
+        if want is not None and got != want:
+            raise ValueError(f"KV cache view {first_name!r} is laid out as {got.name}, "
+                             f"not {want.name} as configured")
+        found.add(got)
+        storage = first.untyped_storage()
+        memory.append(MemoryRegion(storage.data_ptr(), storage.nbytes(), _device_id(first),
+                                   first.is_cuda))
+        regions.extend(_group_regions(group, got, spec, len(memory) - 1, step))
+    if len(found) > 1:
+        raise ValueError(f"KV cache views mix layouts {sorted(x.name for x in found)}")
+    return RegionPlan(layout=found.pop().name, num_blocks=num_blocks, num_layers=len(views),
+                      block_size=spec.block_size, num_heads=spec.num_heads,
+                      num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                      itemsize=spec.itemsize, separate_kv_head_groups=spec.separate_kv_head_groups,
+                      memory=tuple(memory), regions=tuple(regions))
+
+
+def _equivalent(want: KVCacheLayout, got: KVCacheLayout, layers: int) -> bool:
+    """With one layer slot in a storage, L's position is invisible: accept the configured name."""
+    return layers == 1 and want.heads_outside_tokens == got.heads_outside_tokens
+
+
+def _group_regions(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLayout,
+                   spec: CacheSpec, mem_index: int, step: int | None) -> list[Region]:
+    itemsize = spec.itemsize
+    first = group[0][2]
+    s_b, s_h = first.stride(0) * itemsize, first.stride(1) * itemsize
+    head_len = spec.block_size * spec.content_size * itemsize
+    heads_contiguous = layout.heads_outside_tokens or spec.num_heads == 1
+    per_head = spec.separate_kv_head_groups and heads_contiguous
+    coalesce = layout in (KVCacheLayout.BLNHC, KVCacheLayout.BHLNC) and not per_head
+    if coalesce:
+        layers = tuple(index for index, _, _ in group)
+        return [Region(base_addr=first.data_ptr(), block_len=len(group) * spec.real_page_size_bytes,
+                       block_stride=s_b, mem_index=mem_index, layers=layers,
+                       layer_stride=step or 0, num_heads=spec.num_heads, head_start=0,
+                       head_stride=s_h, head_len=head_len, heads_contiguous=heads_contiguous)]
+    out = []
+    for index, _, view in group:
+        if per_head:
+            out.extend(Region(base_addr=view[:, h].data_ptr(), block_len=head_len,
+                              block_stride=s_b, mem_index=mem_index, layers=(index,),
+                              layer_stride=0, num_heads=1, head_start=h, head_stride=s_h,
+                              head_len=head_len, heads_contiguous=True)
+                       for h in range(spec.num_heads))
+        else:
+            out.append(Region(base_addr=view.data_ptr(), block_len=spec.real_page_size_bytes,
+                              block_stride=s_b, mem_index=mem_index, layers=(index,),
+                              layer_stride=0, num_heads=spec.num_heads, head_start=0,
+                              head_stride=s_h, head_len=head_len,
+                              heads_contiguous=heads_contiguous))
+    return out
