@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvxfer import __version__
 
-COMMANDS: tuple[str, ...] = ("bench",)
+COMMANDS: tuple[str, ...] = ("plan", "bench",)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ peer receives them verbatim in the handshake.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import msgspec
@@ -48,7 +49,8 @@ class Region(msgspec.Struct, frozen=True):
 
     def chunk_offset(self, layer: int, head: int) -> int:
         """Byte offset of (layer, head) inside block 0, from ``base_addr``."""
-        return self.layers.index(layer) * self.layer_stride + (head - self.head_start) * self.head_stride
+        position = self.layers.index(layer)
+        return position * self.layer_stride + (head - self.head_start) * self.head_stride
 
 
 class RegionPlan(msgspec.Struct, frozen=True):
@@ -123,7 +125,7 @@ def _group_by_storage(views: list[tuple[str, torch.Tensor]]
 def _layer_step(group: list[tuple[int, str, torch.Tensor]]) -> int | None:
     if len(group) == 1:
         return None
-    steps = {b[2].data_ptr() - a[2].data_ptr() for a, b in zip(group, group[1:], strict=False)}
+    steps = {b[2].data_ptr() - a[2].data_ptr() for a, b in itertools.pairwise(group)}
     if len(steps) != 1:
         names = ", ".join(repr(n) for _, n, _ in group)
         raise ValueError(f"KV cache views {names} share a storage but are not evenly spaced "
@@ -153,19 +155,10 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
     found: set[KVCacheLayout] = set()
     for group in _group_by_storage(views):
         step = _layer_step(group)
-        first_name, first = group[0][1], group[0][2]
-        got = _infer_layout(first_name, first, step, spec.itemsize)
-        if want is not None and _equivalent(want, got, len(group)):
-            got = want
-        strides = layer_strides(spec, num_blocks, len(group), got)[B:]
-        for _, name, view in group:
-            if tuple(view.stride()) != strides:
-                raise ValueError(f"KV cache view {name!r} has strides {tuple(view.stride())}; "
-                                 f"layout {got.name} with this spec needs {strides}")
-        if want is not None and got != want:
-            raise ValueError(f"KV cache view {first_name!r} is laid out as {got.name}, "
-                             f"not {want.name} as configured")
+        got = want or _infer_layout(group[0][1], group[0][2], step, spec.itemsize)
+        _check_strides(group, got, spec, num_blocks, step)
         found.add(got)
+        first = group[0][2]
         storage = first.untyped_storage()
         memory.append(MemoryRegion(storage.data_ptr(), storage.nbytes(), _device_id(first),
                                    first.is_cuda))
@@ -179,9 +172,18 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
                       memory=tuple(memory), regions=tuple(regions))
 
 
-def _equivalent(want: KVCacheLayout, got: KVCacheLayout, layers: int) -> bool:
-    """With one layer slot in a storage, L's position is invisible: accept the configured name."""
-    return layers == 1 and want.heads_outside_tokens == got.heads_outside_tokens
+def _check_strides(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLayout,
+                   spec: CacheSpec, num_blocks: int, step: int | None) -> None:
+    """Every view of one storage must sit exactly where ``layout`` puts a layer slot."""
+    strides = layer_strides(spec, num_blocks, len(group), layout)
+    for _, name, view in group:
+        if tuple(view.stride()) != strides[B:]:
+            raise ValueError(f"KV cache view {name!r} has strides {tuple(view.stride())}, "
+                             f"which contradict layout {layout.name} (expected {strides[B:]})")
+    if step is not None and step != strides[0] * spec.itemsize:
+        raise ValueError(f"KV cache view {group[1][1]!r} starts {step} bytes after the previous "
+                         f"layer, which contradicts layout {layout.name} (expected "
+                         f"{strides[0] * spec.itemsize})")
 
 
 def _group_regions(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLayout,

@@ -12,7 +12,7 @@ import importlib
 
 HELP = "run a benchmark and print numbers (table, or JSON with --json)"
 
-BENCHMARKS: tuple[str, ...] = ()
+BENCHMARKS: tuple[str, ...] = ("descriptors",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,143 @@
+"""``kvxfer plan``: what a prefill/decode configuration will cost per request."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+HELP = "show regions, descriptors and bytes per request for a P/D configuration"
+
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
+    parser.add_argument("--prefill-layout", default="LBHNC", help="prefill KV layout")
+    parser.add_argument("--decode-layout", default=None,
+                        help="decode KV layout (default: the prefill layout)")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size")
+    parser.add_argument("--decode-tp", type=int, default=1, help="decode TP size")
+    parser.add_argument("--block-ids", choices=["random", "consecutive"], default="random",
+                        help="how the request's blocks sit in each cache (default random)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for random block ids")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model-shape flags shared with the descriptor benchmark (Llama-8B-like defaults)."""
+    parser.add_argument("--layers", type=int, default=32, help="layers (default 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="total KV heads (default 8)")
+    parser.add_argument("--head-size", type=int, default=128, help="head size (default 128)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="cache dtype")
+
+
+def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: int
+                   ) -> tuple[Any, Any]:
+    """An address-only cache for one rank: ``torch.empty`` never touches its pages."""
+    import torch
+
+    from kvxfer.descriptors import SideGeometry
+    from kvxfer.layout import CacheSpec, reshape_kv_cache
+    from kvxfer.regions import plan_regions
+    from kvxfer.topology import heads_per_rank
+
+    spec = CacheSpec(args.block_size, heads_per_rank(tp, args.kv_heads), args.head_size,
+                     getattr(torch, args.dtype))
+    raw = torch.empty(args.layers * num_blocks * spec.page_size_bytes, dtype=torch.uint8)
+    views = reshape_kv_cache(raw, spec, num_blocks, args.layers, layout)
+    plan = plan_regions({f"model.layers.{i}": v for i, v in enumerate(views)}, spec, num_blocks,
+                        layout)
+    return raw, (plan, SideGeometry.from_plan(plan))
+
+
+def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan every decode rank's reads for one request; raises ValueError if incompatible."""
+    import numpy as np
+
+    from kvxfer.descriptors import build_requests_descriptors, plan_peer_reads
+    from kvxfer.layout import parse_layout
+    from kvxfer.topology import read_plan
+
+    prefill_layout = parse_layout(args.prefill_layout).name
+    decode_layout = parse_layout(args.decode_layout or args.prefill_layout).name
+    if args.tokens <= 0:
+        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    blocks = -(-args.tokens // args.block_size)
+    capacity = 2 * blocks
+    rng = np.random.default_rng(args.seed)
+
+    def ids() -> Any:
+        if args.block_ids == "consecutive":
+            return np.arange(blocks)
+        return rng.choice(capacity, size=blocks, replace=False)
+
+    keep = []  # keep the synthetic buffers alive while their addresses are used
+    prefill = {}
+    for rank in range(args.prefill_tp):
+        raw, prefill[rank] = synthetic_rank(prefill_layout, args.prefill_tp, args, capacity)
+        keep.append(raw)
+    remote_ids = ids()
+    ranks = []
+    for rank in range(args.decode_tp):
+        raw, (plan, local) = synthetic_rank(decode_layout, args.decode_tp, args, capacity)
+        keep.append(raw)
+        slices = read_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
+        peers = plan_peer_reads(local, {r: g for r, (_, g) in prefill.items()}, slices,
+                                local_tp=args.decode_tp, remote_tp=args.prefill_tp)
+        descs = build_requests_descriptors(peers, ids(), remote_ids)
+        lengths = np.concatenate([d.local[:, 1] for d in descs]) if descs else np.zeros(0)
+        ranks.append({
+            "decode_rank": rank,
+            "reads_from": [{"prefill_rank": d.remote_rank, "descriptors": len(d),
+                            "bytes": d.num_bytes,
+                            "prefill_regions": len(prefill[d.remote_rank][0].regions)}
+                           for d in descs],
+            "decode_regions": len(plan.regions),
+            "descriptors": len(lengths),
+            "bytes": int(lengths.sum()),
+            "bytes_per_descriptor": {"min": int(lengths.min()), "median": int(np.median(lengths)),
+                                     "max": int(lengths.max())},
+        })
+    return {"prefill_layout": prefill_layout, "decode_layout": decode_layout,
+            "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "tokens": args.tokens,
+            "blocks": blocks, "layers": args.layers, "kv_heads": args.kv_heads,
+            "head_size": args.head_size, "block_size": args.block_size, "dtype": args.dtype,
+            "decode_ranks": ranks}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = plan_configuration(args)
+    except ValueError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}))
+        else:
+            print(f"incompatible configuration: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{result['prefill_layout']} TP{result['prefill_tp']} (prefill) -> "
+          f"{result['decode_layout']} TP{result['decode_tp']} (decode): {result['tokens']} "
+          f"tokens = {result['blocks']} blocks x {result['layers']} layers, {result['dtype']}")
+    for rank in result["decode_ranks"]:
+        per = rank["bytes_per_descriptor"]
+        sources = ", ".join(f"prefill rank {r['prefill_rank']} ({r['descriptors']} descriptors, "
+                            f"{r['prefill_regions']} regions)" for r in rank["reads_from"])
+        print(f"  decode rank {rank['decode_rank']}: {rank['decode_regions']} regions; reads "
+              f"{_human(rank['bytes'])} in {rank['descriptors']} descriptors from {sources}")
+        print(f"    bytes per descriptor: min {_human(per['min'])}, median "
+              f"{_human(per['median'])}, max {_human(per['max'])}")
+    return 0

@@ -1,0 +1,62 @@
+"""`kvxfer plan` and `kvxfer bench descriptors` as a user runs them (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kvxfer(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_reports_each_decode_rank_for_a_head_split() -> None:
+    out = kvxfer("plan", "--prefill-layout", "BLHNC", "--decode-layout", "LBHNC",
+                 "--prefill-tp", "1", "--decode-tp", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [r["decode_rank"] for r in result["decode_ranks"]] == [0, 1]
+    for rank in result["decode_ranks"]:
+        # 128 blocks x 32 layers, half of the 8 heads each: 32 KiB per descriptor.
+        assert rank["descriptors"] == 128 * 32
+        assert rank["bytes"] == 128 * 32 * 4 * 16 * 256 * 2
+        assert rank["bytes_per_descriptor"] == {"min": 32768, "median": 32768, "max": 32768}
+
+
+def test_plan_text_output_shows_coalescing() -> None:
+    out = kvxfer("plan", "--prefill-layout", "BHLNC", "--tokens", "160", "--block-size", "16",
+                 "--block-ids", "consecutive")
+    assert out.returncode == 0, out.stderr
+    assert "10 blocks x 32 layers" in out.stdout
+    # All layers and heads of a block coalesce, and consecutive blocks merge: one READ row.
+    assert "reads 20.0 MiB in 1 descriptors" in out.stdout
+
+
+def test_plan_incompatible_layout_is_a_plain_error() -> None:
+    out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
+                 "--decode-tp", "2")
+    assert out.returncode == 1
+    assert "prefill layout LBNHC cannot be head-split for decode TP 2 > prefill TP 1; use " \
+           "LBHNC, BLHNC or BHLNC on the prefill side" in out.stderr
+
+
+def test_plan_rejects_unknown_layout_names() -> None:
+    out = kvxfer("plan", "--prefill-layout", "XYZ")
+    assert out.returncode == 1
+    assert "unknown KV cache layout 'XYZ'" in out.stderr
+
+
+def test_bench_descriptors_prints_json_rows() -> None:
+    out = kvxfer("bench", "descriptors", "--repeats", "3", "--tokens", "256", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert {r["layout"] for r in rows} == {"LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC"}
+    coalesced = next(r for r in rows if r["layout"] == "BHLNC" and r["prefill_tp"] == 1
+                     and r["decode_tp"] == 1)
+    # 16 blocks, one descriptor each unless two random ids happen to be adjacent on both sides.
+    assert 8 <= coalesced["descriptors"] <= 16
+    per_layer = next(r for r in rows if r["layout"] == "LBHNC" and r["prefill_tp"] == 1
+                     and r["decode_tp"] == 1)
+    assert per_layer["descriptors"] == 32 * coalesced["descriptors"]  # same ids, per layer
