@@ -272,9 +272,9 @@ class _FusedSlice:
         steps = {"layer": abs(int(lbase[1, 0] - lbase[0, 0])) if lbase.shape[0] > 1 else 0,
                  "chunk": abs(int(lbase[0, 1] - lbase[0, 0])) if lbase.shape[1] > 1 else 0}
         swap = steps["chunk"] > steps["layer"]
-        arranged = [(g.T if swap else g).reshape(-1) for g in grids]
+        lb, rb, ls, rs, lm, rm = ((g.T if swap else g).reshape(-1) for g in grids)
         block_step = int(grids[2][0, 0])
-        return cls(*arranged, block_outer=block_step >= max(steps.values()),
+        return cls(lb, rb, ls, rs, lm, rm, block_outer=block_step >= max(steps.values()),
                    chunk_len=chunk_len)
 
     def addresses(self, local_ids: IntArray, remote_ids: IntArray
@@ -344,9 +344,10 @@ class PeerReadPlan:
     def build(self, local_ids: IntArray, remote_ids: IntArray) -> RankDescriptors:
         """Descriptors for one request; ids validated, ``local_ids`` sorted ascending."""
         parts = [piece.addresses(local_ids, remote_ids) for piece in self.slices]
-        joined = parts[0] if len(parts) == 1 else \
-            tuple(np.concatenate([p[i] for p in parts]) for i in range(5))
-        return _merge_runs(*joined, self.local, self.remote, self.remote_rank)
+        local, remote, lmem, rmem, lengths = parts[0] if len(parts) == 1 else \
+            (np.concatenate([p[i] for p in parts]) for i in range(5))
+        return _merge_runs(local, remote, lmem, rmem, lengths, self.local, self.remote,
+                           self.remote_rank)
 
 
 def plan_peer_reads(local: SideGeometry, remotes: dict[int, SideGeometry],

@@ -172,12 +172,19 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
                       memory=tuple(memory), regions=tuple(regions))
 
 
+def _strides_match(view: torch.Tensor, strides: tuple[int, ...]) -> bool:
+    """Strides agree on every dim of size > 1: a size-1 dim never steps, so its stride is
+    free (a single KV head or a one-token block makes H-vs-N order invisible)."""
+    return all(size == 1 or got == want
+               for size, got, want in zip(view.shape, view.stride(), strides, strict=True))
+
+
 def _check_strides(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLayout,
                    spec: CacheSpec, num_blocks: int, step: int | None) -> None:
     """Every view of one storage must sit exactly where ``layout`` puts a layer slot."""
     strides = layer_strides(spec, num_blocks, len(group), layout)
     for _, name, view in group:
-        if tuple(view.stride()) != strides[B:]:
+        if not _strides_match(view, strides[B:]):
             raise ValueError(f"KV cache view {name!r} has strides {tuple(view.stride())}, "
                              f"which contradict layout {layout.name} (expected {strides[B:]})")
     if step is not None and step != strides[0] * spec.itemsize:
@@ -192,7 +199,8 @@ def _group_regions(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLa
     first = group[0][2]
     s_b, s_h = first.stride(0) * itemsize, first.stride(1) * itemsize
     head_len = spec.block_size * spec.content_size * itemsize
-    heads_contiguous = layout.heads_outside_tokens or spec.num_heads == 1
+    # a single head or a one-token block makes every head contiguous whatever the order
+    heads_contiguous = layout.heads_outside_tokens or spec.num_heads == 1 or spec.block_size == 1
     per_head = spec.separate_kv_head_groups and heads_contiguous
     coalesce = layout in (KVCacheLayout.BLNHC, KVCacheLayout.BHLNC) and not per_head
     if coalesce:
@@ -201,7 +209,7 @@ def _group_regions(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLa
                        block_stride=s_b, mem_index=mem_index, layers=layers,
                        layer_stride=step or 0, num_heads=spec.num_heads, head_start=0,
                        head_stride=s_h, head_len=head_len, heads_contiguous=heads_contiguous)]
-    out = []
+    out: list[Region] = []
     for index, _, view in group:
         if per_head:
             out.extend(Region(base_addr=view[:, h].data_ptr(), block_len=head_len,

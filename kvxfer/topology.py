@@ -91,3 +91,25 @@ def readers_per_remote_rank(local_tp: int, remote_tp: int, total_kv_heads: int) 
         for remote in {s.remote_rank for s in read_plan(rank, local_tp, remote_tp, total_kv_heads)}:
             counts[remote] = counts.get(remote, 0) + 1
     return counts
+
+
+def notify_plan(local_rank: int, local_tp: int, remote_tp: int, total_kv_heads: int
+                ) -> dict[int, int]:
+    """Remote ranks this decode rank must tell "done", each with its expected count.
+
+    Every prefill rank holds the request's blocks, including ranks nobody reads
+    from (replicated heads read from one copy only). Those are released by one
+    designated decode rank (``remote_rank % local_tp``) that notifies without
+    reading, so no lease has to run into its expiry. The count is how many
+    decode ranks will notify that prefill rank in total.
+    """
+    readers = readers_per_remote_rank(local_tp, remote_tp, total_kv_heads)
+    mine = {s.remote_rank for s in read_plan(local_rank, local_tp, remote_tp, total_kv_heads)}
+    plan = {}
+    for remote in range(remote_tp):
+        if remote in readers:
+            if remote in mine:
+                plan[remote] = readers[remote]
+        elif remote % local_tp == local_rank:
+            plan[remote] = 1
+    return plan

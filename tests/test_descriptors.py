@@ -115,8 +115,11 @@ def minimal_count(local: Rank, remote: Rank, rows: list[tuple[int, int, int, int
 
 def expect_compatible(local_layout: KVCacheLayout, remote_layout: KVCacheLayout,
                       local_spec: CacheSpec, remote_spec: CacheSpec, full: bool) -> bool:
-    local_contig = local_layout.heads_outside_tokens or local_spec.num_heads == 1
-    remote_contig = remote_layout.heads_outside_tokens or remote_spec.num_heads == 1
+    # One head, or one token per block, makes H-vs-N order invisible.
+    local_contig = local_layout.heads_outside_tokens or local_spec.num_heads == 1 \
+        or local_spec.block_size == 1
+    remote_contig = remote_layout.heads_outside_tokens or remote_spec.num_heads == 1 \
+        or remote_spec.block_size == 1
     if local_contig != remote_contig:
         return False
     return full or remote_contig

@@ -1,0 +1,33 @@
+"""Static checks as tests: ruff over the code and tests, mypy (strict) over the pure modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUFF_PATHS = ("kvxfer", "proxy", "tests")
+MYPY_FILES = ("kvxfer/layout.py", "kvxfer/regions.py", "kvxfer/topology.py",
+              "kvxfer/descriptors.py", "kvxfer/protocol.py")
+
+
+def run_tool(module: str, paths: list[str]) -> None:
+    """Run ``python -m module paths`` from the repository root; fail with its output."""
+    assert paths, f"nothing for {module} to check under {ROOT.name}"
+    done = subprocess.run([sys.executable, "-m", module, *paths], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    output = f"{done.stdout}\n{done.stderr}".strip()
+    assert done.returncode == 0, f"{module} {' '.join(paths)} exited {done.returncode}:\n{output}"
+
+
+def existing(paths: tuple[str, ...]) -> list[str]:
+    return [p for p in paths if (ROOT / p).exists()]
+
+
+def test_ruff_clean() -> None:
+    run_tool("ruff", ["check", *existing(RUFF_PATHS)])
+
+
+def test_mypy_clean_on_pure_modules() -> None:
+    run_tool("mypy", existing(MYPY_FILES))
