@@ -1,0 +1,376 @@
+"""The ZMQ side channel over which a decode instance learns a prefill's NIXL metadata.
+
+The only module that imports ZMQ. Wire format and validation live in
+:mod:`kvxfer.protocol`.
+
+* Prefill side: one :class:`HandshakeListener` per instance, a ROUTER socket
+  served by a background thread, answers a :class:`MetadataRequest` with the
+  :class:`AgentMetadata` of the requested local TP ranks. Whatever a peer sends
+  (garbage, wrong frame counts, another version or model, a bad signature,
+  unknown ranks) is logged with the peer's address and identity and answered
+  with an :class:`ErrorReply`; the listener keeps serving.
+* Decode side: :class:`HandshakeClient.fetch` sends one request over a fresh
+  DEALER socket per attempt (so a late answer to an abandoned attempt can
+  never be mistaken for the current one), waits up to ``timeout`` seconds per
+  attempt, retries only timeouts, and raises a :class:`HandshakeError` naming
+  the peer address on any failure.
+
+Frames: the client sends exactly one frame (the encoded envelope) and receives
+exactly one. The listener also answers REQ sockets, whose empty delimiter
+frame it echoes.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import zmq
+
+from kvxfer.protocol import (
+    AgentMetadata,
+    BadSignature,
+    CompatInfo,
+    ErrorCode,
+    ErrorReply,
+    HandshakeError,
+    MalformedMessage,
+    MessageKind,
+    MetadataRequest,
+    MetadataResponse,
+    ProtocolError,
+    check_response,
+    compat_hash,
+    decode_envelope,
+    decode_payload,
+    encode_message,
+)
+
+__all__ = ["HandshakeClient", "HandshakeError", "HandshakeListener", "HandshakeTimeout",
+           "PeerRefused"]
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.05        # how long close() may wait for the serving thread to notice
+MAX_BATCH = 64                # requests served per wake-up, so close() stays prompt under load
+MAX_REQUEST_BYTES = 64 * 1024  # a request is ~100 bytes; larger inbound messages drop the peer
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+BACKOFF_S = 0.05              # first pause between attempts; doubles, capped at MAX_BACKOFF_S
+MAX_BACKOFF_S = 0.5
+JOIN_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 0.5         # the TCP probe that explains a timeout
+
+
+class HandshakeTimeout(HandshakeError):
+    """No answer from the peer within the deadline on any attempt."""
+
+
+class PeerRefused(HandshakeError):
+    """The peer answered with an :class:`ErrorReply`; ``code`` says why."""
+
+    def __init__(self, reply: ErrorReply, *, peer: str) -> None:
+        super().__init__(f"peer {peer} refused the handshake ({reply.code.value}): "
+                         f"{reply.message}", peer=peer, found=reply.code)
+        self.code = reply.code
+        self.reason = reply.message
+
+
+def endpoint(host: str, port: int) -> str:
+    """``tcp://host:port``, with IPv6 literals bracketed."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _new_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, host: str,
+                max_bytes: int) -> zmq.Socket[bytes]:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+class HandshakeListener:
+    """Prefill side: serves every local TP rank's metadata on one ROUTER socket.
+
+    The socket is bound in the constructor (``port=0`` picks a free port; see
+    :attr:`port`), and served by a daemon thread from :meth:`start` until
+    :meth:`close`. ``metadata()`` is called for each request, on the serving
+    thread, and returns this instance's ranks; ``on_request(requester_engine_id)``
+    is called on that thread after each successful answer. Both must not block
+    for long: requests are served one at a time.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, engine_id: str,
+                 compat: CompatInfo, metadata: Callable[[], Sequence[AgentMetadata]],
+                 hmac_key: bytes | None = None,
+                 on_request: Callable[[str], None] | None = None) -> None:
+        self.engine_id = engine_id
+        self.host = host
+        self._compat, self._hash = compat, compat_hash(compat)
+        self._metadata, self._on_request = metadata, on_request
+        self._key = hmac_key
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = _new_socket(self._ctx, zmq.ROUTER, host, MAX_REQUEST_BYTES)
+        try:
+            if port == 0:
+                self._sock.bind(endpoint(host, 0).rsplit(":", 1)[0] + ":*")
+            else:
+                self._sock.bind(endpoint(host, port))
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            raise OSError(f"handshake listener cannot bind {endpoint(host, port)}: {exc}") \
+                from exc
+        bound = self._sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(bound, bytes)
+        self._port = int(bound.decode().rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return endpoint(self.host, self._port)
+
+    def start(self) -> HandshakeListener:
+        """Start serving on a daemon thread (idempotent)."""
+        if self._closed:
+            raise RuntimeError(f"handshake listener at {self.address} is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True,
+                                            name=f"kvxfer-handshake-{self._port}")
+            self._thread.start()
+            log.info("handshake listener for engine %s serving at %s", self.engine_id,
+                     self.address)
+        return self
+
+    def close(self) -> None:
+        """Stop serving within about POLL_INTERVAL_S and close the socket (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is None:
+            self._sock.close(linger=0)
+        else:
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+            if self._thread.is_alive():
+                # the socket belongs to the stuck thread; leave it and the context alone
+                log.error("handshake listener at %s: serving thread did not stop within "
+                          "%.0f s", self.address, JOIN_TIMEOUT_S)
+                return
+        self._ctx.term()
+
+    def __enter__(self) -> HandshakeListener:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- the serving thread -------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._sock.poll(int(POLL_INTERVAL_S * 1000), zmq.POLLIN):
+                    continue
+                for _ in range(MAX_BATCH):
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception:  # one bad exchange must never stop the listener
+                        log.exception("handshake listener at %s: unexpected error",
+                                      self.address)
+        finally:
+            self._sock.close(linger=0)
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """Answer one ROUTER message: ``[identity, (b"" if REQ), envelope]``."""
+        identity, body = frames[0].bytes, [f.bytes for f in frames[1:]]
+        peer = _describe(frames[0])
+        delimiter = [b""] if len(body) == 2 and not body[0] else []
+        body = body[len(delimiter):]
+        requester: str | None = None
+        include_compat = True
+        try:
+            if len(body) != 1:
+                raise MalformedMessage("request", f"{len(body)} frames after the identity, "
+                                                  f"expected 1", peer=peer,
+                                       expected=1, found=len(body))
+            reply, requester = self._answer(body[0], peer)
+        except ProtocolError as exc:
+            log.warning("handshake listener at %s: %s", self.address, exc)
+            reply = ErrorReply(exc.code, str(exc))
+            # an unauthenticated peer is not told which model this instance serves
+            include_compat = not isinstance(exc, BadSignature)
+        try:
+            raw = encode_message(reply, compat=self._compat, hmac_key=self._key,
+                                 include_compat=include_compat)
+        except (TypeError, ValueError, OverflowError) as exc:  # metadata() returned bad values
+            log.error("handshake listener at %s: cannot encode the answer: %s", self.address,
+                      exc)
+            requester = None
+            raw = encode_message(ErrorReply(ErrorCode.UNAVAILABLE,
+                                            f"engine {self.engine_id} cannot encode its "
+                                            f"metadata: {exc}"),
+                                 compat=self._compat, hmac_key=self._key)
+        # ROUTER drops a message for a peer that went away instead of raising
+        self._sock.send_multipart([identity, *delimiter, raw], zmq.NOBLOCK)
+        if requester is not None and self._on_request is not None:
+            try:
+                self._on_request(requester)
+            except Exception:
+                log.exception("handshake listener at %s: on_request(%r) failed", self.address,
+                              requester)
+
+    def _answer(self, raw: bytes, peer: str) -> tuple[MetadataResponse | ErrorReply, str | None]:
+        """The reply to one envelope, and the requester's engine id when it succeeded."""
+        envelope = decode_envelope(raw, expected_hash=self._hash, peer=peer,
+                                   hmac_key=self._key, local_compat=self._compat)
+        request = decode_payload(envelope, MetadataRequest, peer=peer)
+        try:
+            served = {m.tp_rank: m for m in self._metadata()}
+            if not served:
+                raise ValueError("no TP rank has registered its KV caches yet")
+            unknown = [r for r in request.ranks if r not in served]
+            if unknown:
+                why = f"engine {self.engine_id} serves ranks {sorted(served)}, not {unknown}"
+                log.warning("handshake listener at %s: refused %s (engine %s): %s",
+                            self.address, peer, request.requester_engine_id, why)
+                return ErrorReply(ErrorCode.UNKNOWN_RANK, why), None
+            first = next(iter(served.values()))
+            response = MetadataResponse(self.engine_id, first.tp_size,
+                                        tuple(served[r] for r in request.ranks))
+        except Exception as exc:  # metadata() failed or is inconsistent: our fault, not theirs
+            log.error("handshake listener at %s: cannot serve metadata: %s", self.address, exc)
+            return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} cannot serve "
+                                                     f"its metadata: {exc}"), None
+        return response, request.requester_engine_id
+
+
+def _describe(identity: zmq.Frame) -> str:
+    """``<ip> [id <hex identity>]`` for logs and error messages."""
+    try:
+        address = identity.get("Peer-Address")
+    except zmq.ZMQError:
+        address = "unknown address"
+    return f"{address} [id {identity.bytes.hex()}]"
+
+
+class HandshakeClient:
+    """Decode side: fetches a prefill instance's metadata. Cheap to call repeatedly.
+
+    One ZMQ context per client; each :meth:`fetch` attempt opens and closes its
+    own DEALER socket. Safe to call from several threads at once. Caching the
+    answer per remote engine is the caller's job.
+    """
+
+    def __init__(self, engine_id: str, compat: CompatInfo,
+                 hmac_key: bytes | None = None) -> None:
+        self.engine_id = engine_id
+        self.compat, self._hash = compat, compat_hash(compat)
+        self._key = hmac_key
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._closed = False
+
+    def fetch(self, host: str, port: int, ranks: Sequence[int], *, timeout: float = 5.0,
+              retries: int = 2) -> MetadataResponse:
+        """Metadata of prefill ``ranks`` from the listener at ``host:port``.
+
+        Up to ``1 + retries`` attempts of ``timeout`` seconds each, with a short
+        backoff between them; only timeouts are retried (a refusal or a protocol
+        error would repeat). When every attempt timed out, a TCP probe of at most
+        PROBE_TIMEOUT_S tells the error message whether anything listens there.
+        The response holds exactly the requested ranks, in request order.
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        if not timeout > 0:
+            raise ValueError(f"handshake timeout must be positive, got {timeout!r}")
+        if retries < 0:
+            raise ValueError(f"handshake retries must not be negative, got {retries!r}")
+        if not 0 < port < 65536:
+            raise ValueError(f"handshake port must be in 1..65535, got {port!r}")
+        address = endpoint(host, port)
+        wanted = tuple(operator.index(r) for r in ranks)  # numpy ints yes, floats no
+        request = encode_message(MetadataRequest(self.engine_id, wanted),
+                                 compat=self.compat, hmac_key=self._key)
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            frames = self._exchange(host, address, request, timeout)
+            if frames is not None:
+                return self._parse(frames, address, wanted)
+            log.info("handshake with %s: no answer within %g s (attempt %d of %d)", address,
+                     timeout, attempt + 1, retries + 1)
+        why = ("something accepts connections there but did not answer"
+               if _accepts_connections(host, port, min(timeout, PROBE_TIMEOUT_S))
+               else "nothing accepts connections there")
+        raise HandshakeTimeout(f"no answer from {address} within {timeout:g} s on any of "
+                               f"{retries + 1} attempts ({why})", peer=address,
+                               expected=f"an answer within {timeout:g} s", found=why)
+
+    def close(self) -> None:
+        """Release the ZMQ context (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._ctx.term()
+
+    def __enter__(self) -> HandshakeClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _exchange(self, host: str, address: str, request: bytes,
+                  timeout: float) -> list[bytes] | None:
+        """One attempt on a fresh DEALER: the reply frames, or None after ``timeout``."""
+        sock = _new_socket(self._ctx, zmq.DEALER, host, MAX_RESPONSE_BYTES)
+        try:
+            try:
+                sock.connect(address)
+                sock.send(request, zmq.NOBLOCK)  # queued until the connection is up
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"cannot send a handshake request to {address}: {exc}",
+                                     peer=address) from exc
+            if not sock.poll(max(1, round(timeout * 1000)), zmq.POLLIN):
+                return None
+            return sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+
+    def _parse(self, frames: list[bytes], address: str,
+               ranks: Sequence[int]) -> MetadataResponse:
+        if len(frames) != 1:
+            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
+                                   expected=1, found=len(frames))
+        envelope = decode_envelope(frames[0], expected_hash=self._hash, peer=address,
+                                   hmac_key=self._key, local_compat=self.compat)
+        if envelope.kind is MessageKind.ERROR_REPLY:
+            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address)
+        response = decode_payload(envelope, MetadataResponse, peer=address)
+        return check_response(response, ranks, peer=address)
+
+
+def _accepts_connections(host: str, port: int, timeout: float) -> bool:
+    """After a timeout only, to say why: does a plain TCP connect to host:port succeed?
+    (A ZMQ monitor on every attempt would say the same but costs ~0.2 ms per fetch.)"""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,501 @@
+"""Wire messages of the handshake side channel and of NIXL "done" notifications.
+
+Pure: msgspec and the standard library only, no I/O. ``kvxfer.handshake`` moves
+these bytes over ZMQ; ``kvxfer.worker`` sends notifications through NIXL.
+
+A handshake message on the wire is ``MAGIC`` followed by the msgpack map of an
+:class:`Envelope`, whose ``payload`` is the msgpack map of one message
+(:class:`MetadataRequest`, :class:`MetadataResponse` or :class:`ErrorReply`).
+Decoding is two-phase and strict: :func:`decode_envelope` checks the magic, the
+protocol version, the envelope's shape, the signature and the compatibility
+hash before anything else is looked at; :func:`decode_payload` then decodes the
+inner message into its declared type. Nothing is decoded into untyped dicts.
+
+Every decoding failure raises a :class:`ProtocolError` subclass whose message
+names the peer and what was expected and found, so a receiver can log it,
+answer with an :class:`ErrorReply` and carry on.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from collections.abc import Sequence
+from typing import ClassVar, NamedTuple, TypeVar
+
+import msgspec
+
+from kvxfer.regions import RegionPlan
+
+# Version history; bump on every change of the bytes on the wire (envelope,
+# messages, notifications, RegionPlan and its parts, the signed bytes).
+#   1: first version: MAGIC + msgpack Envelope {version, compat_hash, kind,
+#      payload, signature, sender}; MetadataRequest / MetadataResponse /
+#      ErrorReply payloads; AgentMetadata carries a RegionPlan; ReadDone
+#      notifications as MAGIC + msgpack {version, done}.
+KVXFER_PROTOCOL_VERSION: int = 1
+
+MAGIC = b"KVXF"
+"""The first four bytes of every kvxfer handshake message and notification."""
+
+_UNKNOWN_PEER = "<unnamed peer>"
+
+
+class MessageKind(str, enum.Enum):
+    """What an envelope's payload holds."""
+
+    METADATA_REQUEST = "metadata_request"
+    METADATA_RESPONSE = "metadata_response"
+    ERROR_REPLY = "error_reply"
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a listener refused a request (the ``code`` of an :class:`ErrorReply`)."""
+
+    BAD_MAGIC = "bad_magic"
+    VERSION_MISMATCH = "version_mismatch"
+    HASH_MISMATCH = "hash_mismatch"
+    BAD_SIGNATURE = "bad_signature"
+    MALFORMED = "malformed"
+    UNKNOWN_RANK = "unknown_rank"
+    UNAVAILABLE = "unavailable"  # the listener could not produce its metadata
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+class HandshakeError(Exception):
+    """Talking to a peer over a kvxfer side channel failed.
+
+    ``peer`` names the other side (an address such as ``tcp://host:port``, or a
+    listener's description of a client); ``expected`` and ``found`` hold the
+    values that disagreed, where there are such values.
+    """
+
+    def __init__(self, message: str, *, peer: str, expected: object = None,
+                 found: object = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.expected = expected
+        self.found = found
+
+
+class ProtocolError(HandshakeError):
+    """Bytes from a peer broke the wire protocol; ``code`` is what a listener answers."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.MALFORMED
+
+
+class BadMagic(ProtocolError):
+    """The bytes do not start with :data:`MAGIC`: not a kvxfer message at all."""
+
+    code = ErrorCode.BAD_MAGIC
+
+    def __init__(self, raw: bytes, *, peer: str) -> None:
+        head = bytes(raw[:8])
+        super().__init__(f"peer {peer} sent {len(raw)} bytes that are not a kvxfer message: "
+                         f"they start with {head!r}, expected the magic {MAGIC!r}",
+                         peer=peer, expected=MAGIC, found=head)
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version."""
+
+    code = ErrorCode.VERSION_MISMATCH
+
+    def __init__(self, found: int, *, peer: str) -> None:
+        super().__init__(f"peer {peer} speaks kvxfer protocol {found}, this side speaks "
+                         f"{KVXFER_PROTOCOL_VERSION}", peer=peer,
+                         expected=KVXFER_PROTOCOL_VERSION, found=found)
+
+
+class FieldDiff(NamedTuple):
+    """One :class:`CompatInfo` field on which two sides disagree."""
+
+    field: str
+    here: object
+    peer: object
+
+
+class HashMismatch(ProtocolError):
+    """The peer's compatibility hash differs: the two sides cannot share KV caches.
+
+    ``differing`` lists the fields that differ when the peer sent its
+    :class:`CompatInfo` (None when it did not).
+    """
+
+    code = ErrorCode.HASH_MISMATCH
+
+    def __init__(self, expected: str, found: str, *, peer: str,
+                 differing: tuple[FieldDiff, ...] | None = None) -> None:
+        if differing is None:
+            detail = "the peer did not send its CompatInfo, so the differing fields are unknown"
+        elif not differing:
+            detail = ("no CompatInfo field differs, so the peer computes the hash differently "
+                      "(another kvxfer build?)")
+        else:
+            detail = "differing: " + "; ".join(f"{d.field}: peer {d.peer!r}, here {d.here!r}"
+                                               for d in differing)
+        super().__init__(f"peer {peer} is not compatible: its compatibility hash is {found}, "
+                         f"this side's is {expected}; {detail}",
+                         peer=peer, expected=expected, found=found)
+        self.differing = differing
+
+
+class BadSignature(ProtocolError):
+    """A key is configured here and the message is unsigned or its HMAC does not verify."""
+
+    code = ErrorCode.BAD_SIGNATURE
+
+    def __init__(self, signature: bytes | None, *, peer: str) -> None:
+        if signature is None:
+            what = "an unsigned message, but this side requires an HMAC-SHA256 signature"
+        else:
+            what = (f"a message whose {len(signature)}-byte signature does not verify with "
+                    f"this side's key")
+        super().__init__(f"peer {peer} sent {what}", peer=peer,
+                         expected="a valid HMAC-SHA256 signature",
+                         found="no signature" if signature is None else signature.hex())
+
+
+class MalformedMessage(ProtocolError):
+    """Right magic and version, but the content does not decode or does not make sense."""
+
+    def __init__(self, what: str, detail: str, *, peer: str, expected: object = None,
+                 found: object = None) -> None:
+        super().__init__(f"peer {peer} sent a malformed {what}: {detail}", peer=peer,
+                         expected=expected if expected is not None else what, found=found)
+
+
+# -- compatibility --------------------------------------------------------------------------
+
+def _require(condition: bool, message: str) -> None:
+    """Validation inside ``__post_init__`` (msgspec turns the ValueError into a
+    ValidationError when it happens while decoding)."""
+    if not condition:
+        raise ValueError(message)
+
+
+class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What two instances must agree on to exchange KV caches at all.
+
+    Strings are canonical names chosen by the caller (dtypes without a
+    ``torch.`` prefix, e.g. ``"bfloat16"``). ``total_kv_heads`` counts every KV
+    head of the model, not one rank's share. TP size, block size and layout are
+    deliberately absent: they may differ between the sides and are checked when
+    descriptors are planned, with precise messages.
+    """
+
+    model: str
+    dtype: str
+    cache_dtype: str
+    head_size: int
+    total_kv_heads: int
+    num_layers: int
+    protocol_version: int = KVXFER_PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("model", "dtype", "cache_dtype"):
+            _require(bool(getattr(self, name)), f"CompatInfo.{name} must not be empty")
+        for name in ("head_size", "total_kv_heads", "num_layers", "protocol_version"):
+            value = getattr(self, name)
+            _require(value > 0, f"CompatInfo.{name} must be positive, got {value}")
+
+
+def compat_hash(info: CompatInfo) -> str:
+    """Hex SHA-256 of the canonical msgpack encoding of ``info`` (fields in declared order)."""
+    return hashlib.sha256(msgspec.msgpack.encode(info)).hexdigest()
+
+
+def compat_diff(here: CompatInfo, peer: CompatInfo) -> tuple[FieldDiff, ...]:
+    """The fields on which ``here`` and ``peer`` differ, in declared order."""
+    return tuple(FieldDiff(name, getattr(here, name), getattr(peer, name))
+                 for name in CompatInfo.__struct_fields__
+                 if getattr(here, name) != getattr(peer, name))
+
+
+# -- messages -------------------------------------------------------------------------------
+
+class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a decode rank needs to READ from one prefill TP rank.
+
+    ``agent_blob`` is the NIXL agent metadata (``get_agent_metadata()``);
+    ``plan`` carries the memory registrations and per-region geometry (base
+    address, block_len and block_stride in bytes, head geometry).
+    ``num_blocks``, ``block_size`` and ``layout`` repeat the plan's values so a
+    peer can check them without reading the plan; they must agree with it.
+    """
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    agent_name: str
+    agent_blob: bytes
+    device_id: int
+    num_blocks: int
+    block_size: int
+    layout: str
+    plan: RegionPlan
+
+    def __post_init__(self) -> None:
+        _require(bool(self.engine_id), "AgentMetadata.engine_id must not be empty")
+        _require(bool(self.agent_name), "AgentMetadata.agent_name must not be empty")
+        _require(self.tp_size > 0, f"AgentMetadata.tp_size must be positive, got {self.tp_size}")
+        _require(0 <= self.tp_rank < self.tp_size,
+                 f"AgentMetadata.tp_rank {self.tp_rank} is outside TP size {self.tp_size}")
+        _require(self.device_id >= 0,
+                 f"AgentMetadata.device_id must not be negative, got {self.device_id}")
+        for name in ("num_blocks", "block_size", "layout"):
+            mine, planned = getattr(self, name), getattr(self.plan, name)
+            _require(mine == planned, f"AgentMetadata.{name} is {mine!r} but its plan says "
+                                      f"{planned!r} (rank {self.tp_rank})")
+        _require(self.num_blocks > 0,
+                 f"AgentMetadata.num_blocks must be positive, got {self.num_blocks}")
+
+
+class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: send me the metadata of these prefill TP ranks (unique, >= 0)."""
+
+    requester_engine_id: str
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _require(bool(self.requester_engine_id),
+                 "MetadataRequest.requester_engine_id must not be empty")
+        _require(bool(self.ranks), "MetadataRequest.ranks must not be empty")
+        _require(all(r >= 0 for r in self.ranks),
+                 f"MetadataRequest.ranks must not be negative, got {list(self.ranks)}")
+        _require(len(set(self.ranks)) == len(self.ranks),
+                 f"MetadataRequest.ranks has duplicates: {list(self.ranks)}")
+
+
+class MetadataResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: one :class:`AgentMetadata` per requested rank, in request order.
+
+    Every entry has this response's ``engine_id`` and ``tp_size``, each rank
+    appears once, and all ranks share one block size and layout.
+    """
+
+    engine_id: str
+    tp_size: int
+    ranks: tuple[AgentMetadata, ...]
+
+    def __post_init__(self) -> None:
+        _require(bool(self.ranks), "MetadataResponse.ranks must not be empty")
+        for meta in self.ranks:
+            _require(meta.engine_id == self.engine_id,
+                     f"rank {meta.tp_rank} belongs to engine {meta.engine_id!r}, the response "
+                     f"to engine {self.engine_id!r}")
+            _require(meta.tp_size == self.tp_size,
+                     f"rank {meta.tp_rank} says TP size {meta.tp_size}, the response says "
+                     f"{self.tp_size}")
+        numbers = [m.tp_rank for m in self.ranks]
+        _require(len(set(numbers)) == len(numbers), f"ranks repeat in the response: {numbers}")
+        first = self.ranks[0]
+        for meta in self.ranks[1:]:
+            _require((meta.block_size, meta.layout) == (first.block_size, first.layout),
+                     f"rank {meta.tp_rank} has block size {meta.block_size} and layout "
+                     f"{meta.layout}, rank {first.tp_rank} has {first.block_size} and "
+                     f"{first.layout}")
+
+
+class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the request was refused; ``message`` names the reason."""
+
+    code: ErrorCode
+    message: str
+
+
+Message = MetadataRequest | MetadataResponse | ErrorReply
+MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ErrorReply)
+
+_KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
+    MetadataRequest: MessageKind.METADATA_REQUEST,
+    MetadataResponse: MessageKind.METADATA_RESPONSE,
+    ErrorReply: MessageKind.ERROR_REPLY,
+}
+
+
+def check_response(response: MetadataResponse, ranks: Sequence[int], *,
+                   peer: str) -> MetadataResponse:
+    """Check that ``response`` holds exactly the requested ``ranks``, each once; return it.
+
+    The response's internal consistency (engine ids, TP size, unique ranks) was
+    checked when it was decoded.
+    """
+    found = tuple(m.tp_rank for m in response.ranks)
+    if sorted(found) != sorted(ranks):
+        raise MalformedMessage("metadata response",
+                               f"it holds ranks {list(found)} but ranks {list(ranks)} were "
+                               f"requested", peer=peer, expected=tuple(ranks), found=found)
+    return response
+
+
+# -- the envelope ---------------------------------------------------------------------------
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The outer frame of every handshake message; on the wire it follows :data:`MAGIC`.
+
+    ``signature`` is HMAC-SHA256 with the shared key over every other field
+    (see :func:`_signed_bytes`), absent when the sender has no key. ``sender``
+    is the sender's :class:`CompatInfo`, so that a hash mismatch can name the
+    fields that differ.
+    """
+
+    version: int
+    compat_hash: str
+    kind: MessageKind
+    payload: bytes
+    signature: bytes | None = None
+    sender: CompatInfo | None = None
+
+
+class _Header(msgspec.Struct):
+    """Phase one: only the version, ignoring other fields, so that a peer speaking
+    another version (whose envelope may have other fields) gets VersionMismatch."""
+
+    version: int
+
+
+class ReadDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode rank → prefill rank, as a NIXL notification after its READ finished.
+
+    ``ok`` is False when the reader gave up (the prefill may free early).
+    ``expected_readers`` is how many decode ranks read from this prefill rank
+    for the request; the prefill frees the blocks when that many said done.
+    """
+
+    request_id: str
+    reader_engine_id: str
+    reader_rank: int
+    expected_readers: int
+    ok: bool
+
+    def __post_init__(self) -> None:
+        _require(bool(self.request_id), "ReadDone.request_id must not be empty")
+        _require(bool(self.reader_engine_id), "ReadDone.reader_engine_id must not be empty")
+        _require(self.reader_rank >= 0,
+                 f"ReadDone.reader_rank must not be negative, got {self.reader_rank}")
+        _require(self.expected_readers > 0,
+                 f"ReadDone.expected_readers must be positive, got {self.expected_readers}")
+
+
+class _NotifFrame(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A notification on the wire (after MAGIC)."""
+
+    version: int
+    done: ReadDone
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODED: tuple[type[msgspec.Struct], ...] = (*_KIND_OF, Envelope, _Header, _NotifFrame)
+_DECODERS: dict[type[msgspec.Struct], msgspec.msgpack.Decoder[msgspec.Struct]] = {
+    t: msgspec.msgpack.Decoder(t) for t in _DECODED
+}
+
+
+def _signed_bytes(version: int, compat_hash_: str, kind: MessageKind, payload: bytes,
+                  sender: CompatInfo | None) -> bytes:
+    """What the HMAC covers: the magic and every envelope field except the signature."""
+    return MAGIC + _ENCODER.encode((version, compat_hash_, kind.value, payload, sender))
+
+
+def _sign(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+def encode_message(message: Message, *, compat: CompatInfo, hmac_key: bytes | None = None,
+                   include_compat: bool = True) -> bytes:
+    """The wire bytes of ``message``: magic, envelope, payload; signed when a key is given.
+
+    ``include_compat`` sends this side's :class:`CompatInfo` along, so a peer
+    with a different hash can say which fields differ.
+    """
+    kind = _KIND_OF[type(message)]
+    payload = _ENCODER.encode(message)
+    digest = compat_hash(compat)
+    sender = compat if include_compat else None
+    signature = None
+    if hmac_key is not None:
+        signature = _sign(hmac_key, _signed_bytes(KVXFER_PROTOCOL_VERSION, digest, kind,
+                                                  payload, sender))
+    envelope = Envelope(KVXFER_PROTOCOL_VERSION, digest, kind, payload, signature, sender)
+    return MAGIC + _ENCODER.encode(envelope)
+
+
+def _decode(kind: type[msgspec.Struct], data: bytes, what: str, peer: str) -> msgspec.Struct:
+    try:
+        return _DECODERS[kind].decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage(what, str(exc), peer=peer) from None
+
+
+def _check_version(raw: bytes, what: str, peer: str) -> bytes:
+    """Phase one, shared by envelopes and notifications: magic, then version.
+    Returns the bytes after the magic."""
+    if raw[:len(MAGIC)] != MAGIC:
+        raise BadMagic(raw, peer=peer)
+    body = bytes(raw[len(MAGIC):])
+    header = _decode(_Header, body, what, peer)
+    assert isinstance(header, _Header)
+    if header.version != KVXFER_PROTOCOL_VERSION:
+        raise VersionMismatch(header.version, peer=peer)
+    return body
+
+
+def decode_envelope(raw: bytes, *, expected_hash: str, peer: str,
+                    hmac_key: bytes | None = None,
+                    local_compat: CompatInfo | None = None) -> Envelope:
+    """Phase one of decoding a handshake message; the payload stays undecoded.
+
+    Checks, in order: magic, version, the envelope's shape, the signature (when
+    ``hmac_key`` is set; without a key, signatures are ignored), and the
+    compatibility hash against ``expected_hash``. With ``local_compat`` a hash
+    mismatch names the differing fields. ``peer`` is only used in messages.
+    """
+    body = _check_version(raw, "envelope", peer)
+    envelope = _decode(Envelope, body, "envelope", peer)
+    assert isinstance(envelope, Envelope)
+    if hmac_key is not None:
+        want = _sign(hmac_key, _signed_bytes(envelope.version, envelope.compat_hash,
+                                             envelope.kind, envelope.payload, envelope.sender))
+        if envelope.signature is None or not hmac.compare_digest(want, envelope.signature):
+            raise BadSignature(envelope.signature, peer=peer)
+    sender = envelope.sender
+    if sender is not None and compat_hash(sender) != envelope.compat_hash:
+        raise MalformedMessage("envelope", f"its compat_hash {envelope.compat_hash} is not the "
+                                           f"hash of the CompatInfo it carries", peer=peer)
+    if envelope.compat_hash != expected_hash:
+        differing = None
+        if sender is not None and local_compat is not None:
+            differing = compat_diff(local_compat, sender)
+        raise HashMismatch(expected_hash, envelope.compat_hash, peer=peer, differing=differing)
+    return envelope
+
+
+def decode_payload(envelope: Envelope, kind: type[MessageT], *,
+                   peer: str = _UNKNOWN_PEER) -> MessageT:
+    """Phase two: decode the payload strictly as ``kind``, which must match the envelope's."""
+    want = _KIND_OF[kind]
+    if envelope.kind is not want:
+        raise MalformedMessage("message", f"expected a {want.value}, found a "
+                                          f"{envelope.kind.value}", peer=peer,
+                               expected=want, found=envelope.kind)
+    message = _decode(kind, envelope.payload, want.value, peer)
+    assert isinstance(message, kind)
+    return message
+
+
+# -- notifications --------------------------------------------------------------------------
+
+def encode_notif(done: ReadDone) -> bytes:
+    """The NIXL notification bytes for ``done``: magic, then msgpack ``{version, done}``."""
+    return MAGIC + _ENCODER.encode(_NotifFrame(KVXFER_PROTOCOL_VERSION, done))
+
+
+def decode_notif(raw: bytes, *, peer: str = _UNKNOWN_PEER) -> ReadDone:
+    """Decode a notification strictly; anything else raises a :class:`ProtocolError`."""
+    body = _check_version(raw, "notification", peer)
+    frame = _decode(_NotifFrame, body, "notification", peer)
+    assert isinstance(frame, _NotifFrame)
+    return frame.done
