@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvxfer import __version__
 
-COMMANDS: tuple[str, ...] = ("plan", "bench",)
+COMMANDS: tuple[str, ...] = ("plan", "bench", "generate",)
 
 
 def build_parser() -> argparse.ArgumentParser:

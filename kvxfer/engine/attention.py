@@ -1,0 +1,76 @@
+"""Paged attention over one layer's logical ``[B, H, N, C]`` KV cache view.
+
+The cache is touched only through that view: token position ``p`` of a sequence
+lives in block ``block_table[p // N]`` at row ``p % N``; ``C`` packs K
+(``[..., :head_dim]``) then V (``[..., head_dim:]``). Layouts differ only in the
+view's strides, and everything read from the cache is copied into one canonical
+contiguous tensor before any arithmetic, so every layout gives bit-identical
+results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,
+             key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store K/V ``[T, H, D]`` of positions ``[start, start + T)`` into their slots."""
+    block_size, head_dim = cache.shape[2], key.shape[-1]
+    positions = torch.arange(start, start + key.shape[0], device=cache.device)
+    blocks = block_table[positions // block_size]
+    rows = positions % block_size
+    # Two index tensors around a slice: the indexed result is [T, H, D], like key.
+    cache[blocks, :, rows, :head_dim] = key
+    cache[blocks, :, rows, head_dim:] = value
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, end: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[H, end, D]`` of positions ``[0, end)``, as canonical contiguous copies."""
+    block_size = cache.shape[2]
+    used = block_table[: -(-end // block_size)]
+    pages = cache.index_select(0, used)  # [b, H, N, C]; strides may follow the layout
+    heads = pages.shape[1]
+    packed = pages.permute(1, 0, 2, 3).reshape(heads, -1, pages.shape[3])[:, :end]
+    packed = packed.contiguous()  # the same memory order whatever the cache layout
+    head_dim = packed.shape[-1] // 2
+    return packed[..., :head_dim], packed[..., head_dim:]
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    cache: torch.Tensor, block_table: torch.Tensor, start: int,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of ``T`` new tokens at positions ``[start, start + T)``.
+
+    ``query`` is ``[T, Hq, D]``; ``key``/``value`` are ``[T, Hkv, D]`` and are written
+    into the cache first. Positions ``[0, start)`` must already be in the cache: this
+    one call serves prefill (``start=0``), decode (``T=1``) and the decode side of a
+    disaggregated run (``start=n-1, T=1`` after the first ``n-1`` tokens' KV arrived).
+    Query head ``j`` attends with KV head ``j // (Hq // Hkv)``. Returns ``[T, Hq, D]``.
+    """
+    num_new, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    end = start + num_new
+    block_size = cache.shape[2]
+    if block_table.numel() * block_size < end:
+        raise ValueError(f"block table of {block_table.numel()} blocks x {block_size} tokens "
+                         f"cannot hold positions up to {end}")
+    if cache.shape[1] != num_kv_heads or cache.shape[3] != 2 * head_dim:
+        raise ValueError(f"cache view {list(cache.shape)} does not hold {num_kv_heads} heads "
+                         f"of K+V with head_dim {head_dim}")
+    write_kv(cache, block_table, start, key, value)
+    keys, values = gather_kv(cache, block_table, end)
+    group = num_q_heads // num_kv_heads
+    # [T, Hq, D] -> [Hkv, group * T, D]: each KV head with the query heads it serves.
+    q = query.reshape(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(num_kv_heads, group * num_new, head_dim)
+    scores = (torch.matmul(q, keys.transpose(1, 2)) * scale).float()  # [Hkv, group*T, end]
+    query_pos = torch.arange(start, end, device=query.device)
+    key_pos = torch.arange(end, device=query.device)
+    future = key_pos[None, :] > query_pos[:, None]  # [T, end]
+    scores = scores.view(num_kv_heads, group, num_new, end).masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, -1, end)
+    out = torch.matmul(probs, values)  # [Hkv, group * T, D]
+    return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3) \
+        .reshape(num_new, num_q_heads, head_dim)

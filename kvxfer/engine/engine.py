@@ -1,0 +1,360 @@
+"""``LLMEngine``: model + paged KV caches + scheduler + sampler behind one lock.
+
+Who calls what:
+- the stepping thread (sidecar loop, or :meth:`LLMEngine.generate`) calls
+  :meth:`step` repeatedly while :meth:`has_work`;
+- request handlers call :meth:`add_request` and :meth:`abort`;
+- the transfer worker reads :attr:`kv_caches` / :meth:`cache_spec` to register
+  memory, :meth:`block_ids` to address a request, :meth:`finish_kv_load` on the
+  decode side when a READ ends, :meth:`release` on the prefill side when every
+  reader is done (or the lease expired).
+
+Every public method takes the engine lock; a step holds it for its whole forward,
+so no block can be freed or handed to another request while the forward writes it.
+
+Disaggregated flow: prefill engine ``add_request(..., hold_blocks=True)``; the
+request's final output carries ``block_ids`` and its blocks stay allocated
+(HELD) until ``release``. Decode engine ``add_request(..., remote_kv=True)``
+allocates blocks for the whole prompt and parks the request; once the first
+``prompt_len - 1`` tokens' KV is in those blocks, ``finish_kv_load(ok=True)``
+computes only the last prompt token and decoding continues as usual.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvxfer.engine.block_allocator import BlockAllocator
+from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint
+from kvxfer.engine.config import ModelConfig, tiny_config
+from kvxfer.engine.model import Segment, Transformer, check_tp
+from kvxfer.engine.sampler import SamplingParams, make_generator, sample
+from kvxfer.engine.scheduler import Scheduler
+from kvxfer.engine.sequence import Request, RequestOutput, RequestState
+from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvxfer.engine.weights import fingerprint, init_weights
+from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, default_layout
+from kvxfer.topology import rank_heads
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL = "kvxfer-tiny"
+
+
+def layer_name(layer: int) -> str:
+    """The name a layer's KV cache view is registered under."""
+    return f"model.layers.{layer}.self_attn"
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32`` or its name; only float16/bfloat16/float32 are model dtypes."""
+    allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if isinstance(dtype, torch.dtype) and dtype in allowed.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in allowed:
+        return allowed[dtype]
+    raise ValueError(f"dtype must be one of {', '.join(allowed)}, got {dtype!r}")
+
+
+class LLMEngine:
+    """A paged-KV inference engine for one model instance of ``tp`` in-process ranks."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None, *,
+                 seed: int = 0, tp: int = 1, layout: str | KVCacheLayout | None = None,
+                 block_size: int = 16, num_blocks: int = 256,
+                 dtype: torch.dtype | str = torch.float32, device: str = "cpu",
+                 tokenizer: Tokenizer | None = None, model_name: str = TINY_MODEL) -> None:
+        check_tp(config, tp)
+        self.config, self.tp, self.model_name = config, tp, model_name
+        self.dtype = parse_dtype(dtype)
+        self.layout = default_layout(layout)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        if self.tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {config.vocab_size}")
+        weights = state_dict if state_dict is not None else init_weights(config, seed)
+        self.model_id = fingerprint(config, weights)
+        self.model = Transformer(config, weights, tp=tp, dtype=self.dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.kv_buffers: list[torch.Tensor] = []
+        self.kv_caches: list[dict[str, torch.Tensor]] = []
+        for rank in range(tp):
+            raw, views = allocate_kv_cache(self.cache_spec(rank), num_blocks,
+                                           config.num_hidden_layers, self.layout, device)
+            self.kv_buffers.append(raw)
+            self.kv_caches.append({layer_name(i): v for i, v in enumerate(views)})
+        self.max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
+        self.scheduler = Scheduler(self.allocator, block_size)
+        eos = set(config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self._eos_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._ended: list[Request] = []  # ended outside a step; reported by the next step
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model_arg(cls, model: str | None, **kw: Any) -> LLMEngine:
+        """``None`` or ``"kvxfer-tiny"``: the seeded tiny model; else a checkpoint directory."""
+        if model is None or model == TINY_MODEL:
+            return cls(tiny_config(), None, **kw)
+        path = Path(model)
+        if not path.is_dir():
+            raise CheckpointError(f"model {model!r} is neither {TINY_MODEL!r} nor a checkpoint "
+                                  f"directory")
+        config, state_dict = load_checkpoint(path)
+        kw.setdefault("tokenizer", load_tokenizer(path))
+        kw.setdefault("model_name", path.resolve().name)
+        return cls(config, state_dict, **kw)
+
+    # -- introspection
+
+    def cache_spec(self, rank: int) -> CacheSpec:
+        """Rank ``rank``'s KV page shape: its share of the KV heads."""
+        heads = rank_heads(rank, self.tp, self.config.num_key_value_heads)
+        return CacheSpec(self.block_size, len(heads), self.config.head_dim, self.dtype)
+
+    @property
+    def num_free_blocks(self) -> int:
+        with self._lock:
+            return self.allocator.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        with self._lock:
+            return self.allocator.num_used
+
+    # -- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, hold_blocks: bool = False, remote_kv: bool = False) -> None:
+        """Queue a request; see the module docstring for ``hold_blocks`` / ``remote_kv``.
+
+        Raises ValueError for invalid input and NoFreeBlocks when a ``remote_kv``
+        request's blocks are not free, before anything is allocated or queued.
+        """
+        with self._lock:
+            prompt = self._check_request(request_id, prompt_token_ids, params)
+            if hold_blocks and remote_kv:
+                raise ValueError(f"request {request_id!r}: hold_blocks (prefill role) and "
+                                 f"remote_kv (decode role) exclude each other")
+            request = Request(request_id, prompt, params,
+                              detokenizer=self.tokenizer.detokenizer(prompt),
+                              generator=make_generator(params), hold_blocks=hold_blocks)
+            if remote_kv:
+                request.block_ids = self.allocator.allocate(self.scheduler.blocks_for(len(prompt)))
+                request.state = RequestState.WAITING_FOR_KV
+            else:
+                self.scheduler.add(request)
+            self._requests[request_id] = request
+
+    def _check_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, "
+                             f"got {type(params).__name__}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.config.vocab_size
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(f"request {request_id!r}: token id {token!r} is not in "
+                                 f"[0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            limit = ("max_position_embeddings" if self.max_model_len ==
+                     self.config.max_position_embeddings else "KV cache capacity")
+            raise ValueError(f"request {request_id!r}: {len(prompt)} prompt tokens + max_tokens "
+                             f"{params.max_tokens} = {total} exceeds the {limit} of "
+                             f"{self.max_model_len} tokens")
+        return prompt
+
+    def _get(self, request_id: str) -> Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return request
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The blocks ``request_id`` holds now (position ``p`` in ``[p // block_size]``)."""
+        with self._lock:
+            return list(self._get(request_id).block_ids)
+
+    def finish_kv_load(self, request_id: str, ok: bool, *, recompute: bool = True,
+                       reason: str = "") -> None:
+        """Decode side: the KV READ for a ``remote_kv`` request ended.
+
+        ``ok``: the first ``prompt_len - 1`` tokens' KV is in the request's blocks.
+        Otherwise recompute the whole prompt in the same blocks, or (``recompute``
+        False) finish with ``finish_reason="error"`` and ``reason``, freeing the blocks.
+        """
+        with self._lock:
+            request = self._get(request_id)
+            if request.state is not RequestState.WAITING_FOR_KV:
+                raise ValueError(f"request {request_id!r} is {request.state.value}, "
+                                 f"not waiting for KV")
+            if ok or recompute:
+                request.num_computed = len(request.prompt_token_ids) - 1 if ok else 0
+                self.scheduler.start_running(request)
+                return
+            self._end(request, "error", reason or "KV transfer failed")
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: free a HELD request's blocks (every reader is done)."""
+        with self._lock:
+            request = self._get(request_id)
+            if request.state is not RequestState.HELD:
+                raise ValueError(f"request {request_id!r} is {request.state.value}, not held")
+            self.allocator.free(request.block_ids)
+            request.block_ids = []
+            del self._requests[request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """End a request in any state and free its blocks; False if the id is unknown
+        (it may have finished already). A request that had not finished reports
+        ``finish_reason="abort"`` from the next step."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                return False
+            if request.state is RequestState.HELD:
+                self.release(request_id)
+            elif not request.finished:
+                self.scheduler.remove(request)
+                self._end(request, "abort", None)
+            return True
+
+    def _end(self, request: Request, reason: str, error: str | None) -> None:
+        """Finish a request outside a step: free its blocks, report it next step."""
+        request.finish_reason, request.error = reason, error
+        request.state = RequestState.FINISHED
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+        self._ended.append(request)
+
+    # -- stepping
+
+    def has_work(self) -> bool:
+        """Something to compute or report (parked and held requests do not count)."""
+        with self._lock:
+            return bool(self._ended or self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """One batched forward over every scheduled request; outputs of this step.
+
+        Returns ``[]`` when nothing could be scheduled (idle, or waiting for blocks
+        that held or parked requests own).
+        """
+        with self._lock:
+            outputs = [self._report(r) for r in self._ended]
+            self._ended.clear()
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            try:
+                logits = self._forward(batch).cpu()
+            except Exception as exc:  # a failed forward fails its requests, not the engine
+                logger.exception("forward pass failed for %d requests", len(batch))
+                for request in batch:
+                    self.scheduler.remove(request)
+                    self._end(request, "error", f"forward pass failed: {exc}")
+                outputs += [self._report(r) for r in self._ended]
+                self._ended.clear()
+                return outputs
+            for request, row in zip(batch, logits, strict=True):
+                request.num_computed = request.num_tokens
+                request.append_token(sample(row, request.params, request.generator),
+                                     self._eos_ids)
+                if request.finished:
+                    self._finish(request)
+                outputs.append(self._report(request))
+            return outputs
+
+    def _forward(self, batch: list[Request]) -> torch.Tensor:
+        tokens: list[int] = []
+        segments = []
+        for request in batch:
+            new = request.token_ids[request.num_computed:]
+            tokens += new
+            table = torch.tensor(request.block_ids, dtype=torch.int64,
+                                 device=self.model.device)
+            segments.append(Segment(request.num_computed, len(new), (table,) * self.tp))
+        caches = [list(rank.values()) for rank in self.kv_caches]
+        return self.model.forward(torch.tensor(tokens, dtype=torch.int64), segments, caches)
+
+    def _finish(self, request: Request) -> None:
+        """A request sampled its last token: hold its blocks or free them."""
+        self.scheduler.remove(request)
+        if request.hold_blocks:
+            request.state = RequestState.HELD
+            return
+        request.state = RequestState.FINISHED
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+
+    def _report(self, request: Request) -> RequestOutput:
+        output = request.take_output()
+        if request.state is RequestState.FINISHED:
+            self._requests.pop(request.request_id, None)
+        return output
+
+    # -- offline helper
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Run prompts to completion; one cumulative output per prompt, in order
+        (its ``new_*`` fields and ``logprobs`` cover the whole completion)."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) \
+            else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+                self.add_request(request_id, list(prompt), p)
+                added.append(request_id)
+        except Exception:
+            for request_id in added:
+                self.abort(request_id)
+            raise
+        return self._run_until_done(ids, sum(len(p) + q.max_tokens
+                                             for p, q in zip(prompts, per_prompt, strict=True)))
+
+    def _run_until_done(self, ids: list[str], work: int) -> list[RequestOutput]:
+        requests = {i: self._requests[i] for i in ids}
+        # Every step computes at least one token unless preemptions recompute; this
+        # bound is far above any real schedule and only guards against a hang.
+        for _ in range(10 * work + 100):
+            if all(r.finished for r in requests.values()):
+                break
+            if not self.step():
+                break  # nothing schedulable: only a release or abort could change that
+        stuck = [i for i, r in requests.items() if not r.finished]
+        if stuck:
+            raise RuntimeError(f"requests {stuck} cannot be scheduled: held or parked "
+                               f"requests own the KV blocks they need")
+        return [self._cumulative(requests[i]) for i in ids]
+
+    @staticmethod
+    def _cumulative(request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids), new_text=request.text, text=request.text,
+            logprobs=list(request.logprobs), finished=True, finish_reason=request.finish_reason,
+            error=request.error, num_prompt_tokens=len(request.prompt_token_ids),
+            block_ids=list(request.block_ids))

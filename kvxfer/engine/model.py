@@ -1,0 +1,217 @@
+"""The transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, lm head.
+
+Tensor parallelism runs in one process. Rank ``r`` holds the KV heads
+``rank_heads(r, tp, num_key_value_heads)`` (replicated when there are fewer KV
+heads than ranks), the query heads ``[r * Hq/tp, (r+1) * Hq/tp)`` (which belong
+to those KV heads), the matching input columns of ``o_proj`` and a ``1/tp`` slice
+of the MLP's intermediate dim. Each rank attends over its own KV cache; the
+ranks' partial outputs are summed in rank order (the in-process "all-reduce").
+Embedding, norms and lm head are replicated.
+
+Numerics follow Hugging Face Llama: RoPE in the "rotate_half" convention with
+float32 frequencies, RMSNorm in float32, softmax in float32, logits as float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvxfer.engine.attention import paged_attention
+from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.weights import WeightsError, check_tensor_shapes
+from kvxfer.topology import rank_heads
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's slice of a flattened batch.
+
+    Its ``num_tokens`` new tokens sit at positions ``[start, start + num_tokens)``;
+    positions ``[0, start)`` are already in the cache. ``block_tables[r]`` is the
+    sequence's int64 block table on TP rank ``r``'s device (the ids are the same
+    on every rank; each rank has its own cache).
+    """
+
+    start: int
+    num_tokens: int
+    block_tables: tuple[torch.Tensor, ...]
+
+
+@dataclass
+class RankLayer:
+    """One layer's weights on one TP rank (``[out, in]`` matrices, HF orientation)."""
+
+    qkv: torch.Tensor          # q rows, then k rows, then v rows of this rank's heads
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor       # [hidden, q_heads * head_dim]
+    gate_up: torch.Tensor      # gate rows, then up rows of this rank's intermediate slice
+    down: torch.Tensor         # [hidden, intermediate / tp]
+
+
+@dataclass
+class RankWeights:
+    q_heads: range
+    kv_heads: range
+    layers: list[RankLayer]
+
+
+def query_heads(rank: int, tp: int, config: ModelConfig) -> range:
+    """Query heads of ``rank``; checks that they all use the rank's KV heads."""
+    per = config.num_attention_heads // tp
+    heads = range(rank * per, (rank + 1) * per)
+    kv = rank_heads(rank, tp, config.num_key_value_heads)
+    group = config.queries_per_kv_head
+    if any(h // group not in kv for h in heads):
+        raise ValueError(f"TP {tp}: query heads {heads.start}-{heads.stop - 1} of rank {rank} "
+                         f"do not all belong to its KV heads {kv.start}-{kv.stop - 1}")
+    return heads
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """``tp`` must split KV heads (or replicate them), query heads and the MLP evenly."""
+    rank_heads(0, tp, config.num_key_value_heads)  # raises for an impossible head split
+    if config.num_attention_heads % tp:
+        raise ValueError(f"TP {tp} does not divide num_attention_heads="
+                         f"{config.num_attention_heads}")
+    if config.intermediate_size % tp:
+        raise ValueError(f"TP {tp} does not divide intermediate_size={config.intermediate_size}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, scale in the model dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Pairs element ``i`` with ``i + D/2`` (HF's convention, not interleaved pairs)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Transformer:
+    """Weights sharded over ``tp`` in-process ranks, and the batched forward pass."""
+
+    def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
+                 tp: int = 1, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        check_tp(config, tp)
+        try:
+            check_tensor_shapes({n: (tuple(t.shape), "state_dict") for n, t in state_dict.items()},
+                                config, "the given state_dict")
+        except WeightsError as exc:
+            raise ValueError(str(exc)) from None
+        self.config, self.tp, self.dtype = config, tp, dtype
+        self.device = torch.device(device)
+        # Fresh copies: the engine owns its weights, and every weight starts on an allocator-
+        # aligned address (GEMM kernels may round differently for unaligned inputs, e.g. a
+        # tensor inside a safetensors buffer), so numbers do not depend on how it was loaded.
+        full = {name: t.to(device=self.device, dtype=dtype, copy=True)
+                for name, t in state_dict.items()}
+        self.embed = full["model.embed_tokens.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else full["lm_head.weight"]
+        self.final_norm = full["model.norm.weight"]
+        self.input_norms = [full[f"model.layers.{i}.input_layernorm.weight"]
+                            for i in range(config.num_hidden_layers)]
+        self.post_norms = [full[f"model.layers.{i}.post_attention_layernorm.weight"]
+                           for i in range(config.num_hidden_layers)]
+        self.ranks = [self._shard(full, rank) for rank in range(tp)]
+        half = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(self.device).float()
+        self.inv_freq = 1.0 / (config.rope_theta ** (half / config.head_dim))
+
+    def _shard(self, full: dict[str, torch.Tensor], rank: int) -> RankWeights:
+        cfg, dim = self.config, self.config.head_dim
+        q_heads, kv_heads = query_heads(rank, self.tp, cfg), rank_heads(rank, self.tp,
+                                                                        cfg.num_key_value_heads)
+        q_rows = slice(q_heads.start * dim, q_heads.stop * dim)
+        kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)
+        inter = cfg.intermediate_size // self.tp
+        mlp_rows = slice(rank * inter, (rank + 1) * inter)
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            qkv = torch.cat([full[attn + "q_proj.weight"][q_rows],
+                             full[attn + "k_proj.weight"][kv_rows],
+                             full[attn + "v_proj.weight"][kv_rows]])
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([full[attn + "q_proj.bias"][q_rows],
+                                  full[attn + "k_proj.bias"][kv_rows],
+                                  full[attn + "v_proj.bias"][kv_rows]])
+            layers.append(RankLayer(
+                qkv=qkv, qkv_bias=bias,
+                o_proj=full[attn + "o_proj.weight"][:, q_rows].contiguous(),
+                gate_up=torch.cat([full[p + "mlp.gate_proj.weight"][mlp_rows],
+                                   full[p + "mlp.up_proj.weight"][mlp_rows]]),
+                down=full[p + "mlp.down_proj.weight"][:, mlp_rows].contiguous()))
+        return RankWeights(q_heads, kv_heads, layers)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` in the model dtype (computed in float32, as HF does)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(self.dtype)[:, None, :], angles.sin().to(self.dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, segments: list[Segment],
+                kv_caches: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Run the flattened tokens of ``segments`` (in order) through the model.
+
+        ``kv_caches[r][layer]`` is rank ``r``'s ``[B, H, N, C]`` view of that layer.
+        Writes every new token's K/V into the caches and returns float32 logits
+        ``[len(segments), vocab]`` of each segment's last token.
+        """
+        positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens)
+                               for s in segments]).to(self.device)
+        cos, sin = self.rope(positions)
+        hidden = self.embed[token_ids.to(self.device)]
+        eps = self.config.rms_norm_eps
+        for i in range(self.config.num_hidden_layers):
+            x = rms_norm(hidden, self.input_norms[i], eps)
+            hidden = hidden + self._all_reduce(
+                [self._attention(x, cos, sin, segments, r, i, kv_caches[r][i])
+                 for r in range(self.tp)])
+            x = rms_norm(hidden, self.post_norms[i], eps)
+            hidden = hidden + self._all_reduce([self._mlp(x, rank.layers[i])
+                                                for rank in self.ranks])
+        last = torch.tensor([s.num_tokens for s in segments]).cumsum(0) - 1
+        final = rms_norm(hidden[last.to(self.device)], self.final_norm, eps)
+        return (final @ self.lm_head.T).float()
+
+    @staticmethod
+    def _all_reduce(partials: list[torch.Tensor]) -> torch.Tensor:
+        total = partials[0]
+        for partial in partials[1:]:
+            total = total + partial
+        return total
+
+    def _attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   segments: list[Segment], rank_index: int, layer: int,
+                   cache: torch.Tensor) -> torch.Tensor:
+        rank = self.ranks[rank_index]
+        weights, dim = rank.layers[layer], self.config.head_dim
+        num_q, num_kv = len(rank.q_heads), len(rank.kv_heads)
+        qkv = F.linear(x, weights.qkv, weights.qkv_bias)
+        q, k, v = torch.split(qkv, [num_q * dim, num_kv * dim, num_kv * dim], dim=-1)
+        q = q.reshape(-1, num_q, dim)
+        k = k.reshape(-1, num_kv, dim)
+        v = v.reshape(-1, num_kv, dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = torch.empty_like(q)
+        offset, scale = 0, dim ** -0.5
+        for seg in segments:
+            rows = slice(offset, offset + seg.num_tokens)
+            out[rows] = paged_attention(q[rows], k[rows], v[rows], cache,
+                                        seg.block_tables[rank_index], seg.start, scale)
+            offset += seg.num_tokens
+        return F.linear(out.reshape(-1, num_q * dim), weights.o_proj)
+
+    def _mlp(self, x: torch.Tensor, weights: RankLayer) -> torch.Tensor:
+        gate, up = F.linear(x, weights.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, weights.down)
