@@ -1,0 +1,268 @@
+"""Model-free prefill and decode instances on loopback, for tests and benchmarks.
+
+A :class:`LoopbackInstance` is everything of a sidecar except the model: per TP
+rank a KV cache in one layout and a real :class:`~kvxfer.worker.TransferWorker`
+(real NIXL agent), plus, on the prefill side, a real handshake listener. Prefill
+caches hold a pattern that names every element's (layer, block, global head,
+token, content) position, so a decode can verify byte-exactly what it received.
+
+:class:`PrefillProcess` runs such instances in a separate OS process driven over
+a pipe, so that tests and ``kvxfer bench transfer`` exercise real cross-process
+transfers (and can kill the process mid-flight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvxfer.layout import CacheSpec, allocate_kv_cache, parse_layout
+from kvxfer.topology import heads_per_rank, rank_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape of one instance's KV caches (all ranks)."""
+
+    layout: str = "LBHNC"
+    tp: int = 1
+    total_kv_heads: int = 4
+    num_layers: int = 3
+    block_size: int = 4
+    head_size: int = 8
+    num_blocks: int = 32
+    dtype: str = "float32"
+
+    def spec(self) -> CacheSpec:
+        return CacheSpec(self.block_size, heads_per_rank(self.tp, self.total_kv_heads),
+                         self.head_size, getattr(torch, self.dtype))
+
+    def compat(self) -> Any:
+        from kvxfer.protocol import CompatInfo
+
+        return CompatInfo(model="loopback-synthetic", dtype=self.dtype, cache_dtype=self.dtype,
+                          head_size=self.head_size, total_kv_heads=self.total_kv_heads,
+                          num_layers=self.num_layers)
+
+
+def pattern(cfg: CacheConfig, rank: int, layer: int) -> torch.Tensor:
+    """The prefill content of one rank's layer view, ``[B, H, N, C]`` in float32.
+
+    Each element encodes (layer, block, global head, token, content) as an integer
+    below 2**24, exact in float32; heads are global so that ranks with different
+    TP agree on what a head holds.
+    """
+    b, n, c = cfg.num_blocks, cfg.block_size, 2 * cfg.head_size
+    heads = torch.tensor(list(rank_heads(rank, cfg.tp, cfg.total_kv_heads)))
+    index = (torch.arange(b)[:, None, None, None] * cfg.total_kv_heads + heads[None, :, None, None])
+    index = (index * n + torch.arange(n)[None, None, :, None]) * c + torch.arange(c)
+    return ((index + layer * b * cfg.total_kv_heads * n * c) % (1 << 24)).to(torch.float32)
+
+
+@dataclass
+class LoopbackInstance:
+    """TP ranks with caches and workers; prefill instances also listen for handshakes."""
+
+    role: str
+    cfg: CacheConfig
+    engine_id: str
+    workers: list[Any]
+    caches: list[dict[str, torch.Tensor]]
+    raws: list[torch.Tensor]
+    listener: Any = None
+    pending: dict[str, set[int]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
+               host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
+        from kvxfer.handshake import HandshakeListener
+        from kvxfer.worker import TransferWorker
+
+        engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:10]}"
+        layout = parse_layout(cfg.layout)
+        spec = cfg.spec()
+        inst = cls(role, cfg, engine_id, [], [], [])
+        for rank in range(cfg.tp):
+            raw, views = allocate_kv_cache(spec, cfg.num_blocks, cfg.num_layers, layout)
+            for layer, view in enumerate(views):
+                if fill == "pattern":
+                    view.copy_(pattern(cfg, rank, layer).to(view.dtype))
+                elif fill == "sentinel":
+                    view.fill_(-1)
+            caches = {f"model.layers.{i}.self_attn": v for i, v in enumerate(views)}
+            worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
+                                    total_kv_heads=cfg.total_kv_heads)
+            worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
+            inst.workers.append(worker)
+            inst.caches.append(caches)
+            inst.raws.append(raw)
+        if role == "prefill":
+            inst.listener = HandshakeListener(
+                host, 0, engine_id=engine_id, compat=cfg.compat(),
+                metadata=lambda: [w.metadata() for w in inst.workers],
+                on_request=lambda _peer: [w.peer_connecting() for w in inst.workers]).start()
+        return inst
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.port) if self.listener is not None else 0
+
+    def params(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a prefill sidecar would return for these blocks."""
+        return {"remote_engine_id": self.engine_id, "remote_host": "127.0.0.1",
+                "remote_port": self.port, "remote_block_ids": list(block_ids),
+                "remote_request_id": request_id, "tp_size": self.cfg.tp}
+
+    # -- prefill side ---------------------------------------------------------------------
+    def hold(self, request_id: str, block_ids: list[int], ttl: float) -> None:
+        for worker in self.workers:
+            worker.hold(request_id, block_ids, ttl=ttl)
+        self.pending[request_id] = set(range(self.cfg.tp))
+
+    def released(self) -> dict[str, str]:
+        """Requests whose blocks every rank has released, with the (last) reason."""
+        done: dict[str, str] = {}
+        for rank, worker in enumerate(self.workers):
+            for item in worker.poll_released():
+                ranks = self.pending.get(item.request_id)
+                if ranks is not None:
+                    ranks.discard(rank)
+                    if not ranks:
+                        del self.pending[item.request_id]
+                        done[item.request_id] = item.reason
+        return done
+
+    # -- decode side ----------------------------------------------------------------------
+    def read(self, request_id: str, params: dict[str, Any], local_ids: list[int]) -> None:
+        for worker in self.workers:
+            worker.start_read(request_id, params, local_ids)
+
+    def wait(self, request_ids: list[str], timeout: float = 30.0
+             ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Wait until every rank finished or one failed for each request.
+
+        Returns (stats per finished request: list per rank, reason per failed request).
+        """
+        left = {rid: set(range(self.cfg.tp)) for rid in request_ids}
+        stats: dict[str, list[Any]] = {rid: [] for rid in request_ids}
+        failed: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        while left and time.monotonic() < deadline:
+            for rank, worker in enumerate(self.workers):
+                result = worker.poll()
+                for rid in result.finished:
+                    if rid in left:
+                        left[rid].discard(rank)
+                        stats[rid].append(result.stats[rid])
+                for rid, reason in result.failed.items():
+                    failed.setdefault(rid, reason)
+                    left.get(rid, set()).discard(rank)
+            left = {rid: ranks for rid, ranks in left.items() if ranks}
+            time.sleep(0.0005)
+        for rid in left:
+            failed.setdefault(rid, f"no answer within {timeout} s")
+        return {rid: s for rid, s in stats.items() if rid not in failed}, failed
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+        for worker in self.workers:
+            worker.close()
+
+
+# -- a prefill process driven over a pipe ---------------------------------------------------
+
+def _serve(conn: Connection) -> None:
+    """Child process: run prefill instances on command until told to exit."""
+    instances: dict[str, LoopbackInstance] = {}
+    try:
+        while True:
+            op, args = conn.recv()
+            try:
+                if op == "exit":
+                    conn.send(("ok", None))
+                    return
+                if op == "create":
+                    inst = LoopbackInstance.create("prefill", CacheConfig(**args["cfg"]),
+                                                   fill=args.get("fill", "pattern"))
+                    instances[inst.engine_id] = inst
+                    conn.send(("ok", {"engine_id": inst.engine_id, "port": inst.port}))
+                elif op == "hold":
+                    instances[args["engine_id"]].hold(args["request_id"], args["block_ids"],
+                                                      args["ttl"])
+                    conn.send(("ok", None))
+                elif op == "released":
+                    conn.send(("ok", instances[args["engine_id"]].released()))
+                elif op == "leases":
+                    inst = instances[args["engine_id"]]
+                    conn.send(("ok", [w.num_leases for w in inst.workers]))
+                else:
+                    conn.send(("error", f"unknown op {op!r}"))
+            except Exception as exc:  # report to the driver, keep serving
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        for inst in instances.values():
+            inst.close()
+
+
+class PrefillProcess:
+    """A separate OS process hosting loopback prefill instances."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    def _call(self, op: str, timeout: float = 60.0, **args: Any) -> Any:
+        self._conn.send((op, args))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"prefill process did not answer {op!r} within {timeout} s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"prefill process: {value}")
+        return value
+
+    def create(self, cfg: CacheConfig, fill: str = "pattern") -> dict[str, Any]:
+        return dict(self._call("create", cfg=asdict(cfg), fill=fill))
+
+    def hold(self, engine_id: str, request_id: str, block_ids: list[int], ttl: float) -> None:
+        self._call("hold", engine_id=engine_id, request_id=request_id,
+                   block_ids=list(block_ids), ttl=ttl)
+
+    def released(self, engine_id: str) -> dict[str, str]:
+        return dict(self._call("released", engine_id=engine_id))
+
+    def leases(self, engine_id: str) -> list[int]:
+        return list(self._call("leases", engine_id=engine_id))
+
+    def wait_released(self, engine_id: str, request_ids: set[str], timeout: float = 10.0
+                      ) -> dict[str, str]:
+        """Poll until every request in ``request_ids`` was released (or the timeout)."""
+        got: dict[str, str] = {}
+        deadline = time.monotonic() + timeout
+        while not request_ids <= set(got) and time.monotonic() < deadline:
+            got.update(self.released(engine_id))
+            time.sleep(0.01)
+        return got
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError, EOFError, TimeoutError, RuntimeError):
+                self._call("exit", timeout=10)
+        self.process.join(timeout=10)
+        self.kill()
+        self._conn.close()

@@ -1,0 +1,599 @@
+"""``TransferWorker``: one per TP rank; moves KV blocks with NIXL READs.
+
+Contract (who calls what, when):
+
+* Both sides, once at start-up: ``register_kv_caches(caches, spec, num_blocks)``
+  plans regions and registers the cache memory with this rank's NIXL agent.
+  ``metadata()`` then returns what the instance's handshake listener serves for
+  this rank.
+* Decode side, per request: ``start_read(request_id, remote_params,
+  local_block_ids)`` queues a read and returns at once. The worker's own thread
+  handshakes with the prefill engine if it has not yet (cached per remote
+  engine), builds descriptors for this rank's share of heads, posts one READ per
+  prefill rank it needs and, on success, each READ delivers a "done"
+  notification to its prefill rank. ``poll()`` returns what finished or failed
+  since the last call; a failed request carries a reason naming the peer.
+* Prefill side, per request: ``hold(request_id, block_ids, readers, ttl)``
+  leases the blocks until every expected decode reader has notified "done" or
+  the lease expires; ``poll_released()`` returns the leases that ended and why.
+  Prefill never frees blocks on its own: the caller frees them when released.
+* The instance calls ``peer_connecting()`` when its listener served a
+  handshake, so that the agent is progressed quickly while the peer wires up
+  its connection (a READ can stall if the target never progresses then).
+
+All NIXL calls happen on the worker's thread, so the agent needs no locking.
+Everything a peer sends (metadata, block ids, notifications) is validated before
+use; a bad value fails that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.descriptors import (
+    PeerReadPlan,
+    SideGeometry,
+    build_requests_descriptors,
+    plan_peer_reads,
+)
+from kvxfer.handshake import HandshakeClient, HandshakeError
+from kvxfer.layout import CacheSpec, KVCacheLayout
+from kvxfer.nixl_agent import NixlAgent
+from kvxfer.protocol import (
+    AgentMetadata,
+    CompatInfo,
+    ProtocolError,
+    ReadDone,
+    decode_notif,
+    encode_notif,
+)
+from kvxfer.regions import RegionPlan, plan_regions
+from kvxfer.topology import notify_plan, read_plan
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05       # idle: progress/expire 20 times a second (~0.1% of a core)
+BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
+CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
+EARLY_NOTIF_TTL_S = 30.0  # keep a "done" that arrived before its lease this long
+DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
+
+
+class TransferError(RuntimeError):
+    """A read failed; the message names the peer and the reason."""
+
+
+@dataclass(frozen=True)
+class RemoteParams:
+    """The vLLM-compatible ``kv_transfer_params`` a decode request carries."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_block_ids: tuple[int, ...]
+    remote_request_id: str
+    tp_size: int
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> RemoteParams:
+        """Validate types strictly; ValueError names the offending key."""
+        if not isinstance(params, Mapping):
+            raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+
+        def need(key: str, kind: type) -> Any:
+            if key not in params:
+                raise ValueError(f"kv_transfer_params.{key} is missing")
+            value = params[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"kv_transfer_params.{key} must be {kind.__name__}, "
+                                 f"got {value!r}")
+            return value
+
+        for key in ("remote_engine_id", "remote_host", "remote_request_id"):
+            if not need(key, str):
+                raise ValueError(f"kv_transfer_params.{key} is empty")
+        port, tp = need("remote_port", int), need("tp_size", int)
+        if not 0 < port < 65536:
+            raise ValueError(f"kv_transfer_params.remote_port {port} is not a TCP port")
+        if tp <= 0:
+            raise ValueError(f"kv_transfer_params.tp_size must be positive, got {tp}")
+        ids = need("remote_block_ids", list)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list of integers")
+        return cls(params["remote_engine_id"], params["remote_host"], port, tuple(ids),
+                   params["remote_request_id"], tp)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.remote_host}:{self.remote_port}"
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    """What one finished read moved, for metrics and the demo."""
+
+    num_bytes: int
+    descriptors: int
+    seconds: float
+
+
+@dataclass
+class PollResult:
+    finished: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    stats: dict[str, ReadStats] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished or self.failed)
+
+
+@dataclass(frozen=True)
+class Released:
+    request_id: str
+    reason: str  # "done" (every reader notified) or "expired" (lease ran out)
+
+
+@dataclass
+class _Peer:
+    """A handshaken prefill engine as seen by this decode rank."""
+
+    engine_id: str
+    address: str
+    tp_size: int
+    agents: dict[int, str]
+    plans: list[PeerReadPlan]
+    expected_readers: dict[int, int]
+
+
+@dataclass(frozen=True)
+class _Handshake:
+    """A peer's checked metadata and precomputed read plans, before NIXL connects."""
+
+    metas: dict[int, AgentMetadata]
+    plans: list[PeerReadPlan]
+    notify: dict[int, int]
+
+
+@dataclass
+class _Read:
+    request_id: str
+    remote: RemoteParams
+    local_block_ids: np.ndarray
+    started: float
+    transfers: list[Any] = field(default_factory=list)
+    num_bytes: int = 0
+    descriptors: int = 0
+
+
+@dataclass
+class _Lease:
+    block_ids: tuple[int, ...]
+    readers: int | None
+    expires: float
+    done_by: set[tuple[str, int]] = field(default_factory=set)
+
+
+class TransferWorker:
+    """See the module docstring for the contract."""
+
+    def __init__(self, engine_id: str, rank: int, tp_size: int, compat: CompatInfo, *,
+                 total_kv_heads: int, handshake_timeout: float = 5.0,
+                 handshake_retries: int = 2, read_timeout: float = 30.0,
+                 hmac_key: bytes | None = None) -> None:
+        self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
+        self.compat = compat
+        self.total_kv_heads = total_kv_heads
+        self.handshake_timeout, self.handshake_retries = handshake_timeout, handshake_retries
+        self.read_timeout = read_timeout
+        self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
+        self._agent = NixlAgent(f"{engine_id}-rank{rank}")
+        self._plan: RegionPlan | None = None
+        self._geometry: SideGeometry | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._jobs: queue.Queue[_Read] = queue.Queue()
+        self._inflight: list[_Read] = []
+        self._results = PollResult()
+        self._leases: dict[str, _Lease] = {}
+        self._early: dict[str, list[tuple[float, ReadDone]]] = {}
+        self._handshaking: dict[str, list[_Read]] = {}
+        self._handshakes: queue.Queue[tuple[RemoteParams, _Handshake | str]] = queue.Queue()
+        self._dead: dict[str, tuple[float, str]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=2,
+                                        thread_name_prefix=f"kvxfer-handshake-r{rank}")
+        self._wake = threading.Event()
+        self._forget: set[str] = set()
+        self._released: list[Released] = []
+        self._lock = threading.Lock()
+        self._fast_until = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"kvxfer-{engine_id}-r{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- both sides ---------------------------------------------------------------------
+    def register_kv_caches(self, caches: Mapping[str, torch.Tensor], spec: CacheSpec,
+                           num_blocks: int, layout: KVCacheLayout | str | None = None
+                           ) -> RegionPlan:
+        """Plan regions for this rank's views and register their memory (call once)."""
+        if self._plan is not None:
+            raise RuntimeError(f"rank {self.rank} already registered its KV caches")
+        plan = plan_regions(caches, spec, num_blocks, layout)
+        self._agent.register(plan.memory)
+        self._plan, self._geometry = plan, SideGeometry.from_plan(plan)
+        return plan
+
+    def metadata(self) -> AgentMetadata:
+        """This rank's handshake answer: agent blob plus region geometry."""
+        plan = self._require_plan()
+        device = plan.memory[0].device_id if plan.memory else 0
+        return AgentMetadata(engine_id=self.engine_id, tp_rank=self.rank, tp_size=self.tp_size,
+                             agent_name=self._agent.name, agent_blob=self._agent.metadata(),
+                             device_id=device, num_blocks=plan.num_blocks,
+                             block_size=plan.block_size, layout=plan.layout, plan=plan)
+
+    def peer_connecting(self) -> None:
+        """The listener served a handshake: progress fast while the peer connects."""
+        self._fast_until = time.monotonic() + CONNECT_WINDOW_S
+
+    def close(self) -> None:
+        """Stop the thread and release NIXL resources; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._agent.close()
+        self._client.close()
+
+    # -- decode side --------------------------------------------------------------------
+    def start_read(self, request_id: str, remote_params: Mapping[str, Any] | RemoteParams,
+                   local_block_ids: Sequence[int]) -> None:
+        """Queue a read of ``remote_params.remote_block_ids`` into ``local_block_ids``.
+
+        Malformed params raise ValueError here; everything that needs the peer
+        (handshake, geometry, block-id ranges) is reported through ``poll()``.
+        """
+        remote = remote_params if isinstance(remote_params, RemoteParams) \
+            else RemoteParams.parse(remote_params)
+        self._require_plan()
+        ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        self._jobs.put(_Read(request_id, remote, ids, time.monotonic()))
+        self._wake.set()
+
+    def poll(self) -> PollResult:
+        """Reads finished or failed since the last call (thread-safe)."""
+        with self._lock:
+            out, self._results = self._results, PollResult()
+        return out
+
+    def forget_peer(self, engine_id: str) -> None:
+        """Drop a cached handshake or failure: the next read with that engine handshakes again."""
+        with self._lock:
+            self._forget.add(engine_id)
+
+    # -- prefill side -------------------------------------------------------------------
+    def hold(self, request_id: str, block_ids: Sequence[int], readers: int | None = None,
+             ttl: float = 60.0) -> None:
+        """Lease ``block_ids`` until ``readers`` decode ranks said "done" or ``ttl`` seconds.
+
+        With ``readers=None`` the count each reader announces in its notification is
+        used (decode ranks know how many of them read from this prefill rank).
+        """
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be positive, got {ttl}")
+        if readers is not None and readers <= 0:
+            raise ValueError(f"readers must be positive, got {readers}")
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a lease")
+            lease = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
+            self._leases[request_id] = lease
+            for _, note in self._early.pop(request_id, []):
+                if request_id in self._leases:
+                    self._count_done(request_id, lease, note)
+
+    def poll_released(self) -> list[Released]:
+        """Leases that ended since the last call; their blocks may be freed now."""
+        with self._lock:
+            out, self._released = self._released, []
+        return out
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    # -- the worker thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = bool(self._inflight) or time.monotonic() < self._fast_until
+            with self._lock:
+                busy = busy or bool(self._leases)
+            self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
+            self._wake.clear()
+            with self._lock:
+                forget, self._forget = self._forget, set()
+            try:
+                for engine_id in forget:
+                    self._drop_peer(engine_id)
+                    self._dead.pop(engine_id, None)
+                self._finish_handshakes()
+                while True:
+                    try:
+                        self._begin(self._jobs.get_nowait())
+                    except queue.Empty:
+                        break
+                self._check_inflight()
+                self._handle_notifs()
+                self._expire_leases()
+            except Exception:  # the thread must survive anything; log loudly
+                log.exception("rank %d transfer loop error", self.rank)
+
+    def _begin(self, job: _Read) -> None:
+        """Route a new read: post it, park it behind a running handshake, or start one."""
+        engine = job.remote.remote_engine_id
+        peer = self._peers.get(engine)
+        if peer is not None:
+            self._post(job, peer)
+            return
+        dead = self._dead.get(engine)
+        if dead is not None and time.monotonic() < dead[0]:
+            self._fail(job, f"prefill {engine} at {job.remote.address}: {dead[1]} "
+                            f"(failed moments ago; not retried yet)", notify=False)
+            return
+        waiting = self._handshaking.get(engine)
+        if waiting is not None:
+            waiting.append(job)
+            return
+        self._handshaking[engine] = [job]
+        self._pool.submit(self._handshake, job.remote)
+
+    def _handshake(self, remote: RemoteParams) -> None:
+        """Pool thread: fetch and check the peer's metadata; no NIXL calls here."""
+        try:
+            result: _Handshake | str = self._fetch_peer(remote)
+        except (HandshakeError, TransferError, ValueError) as exc:
+            result = str(exc)
+        except Exception as exc:  # unexpected: still answer the waiting reads
+            log.exception("handshake with %s failed unexpectedly", remote.address)
+            result = f"{type(exc).__name__}: {exc}"
+        self._handshakes.put((remote, result))
+        self._wake.set()
+
+    def _finish_handshakes(self) -> None:
+        """Worker thread: connect NIXL to handshaken peers, then post their parked reads."""
+        while True:
+            try:
+                remote, result = self._handshakes.get_nowait()
+            except queue.Empty:
+                return
+            jobs = self._handshaking.pop(remote.remote_engine_id, [])
+            if isinstance(result, _Handshake):
+                try:
+                    peer = self._connect(remote, result)
+                except TransferError as exc:
+                    result = str(exc)
+            if isinstance(result, str):
+                self._dead[remote.remote_engine_id] = (time.monotonic() + DEAD_PEER_S, result)
+                for job in jobs:
+                    self._fail(job, f"prefill {remote.remote_engine_id} at {remote.address}: "
+                                    f"{result}", notify=False)
+                continue
+            for job in jobs:
+                self._post(job, peer)
+
+    def _post(self, job: _Read, peer: _Peer) -> None:
+        """Build this request's descriptors and post one READ per prefill rank."""
+        try:
+            if peer.tp_size != job.remote.tp_size:
+                raise TransferError(f"engine reports TP {peer.tp_size} but kv_transfer_params "
+                                    f"say tp_size={job.remote.tp_size}")
+            descs = build_requests_descriptors(peer.plans, job.local_block_ids,
+                                               job.remote.remote_block_ids)
+        except (TransferError, ValueError) as exc:
+            self._fail(job, f"prefill {peer.engine_id} at {peer.address}: {exc}", notify=True)
+            return
+        for rank_descs in descs:
+            note = ReadDone(request_id=job.remote.remote_request_id,
+                            reader_engine_id=self.engine_id, reader_rank=self.rank,
+                            expected_readers=peer.expected_readers[rank_descs.remote_rank],
+                            ok=True)
+            try:
+                transfer = self._agent.read(peer.agents[rank_descs.remote_rank], rank_descs.local,
+                                            rank_descs.remote, encode_notif(note))
+            except Exception as exc:
+                self._fail(job, f"prefill {peer.engine_id} rank {rank_descs.remote_rank} at "
+                                f"{peer.address}: READ could not be posted: {exc}", notify=True)
+                self._forget_dead(peer, str(exc))
+                return
+            job.transfers.append(transfer)
+            job.num_bytes += rank_descs.num_bytes
+            job.descriptors += len(rank_descs)
+        self._inflight.append(job)
+
+    def _notify(self, job: _Read, ranks: Sequence[int], ok: bool) -> None:
+        """Send "done" to prefill ranks this rank did not READ from (or all, on failure)."""
+        peer = self._peers.get(job.remote.remote_engine_id)
+        if peer is None:
+            return
+        for rank in ranks:
+            note = ReadDone(job.remote.remote_request_id, self.engine_id, self.rank,
+                            peer.expected_readers[rank], ok=ok)
+            try:
+                self._agent.send_notif(peer.agents[rank], encode_notif(note))
+            except Exception as exc:
+                log.info("could not notify prefill %s rank %d: %s", peer.engine_id, rank, exc)
+
+    def _check_inflight(self) -> None:
+        now = time.monotonic()
+        for job in list(self._inflight):
+            states = []
+            for transfer in job.transfers:
+                try:
+                    states.append(transfer.state())
+                except Exception as exc:
+                    states.append(f"ERR: {exc}")
+            if all(s == "DONE" for s in states):
+                self._inflight.remove(job)
+                self._release_transfers(job)
+                peer = self._peers.get(job.remote.remote_engine_id)
+                if peer is not None:  # ranks nobody reads still hold the blocks: release them
+                    read = {p.remote_rank for p in peer.plans}
+                    self._notify(job, [r for r in peer.agents if r not in read], ok=True)
+                with self._lock:
+                    self._results.finished.append(job.request_id)
+                    self._results.stats[job.request_id] = ReadStats(
+                        job.num_bytes, job.descriptors, now - job.started)
+            elif any(s.startswith("ERR") for s in states) or now - job.started > self.read_timeout:
+                reason = next((s for s in states if s.startswith("ERR")),
+                              f"READ still in progress after {self.read_timeout:.0f} s")
+                self._inflight.remove(job)
+                self._fail(job, f"prefill {job.remote.remote_engine_id} at "
+                                f"{job.remote.address}: {reason}", notify=True)
+                peer = self._peers.get(job.remote.remote_engine_id)
+                if peer is not None:
+                    self._forget_dead(peer, reason)
+
+    def _release_transfers(self, job: _Read) -> None:
+        for transfer in job.transfers:
+            try:
+                transfer.release()
+            except Exception as exc:
+                log.warning("releasing a transfer of %s failed: %s", job.request_id, exc)
+        job.transfers.clear()
+
+    def _fail(self, job: _Read, reason: str, notify: bool) -> None:
+        """Fail one request; tell the prefill ranks we will not read so they free early."""
+        self._release_transfers(job)
+        log.warning("read for request %s failed: %s", job.request_id, reason)
+        peer = self._peers.get(job.remote.remote_engine_id)
+        if notify and peer is not None:
+            self._notify(job, list(peer.agents), ok=False)
+        with self._lock:
+            self._results.failed[job.request_id] = reason
+
+    def _fetch_peer(self, remote: RemoteParams) -> _Handshake:
+        """Handshake with ``remote``'s engine and plan the reads (pool thread, no NIXL)."""
+        local = self._require_geometry()
+        slices = read_plan(self.rank, self.tp_size, remote.tp_size, self.total_kv_heads)
+        notify = notify_plan(self.rank, self.tp_size, remote.tp_size, self.total_kv_heads)
+        ranks = tuple(sorted(notify))
+        answer = self._client.fetch(remote.remote_host, remote.remote_port, ranks,
+                                    timeout=self.handshake_timeout,
+                                    retries=self.handshake_retries)
+        if answer.engine_id != remote.remote_engine_id:
+            raise TransferError(f"the side channel belongs to engine {answer.engine_id!r}, not "
+                                f"{remote.remote_engine_id!r}")
+        if answer.tp_size != remote.tp_size:
+            raise TransferError(f"engine reports TP {answer.tp_size} but kv_transfer_params say "
+                                f"tp_size={remote.tp_size}")
+        metas = {m.tp_rank: m for m in answer.ranks}
+        missing = set(ranks) - set(metas)
+        if missing:
+            raise TransferError(f"handshake answer lacks ranks {sorted(missing)}")
+        geometries = {rank: SideGeometry.from_plan(meta.plan) for rank, meta in metas.items()}
+        plans = plan_peer_reads(local, geometries, slices, local_tp=self.tp_size,
+                                remote_tp=remote.tp_size)
+        return _Handshake(metas, plans, notify)
+
+    def _connect(self, remote: RemoteParams, shake: _Handshake) -> _Peer:
+        """Worker thread: load the peer's agents and warm each connection."""
+        agents: dict[int, str] = {}
+        rank = -1
+        try:
+            for rank in sorted(shake.notify):
+                meta = shake.metas[rank]
+                agents[rank] = self._agent.add_remote(meta.agent_blob)
+                self._agent.connect(agents[rank], probe=meta.plan.memory[0])
+        except Exception as exc:
+            for name in agents.values():
+                self._quietly_remove(name)
+            raise TransferError(f"NIXL could not connect to rank {rank}: {exc}") from exc
+        peer = _Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
+                     shake.plans, shake.notify)
+        self._peers[peer.engine_id] = peer
+        self._dead.pop(peer.engine_id, None)
+        log.info("rank %d connected to %s at %s (ranks %s)", self.rank, peer.engine_id,
+                 peer.address, sorted(agents))
+        return peer
+
+    def _forget_dead(self, peer: _Peer, reason: str) -> None:
+        """A READ failed: drop the peer and fail fast for a moment before re-handshaking."""
+        self._drop_peer(peer.engine_id)
+        self._dead[peer.engine_id] = (time.monotonic() + DEAD_PEER_S, reason)
+
+    def _quietly_remove(self, name: str) -> None:
+        try:
+            self._agent.remove_remote(name)
+        except Exception as exc:
+            log.info("removing remote agent %s failed: %s", name, exc)
+
+    def _drop_peer(self, engine_id: str) -> None:
+        peer = self._peers.pop(engine_id, None)
+        if peer is None:
+            return
+        for name in peer.agents.values():
+            self._quietly_remove(name)
+
+    def _handle_notifs(self) -> None:
+        for sender, messages in self._agent.get_notifs().items():
+            for raw in messages:
+                try:
+                    note = decode_notif(raw)
+                except ProtocolError as exc:
+                    log.warning("ignoring a malformed notification from %s: %s", sender, exc)
+                    continue
+                with self._lock:
+                    lease = self._leases.get(note.request_id)
+                    if lease is None:
+                        self._early.setdefault(note.request_id, []).append(
+                            (time.monotonic(), note))
+                    else:
+                        self._count_done(note.request_id, lease, note)
+
+    def _count_done(self, request_id: str, lease: _Lease, note: ReadDone) -> None:
+        """Record one reader's "done" (caller holds the lock)."""
+        lease.done_by.add((note.reader_engine_id, note.reader_rank))
+        needed = lease.readers if lease.readers is not None else note.expected_readers
+        if not note.ok:
+            log.info("decode %s rank %d gave up on request %s", note.reader_engine_id,
+                     note.reader_rank, request_id)
+        if len(lease.done_by) >= needed:
+            del self._leases[request_id]
+            self._released.append(Released(request_id, "done"))
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for request_id, lease in list(self._leases.items()):
+                if now >= lease.expires:
+                    del self._leases[request_id]
+                    self._released.append(Released(request_id, "expired"))
+                    log.warning("lease of request %s expired with %d reader(s) done", request_id,
+                                len(lease.done_by))
+            # A "done" for an unknown request is kept briefly in case its lease is
+            # registered just after it, then dropped (late readers of expired leases).
+            for request_id, notes in list(self._early.items()):
+                if now - notes[0][0] > EARLY_NOTIF_TTL_S:
+                    del self._early[request_id]
+
+    def _require_plan(self) -> RegionPlan:
+        if self._plan is None:
+            raise RuntimeError(f"rank {self.rank}: call register_kv_caches() first")
+        return self._plan
+
+    def _require_geometry(self) -> SideGeometry:
+        self._require_plan()
+        assert self._geometry is not None
+        return self._geometry

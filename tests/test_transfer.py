@@ -1,0 +1,331 @@
+"""KV blocks moving for real: a prefill OS process, this process as decode, NIXL + ZMQ.
+
+The prefill process fills its caches with a pattern naming every element's
+(layer, block, global head, token, content); the decode side starts from a
+sentinel and must end with exactly the prefill's bytes for its heads and blocks,
+and nothing else changed. Prefill must see every lease released.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvxfer import protocol
+from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[PrefillProcess]:
+    proc = PrefillProcess()
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
+def decode_instance(cfg: CacheConfig) -> LoopbackInstance:
+    return LoopbackInstance.create("decode", cfg, fill="sentinel")
+
+
+def check_blocks(decode: LoopbackInstance, prefill_cfg: CacheConfig, local_ids: list[int],
+                 remote_ids: list[int]) -> None:
+    """Decode blocks hold the prefill pattern for the decode rank's heads; others untouched."""
+    cfg = decode.cfg
+    untouched = sorted(set(range(cfg.num_blocks)) - set(local_ids))
+    # the pattern of prefill block rb, seen through the decode rank's heads
+    seen = replace(prefill_cfg, tp=cfg.tp)
+    for rank, caches in enumerate(decode.caches):
+        for layer, view in enumerate(caches.values()):
+            want = pattern(seen, rank, layer)
+            got = view.to(torch.float32)
+            assert torch.equal(got[local_ids], want[remote_ids]), \
+                f"rank {rank} layer {layer} differs from the prefill's blocks"
+            assert (got[untouched] == -1).all(), f"rank {rank} layer {layer}: other blocks changed"
+
+
+def params_for(remote: dict, rid: str, ids: list[int], **over: object) -> dict:
+    return {"remote_engine_id": remote["engine_id"], "remote_host": "127.0.0.1",
+            "remote_port": remote["port"], "remote_block_ids": ids,
+            "remote_request_id": rid, "tp_size": 1, **over}
+
+
+def pick(rng: np.random.Generator, kind: str, count: int, limit: int) -> list[int]:
+    if kind == "consecutive":
+        start = int(rng.integers(0, limit - count + 1))
+        return list(range(start, start + count))
+    return [int(x) for x in rng.choice(limit, size=count, replace=False)]
+
+
+CASES = (
+    [(lay, lay, 1, 1) for lay in ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")]
+    + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC")
+       for p, d in ((1, 2), (2, 1), (1, 4), (4, 2))]
+    + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1)]
+)
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"), CASES)
+def test_two_requests_in_flight_arrive_byte_exact(prefill: PrefillProcess, prefill_layout: str,
+                                                  decode_layout: str, prefill_tp: int,
+                                                  decode_tp: int) -> None:
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24)
+    dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_blocks=20)
+    remote = prefill.create(pcfg)
+    decode = decode_instance(dcfg)
+    try:
+        rng = np.random.default_rng(hash(CASES.index((prefill_layout, decode_layout, prefill_tp,
+                                                      decode_tp))))
+        remote_a, remote_b = pick(rng, "random", 5, 12), pick(rng, "consecutive", 6, 12)
+        remote_b = [12 + b for b in remote_b]  # disjoint from a
+        local = pick(rng, "random", 11, 20)
+        local_a, local_b = local[:5], local[5:]
+        for rid, ids in (("req-a", remote_a), ("req-b", remote_b)):
+            prefill.hold(remote["engine_id"], rid, ids, ttl=30)
+        decode.read("a", params_for(remote, "req-a", remote_a, tp_size=prefill_tp), local_a)
+        decode.read("b", params_for(remote, "req-b", remote_b, tp_size=prefill_tp), local_b)
+        stats, failed = decode.wait(["a", "b"])
+        assert failed == {}
+        check_blocks(decode, pcfg, local_a + local_b, remote_a + remote_b)
+        released = prefill.wait_released(remote["engine_id"], {"req-a", "req-b"})
+        assert released == {"req-a": "done", "req-b": "done"}
+        assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
+        assert all(s.num_bytes > 0 and s.descriptors > 0 for s in stats["a"] + stats["b"])
+    finally:
+        decode.close()
+
+
+def test_cross_layer_layout_moves_a_block_in_one_descriptor(prefill: PrefillProcess) -> None:
+    cfg = CacheConfig(layout="BHLNC", num_blocks=16)
+    remote = prefill.create(cfg)
+    decode = decode_instance(cfg)
+    try:
+        prefill.hold(remote["engine_id"], "coalesced", [1, 5, 9], ttl=30)
+        decode.read("c", params_for(remote, "coalesced", [1, 5, 9]), [0, 4, 8])
+        stats, failed = decode.wait(["c"])
+        assert failed == {}
+        assert stats["c"][0].descriptors == 3
+        check_blocks(decode, cfg, [0, 4, 8], [1, 5, 9])
+    finally:
+        decode.close()
+
+
+# -- bad inputs: each fails one request, leaves the listener serving, leaks nothing -------
+
+def good_read(prefill: PrefillProcess, remote: dict, cfg: CacheConfig, decode: LoopbackInstance,
+              rid: str) -> None:
+    """A valid read after a failure: the prefill is still serving and frees its lease."""
+    for worker in decode.workers:  # skip the decode's short fail-fast memory of the failure
+        worker.forget_peer(remote["engine_id"])
+    prefill.hold(remote["engine_id"], rid, [2, 3], ttl=30)
+    decode.read(rid, params_for(remote, rid, [2, 3], tp_size=cfg.tp), [6, 7])
+    _, failed = decode.wait([rid])
+    assert failed == {}
+    assert prefill.wait_released(remote["engine_id"], {rid}) == {rid: "done"}
+
+
+@pytest.fixture
+def pair(prefill: PrefillProcess) -> Iterator[tuple[dict, CacheConfig, LoopbackInstance]]:
+    cfg = CacheConfig(num_blocks=12)
+    remote = prefill.create(cfg)
+    decode = decode_instance(cfg)
+    try:
+        yield remote, cfg, decode
+    finally:
+        decode.close()
+
+
+def test_garbage_on_the_side_channel_is_survived(prefill: PrefillProcess, pair: tuple) -> None:
+    remote, cfg, decode = pair
+    ctx = zmq.Context.instance()
+    for frames in ([b"\x00garbage\xff" * 50], [b"KVXF"], [b"KVXF\x85\xa7ver"], [b""],
+                   [b"a", b"b", b"c", b"d"]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{remote['port']}")
+        sock.send_multipart(frames)
+        if sock.poll(2000):
+            reply = sock.recv_multipart()
+            assert reply[-1].startswith(protocol.MAGIC)  # an ErrorReply, not silence
+        sock.close()
+    good_read(prefill, remote, cfg, decode, "after-garbage")
+
+
+def test_wrong_protocol_version_names_both(prefill: PrefillProcess, pair: tuple,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    remote, cfg, decode = pair
+    prefill.hold(remote["engine_id"], "v", [0], ttl=1.0)
+    monkeypatch.setattr(protocol, "KVXFER_PROTOCOL_VERSION", 2)
+    decode.read("v", params_for(remote, "v", [0]), [0])
+    _, failed = decode.wait(["v"])
+    monkeypatch.undo()
+    assert "protocol" in failed["v"] and "2" in failed["v"] and "1" in failed["v"]
+    assert f"127.0.0.1:{remote['port']}" in failed["v"]
+    # the decode never got to NIXL, so the lease runs out and frees the blocks
+    assert prefill.wait_released(remote["engine_id"], {"v"}) == {"v": "expired"}
+    good_read(prefill, remote, cfg, decode, "after-version")
+
+
+def test_hash_mismatch_names_the_differing_field(prefill: PrefillProcess, pair: tuple) -> None:
+    remote, cfg, _ = pair
+    other = decode_instance(replace(cfg, num_layers=cfg.num_layers + 1))
+    try:
+        prefill.hold(remote["engine_id"], "h", [0], ttl=1.0)
+        other.read("h", params_for(remote, "h", [0]), [0])
+        _, failed = other.wait(["h"])
+        assert "num_layers" in failed["h"] and remote["engine_id"] in failed["h"]
+        assert prefill.wait_released(remote["engine_id"], {"h"}) == {"h": "expired"}
+    finally:
+        other.close()
+
+
+def test_layout_that_cannot_be_head_split_is_refused(prefill: PrefillProcess) -> None:
+    remote = prefill.create(CacheConfig(layout="LBNHC", num_blocks=8))
+    decode = decode_instance(CacheConfig(layout="LBHNC", tp=2, num_blocks=8))
+    try:
+        decode.read("s", params_for(remote, "s", [0]), [0])
+        _, failed = decode.wait(["s"])
+        assert "prefill layout LBNHC cannot be head-split for decode TP 2 > prefill TP 1; " \
+               "use LBHNC, BLHNC or BHLNC on the prefill side" in failed["s"]
+    finally:
+        decode.close()
+
+
+def test_out_of_range_remote_block_ids_fail_that_request_only(prefill: PrefillProcess,
+                                                              pair: tuple) -> None:
+    remote, cfg, decode = pair
+    prefill.hold(remote["engine_id"], "bad", [0, 1], ttl=30)
+    prefill.hold(remote["engine_id"], "fine", [4, 5], ttl=30)
+    decode.read("bad", params_for(remote, "bad", [0, 4096]), [0, 1])
+    decode.read("fine", params_for(remote, "fine", [4, 5]), [2, 3])
+    stats, failed = decode.wait(["bad", "fine"])
+    assert "remote block id 4096" in failed["bad"] and "fine" in stats
+    check_blocks_subset(decode, cfg, [2, 3], [4, 5])
+    # the failed reader told the prefill it is done with the blocks: no wait for expiry
+    assert prefill.wait_released(remote["engine_id"], {"bad", "fine"}) == \
+        {"bad": "done", "fine": "done"}
+
+
+def check_blocks_subset(decode: LoopbackInstance, cfg: CacheConfig, local: list[int],
+                        remote: list[int]) -> None:
+    for layer, view in enumerate(decode.caches[0].values()):
+        assert torch.equal(view[local].float(), pattern(cfg, 0, layer)[remote])
+    for view in decode.caches[0].values():
+        assert (view[[0, 1]] == -1).all(), "a failed request must not have written anything"
+
+
+def test_prefill_that_never_answers_hits_the_deadline(pair: tuple) -> None:
+    _, _, decode = pair
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    for worker in decode.workers:
+        worker.handshake_timeout, worker.handshake_retries = 0.3, 1
+    try:
+        started = time.monotonic()
+        decode.read("t", {"remote_engine_id": "ghost", "remote_host": "127.0.0.1",
+                          "remote_port": port, "remote_block_ids": [0],
+                          "remote_request_id": "t", "tp_size": 1}, [0])
+        _, failed = decode.wait(["t"], timeout=10)
+        assert time.monotonic() - started < 5
+        assert f"127.0.0.1:{port}" in failed["t"] and "ghost" in failed["t"]
+    finally:
+        silent.close()
+
+
+def test_prefill_killed_fails_its_request_and_others_continue(prefill: PrefillProcess,
+                                                              pair: tuple) -> None:
+    remote, cfg, decode = pair
+    doomed = PrefillProcess()
+    try:
+        big = CacheConfig(num_blocks=12)
+        victim = doomed.create(big)
+        doomed.hold(victim["engine_id"], "warm", [0], ttl=30)
+        decode.read("warm", params_for(victim, "warm", [0]), [0])  # handshake + connect
+        assert decode.wait(["warm"])[1] == {}
+        doomed.hold(victim["engine_id"], "dies", [1, 2], ttl=30)
+        doomed.kill()
+        decode.read("dies", params_for(victim, "dies", [1, 2]), [1, 2])
+        _, failed = decode.wait(["dies"], timeout=30)
+        assert victim["engine_id"] in failed["dies"]
+    finally:
+        doomed.close()
+    good_read(prefill, remote, cfg, decode, "after-kill")
+
+
+def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: tuple) -> None:
+    """Kill the prefill while a stream of multi-MiB reads is going: each read either
+    completes with the right bytes or fails with a reason naming the peer; nothing hangs."""
+    remote, cfg, decode = pair
+    big = CacheConfig(head_size=4096, num_blocks=12)
+    doomed, reader = PrefillProcess(), decode_instance(replace(big, num_blocks=40))
+    try:
+        victim = doomed.create(big)
+        doomed.hold(victim["engine_id"], "warm", [0], ttl=30)
+        reader.read("warm", params_for(victim, "warm", [0]), [39])  # handshake + connect
+        assert reader.wait(["warm"])[1] == {}
+        ids = [f"r{i}" for i in range(20)]
+        for i, rid in enumerate(ids):
+            doomed.hold(victim["engine_id"], rid, [i % 12, (i + 5) % 12], ttl=30)
+        killer = threading.Timer(0.003, doomed.kill)
+        killer.start()
+        for i, rid in enumerate(ids):
+            reader.read(rid, params_for(victim, rid, [i % 12, (i + 5) % 12]), [2 * i, 2 * i + 1])
+        stats, failed = reader.wait(ids, timeout=60)
+        killer.join()
+        assert set(stats) | set(failed) == set(ids)
+        assert all(victim["engine_id"] in reason for reason in failed.values())
+        for i, rid in enumerate(ids):
+            if rid in stats:
+                for layer, view in enumerate(reader.caches[0].values()):
+                    assert torch.equal(view[[2 * i, 2 * i + 1]],
+                                       pattern(big, 0, layer)[[i % 12, (i + 5) % 12]])
+        print(f"killed mid-stream: {len(stats)} reads completed, {len(failed)} failed")
+    finally:
+        reader.close()
+        doomed.close()
+    good_read(prefill, remote, cfg, decode, "after-kill-running")
+
+
+def test_decode_that_never_reads_lets_the_lease_expire(prefill: PrefillProcess,
+                                                       pair: tuple) -> None:
+    remote, _, _ = pair
+    prefill.hold(remote["engine_id"], "orphan", [0, 1, 2], ttl=0.3)
+    assert prefill.wait_released(remote["engine_id"], {"orphan"}) == {"orphan": "expired"}
+    assert prefill.leases(remote["engine_id"]) == [0]
+
+
+def test_malformed_params_raise_before_anything_starts(pair: tuple) -> None:
+    _, _, decode = pair
+    for params, message in (({"remote_host": "x"}, "remote_engine_id is missing"),
+                            ({"remote_engine_id": "e", "remote_host": "h", "remote_port": 70000,
+                              "remote_block_ids": [], "remote_request_id": "r", "tp_size": 1},
+                             "remote_port 70000"),
+                            ({"remote_engine_id": "e", "remote_host": "h", "remote_port": 1,
+                              "remote_block_ids": ["a"], "remote_request_id": "r",
+                              "tp_size": 1}, "list of integers")):
+        with pytest.raises(ValueError, match=message):
+            decode.workers[0].start_read("m", params, [0])
+
+
+def test_nothing_listening_is_reported_with_the_address(pair: tuple) -> None:
+    _, _, decode = pair
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for worker in decode.workers:
+        worker.handshake_timeout, worker.handshake_retries = 0.2, 0
+    decode.read("n", {"remote_engine_id": "nobody", "remote_host": "127.0.0.1",
+                      "remote_port": port, "remote_block_ids": [0],
+                      "remote_request_id": "n", "tp_size": 1}, [0])
+    _, failed = decode.wait(["n"], timeout=10)
+    assert f"127.0.0.1:{port}" in failed["n"]
