@@ -12,7 +12,7 @@ import importlib
 
 HELP = "run a benchmark and print numbers (table, or JSON with --json)"
 
-BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl")
+BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl", "transfer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,178 @@
+"""``kvxfer bench transfer``: one request's KV moved between two processes, per layout/TP.
+
+A prefill process (:class:`kvxfer.loopback.PrefillProcess`) holds Llama-8B-like
+caches; this process is the decode side with real TransferWorkers, so every
+number includes descriptor building, posting, the NIXL READ and completion
+polling. Two ceilings are measured in the same run for the same byte count:
+one large single-descriptor NIXL READ from the same prefill process, and a
+single-thread memcpy inside this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+HELP = "time KV transfers between a prefill and a decode process for each layout and TP pair"
+
+CASES = (("LBHNC", 1, 1), ("LBNHC", 1, 1), ("BLHNC", 1, 1), ("BLNHC", 1, 1), ("BHLNC", 1, 1),
+         ("LBHNC", 1, 2), ("BLHNC", 1, 2), ("BHLNC", 1, 2),
+         ("LBHNC", 2, 1), ("BLHNC", 2, 1), ("BHLNC", 2, 1))
+COALESCING = ("BLHNC", "BLNHC", "BHLNC")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvxfer.commands.plan import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed requests per case")
+    parser.add_argument("--cases", default="all",
+                        help="comma-separated LAYOUT:PTP:DTP entries, e.g. BLHNC:1:2 (default all)")
+
+
+def _parse_cases(text: str) -> list[tuple[str, int, int]]:
+    if text == "all":
+        return list(CASES)
+    out = []
+    for item in text.split(","):
+        try:
+            layout, p, d = item.split(":")
+            out.append((layout.upper(), int(p), int(d)))
+        except ValueError:
+            raise SystemExit(f"--cases: {item!r} is not LAYOUT:PREFILL_TP:DECODE_TP") from None
+    return out
+
+
+def _memcpy_seconds(nbytes: int, repeats: int) -> float:
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)  # one thread
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _large_read_seconds(port: int, cfg: Any, nbytes: int, repeats: int) -> float:
+    """One NIXL READ of ``nbytes`` from the start of prefill rank 0's cache."""
+    import numpy as np
+    import torch
+
+    from kvxfer.handshake import HandshakeClient
+    from kvxfer.nixl_agent import NixlAgent
+    from kvxfer.regions import MemoryRegion
+
+    client = HandshakeClient("bench-ceiling", cfg.compat())
+    meta = client.fetch("127.0.0.1", port, [0]).ranks[0]
+    client.close()
+    mem = meta.plan.memory[0]
+    size = min(nbytes, mem.nbytes)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    buffer.fill_(0)
+    with NixlAgent("bench-ceiling") as agent:
+        agent.register([MemoryRegion(buffer.data_ptr(), size, 0)])
+        name = agent.add_remote(meta.agent_blob)
+        agent.connect(name, probe=mem)
+        local = np.array([[buffer.data_ptr(), size, 0]], dtype=np.uint64)
+        remote = np.array([[mem.addr, size, 0]], dtype=np.uint64)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            transfer = agent.read(name, local, remote)
+            while transfer.state() != "DONE":
+                pass
+            times.append(time.perf_counter() - start)
+            transfer.release()
+    return statistics.median(times[1:]) * nbytes / size
+
+
+def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
+          args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from kvxfer.loopback import CacheConfig, LoopbackInstance
+
+    blocks = -(-args.tokens // args.block_size)
+    capacity = blocks + blocks // 4 + 1
+    base = CacheConfig(layout=layout, total_kv_heads=args.kv_heads, num_layers=args.layers,
+                       block_size=args.block_size, head_size=args.head_size,
+                       num_blocks=capacity, dtype=args.dtype)
+    pcfg = CacheConfig(**{**base.__dict__, "tp": prefill_tp})
+    dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp})
+    remote = prefill.create(pcfg, fill="none")
+    decode = LoopbackInstance.create("decode", dcfg, fill="none")
+    rng = np.random.default_rng(0)
+    walls, ranks_stats = [], []
+    try:
+        for i in range(args.repeats + 1):  # the first request is the warm-up
+            rid = f"bench-{layout}-{prefill_tp}-{decode_tp}-{i}"
+            rids = rng.choice(capacity, blocks, replace=False).tolist()
+            lids = rng.choice(capacity, blocks, replace=False).tolist()
+            prefill.hold(remote["engine_id"], rid, rids, ttl=60)
+            params = {"remote_engine_id": remote["engine_id"], "remote_host": "127.0.0.1",
+                      "remote_port": remote["port"], "remote_block_ids": rids,
+                      "remote_request_id": rid, "tp_size": prefill_tp}
+            start = time.perf_counter()
+            decode.read(rid, params, lids)
+            stats, failed = decode.wait([rid], timeout=60)
+            wall = time.perf_counter() - start
+            if failed:
+                raise RuntimeError(f"{layout} TP {prefill_tp}->{decode_tp}: {failed[rid]}")
+            prefill.wait_released(remote["engine_id"], {rid})
+            if i:
+                walls.append(wall)
+                ranks_stats.append(stats[rid])
+    finally:
+        decode.close()
+    nbytes = sum(s.num_bytes for s in ranks_stats[0])
+    descriptors = sum(s.descriptors for s in ranks_stats[0])
+    median = statistics.median(walls)
+    p90 = sorted(walls)[max(0, round(0.9 * len(walls)) - 1)]
+    # Ceilings right after the case, on the same processes, so machine noise hits both.
+    read_s = _large_read_seconds(remote["port"], pcfg, nbytes, args.repeats)
+    copy_s = _memcpy_seconds(nbytes, args.repeats)
+    gbps = nbytes / median / 1e9
+    target = 0.9 if layout in COALESCING else 0.75
+    return {"layout": layout, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+            "bytes": nbytes, "descriptors": descriptors, "ms_median": round(median * 1e3, 2),
+            "ms_p90": round(p90 * 1e3, 2), "gb_per_s": round(gbps, 2),
+            "large_read_gb_per_s": round(nbytes / read_s / 1e9, 2),
+            "memcpy_gb_per_s": round(nbytes / copy_s / 1e9, 2),
+            "vs_large_read": round(gbps / (nbytes / read_s / 1e9), 2),
+            "vs_memcpy": round(gbps / (nbytes / copy_s / 1e9), 2),
+            "target_vs_large_read": target,
+            "meets_target": gbps / (nbytes / read_s / 1e9) >= target}
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvxfer.loopback import PrefillProcess
+
+    cases = _parse_cases(args.cases)
+    prefill = PrefillProcess()
+    try:
+        rows = [_case(prefill, layout, p, d, args) for layout, p, d in cases]
+    finally:
+        prefill.close()
+    if args.json:
+        print(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "rows": rows},
+                         indent=2))
+        return 0
+    print(f"KV transfer of a {args.tokens}-token request ({args.layers} layers, {args.kv_heads} "
+          f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
+          f"{args.repeats}; ceilings measured right after each case for the same bytes")
+    print(f"{'layout':7} {'P->D':5} {'MiB':>5} {'descs':>6} {'ms':>7} {'p90':>7} {'GB/s':>6} "
+          f"{'READ':>6} {'copy':>6} {'xREAD':>6} target")
+    for r in rows:
+        print(f"{r['layout']:7} {r['prefill_tp']}->{r['decode_tp']:<2} "
+              f"{r['bytes'] / 2**20:>5.0f} {r['descriptors']:>6} {r['ms_median']:>7} "
+              f"{r['ms_p90']:>7} {r['gb_per_s']:>6} {r['large_read_gb_per_s']:>6} "
+              f"{r['memcpy_gb_per_s']:>6} {r['vs_large_read']:>6} "
+              f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS'}")
+    return 0
