@@ -1,0 +1,85 @@
+"""``python -m proxy`` / ``kvxfer-proxy``: serve the proxy from the command line.
+
+The instance flags match the proxy vLLM's NIXL integration tests start, e.g.
+``--prefiller-hosts 127.0.0.1 --prefiller-ports 8100 8101 --decoder-ports 8200``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from proxy.config import POLICIES, ConfigError, ProxyConfig, instance_urls
+
+API_KEY_ENV = "KVXFER_PROXY_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvxfer-proxy",
+        description="OpenAI-compatible proxy for prefill/decode disaggregation: each "
+                    "completion goes to a prefill instance (one token, KV leased), then to a "
+                    "decode instance that pulls the KV and generates the answer.",
+        epilog="Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+               "GET /health, GET /metrics.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                        "(default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    for flag, role, port in (("prefiller", "prefill", 8100), ("decoder", "decode", 8200)):
+        parser.add_argument(f"--{flag}-hosts", f"--{flag}-host", nargs="+",
+                            default=["127.0.0.1"], metavar="HOST",
+                            help=f"{role} instance hosts: one for all ports, or one per port "
+                                 f"(default 127.0.0.1)")
+        parser.add_argument(f"--{flag}-ports", f"--{flag}-port", nargs="+", type=int,
+                            default=[port], metavar="PORT",
+                            help=f"{role} instance HTTP ports (default {port})")
+    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
+                        help="how to pick an instance per role (default round_robin)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                             f"(default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="longest wait to connect to an instance (default 5)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="longest wait for a whole non-streamed answer, or for each next "
+                             "chunk of a stream (default 600)")
+    parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="pause between health checks of every instance (default 5)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"], help="(default info)")
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """The :class:`ProxyConfig` the flags describe; raises :class:`ConfigError`."""
+    return ProxyConfig(
+        prefill_urls=instance_urls(args.prefiller_hosts, args.prefiller_ports, "prefiller"),
+        decode_urls=instance_urls(args.decoder_hosts, args.decoder_ports, "decoder"),
+        host=args.host, port=args.port, policy=args.policy, api_key=args.api_key,
+        connect_timeout=args.connect_timeout, request_timeout=args.request_timeout,
+        health_interval=args.health_interval, log_level=args.log_level,
+        access_log=args.access_log)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))  # exits with status 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":  # httpx logs every upstream call at INFO
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    from proxy.server import serve
+
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The proxy's FastAPI app: routes, error bodies, and what lives for the app's lifetime.
+
+``create_app(config)`` builds an app that owns its own balancer, metrics
+registry, pooled HTTP client and health checker, so several apps can run in
+one process (tests do). The client and checker exist between lifespan start
+and end; the first health round finishes before the app takes requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from proxy.balancer import Balancer
+from proxy.config import ROLES, ProxyConfig
+from proxy.contract import CHAT_COMPLETIONS, COMPLETIONS, parse_client_body
+from proxy.errors import CLIENT_CLOSED, ProxyError, UpstreamRejected, error_body
+from proxy.health import HealthChecker
+from proxy.metrics import ProxyMetrics
+from proxy.middleware import (
+    ApiKeyMiddleware,
+    MetricsMiddleware,
+    RequestIdMiddleware,
+    request_id,
+)
+from proxy.relay import ClientDisconnected, unless_disconnected
+from proxy.router import PDRouter
+from proxy.upstream import Upstream, new_client
+
+ROUTES: tuple[str, ...] = (COMPLETIONS, CHAT_COMPLETIONS, "/v1/models", "/health", "/metrics")
+JSON = "application/json"
+
+
+class ProxyService:
+    """The state of one app. ``router`` exists only while the app is running."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.balancer = Balancer(config)
+        self.metrics = ProxyMetrics(self.balancer, ROUTES)
+        self._router: PDRouter | None = None
+
+    @property
+    def router(self) -> PDRouter:
+        if self._router is None:
+            raise RuntimeError("the proxy app is not running (lifespan not started)")
+        return self._router
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        async with new_client(self.config) as client:
+            checker = HealthChecker(self.balancer, client, self.config.health_interval,
+                                    self.config.connect_timeout)
+            await checker.check_all()
+            self._router = PDRouter(self.balancer, Upstream(client, self.config, self.metrics),
+                                    self.metrics)
+            task = asyncio.create_task(checker.run())
+            try:
+                yield
+            finally:
+                checker.stop()
+                await task
+                self._router = None
+
+    async def complete(self, request: Request, route: str) -> Response:
+        """A completion request: parse, then prefill + decode unless the client leaves."""
+        try:
+            raw = await request.body()
+            body = parse_client_body(raw)
+            work = self.router.complete(route, body, request_id(request.scope))
+            return await unless_disconnected(request.receive, work)
+        except (ClientDisconnect, ClientDisconnected):
+            self.metrics.client_disconnects.labels(route).inc()
+            return Response(status_code=CLIENT_CLOSED)  # the server drops it: nobody listens
+
+    def health(self) -> Response:
+        """Every instance's state; 200 when each role has a healthy instance, else 503."""
+        ready = all(self.balancer.has_healthy(role) for role in ROLES)
+        body = {"status": "ok" if ready else "unavailable", "policy": self.balancer.policy,
+                "instances": [i.state() for i in self.balancer.instances()]}
+        return Response(msgspec.json.encode(body), 200 if ready else 503, media_type=JSON)
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    """A proxy app for ``config``; serve it with uvicorn (lifespan on)."""
+    service = ProxyService(config)
+    app = FastAPI(title="kvxfer proxy", lifespan=service.lifespan, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.service = service
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        return await service.complete(request, COMPLETIONS)
+
+    @app.post(CHAT_COMPLETIONS)
+    async def chat_completions(request: Request) -> Response:
+        return await service.complete(request, CHAT_COMPLETIONS)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await service.router.models(request_id(request.scope))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return service.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    add_error_handlers(app)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(MetricsMiddleware, metrics=service.metrics)  # outermost: sees all
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error a client sees is OpenAI-shaped, except upstream 4xx passed through."""
+
+    async def proxy_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProxyError)
+        return Response(exc.body(), exc.status, media_type=JSON)
+
+    async def upstream_rejected(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, UpstreamRejected)
+        return Response(exc.content, exc.status, media_type=exc.content_type)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return Response(error_body(exc.status_code, message, "invalid_request_error"),
+                        exc.status_code, media_type=JSON, headers=exc.headers)
+
+    app.add_exception_handler(ProxyError, proxy_error)
+    app.add_exception_handler(UpstreamRejected, upstream_rejected)
+    app.add_exception_handler(HTTPException, http_error)

@@ -1,0 +1,106 @@
+"""Which instance of a role takes the next request.
+
+State lives here and only here: per instance whether it is healthy, how many
+calls to it are in flight (``outstanding``) and the last error seen. The
+health checker and the request path both update it; everything runs on the
+app's one event loop, so no locks are needed.
+
+Policies order the *healthy* instances of a role for one request:
+
+- ``round_robin``: a rotation that advances by one per request;
+- ``least_outstanding``: fewest in-flight calls first, ties broken by the
+  same rotation (so equally loaded instances still alternate).
+
+The request path tries the candidates in that order and moves to the next
+only when one cannot be reached (see :mod:`proxy.router`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.config import ROLES, ProxyConfig
+
+
+@dataclass
+class Instance:
+    """One upstream sidecar. Unhealthy until the first health check answers 200.
+
+    ``last_error`` is the most recent failure seen, kept after the instance
+    recovers so that /health still shows what went wrong.
+    """
+
+    url: str
+    role: str
+    healthy: bool = False
+    outstanding: int = 0
+    last_error: str | None = None
+
+    def state(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+                "outstanding": self.outstanding, "last_error": self.last_error}
+
+
+class Balancer:
+    """The instances of every role and the policy that orders them."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.policy = config.policy
+        self._instances = {role: [Instance(url, role) for url in config.urls(role)]
+                           for role in ROLES}
+        self._turn = dict.fromkeys(ROLES, 0)
+
+    def instances(self, role: str | None = None) -> list[Instance]:
+        """All instances of ``role``, or of every role, in configuration order."""
+        if role is not None:
+            return list(self._instances[role])
+        return [i for r in ROLES for i in self._instances[r]]
+
+    def candidates(self, role: str) -> list[Instance]:
+        """The healthy instances of ``role`` in the order this request should try them.
+
+        Each call advances the rotation by one. Empty when none is healthy.
+        """
+        healthy = [i for i in self._instances[role] if i.healthy]
+        if not healthy:
+            return []
+        start = self._turn[role] % len(healthy)
+        self._turn[role] += 1
+        ordered = healthy[start:] + healthy[:start]
+        if self.policy == "least_outstanding":
+            ordered.sort(key=lambda i: i.outstanding)  # stable: the rotation breaks ties
+        return ordered
+
+    def has_healthy(self, role: str) -> bool:
+        return any(i.healthy for i in self._instances[role])
+
+    @staticmethod
+    def acquire(instance: Instance) -> None:
+        """Count one more call in flight; every acquire is paired with one :meth:`release`."""
+        instance.outstanding += 1
+
+    @staticmethod
+    def release(instance: Instance) -> None:
+        instance.outstanding -= 1
+
+    @contextmanager
+    def busy(self, instance: Instance) -> Iterator[Instance]:
+        """Count one in-flight call to ``instance`` for as long as the block runs."""
+        self.acquire(instance)
+        try:
+            yield instance
+        finally:
+            self.release(instance)
+
+    @staticmethod
+    def mark_down(instance: Instance, reason: str) -> None:
+        """The instance cannot be reached: no request goes to it until a health check passes."""
+        instance.healthy = False
+        instance.last_error = reason
+
+    @staticmethod
+    def mark_up(instance: Instance) -> None:
+        instance.healthy = True

@@ -1,0 +1,84 @@
+"""The proxy's configuration: which prefill and decode instances exist and how to reach them.
+
+Instances are addressed by base URL (``http://host:port``, no trailing slash).
+All durations are seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES: tuple[str, ...] = ("round_robin", "least_outstanding")
+ROLES: tuple[str, ...] = ("prefill", "decode")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the flag and the value."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything :func:`proxy.app.create_app` and :func:`proxy.server.serve` need.
+
+    ``connect_timeout`` bounds establishing a TCP connection to an instance;
+    ``request_timeout`` bounds a whole non-streamed upstream answer, and for a
+    streamed answer the wait for its headers and for each next chunk.
+    ``health_interval`` is the pause between two rounds of ``GET /health``.
+    """
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "round_robin"
+    api_key: str | None = None
+    connect_timeout: float = 5.0
+    request_timeout: float = 600.0
+    health_interval: float = 5.0
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
+            if not urls:
+                raise ConfigError(f"at least one {role} instance is needed, got none")
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"{role} instances repeat: {', '.join(urls)}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        for name in ("connect_timeout", "request_timeout", "health_interval"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
+        if self.api_key == "":
+            raise ConfigError("--api-key is empty; omit it to run without authentication")
+
+    def urls(self, role: str) -> tuple[str, ...]:
+        """Base URLs of the instances of ``role`` ("prefill" or "decode")."""
+        return self.prefill_urls if role == "prefill" else self.decode_urls
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://host:port``; IPv6 literals get their brackets."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"port {port} is outside 1..65535")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def instance_urls(hosts: Sequence[str], ports: Sequence[int], flag: str) -> tuple[str, ...]:
+    """Pair ``--<flag>-hosts`` with ``--<flag>-ports``.
+
+    One host applies to every port; otherwise the counts must match.
+    """
+    if not ports:
+        raise ConfigError(f"--{flag}-ports needs at least one port")
+    if len(hosts) == 1:
+        hosts = list(hosts) * len(ports)
+    if len(hosts) != len(ports):
+        raise ConfigError(f"got {len(hosts)} --{flag}-hosts ({' '.join(hosts)}) for "
+                          f"{len(ports)} --{flag}-ports ({' '.join(map(str, ports))}); give one "
+                          f"host for all ports or one host per port")
+    return tuple(base_url(h, p) for h, p in zip(hosts, ports, strict=True))

@@ -1,0 +1,111 @@
+"""The sidecars' HTTP contract as the proxy speaks it (pure: no I/O).
+
+A client request goes to a prefill instance rewritten by :func:`prefill_request`
+(one token, not streamed, ``do_remote_decode``). The prefill answers with a
+top-level ``kv_transfer_params`` object (:class:`RemotePrefillParams`) naming
+the KV blocks it leased; :func:`decode_request` adds that object, unchanged, to
+the client's original body for the decode instance.
+
+Client bodies are OpenAI request bodies with fields this proxy does not know,
+so they stay plain JSON objects; only the fields the contract touches are read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from proxy.errors import bad_gateway, bad_request
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETION_ROUTES: tuple[str, ...] = (COMPLETIONS, CHAT_COMPLETIONS)
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "a boolean", type(None): "null"}
+
+
+class RemotePrefillParams(msgspec.Struct, frozen=True):
+    """``kv_transfer_params`` of a prefill answer: where the decode reads the KV from.
+
+    Decoding into this type validates the prefill's answer; the proxy forwards
+    the object exactly as received (fields added later by the sidecars pass too).
+    """
+
+    do_remote_prefill: bool
+    do_remote_decode: bool
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    # One id list, or one list per KV cache group: the proxy never reads the ids.
+    remote_block_ids: list[Any]
+    remote_request_id: str
+    remote_num_tokens: int
+    tp_size: int
+    lease_expires_at: float  # seconds since the epoch, the prefill's clock
+
+
+def json_type(value: object) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def parse_client_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object; 400 for malformed JSON, a non-object or a bad ``stream``."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"request body must be a JSON object, got {json_type(body)}")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request(f"'stream' must be true or false, got {stream!r}", "stream")
+    return body
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill call's body: the client's, computing one token, not streamed."""
+    prefill = dict(body)
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    prefill.pop("stream_options", None)
+    prefill["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
+    return prefill
+
+
+def decode_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The decode call's body: the client's original plus the prefill's params."""
+    return {**body, "kv_transfer_params": params}
+
+
+def parse_prefill_answer(content: bytes, url: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` object of a prefill's 200 answer, as sent.
+
+    Raises a 502 :class:`~proxy.errors.ProxyError` naming ``url`` and the
+    offending field when the answer does not follow the contract.
+    """
+    try:
+        answer = msgspec.json.decode(content)
+    except msgspec.DecodeError as exc:
+        raise bad_gateway(f"prefill instance {url} answered invalid JSON: {exc}") from None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict):
+        raise bad_gateway(f"prefill instance {url} answered without a kv_transfer_params object "
+                          f"(found {json_type(params)})")
+    try:
+        checked = msgspec.convert(params, RemotePrefillParams)
+    except msgspec.ValidationError as exc:
+        raise bad_gateway(f"prefill instance {url} answered invalid kv_transfer_params: "
+                          f"{exc}") from None
+    if not checked.do_remote_prefill or checked.do_remote_decode:
+        raise bad_gateway(f"prefill instance {url} answered kv_transfer_params with "
+                          f"do_remote_prefill={checked.do_remote_prefill}, do_remote_decode="
+                          f"{checked.do_remote_decode}; expected true and false")
+    return params

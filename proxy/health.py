@@ -1,0 +1,66 @@
+"""The background health checker: ``GET /health`` on every instance, every interval.
+
+It is the only thing that marks an instance healthy again after the request
+path marked it down. A round checks all instances concurrently; the app runs
+one round before it accepts requests, so /health is truthful from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+
+from proxy.balancer import Balancer, Instance
+
+log = logging.getLogger(__name__)
+
+# A sidecar's /health answers at once; a slow one is as good as down.
+HEALTH_TIMEOUT_S = 5.0
+
+
+class HealthChecker:
+    """Checks the balancer's instances over the app's shared client until stopped."""
+
+    def __init__(self, balancer: Balancer, client: httpx.AsyncClient, interval: float,
+                 connect_timeout: float) -> None:
+        self.balancer = balancer
+        self.client = client
+        self.interval = interval
+        self.timeout = httpx.Timeout(HEALTH_TIMEOUT_S, connect=connect_timeout)
+        self._stop = asyncio.Event()
+
+    async def check(self, instance: Instance) -> None:
+        """One ``GET /health``: 200 marks the instance up, anything else down."""
+        was_healthy = instance.healthy
+        try:
+            response = await self.client.get(f"{instance.url}/health", timeout=self.timeout)
+        except httpx.TransportError as exc:
+            self.balancer.mark_down(instance, f"health check: {type(exc).__name__}: {exc}")
+        else:
+            if response.status_code == 200:
+                self.balancer.mark_up(instance)
+            else:
+                self.balancer.mark_down(
+                    instance, f"health check: GET /health answered HTTP {response.status_code}")
+        if instance.healthy and not was_healthy:
+            log.info("%s instance %s is healthy", instance.role, instance.url)
+        elif was_healthy and not instance.healthy:
+            log.warning("%s instance %s is unhealthy: %s", instance.role, instance.url,
+                        instance.last_error)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(i) for i in self.balancer.instances()))
+
+    async def run(self) -> None:
+        """Check every ``interval`` seconds until :meth:`stop`."""
+        while not self._stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.interval)
+            if not self._stop.is_set():
+                await self.check_all()
+
+    def stop(self) -> None:
+        self._stop.set()

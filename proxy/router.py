@@ -1,0 +1,131 @@
+"""One client request through a prefill instance and then a decode instance.
+
+Order of events for ``POST /v1/completions`` (and chat):
+
+1. pick prefill candidates (balancer), send the prefill call; an unreachable
+   instance is marked down and the next candidate tried;
+2. validate the prefill's ``kv_transfer_params`` (the blocks are now leased);
+3. pick a decode instance the same way and send the client's body plus those
+   params; relay its answer (JSON, or SSE chunk by chunk) to the client.
+
+Only an instance that could not be *connected to* is skipped for the next
+one: then nothing reached it. Any later failure of the decode call (5xx,
+timeout, broken stream) is reported to the client, naming the prefill that
+holds the leased blocks, and not retried: the decode may have started reading
+them. The prefill frees its blocks when the lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+from starlette.responses import Response
+
+from proxy.balancer import Balancer, Instance
+from proxy.contract import decode_request, parse_prefill_answer, prefill_request, wants_stream
+from proxy.errors import ProxyError, unavailable
+from proxy.metrics import ProxyMetrics
+from proxy.relay import RelayResponse
+from proxy.upstream import OpenStream, Unreachable, Upstream
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PDRouter:
+    """Routes requests over the balancer's instances; one per app."""
+
+    def __init__(self, balancer: Balancer, upstream: Upstream, metrics: ProxyMetrics) -> None:
+        self.balancer = balancer
+        self.upstream = upstream
+        self.metrics = metrics
+
+    async def complete(self, route: str, body: dict[str, Any], request_id: str) -> Response:
+        """Answer a completion request (``route`` is its path) through prefill and decode."""
+        prefill, params = await self._prefill(route, body, request_id)
+        content = msgspec.json.encode(decode_request(body, params))
+        try:
+            if wants_stream(body):
+                return await self._decode_stream(route, content, request_id)
+            return await self._decode_json(route, content, request_id)
+        except ProxyError as exc:
+            raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
+                             f"the KV of request {params.get('remote_request_id')!r} until its "
+                             f"lease expires)", exc.kind) from exc
+
+    async def models(self, request_id: str) -> Response:
+        """``GET /v1/models`` from a healthy decode instance, passed through."""
+        _, response = await self._with_failover(
+            "decode", lambda i: self._fetch(i, "GET", "/v1/models", request_id))
+        return passthrough(response)
+
+    async def _prefill(self, route: str, body: dict[str, Any], request_id: str
+                       ) -> tuple[Instance, dict[str, Any]]:
+        content = msgspec.json.encode(prefill_request(body))
+        instance, response = await self._with_failover(
+            "prefill", lambda i: self._fetch(i, "POST", route, request_id, content))
+        try:
+            return instance, parse_prefill_answer(response.content, instance.url)
+        except ProxyError as exc:
+            self.metrics.upstream_errors.labels(instance.role, instance.url, "bad_answer").inc()
+            instance.last_error = exc.message
+            raise
+
+    async def _decode_json(self, route: str, content: bytes, request_id: str) -> Response:
+        _, response = await self._with_failover(
+            "decode", lambda i: self._fetch(i, "POST", route, request_id, content))
+        return passthrough(response)
+
+    async def _decode_stream(self, route: str, content: bytes, request_id: str) -> Response:
+        instance, stream = await self._with_failover(
+            "decode", lambda i: self._open(i, route, request_id, content))
+
+        async def close() -> None:
+            self.balancer.release(instance)
+            await stream.aclose()
+
+        def on_disconnect() -> None:
+            self.metrics.client_disconnects.labels(route).inc()
+            log.info("client left request %s; closed the stream from %s", request_id,
+                     instance.url)
+
+        return RelayResponse(stream.chunks(), close, on_disconnect, stream.response.status_code,
+                             stream.media_type)
+
+    async def _fetch(self, instance: Instance, method: str, path: str, request_id: str,
+                     content: bytes | None = None) -> httpx.Response:
+        with self.balancer.busy(instance):
+            return await self.upstream.fetch(instance, method, path, request_id, content)
+
+    async def _open(self, instance: Instance, path: str, request_id: str,
+                    content: bytes) -> OpenStream:
+        """Open a stream and keep ``instance`` counted busy; the relay releases it."""
+        self.balancer.acquire(instance)
+        try:
+            return await self.upstream.open_stream(instance, path, request_id, content)
+        except BaseException:
+            self.balancer.release(instance)
+            raise
+
+    async def _with_failover(self, role: str, call: Callable[[Instance], Awaitable[T]]
+                             ) -> tuple[Instance, T]:
+        """``call`` on the first candidate of ``role`` that can be connected to."""
+        for instance in self.balancer.candidates(role):
+            try:
+                return instance, await call(instance)
+            except Unreachable as exc:
+                self.balancer.mark_down(instance, exc.reason)
+                log.warning("%s instance %s is unreachable (%s); marked down, trying the next",
+                            role, instance.url, exc.reason)
+        raise unavailable(f"no healthy {role} instance: " + "; ".join(
+            f"{i.url} ({i.last_error or 'unhealthy'})" for i in self.balancer.instances(role)))
+
+
+def passthrough(response: httpx.Response) -> Response:
+    """The upstream's answer, body and status unchanged."""
+    return Response(response.content, response.status_code,
+                    media_type=response.headers.get("content-type", "application/json"))

@@ -1,0 +1,47 @@
+"""Running the proxy as a process: uvicorn on ``config.host:config.port``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+
+log = logging.getLogger(__name__)
+
+# After SIGINT/SIGTERM, open requests (streams included) get this long to finish.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def serve(config: ProxyConfig) -> int:
+    """Serve until SIGINT or SIGTERM, then shut down cleanly; returns the exit status.
+
+    uvicorn takes over both signals while it runs and, once it has shut down,
+    raises them again for the handlers it found; ours only note them, so a
+    signalled proxy exits with status 0 instead of dying from the re-raise.
+    """
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.access_log, lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    received: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        log.error("the proxy did not start on %s:%d", config.host, config.port)
+        return 1
+    if received:
+        log.info("stopped by %s", signal.Signals(received[0]).name)
+    return 0

@@ -1,0 +1,195 @@
+"""The proxy's pure parts: configuration, the sidecar contract, the balancer policies."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+import pytest
+
+from proxy.balancer import Balancer
+from proxy.config import ConfigError, ProxyConfig, base_url, instance_urls
+from proxy.contract import decode_request, parse_client_body, parse_prefill_answer, prefill_request
+from proxy.errors import ProxyError
+from proxy.middleware import ApiKeyMiddleware
+from proxy.upstream import error_excerpt
+
+URL = "http://127.0.0.1:9"
+PARAMS: dict[str, Any] = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e0",
+    "remote_host": "10.0.0.1", "remote_port": 5600, "remote_block_ids": [3, 1, 2],
+    "remote_request_id": "r1", "remote_num_tokens": 40, "tp_size": 2,
+    "lease_expires_at": 1.7e9}
+
+
+def config(**overrides: Any) -> ProxyConfig:
+    settings: dict[str, Any] = {"prefill_urls": ("http://p0", "http://p1", "http://p2"),
+                                "decode_urls": ("http://d0",), **overrides}
+    return ProxyConfig(**settings)
+
+
+# -- config ----------------------------------------------------------------------------
+
+
+def test_one_host_applies_to_every_port() -> None:
+    assert instance_urls(["10.0.0.5"], [8100, 8101], "prefiller") == (
+        "http://10.0.0.5:8100", "http://10.0.0.5:8101")
+    assert instance_urls(["a", "b"], [1, 2], "decoder") == ("http://a:1", "http://b:2")
+    assert base_url("::1", 80) == "http://[::1]:80"
+
+
+def test_mismatched_host_and_port_counts_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"got 2 --prefiller-hosts \(a b\) for 3 "
+                                          r"--prefiller-ports \(1 2 3\)"):
+        instance_urls(["a", "b"], [1, 2, 3], "prefiller")
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    ({"policy": "random"}, "unknown policy 'random'"),
+    ({"request_timeout": 0.0}, "--request-timeout must be positive, got 0.0"),
+    ({"connect_timeout": -1.0}, "--connect-timeout must be positive, got -1.0"),
+    ({"health_interval": 0}, "--health-interval must be positive, got 0"),
+    ({"api_key": ""}, "--api-key is empty"),
+    ({"decode_urls": ()}, "at least one decode instance is needed"),
+    ({"prefill_urls": ("http://p", "http://p")}, "prefill instances repeat: http://p, http://p"),
+])
+def test_config_errors_name_the_value(overrides: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        config(**overrides)
+
+
+def test_port_out_of_range() -> None:
+    with pytest.raises(ConfigError, match=re.escape("port 70000 is outside 1..65535")):
+        base_url("h", 70000)
+
+
+# -- contract --------------------------------------------------------------------------
+
+
+def test_prefill_request_computes_one_token_without_streaming() -> None:
+    body = {"messages": [], "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    assert prefill_request(body) == {
+        "messages": [], "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    assert body["stream"] is True  # the client's body is left alone
+    assert "max_completion_tokens" not in prefill_request({"prompt": "x"})
+
+
+def test_decode_request_is_the_original_plus_params() -> None:
+    body = {"prompt": "x", "stream": True, "kv_transfer_params": {"stale": 1}}
+    assert decode_request(body, PARAMS) == {"prompt": "x", "stream": True,
+                                            "kv_transfer_params": PARAMS}
+
+
+def test_prefill_answer_params_are_forwarded_as_sent() -> None:
+    extended = {**PARAMS, "future_field": [1]}
+    content = msgspec.json.encode({"choices": [], "kv_transfer_params": extended})
+    assert parse_prefill_answer(content, URL) == extended
+
+
+@pytest.mark.parametrize(("params", "says"), [
+    ({k: v for k, v in PARAMS.items() if k != "remote_port"},
+     "Object missing required field `remote_port`"),
+    ({**PARAMS, "remote_port": "5600"}, "Expected `int`, got `str` - at `$.remote_port`"),
+    ({**PARAMS, "do_remote_prefill": False}, "do_remote_prefill=False, do_remote_decode=False"),
+    ([1], "without a kv_transfer_params object (found an array)"),
+])
+def test_prefill_answer_breaking_the_contract(params: Any, says: str) -> None:
+    with pytest.raises(ProxyError) as caught:
+        parse_prefill_answer(msgspec.json.encode({"kv_transfer_params": params}), URL)
+    assert caught.value.status == 502
+    assert f"prefill instance {URL} " in caught.value.message
+    assert says in caught.value.message
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (b"", "request body is not valid JSON: Input data was truncated"),
+    (b'"text"', "request body must be a JSON object, got a string"),
+    (b'{"stream": 1}', "'stream' must be true or false, got 1"),
+])
+def test_client_body_errors(raw: bytes, says: str) -> None:
+    with pytest.raises(ProxyError) as caught:
+        parse_client_body(raw)
+    assert caught.value.status == 400 and caught.value.message.startswith(says)
+
+
+def test_error_excerpt_prefers_the_openai_message() -> None:
+    assert error_excerpt(b'{"error": {"message": "model overloaded"}}') == "model overloaded"
+    assert error_excerpt(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
+    assert error_excerpt(b"") == "(empty body)"
+
+
+# -- balancer --------------------------------------------------------------------------
+
+
+def urls(instances: list[Any]) -> list[str]:
+    return [i.url for i in instances]
+
+
+def healthy_balancer(policy: str) -> Balancer:
+    balancer = Balancer(config(policy=policy))
+    for instance in balancer.instances():
+        balancer.mark_up(instance)
+    return balancer
+
+
+def test_round_robin_rotates_over_healthy_instances() -> None:
+    balancer = healthy_balancer("round_robin")
+    firsts = [balancer.candidates("prefill")[0].url for _ in range(4)]
+    assert firsts == ["http://p0", "http://p1", "http://p2", "http://p0"]
+    p1 = balancer.instances("prefill")[1]
+    balancer.mark_down(p1, "gone")
+    orders = [urls(balancer.candidates("prefill")) for _ in range(2)]
+    assert sorted(orders) == [["http://p0", "http://p2"], ["http://p2", "http://p0"]]
+    assert p1.last_error == "gone"
+
+
+def test_least_outstanding_prefers_idle_and_rotates_ties() -> None:
+    balancer = healthy_balancer("least_outstanding")
+    p0, p1, _ = balancer.instances("prefill")
+    with balancer.busy(p0), balancer.busy(p0), balancer.busy(p1):
+        assert urls(balancer.candidates("prefill")) == ["http://p2", "http://p1", "http://p0"]
+    assert p0.outstanding == p1.outstanding == 0
+    firsts = {balancer.candidates("prefill")[0].url for _ in range(3)}
+    assert firsts == {"http://p0", "http://p1", "http://p2"}
+
+
+def test_no_candidates_when_none_is_healthy() -> None:
+    balancer = Balancer(config())  # nothing checked yet
+    assert balancer.candidates("decode") == [] and not balancer.has_healthy("decode")
+
+
+# -- API key ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("header", "problem"), [
+    (None, "missing Authorization header; send 'Authorization: Bearer <api key>'"),
+    ("Token k", "Authorization scheme 'Token' is not supported; use 'Bearer <api key>'"),
+    ("Bearer k2", "invalid API key in the Authorization header"),
+    ("Bearer k", None), ("bearer  k", None)])
+def test_api_key_problems(header: str | None, problem: str | None) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    assert ApiKeyMiddleware(app, "k").problem(header) == problem
+
+
+# -- app and stub construction ---------------------------------------------------------
+
+
+def test_router_needs_a_running_app() -> None:
+    from proxy.app import create_app
+
+    service = create_app(config()).state.service
+    with pytest.raises(RuntimeError, match=re.escape("not running (lifespan not started)")):
+        service.router  # noqa: B018 (the property access is the test)
+
+
+def test_stub_role_is_checked() -> None:
+    from proxy.stub import create_stub_app
+
+    with pytest.raises(ValueError, match="stub role must be 'prefill' or 'decode', got 'both'"):
+        create_stub_app("both")
