@@ -74,8 +74,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))  # exits with status 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.log_level != "debug":  # httpx logs every upstream call at INFO
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     from proxy.server import serve
 
     return serve(config)

@@ -56,11 +56,11 @@ class ProxyService:
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        async with new_client(self.config) as client:
-            checker = HealthChecker(self.balancer, client, self.config.health_interval,
+        async with new_client(self.config) as session:
+            checker = HealthChecker(self.balancer, session, self.config.health_interval,
                                     self.config.connect_timeout)
             await checker.check_all()
-            self._router = PDRouter(self.balancer, Upstream(client, self.config, self.metrics),
+            self._router = PDRouter(self.balancer, Upstream(session, self.config, self.metrics),
                                     self.metrics)
             task = asyncio.create_task(checker.run())
             try:
@@ -96,26 +96,28 @@ def create_app(config: ProxyConfig) -> FastAPI:
                   redoc_url=None, openapi_url=None)
     app.state.service = service
 
-    @app.post(COMPLETIONS)
+    # Plain Starlette routes: an endpoint takes the Request and returns a Response, so
+    # FastAPI's per-request dependency solving and validation would only add latency.
     async def completions(request: Request) -> Response:
         return await service.complete(request, COMPLETIONS)
 
-    @app.post(CHAT_COMPLETIONS)
     async def chat_completions(request: Request) -> Response:
         return await service.complete(request, CHAT_COMPLETIONS)
 
-    @app.get("/v1/models")
     async def models(request: Request) -> Response:
         return await service.router.models(request_id(request.scope))
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         return service.health()
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_route(COMPLETIONS, completions, methods=["POST"])
+    app.add_route(CHAT_COMPLETIONS, chat_completions, methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/metrics", metrics, methods=["GET"])
     add_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)

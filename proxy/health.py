@@ -11,9 +11,10 @@ import asyncio
 import contextlib
 import logging
 
-import httpx
+import aiohttp
 
 from proxy.balancer import Balancer, Instance
+from proxy.upstream import failure_name
 
 log = logging.getLogger(__name__)
 
@@ -24,27 +25,33 @@ HEALTH_TIMEOUT_S = 5.0
 class HealthChecker:
     """Checks the balancer's instances over the app's shared client until stopped."""
 
-    def __init__(self, balancer: Balancer, client: httpx.AsyncClient, interval: float,
+    def __init__(self, balancer: Balancer, session: aiohttp.ClientSession, interval: float,
                  connect_timeout: float) -> None:
         self.balancer = balancer
-        self.client = client
+        self.session = session
         self.interval = interval
-        self.timeout = httpx.Timeout(HEALTH_TIMEOUT_S, connect=connect_timeout)
+        self.timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S,
+                                             sock_connect=connect_timeout)
         self._stop = asyncio.Event()
 
     async def check(self, instance: Instance) -> None:
         """One ``GET /health``: 200 marks the instance up, anything else down."""
         was_healthy = instance.healthy
         try:
-            response = await self.client.get(f"{instance.url}/health", timeout=self.timeout)
-        except httpx.TransportError as exc:
-            self.balancer.mark_down(instance, f"health check: {type(exc).__name__}: {exc}")
+            async with self.session.get(f"{instance.url}/health",
+                                        timeout=self.timeout) as response:
+                await response.read()  # to the end, so the connection can be reused
+                status = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            name = failure_name(exc)
+            self.balancer.mark_down(instance, f"health check: {name}: {exc}" if str(exc)
+                                    else f"health check: {name}")
         else:
-            if response.status_code == 200:
+            if status == 200:
                 self.balancer.mark_up(instance)
             else:
                 self.balancer.mark_down(
-                    instance, f"health check: GET /health answered HTTP {response.status_code}")
+                    instance, f"health check: GET /health answered HTTP {status}")
         if instance.healthy and not was_healthy:
             log.info("%s instance %s is healthy", instance.role, instance.url)
         elif was_healthy and not instance.healthy:

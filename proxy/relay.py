@@ -4,8 +4,9 @@ A client that disconnects must cancel the upstream call, or a decode instance
 keeps generating for nobody. ASGI reports a disconnect only to a pending
 ``receive()``; once a request's body is read, the next ``receive()`` returns
 ``http.disconnect`` when the connection goes away, so both helpers here race
-the upstream work against one such call. (Starlette's own streaming response
-stops watching for disconnects under ASGI spec 2.4 servers, hence our own.)
+the upstream work against one such call (:class:`DisconnectWatch`). (Starlette's
+own streaming response stops watching for disconnects under ASGI spec 2.4
+servers, hence our own.)
 """
 
 from __future__ import annotations
@@ -30,25 +31,65 @@ class ClientDisconnected(Exception):
     """The client closed its connection before the answer was ready."""
 
 
+class DisconnectWatch:
+    """Cancels the task that creates it when the client disconnects.
+
+    One pending ``receive()`` per request, no second task for the work: the
+    work runs in the request's own task, and the watch's done callback cancels
+    that task if ``receive()`` returns first (any message: the body was already
+    read, so the next one only comes when the connection goes away). Call
+    :meth:`stop` when the work ends, in a ``finally``.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("DisconnectWatch needs a running task")
+        self._task = task
+        self.left = False  # True once the client is known to be gone
+        self._watch = asyncio.ensure_future(receive())
+        self._watch.add_done_callback(self._on_message)
+
+    def _on_message(self, watch: asyncio.Future[Any]) -> None:
+        if watch.cancelled():
+            return
+        watch.exception()  # retrieved: a failed receive() also means the client is gone
+        self.left = True
+        self._task.cancel()
+
+    def stop(self) -> None:
+        """Stop watching; the task is never cancelled by this watch afterwards."""
+        self._watch.remove_done_callback(self._on_message)
+        self._watch.cancel()
+
+    def absorb(self) -> None:
+        """Take back the cancellation this watch caused (call on its CancelledError).
+
+        Python 3.11+ counts cancellations per task; without this the request's
+        task would still look cancelled to the server.
+        """
+        uncancel = getattr(self._task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
+
+
 async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` to completion unless the client disconnects first.
 
     Call only after the request body has been read. If the client leaves,
     ``work`` is cancelled (closing its upstream connections) and
-    :class:`ClientDisconnected` is raised; if ``work`` finished anyway, its
-    result wins.
+    :class:`ClientDisconnected` is raised.
     """
-    work_task = asyncio.ensure_future(work)
-    watch_task = asyncio.ensure_future(receive())
+    watch = DisconnectWatch(receive)
     try:
-        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not watch.left:
+            raise  # cancelled by someone else (server shutdown): not ours to handle
+        watch.absorb()
+        raise ClientDisconnected from None
     finally:
-        watch_task.cancel()
-        work_task.cancel()  # no-op when it already finished
-        await asyncio.gather(work_task, watch_task, return_exceptions=True)
-    if work_task.cancelled():
-        raise ClientDisconnected
-    return work_task.result()
+        watch.stop()
 
 
 class RelayResponse(Response):
@@ -75,18 +116,16 @@ class RelayResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            relay = asyncio.ensure_future(self._relay(send))
-            watch = asyncio.ensure_future(receive())
+            watch = DisconnectWatch(receive)
             try:
-                await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watch.cancel()
-                relay.cancel()
-                await asyncio.gather(relay, watch, return_exceptions=True)
-            if relay.cancelled():
+                await self._relay(send)
+            except asyncio.CancelledError:
+                if not watch.left:
+                    raise
+                watch.absorb()
                 self.on_disconnect()
-            elif relay.exception() is not None:
-                raise relay.exception()  # type: ignore[misc]
+            finally:
+                watch.stop()
         finally:
             await asyncio.shield(self.close())
 

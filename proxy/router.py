@@ -21,7 +21,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import httpx
 import msgspec
 from starlette.responses import Response
 
@@ -30,7 +29,7 @@ from proxy.contract import decode_request, parse_prefill_answer, prefill_request
 from proxy.errors import ProxyError, unavailable
 from proxy.metrics import ProxyMetrics
 from proxy.relay import RelayResponse
-from proxy.upstream import OpenStream, Unreachable, Upstream
+from proxy.upstream import Answer, OpenStream, Unreachable, Upstream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,11 +92,11 @@ class PDRouter:
             log.info("client left request %s; closed the stream from %s", request_id,
                      instance.url)
 
-        return RelayResponse(stream.chunks(), close, on_disconnect, stream.response.status_code,
+        return RelayResponse(stream.chunks(), close, on_disconnect, stream.status,
                              stream.media_type)
 
     async def _fetch(self, instance: Instance, method: str, path: str, request_id: str,
-                     content: bytes | None = None) -> httpx.Response:
+                     content: bytes | None = None) -> Answer:
         with self.balancer.busy(instance):
             return await self.upstream.fetch(instance, method, path, request_id, content)
 
@@ -125,7 +124,6 @@ class PDRouter:
             f"{i.url} ({i.last_error or 'unhealthy'})" for i in self.balancer.instances(role)))
 
 
-def passthrough(response: httpx.Response) -> Response:
+def passthrough(answer: Answer) -> Response:
     """The upstream's answer, body and status unchanged."""
-    return Response(response.content, response.status_code,
-                    media_type=response.headers.get("content-type", "application/json"))
+    return Response(answer.content, answer.status, media_type=answer.content_type)

@@ -18,15 +18,16 @@ import asyncio
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from proxy.errors import error_body
+from proxy.relay import RelayResponse
 
 MODEL = "stub-model"
 BLOCK_SIZE = 16  # tokens per fake block; one prompt "token" per whitespace-separated word
@@ -96,11 +97,13 @@ def create_stub_app(role: str, behaviour: StubBehaviour | None = None,
                  engine_id or f"stub-{role}-{uuid.uuid4().hex[:8]}")
     app = FastAPI(title=f"kvxfer stub {role}", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.stub = stub
-    app.add_api_route("/v1/completions", stub.complete, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", stub.complete, methods=["POST"])
-    app.add_api_route("/v1/models", stub.models, methods=["GET"])
-    app.add_api_route("/health", stub.health, methods=["GET"])
-    app.add_api_route("/metrics", stub.metrics, methods=["GET"])
+    # Plain Starlette routes (Request in, Response out): a stub must cost far less per
+    # request than the proxy it stands next to in ``kvxfer bench proxy``.
+    app.add_route("/v1/completions", stub.complete, methods=["POST"])
+    app.add_route("/v1/chat/completions", stub.complete, methods=["POST"])
+    app.add_route("/v1/models", stub.models, methods=["GET"])
+    app.add_route("/health", stub.health, methods=["GET"])
+    app.add_route("/metrics", stub.metrics, methods=["GET"])
     return app
 
 
@@ -112,15 +115,15 @@ class _Stub:
         self.record = record
         self.engine_id = engine_id
 
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         ok = self.behaviour.healthy
         return _json({"status": "ok" if ok else "not ready"}, 200 if ok else 503)
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
         return _json({"object": "list", "data": [
             {"id": MODEL, "object": "model", "owned_by": "kvxfer-stub", "root": self.role}]})
 
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         return Response(f"stub_up{{role=\"{self.role}\"}} 1\n", media_type="text/plain")
 
     async def complete(self, request: Request) -> Response:
@@ -139,8 +142,11 @@ class _Stub:
             return _sent(call, Response(error_body(status, message, "stub_error"), status,
                                         media_type="application/json"))
         if self.role == "decode" and body.get("stream") is True:
-            return StreamingResponse(self._stream(request, call, body),
-                                     media_type="text/event-stream")
+            # The proxy's own relay: unbuffered, and it cancels the stream (which the
+            # generator records) when the caller disconnects.
+            events = self._stream(request, call, body)
+            return RelayResponse(events, events.aclose, lambda: None,
+                                 media_type="text/event-stream")
         if not await self._wait(request, call, self.behaviour.hold, self.behaviour.delay_s):
             return Response(status_code=499)
         if self.behaviour.answer is not None:
@@ -194,7 +200,7 @@ class _Stub:
                 "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
 
     async def _stream(self, request: Request, call: Call, body: dict[str, Any]
-                      ) -> AsyncIterator[bytes]:
+                      ) -> AsyncGenerator[bytes, None]:
         chat = call.path.endswith("/chat/completions")
         try:
             if not await self._wait(request, call, None, self.behaviour.delay_s):
@@ -248,6 +254,8 @@ def _sent(call: Call, response: Response) -> Response:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
+    from proxy.server import server_options
+
     parser = argparse.ArgumentParser(prog="python -m proxy.stub", description=__doc__.split(
         "\n")[0])
     parser.add_argument("--role", choices=["prefill", "decode"], required=True)
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=4, help="SSE events per streamed answer")
     args = parser.parse_args(argv)
     app = create_stub_app(args.role, StubBehaviour(chunks=args.chunks), record=None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                **server_options())
     return 0
 
 

@@ -1,6 +1,8 @@
-"""Calls from the proxy to one instance, over the app's one pooled ``httpx.AsyncClient``.
+"""Calls from the proxy to one instance, over the app's one pooled ``aiohttp.ClientSession``.
 
-This module turns every way a call can fail into one exception:
+aiohttp rather than httpx on this path: per call it costs a fraction of the CPU
+(measured in ``kvxfer bench proxy``), and the proxy makes two calls for every
+client request. This module turns every way a call can fail into one exception:
 
 - :class:`Unreachable`: no connection could be opened, so nothing was sent and
   the caller may safely try another instance of the role;
@@ -9,7 +11,9 @@ This module turns every way a call can fail into one exception:
 - :class:`~proxy.errors.ProxyError` 502 (5xx, broken connection) or 504
   (timeout), its message naming the stage ("prefill" / "decode") and the URL.
 
-The stage of a call is the role of the instance it goes to.
+The stage of a call is the role of the instance it goes to. Failures are named
+by what happened (:func:`failure_name`), not by the client library's exception
+class, so messages and ``last_error`` stay the same whichever library sends.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import msgspec
 
 from proxy.balancer import Instance
@@ -26,11 +31,22 @@ from proxy.config import ProxyConfig
 from proxy.errors import UpstreamRejected, bad_gateway, gateway_timeout
 from proxy.metrics import ProxyMetrics
 
-# Connections per instance; well above the concurrency one proxy process serves.
+# Connections in the pool, all instances together; well above the concurrency one
+# proxy process serves.
 MAX_CONNECTIONS = 1024
-MAX_KEEPALIVE = 256
+# How long (seconds) an idle connection is kept for reuse: below the 5 s after which
+# uvicorn (the sidecars' server, and vLLM's) closes an idle connection, so that the
+# proxy never sends a request on a connection the sidecar is closing at that moment.
+KEEPALIVE_S = 4.0
 # How much of an upstream's error answer goes into the proxy's message.
 EXCERPT_CHARS = 300
+
+# What a failed call is called in messages, by what happened.
+CONNECT_ERROR = "ConnectError"  # refused, unreachable host: nothing was sent
+CONNECT_TIMEOUT = "ConnectTimeout"
+READ_TIMEOUT = "ReadTimeout"  # no answer, or no next chunk, within request_timeout
+PROTOCOL_ERROR = "RemoteProtocolError"  # connection closed or answer malformed midway
+READ_ERROR = "ReadError"  # the socket failed (reset) after the request was sent
 
 
 class Unreachable(Exception):
@@ -42,118 +58,44 @@ class Unreachable(Exception):
         self.reason = reason
 
 
-def new_client(config: ProxyConfig) -> httpx.AsyncClient:
-    """The pooled client an app shares across all its requests and health checks.
+@dataclass(frozen=True)
+class Answer:
+    """A whole upstream answer: status, ``content-type`` header value, body bytes."""
 
-    Each instance gets a connection pool of its own (``mounts``): httpcore's pool
-    bookkeeping costs O(connections^2) per call, so one pool for every instance
-    would slow all calls down as the total connection count grows.
+    status: int
+    content_type: str
+    content: bytes
+
+
+def new_client(config: ProxyConfig) -> aiohttp.ClientSession:
+    """The pooled session an app shares across all its requests and health checks.
+
+    Create it on the app's event loop (inside the lifespan). Calls default to
+    ``config``'s connect timeout and no read bound; :class:`Upstream` and the
+    health checker pass their own bounds per call.
     """
-    limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE)
-    urls = [*config.prefill_urls, *config.decode_urls]
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(config.request_timeout, connect=config.connect_timeout),
-        limits=limits,
-        mounts={url: httpx.AsyncHTTPTransport(limits=limits) for url in urls},
+    connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=0,
+                                     keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout),
         # Environment proxy settings must never reroute calls to the sidecars.
         trust_env=False,
-        # Streams are relayed byte for byte, so ask for them uncompressed.
-        headers={"accept-encoding": "identity"})
+        # Streams are relayed byte for byte, so ask for them uncompressed and never decode.
+        auto_decompress=False, headers={"accept-encoding": "identity"})
 
 
-class Upstream:
-    """Sends calls to instances and reports failures as the exceptions above."""
-
-    def __init__(self, client: httpx.AsyncClient, config: ProxyConfig,
-                 metrics: ProxyMetrics) -> None:
-        self.client = client
-        self.request_timeout = config.request_timeout
-        self.metrics = metrics
-
-    async def fetch(self, instance: Instance, method: str, path: str, request_id: str,
-                    content: bytes | None = None) -> httpx.Response:
-        """One whole (non-streamed) call, bounded by ``request_timeout`` in total.
-
-        Returns only a 2xx answer with its body read.
-        """
-        request = self._request(instance, method, path, request_id, content)
-        start = time.perf_counter()
-        try:
-            response = await asyncio.wait_for(self.client.send(request), self.request_timeout)
-        except (httpx.TransportError, asyncio.TimeoutError) as exc:
-            raise self.failure(instance, exc) from exc
-        self.observe(instance, start)
-        if not response.is_success:
-            raise self._rejection(instance, response)
-        return response
-
-    async def open_stream(self, instance: Instance, path: str, request_id: str,
-                          content: bytes) -> OpenStream:
-        """Send a call and return its 2xx answer with the body still to be read.
-
-        The caller must ``aclose()`` it. The wait for the headers, and later for
-        each chunk, is bounded by ``request_timeout``.
-        """
-        request = self._request(instance, "POST", path, request_id, content)
-        start = time.perf_counter()
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise self.failure(instance, exc) from exc
-        if response.is_success:
-            return OpenStream(self, instance, response, start)
-        try:
-            await response.aread()
-        except httpx.TransportError as exc:
-            raise self.failure(instance, exc) from exc
-        finally:
-            await response.aclose()
-        raise self._rejection(instance, response)
-
-    def _request(self, instance: Instance, method: str, path: str, request_id: str,
-                 content: bytes | None) -> httpx.Request:
-        headers = {"x-request-id": request_id}
-        if content is not None:
-            headers["content-type"] = "application/json"
-        return self.client.build_request(method, instance.url + path, content=content,
-                                         headers=headers)
-
-    def observe(self, instance: Instance, start: float) -> None:
-        """Record a finished call (``start`` from ``time.perf_counter()``)."""
-        self.metrics.upstream_latency.labels(instance.role, instance.url).observe(
-            time.perf_counter() - start)
-
-    def _error(self, instance: Instance, kind: str, detail: str | None) -> None:
-        """Count a failed call; ``detail`` (None for a client error) becomes ``last_error``."""
-        self.metrics.upstream_errors.labels(instance.role, instance.url, kind).inc()
-        if detail is not None:
-            instance.last_error = detail
-
-    def failure(self, instance: Instance, exc: Exception) -> Exception:
-        """The exception that reports ``exc`` from a call to ``instance``."""
-        who = f"{instance.role} instance {instance.url}"
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-            self._error(instance, "unreachable", detail)
-            return Unreachable(instance, detail)
-        if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)):
-            self._error(instance, "timeout", f"no answer within {self.request_timeout:g} s")
-            return gateway_timeout(f"{who} did not answer within {self.request_timeout:g} s "
-                                   f"({type(exc).__name__})")
-        self._error(instance, "broken", detail)
-        return bad_gateway(f"{who} failed: {detail}")
-
-    def _rejection(self, instance: Instance, response: httpx.Response) -> Exception:
-        """What reports a non-2xx answer: a 4xx passes through, anything else is a 502."""
-        status = response.status_code
-        if 400 <= status < 500:
-            self._error(instance, "rejected", None)
-            return UpstreamRejected(status, response.content,
-                                    response.headers.get("content-type", "application/json"),
-                                    instance.role, instance.url)
-        self._error(instance, f"http_{status}", f"answered HTTP {status}")
-        return bad_gateway(f"{instance.role} instance {instance.url} answered HTTP {status}: "
-                          f"{error_excerpt(response.content)}")
+def failure_name(exc: BaseException) -> str:
+    """What happened to a call that raised ``exc`` (one of the names above)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return CONNECT_TIMEOUT
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return CONNECT_ERROR
+    if isinstance(exc, asyncio.TimeoutError):
+        return READ_TIMEOUT
+    if isinstance(exc, aiohttp.ClientOSError):
+        return READ_ERROR
+    return PROTOCOL_ERROR
 
 
 def error_excerpt(content: bytes) -> str:
@@ -167,30 +109,140 @@ def error_excerpt(content: bytes) -> str:
     return message[:EXCERPT_CHARS] or "(empty body)"
 
 
+class Upstream:
+    """Sends calls to instances and reports failures as the exceptions above."""
+
+    def __init__(self, session: aiohttp.ClientSession, config: ProxyConfig,
+                 metrics: ProxyMetrics) -> None:
+        self.session = session
+        self.request_timeout = config.request_timeout
+        self.metrics = metrics
+        # A whole answer within request_timeout; a stream's headers and each chunk within it.
+        self._whole = aiohttp.ClientTimeout(total=config.request_timeout,
+                                            sock_connect=config.connect_timeout)
+        self._per_read = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
+                                               sock_read=config.request_timeout)
+
+    async def fetch(self, instance: Instance, method: str, path: str, request_id: str,
+                    content: bytes | None = None) -> Answer:
+        """One whole (non-streamed) call, bounded by ``request_timeout`` in total.
+
+        Returns only a 2xx answer. Cancelling the caller closes the connection,
+        which is how the instance learns that nobody waits for the answer.
+        """
+        start = time.perf_counter()
+        try:
+            async with self.session.request(method, instance.url + path, data=content,
+                                            headers=_headers(request_id, content),
+                                            timeout=self._whole) as response:
+                answer = Answer(response.status, _content_type(response),
+                                await response.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise self.failure(instance, exc) from exc
+        self.observe(instance, start)
+        if not 200 <= answer.status < 300:
+            raise self._rejection(instance, answer)
+        return answer
+
+    async def open_stream(self, instance: Instance, path: str, request_id: str,
+                          content: bytes) -> OpenStream:
+        """Send a call and return its 2xx answer with the body still to be read.
+
+        The caller must ``aclose()`` it. The wait for the headers, and later for
+        each chunk, is bounded by ``request_timeout``.
+        """
+        start = time.perf_counter()
+        try:
+            response = await self.session.request("POST", instance.url + path, data=content,
+                                                  headers=_headers(request_id, content),
+                                                  timeout=self._per_read)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise self.failure(instance, exc) from exc
+        if 200 <= response.status < 300:
+            return OpenStream(self, instance, response, start)
+        try:
+            answer = Answer(response.status, _content_type(response), await response.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise self.failure(instance, exc) from exc
+        finally:
+            response.release()  # back to the pool if read to the end, else closed
+        raise self._rejection(instance, answer)
+
+    def observe(self, instance: Instance, start: float) -> None:
+        """Record a finished call (``start`` from ``time.perf_counter()``)."""
+        self.metrics.upstream_latency.labels(instance.role, instance.url).observe(
+            time.perf_counter() - start)
+
+    def _error(self, instance: Instance, kind: str, detail: str | None) -> None:
+        """Count a failed call; ``detail`` (None for a client error) becomes ``last_error``."""
+        self.metrics.upstream_errors.labels(instance.role, instance.url, kind).inc()
+        if detail is not None:
+            instance.last_error = detail
+
+    def failure(self, instance: Instance, exc: BaseException) -> Exception:
+        """The exception that reports ``exc`` from a call to ``instance``."""
+        who = f"{instance.role} instance {instance.url}"
+        name = failure_name(exc)
+        detail = f"{name}: {exc}" if str(exc) else name
+        if name in (CONNECT_ERROR, CONNECT_TIMEOUT):
+            self._error(instance, "unreachable", detail)
+            return Unreachable(instance, detail)
+        if name == READ_TIMEOUT:
+            self._error(instance, "timeout", f"no answer within {self.request_timeout:g} s")
+            return gateway_timeout(f"{who} did not answer within {self.request_timeout:g} s "
+                                   f"({name})")
+        self._error(instance, "broken", detail)
+        return bad_gateway(f"{who} failed: {detail}")
+
+    def _rejection(self, instance: Instance, answer: Answer) -> Exception:
+        """What reports a non-2xx answer: a 4xx passes through, anything else is a 502."""
+        status = answer.status
+        if 400 <= status < 500:
+            self._error(instance, "rejected", None)
+            return UpstreamRejected(status, answer.content, answer.content_type,
+                                    instance.role, instance.url)
+        self._error(instance, f"http_{status}", f"answered HTTP {status}")
+        return bad_gateway(f"{instance.role} instance {instance.url} answered HTTP {status}: "
+                           f"{error_excerpt(answer.content)}")
+
+
+def _headers(request_id: str, content: bytes | None) -> dict[str, str]:
+    if content is None:
+        return {"x-request-id": request_id}
+    return {"x-request-id": request_id, "content-type": "application/json"}
+
+
+def _content_type(response: aiohttp.ClientResponse) -> str:
+    return response.headers.get("content-type", "application/json")
+
 
 class OpenStream:
     """A 2xx answer whose body is still arriving, from :meth:`Upstream.open_stream`."""
 
-    def __init__(self, upstream: Upstream, instance: Instance, response: httpx.Response,
-                 start: float) -> None:
+    def __init__(self, upstream: Upstream, instance: Instance,
+                 response: aiohttp.ClientResponse, start: float) -> None:
         self.upstream = upstream
         self.instance = instance
         self.response = response
         self.start = start  # time.perf_counter() when the call was sent
 
     @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
     def media_type(self) -> str:
-        return str(self.response.headers.get("content-type", "text/event-stream")).split(";")[0]
+        return self.response.headers.get("content-type", "text/event-stream").split(";")[0]
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, byte for byte; a failure midway is a ProxyError."""
         try:
-            async for chunk in self.response.aiter_raw():
+            async for chunk in self.response.content.iter_any():
                 yield chunk
-        except httpx.TransportError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise self.upstream.failure(self.instance, exc) from exc
 
     async def aclose(self) -> None:
-        """Close the connection if the body is unfinished; record the call's latency."""
-        await self.response.aclose()
+        """Free the connection (closed if the body is unfinished); record the call's latency."""
+        self.response.release()
         self.upstream.observe(self.instance, self.start)

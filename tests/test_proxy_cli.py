@@ -32,7 +32,8 @@ def free_port() -> int:
 
 
 def our_children() -> set[int]:
-    """PIDs of stub and proxy processes (``-m proxy.stub`` / ``-m proxy``) now running."""
+    """PIDs of stub, proxy and hop processes (``-m proxy.stub`` / ``-m proxy`` /
+    ``-m kvxfer.bench.hop``) now running."""
     found = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -41,7 +42,7 @@ def our_children() -> set[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(argv[i] == b"-m" and argv[i + 1] in (b"proxy", b"proxy.stub")
+        if any(argv[i] == b"-m" and argv[i + 1] in (b"proxy", b"proxy.stub", b"kvxfer.bench.hop")
                for i in range(len(argv) - 1)):
             found.add(int(entry.name))
     return found
@@ -133,11 +134,19 @@ def test_bench_proxy_reports_every_target() -> None:
         assert row["p50_ms"] > 0 and row["p99_ms"] >= row["p50_ms"] and row["rps"] > 0
         assert (row["ttfb_p50_ms"] is None) == (row["mode"] == "json")
     assert len(result["added_p50_ms"]) == 4
-    assert our_children() <= before  # every stub and proxy process is gone
+    assert result["rounds"] == 5  # the default; 6 requests per cell, split over the rounds
+    floor = {(r["mode"], r["target"], r["concurrency"]): r for r in result["floor"]}
+    assert set(floor) == {("json", "hop", 1), ("json", "hop", 3)}
+    assert all((r["requests"], r["errors"]) == (6, 0) for r in floor.values()), floor
+    for added in result["added_p50_ms"]:
+        assert added["under_target"] == (added["vs_prefill+decode"] < 1.0), added
+        assert added["hop_p50_ms"] == floor[("json", "hop", added["concurrency"])]["p50_ms"]
+    assert our_children() <= before  # every stub, proxy and hop process is gone
 
 
 @pytest.mark.parametrize(("args", "says"), [
     (["--requests", "0"], "--requests must be at least 1, got 0"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["--concurrency", "4", "0"], "--concurrency values must be at least 1, got [4, 0]")])
 def test_bench_proxy_refuses_bad_counts(args: list[str], says: str) -> None:
     done = run("-m", "kvxfer.cli", "bench", "proxy", *args)
@@ -165,10 +174,10 @@ def test_bench_proxy_stops_its_processes_on_ctrl_c() -> None:
                               "--requests", "100000", "--max-seconds", "60"],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: len(our_children() - before) == 3 or bench.poll() is not None,
-                   WAIT_S, "the bench to start its three processes", step_s=0.05)
+        wait_until(lambda: len(our_children() - before) == 4 or bench.poll() is not None,
+                   WAIT_S, "the bench to start its four processes", step_s=0.05)
         started = our_children() - before
-        assert len(started) == 3, bench.communicate()
+        assert len(started) == 4, bench.communicate()
         bench.send_signal(signal.SIGINT)
         _, stderr = bench.communicate(timeout=WAIT_S)
         assert bench.returncode == 130, stderr

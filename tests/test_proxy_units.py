@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sys
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -12,8 +15,10 @@ from proxy.balancer import Balancer
 from proxy.config import ConfigError, ProxyConfig, base_url, instance_urls
 from proxy.contract import decode_request, parse_client_body, parse_prefill_answer, prefill_request
 from proxy.errors import ProxyError
+from proxy.metrics import ProxyMetrics
 from proxy.middleware import ApiKeyMiddleware
-from proxy.upstream import error_excerpt
+from proxy.relay import ClientDisconnected, DisconnectWatch, unless_disconnected
+from proxy.upstream import Upstream, error_excerpt, failure_name
 
 URL = "http://127.0.0.1:9"
 PARAMS: dict[str, Any] = {
@@ -120,6 +125,184 @@ def test_error_excerpt_prefers_the_openai_message() -> None:
     assert error_excerpt(b'{"error": {"message": "model overloaded"}}') == "model overloaded"
     assert error_excerpt(b"<html>bad gateway</html>") == "<html>bad gateway</html>"
     assert error_excerpt(b"") == "(empty body)"
+
+
+# -- upstream failures -----------------------------------------------------------------
+
+
+def connector_error() -> aiohttp.ClientConnectorError:
+    key = aiohttp.client_reqrep.ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connect call failed"))
+
+
+@pytest.mark.parametrize(("exc", "name"), [
+    (connector_error(), "ConnectError"),
+    (aiohttp.ConnectionTimeoutError("connect timed out"), "ConnectTimeout"),
+    (aiohttp.SocketTimeoutError("no data"), "ReadTimeout"),
+    (asyncio.TimeoutError(), "ReadTimeout"),
+    (aiohttp.ClientOSError(104, "Connection reset by peer"), "ReadError"),
+    (aiohttp.ServerDisconnectedError(), "RemoteProtocolError"),
+    (aiohttp.ClientPayloadError("Response payload is not completed"), "RemoteProtocolError"),
+])
+def test_failures_are_named_by_what_happened(exc: BaseException, name: str) -> None:
+    assert failure_name(exc) == name
+
+
+def upstream() -> tuple[Upstream, Balancer]:
+    settings = config(request_timeout=2.5)
+    balancer = Balancer(settings)
+    return Upstream(None, settings, ProxyMetrics(balancer, ())), balancer  # type: ignore[arg-type]
+
+
+def test_failure_reports_name_the_stage_instance_and_cause() -> None:
+    calls, balancer = upstream()
+    decode = balancer.instances("decode")[0]
+    reset = calls.failure(decode, aiohttp.ClientOSError(104, "Connection reset by peer"))
+    assert isinstance(reset, ProxyError) and reset.status == 502
+    assert reset.message == ("decode instance http://d0 failed: ReadError: [Errno 104] "
+                             "Connection reset by peer")
+    stalled = calls.failure(decode, aiohttp.SocketTimeoutError("no data"))
+    assert isinstance(stalled, ProxyError) and stalled.status == 504
+    assert stalled.message == "decode instance http://d0 did not answer within 2.5 s (ReadTimeout)"
+    refused = calls.failure(balancer.instances("prefill")[1], connector_error())
+    assert str(refused).startswith("prefill instance http://p1: ConnectError: Cannot connect to "
+                                   "host 127.0.0.1:9")
+    assert decode.last_error == "no answer within 2.5 s"
+
+
+@pytest.mark.parametrize("call", ["fetch", "open_stream"])
+def test_an_instance_that_never_answers_is_a_504(call: str) -> None:
+    """A real listening socket that never answers: no headers within request_timeout."""
+    import socket
+
+    from proxy.upstream import new_client
+
+    async def scenario(url: str) -> ProxyError:
+        settings = ProxyConfig((url,), ("http://127.0.0.1:9",), request_timeout=0.2)
+        balancer = Balancer(settings)
+        async with new_client(settings) as session:
+            calls = Upstream(session, settings, ProxyMetrics(balancer, ()))
+            prefill = balancer.instances("prefill")[0]
+            with pytest.raises(ProxyError) as caught:
+                if call == "fetch":
+                    await calls.fetch(prefill, "POST", "/v1/completions", "r1", b"{}")
+                else:
+                    await calls.open_stream(prefill, "/v1/completions", "r1", b"{}")
+            return caught.value
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel completes connections; nobody ever reads or answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        error = asyncio.run(scenario(url))
+    assert error.status == 504
+    assert error.message == f"prefill instance {url} did not answer within 0.2 s (ReadTimeout)"
+
+
+# -- client disconnects ----------------------------------------------------------------
+
+
+def test_disconnect_watch_needs_a_task() -> None:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def scenario() -> str:
+        loop = asyncio.get_running_loop()
+        refused: asyncio.Future[str] = loop.create_future()
+
+        def outside_any_task() -> None:  # a loop callback: a loop is running, no task is
+            try:
+                DisconnectWatch(receive)
+            except RuntimeError as exc:
+                refused.set_result(str(exc))
+
+        loop.call_soon(outside_any_task)
+        return await refused
+
+    assert asyncio.run(scenario()) == "DisconnectWatch needs a running task"
+
+
+class Client:
+    """An ASGI ``receive`` that answers ``http.disconnect`` once ``leave()`` is called."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+        self.waiting = 0
+
+    async def receive(self) -> dict[str, Any]:
+        self.waiting += 1
+        try:
+            await self.gone.wait()
+        finally:
+            self.waiting -= 1
+        return {"type": "http.disconnect"}
+
+
+def test_a_client_leaving_cancels_the_work() -> None:
+    async def scenario() -> None:
+        client, cancelled = Client(), asyncio.Event()
+
+        async def work() -> str:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            return "late"
+
+        asyncio.get_running_loop().call_later(0.01, client.gone.set)
+        with pytest.raises(ClientDisconnected):
+            await unless_disconnected(client.receive, work())
+        assert cancelled.is_set()
+        task = asyncio.current_task()
+        assert task is not None
+        if sys.version_info >= (3, 11):
+            assert task.cancelling() == 0  # the watch took back its cancellation
+        await asyncio.sleep(0)  # still runnable: nothing cancels us later
+
+    asyncio.run(scenario())
+
+
+def test_finished_work_wins_and_stops_the_watch() -> None:
+    async def scenario() -> None:
+        client = Client()
+
+        async def work() -> str:
+            await asyncio.sleep(0)
+            return "answer"
+
+        assert await unless_disconnected(client.receive, work()) == "answer"
+        await asyncio.sleep(0)
+        assert client.waiting == 0  # the pending receive() was cancelled
+        client.gone.set()
+        await asyncio.sleep(0.01)  # a disconnect now must not cancel this task
+
+    asyncio.run(scenario())
+
+
+def test_cancellation_from_elsewhere_is_not_a_disconnect() -> None:
+    async def scenario() -> None:
+        client = Client()
+        request = asyncio.ensure_future(unless_disconnected(client.receive, asyncio.sleep(30)))
+        await asyncio.sleep(0.01)
+        request.cancel()  # as the server does at shutdown
+        with pytest.raises(asyncio.CancelledError):
+            await request
+
+    asyncio.run(scenario())
+
+
+# -- server --------------------------------------------------------------------------------
+
+
+def test_server_uses_uvloop_and_httptools_when_importable(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from proxy.server import server_options
+
+    assert server_options() == {"loop": "uvloop", "http": "httptools"}
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import now raises ImportError
+    monkeypatch.setitem(sys.modules, "httptools", None)
+    assert server_options() == {"loop": "asyncio", "http": "h11"}
 
 
 # -- balancer --------------------------------------------------------------------------
