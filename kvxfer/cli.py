@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvxfer import __version__
 
-COMMANDS: tuple[str, ...] = ("plan", "bench", "generate",)
+COMMANDS: tuple[str, ...] = ("serve", "plan", "generate", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "DEBUG":  # one line per HTTP call drowns everything else
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return int(args.run(args))
     except KeyboardInterrupt:

@@ -15,7 +15,9 @@ Contract (who calls what, when):
   since the last call; a failed request carries a reason naming the peer.
 * Prefill side, per request: ``hold(request_id, block_ids, readers, ttl)``
   leases the blocks until every expected decode reader has notified "done" or
-  the lease expires; ``poll_released()`` returns the leases that ended and why.
+  the lease expires (``request_id`` is the lease id the decode echoes back: keep
+  it unique per lease, so a late "done" can never end a newer lease);
+  ``poll_released()`` returns the leases that ended and why.
   Prefill never frees blocks on its own: the caller frees them when released.
 * The instance calls ``peer_connecting()`` when its listener served a
   handshake, so that the agent is progressed quickly while the peer wires up
@@ -65,7 +67,6 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05       # idle: progress/expire 20 times a second (~0.1% of a core)
 BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
 CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
-EARLY_NOTIF_TTL_S = 30.0  # keep a "done" that arrived before its lease this long
 DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
 
 
@@ -204,7 +205,6 @@ class TransferWorker:
         self._inflight: list[_Read] = []
         self._results = PollResult()
         self._leases: dict[str, _Lease] = {}
-        self._early: dict[str, list[tuple[float, ReadDone]]] = {}
         self._handshaking: dict[str, list[_Read]] = {}
         self._handshakes: queue.Queue[tuple[RemoteParams, _Handshake | str]] = queue.Queue()
         self._dead: dict[str, tuple[float, str]] = {}
@@ -297,11 +297,7 @@ class TransferWorker:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
-            lease = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
-            self._leases[request_id] = lease
-            for _, note in self._early.pop(request_id, []):
-                if request_id in self._leases:
-                    self._count_done(request_id, lease, note)
+            self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
 
     def poll_released(self) -> list[Released]:
         """Leases that ended since the last call; their blocks may be freed now."""
@@ -556,9 +552,9 @@ class TransferWorker:
                     continue
                 with self._lock:
                     lease = self._leases.get(note.request_id)
-                    if lease is None:
-                        self._early.setdefault(note.request_id, []).append(
-                            (time.monotonic(), note))
+                    if lease is None:  # a late reader of an expired lease, or a stray note
+                        log.info("ignoring a done for unknown lease %s from %s", note.request_id,
+                                 sender)
                     else:
                         self._count_done(note.request_id, lease, note)
 
@@ -582,11 +578,6 @@ class TransferWorker:
                     self._released.append(Released(request_id, "expired"))
                     log.warning("lease of request %s expired with %d reader(s) done", request_id,
                                 len(lease.done_by))
-            # A "done" for an unknown request is kept briefly in case its lease is
-            # registered just after it, then dropped (late readers of expired leases).
-            for request_id, notes in list(self._early.items()):
-                if now - notes[0][0] > EARLY_NOTIF_TTL_S:
-                    del self._early[request_id]
 
     def _require_plan(self) -> RegionPlan:
         if self._plan is None:

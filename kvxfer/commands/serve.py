@@ -1,0 +1,92 @@
+"""``kvxfer serve``: run a prefill, decode or plain sidecar (HTTP API + KV transfer)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HELP = "run a sidecar: an OpenAI-compatible server that prefills, decodes or both"
+
+DESCRIPTION = """\
+Run one sidecar instance of the built-in engine behind an OpenAI-compatible HTTP
+API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+roles:
+  prefill  computes prompts; a request whose kv_transfer_params say
+           do_remote_decode leases its KV blocks and answers with the params a
+           decode instance reads them with (over NIXL, after a handshake on the
+           side channel)
+  decode   a request whose kv_transfer_params say do_remote_prefill reads the
+           prompt's KV from that prefill instance, then generates the rest
+  both     a plain single instance (the reference for accuracy checks)
+
+Prints "kvxfer serve ready: ..." on stdout once it accepts requests; stops
+cleanly on SIGINT or SIGTERM."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                        help="what this instance does (default both)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="HTTP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--side-channel-host", default="127.0.0.1",
+                        help="prefill: address of the handshake listener, also the "
+                             "remote_host decode instances are told (default 127.0.0.1)")
+    parser.add_argument("--side-channel-port", type=int, default=0,
+                        help="prefill: handshake listener port (default 0: a free port)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    parser.add_argument("--kv-cache-layout", default=os.environ.get("KVXFER_KV_CACHE_LAYOUT"),
+                        help="KV cache layout: LBHNC, LBNHC, BLHNC, BLNHC, BHLNC (aliases HND, "
+                             "NHD) (default $KVXFER_KV_CACHE_LAYOUT, else LBHNC)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    parser.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (256)")
+    parser.add_argument("--model", default="kvxfer-tiny",
+                        help="checkpoint directory (config.json + *.safetensors) or "
+                             "'kvxfer-tiny' (default: the seeded tiny model)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of kvxfer-tiny (0)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        default="float32", help="model and cache dtype (default float32)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"],
+                        default="recompute",
+                        help="decode: when a KV read fails, recompute the prompt locally or "
+                             "fail the request with HTTP 502 (default recompute)")
+    parser.add_argument("--lease-ttl", type=float, default=120.0,
+                        help="prefill: seconds leased blocks wait for their decode readers "
+                             "(default 120)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) clients may ask for (default: the model's name)")
+
+
+def _fail(message: str) -> int:
+    print(f"kvxfer serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvxfer.server import PortInUse, Settings, serve
+
+    if not 0 <= args.port < 65536:
+        return _fail(f"--port {args.port} is not a TCP port")
+    if not 0 <= args.side_channel_port < 65536:
+        return _fail(f"--side-channel-port {args.side_channel_port} is not a TCP port")
+    if not args.lease_ttl > 0:
+        return _fail(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
+    settings = Settings(
+        role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,
+        side_channel_port=args.side_channel_port, tp=args.tp,
+        kv_cache_layout=args.kv_cache_layout, block_size=args.block_size,
+        num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
+        device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
+        lease_ttl=args.lease_ttl, served_model_names=tuple(args.served_model_name or ()))
+    try:
+        serve(settings)
+    except PortInUse as exc:
+        return _fail(str(exc))
+    except (OSError, ValueError, KeyError) as exc:  # side channel, bad flags or checkpoint
+        return _fail(str(exc).strip("'\""))
+    return 0

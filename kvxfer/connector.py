@@ -1,0 +1,394 @@
+"""``KVConnector``: the glue between one instance's engine and its transfer workers.
+
+One connector per sidecar. It owns one :class:`~kvxfer.worker.TransferWorker`
+per TP rank (all sharing the instance's ``engine_id``, new on every start) with
+``engine.kv_caches[rank]`` registered, and, on a prefill instance, the
+handshake listener that serves every rank's metadata to decode instances.
+
+Threading: every method except :attr:`engine_id` / :attr:`side_channel_port`
+is called from the sidecar's engine-loop thread only, the same thread that
+steps the engine, so engine calls here never race a step.
+
+Prefill role (who calls what):
+
+* the loop calls :meth:`hold` when a ``hold_blocks`` request finished: every
+  rank leases the request's blocks (readers announced by the decode side,
+  ``ttl`` = ``lease_ttl`` seconds) and the answer's ``kv_transfer_params`` are
+  returned;
+* :meth:`poll` collects released leases; once *every* rank released a request
+  ("done" by all its readers, or "expired"), ``engine.release`` frees its blocks.
+
+Decode role:
+
+* the loop calls :meth:`add_remote` with already validated
+  :class:`~kvxfer.worker.RemoteParams`. When the engine has no free blocks for
+  the prompt the request waits here, first come first served, and is admitted
+  by a later :meth:`poll`. Admitted: ``engine.add_request(..., remote_kv=True)``
+  parks it, then every rank starts its READ into ``engine.block_ids[:n]``;
+* :meth:`poll` collects every rank's results; when all ranks ended it calls
+  ``engine.finish_kv_load``: ok, or on any failure recompute (policy
+  ``recompute``) or fail the request (policy ``fail``; :meth:`take_transfer_error`
+  then tells the loop it was a transfer failure).
+
+Invariant (the reason deferred aborts exist): a request's blocks are never
+freed or reused while any rank's READ may still be writing into them. An abort
+that arrives while a read is in flight is recorded and carried out only after
+every rank reported finished or failed.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvxfer.metrics import SidecarMetrics
+from kvxfer.protocol import CompatInfo
+
+if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
+    from kvxfer.engine import LLMEngine, SamplingParams
+    from kvxfer.handshake import HandshakeListener
+    from kvxfer.worker import ReadStats, RemoteParams, TransferWorker
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+class AbortOutcome(enum.Enum):
+    """What :meth:`KVConnector.abort` did with a request."""
+
+    DROPPED = "dropped"    # it was waiting for blocks and never reached the engine
+    DEFERRED = "deferred"  # a READ is in flight; the engine aborts it when all ranks end
+    LEASED = "leased"      # prefill: its blocks are leased to readers; the lease ends it
+    NOT_MINE = "not_mine"  # the connector does not own it: the caller aborts the engine request
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` -> ``"float32"``: the canonical name :class:`CompatInfo` carries."""
+    return str(dtype).removeprefix("torch.")
+
+
+def compat_info(engine: LLMEngine) -> CompatInfo:
+    """What a peer must share with ``engine`` to exchange KV caches with it."""
+    config = engine.config
+    return CompatInfo(model=engine.model_id, dtype=dtype_name(engine.dtype),
+                      cache_dtype=dtype_name(engine.dtype), head_size=config.head_dim,
+                      total_kv_heads=config.num_key_value_heads,
+                      num_layers=config.num_hidden_layers)
+
+
+@dataclass
+class ConnectorEvents:
+    """What one :meth:`KVConnector.poll` changed, for the engine loop."""
+
+    released: list[str] = field(default_factory=list)  # prefill: leases ended, blocks freed
+    rejected: dict[str, str] = field(default_factory=dict)  # decode: refused at admission
+
+
+@dataclass
+class _Pending:
+    """A decode request waiting for free blocks before it can be parked."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    remote: RemoteParams
+
+
+@dataclass
+class _Read:
+    """A decode request whose READs are in flight on some ranks."""
+
+    remote: RemoteParams
+    ranks_left: set[int]
+    failures: dict[int, str] = field(default_factory=dict)
+    stats: list[ReadStats] = field(default_factory=list)
+    aborted: bool = False
+
+
+@dataclass
+class _Lease:
+    """A prefill request whose blocks some ranks still lease."""
+
+    request_id: str
+    ranks_left: set[int]
+    reasons: set[str] = field(default_factory=set)
+
+
+class KVConnector:
+    """See the module docstring for the contract."""
+
+    def __init__(self, engine: LLMEngine, role: str, metrics: SidecarMetrics, *,
+                 engine_id: str | None = None, side_channel_host: str = "127.0.0.1",
+                 side_channel_port: int = 0, lease_ttl: float = 120.0,
+                 failure_policy: str = "recompute") -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv load failure policy must be one of "
+                             f"{', '.join(FAILURE_POLICIES)}, got {failure_policy!r}")
+        if not lease_ttl > 0:
+            raise ValueError(f"lease TTL must be a positive number of seconds, got {lease_ttl}")
+        self.engine, self.role, self.metrics = engine, role, metrics
+        self.engine_id = engine_id or new_engine_id(role)
+        self.side_channel_host = side_channel_host
+        self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
+        self.workers: list[TransferWorker] = []
+        self.listener: HandshakeListener | None = None
+        self._pending: deque[_Pending] = deque()
+        self._reads: dict[str, _Read] = {}
+        self._leases: dict[str, _Lease] = {}  # by lease id
+        self._lease_of: dict[str, str] = {}  # request id -> lease id
+        self._lease_serial = 0
+        self._transfer_errors: dict[str, str] = {}
+        if role == "both":
+            return  # a plain instance: nobody reads from it and it reads from nobody
+        try:
+            self._start_workers()
+            if role == "prefill":
+                self._start_listener(side_channel_port)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self) -> None:
+        from kvxfer.worker import TransferWorker
+
+        compat = compat_info(self.engine)
+        for rank in range(self.engine.tp):
+            worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
+                                    total_kv_heads=self.engine.config.num_key_value_heads)
+            self.workers.append(worker)
+            worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
+                                      self.engine.num_blocks, self.engine.layout)
+
+    def _start_listener(self, port: int) -> None:
+        from kvxfer.handshake import HandshakeListener
+
+        def connecting(_requester: str) -> None:
+            for worker in self.workers:
+                worker.peer_connecting()
+
+        self.listener = HandshakeListener(
+            self.side_channel_host, port, engine_id=self.engine_id,
+            compat=compat_info(self.engine),
+            metadata=lambda: [w.metadata() for w in self.workers],
+            on_request=connecting).start()
+
+    @property
+    def side_channel_port(self) -> int | None:
+        """The handshake listener's port (prefill role), else None."""
+        return None if self.listener is None else self.listener.port
+
+    @property
+    def busy(self) -> bool:
+        """READs in flight: the loop should poll every millisecond or so."""
+        return bool(self._reads)
+
+    @property
+    def waiting(self) -> bool:
+        """Leases held or requests waiting for blocks: poll now and then."""
+        return bool(self._leases or self._pending)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def is_leased(self, request_id: str) -> bool:
+        return request_id in self._lease_of
+
+    def close(self) -> None:
+        """Stop the listener, then the workers (idempotent). Call after the loop stopped."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        for worker in self.workers:
+            worker.close()
+
+    # -- prefill ----------------------------------------------------------------------------
+    def hold(self, request_id: str, block_ids: list[int],
+             num_prompt_tokens: int) -> dict[str, Any]:
+        """Lease a finished ``hold_blocks`` request's blocks on every rank.
+
+        Returns the ``kv_transfer_params`` of the answer. ``remote_block_ids``
+        are the prompt's blocks (``ceil(num_prompt_tokens / block_size)``). The
+        lease id (``remote_request_id``) is unique for this engine's lifetime, so
+        a late or repeated "done" for an ended lease can never release a new one.
+        """
+        self._lease_serial += 1
+        lease_id = f"{request_id}@{self._lease_serial}"
+        holding: set[int] = set()
+        try:
+            for rank, worker in enumerate(self.workers):
+                worker.hold(lease_id, block_ids, readers=None, ttl=self.lease_ttl)
+                holding.add(rank)
+        except Exception:
+            # Ranks that hold a lease free it at expiry; without any, free now.
+            if holding:
+                self._add_lease(lease_id, _Lease(request_id, holding))
+            else:
+                self.engine.release(request_id)
+            raise
+        self._add_lease(lease_id, _Lease(request_id, holding))
+        prompt_blocks = -(-num_prompt_tokens // self.engine.block_size)
+        return {"do_remote_decode": False, "do_remote_prefill": True,
+                "remote_engine_id": self.engine_id, "remote_host": self.side_channel_host,
+                "remote_port": self.side_channel_port,
+                "remote_block_ids": list(block_ids[:prompt_blocks]),
+                "remote_request_id": lease_id, "remote_num_tokens": num_prompt_tokens,
+                "tp_size": self.engine.tp, "lease_expires_at": time.time() + self.lease_ttl}
+
+    def _add_lease(self, lease_id: str, lease: _Lease) -> None:
+        self._leases[lease_id] = lease
+        self._lease_of[lease.request_id] = lease_id
+
+    def _poll_leases(self, events: ConnectorEvents) -> None:
+        for rank, worker in enumerate(self.workers):
+            for item in worker.poll_released():
+                lease = self._leases.get(item.request_id)  # a worker's id is the lease id
+                if lease is None:
+                    log.warning("rank %d released unknown lease %s", rank, item.request_id)
+                    continue
+                lease.ranks_left.discard(rank)
+                lease.reasons.add(item.reason)
+                if not lease.ranks_left:
+                    del self._leases[item.request_id]
+                    del self._lease_of[lease.request_id]
+                    self.engine.release(lease.request_id)
+                    reason = "expired" if "expired" in lease.reasons else "done"
+                    self.metrics.leases_released.labels(reason).inc()
+                    events.released.append(lease.request_id)
+
+    # -- decode -----------------------------------------------------------------------------
+    def add_remote(self, request_id: str, prompt: list[int], params: SamplingParams,
+                   remote: RemoteParams) -> None:
+        """Park a decode request and read its prompt's KV, now or once blocks are free.
+
+        Raises ValueError (engine validation) when it can be admitted at once and is
+        invalid; later admission failures come back through :meth:`poll`.
+        """
+        self._pending.append(_Pending(request_id, prompt, params, remote))
+        if len(self._pending) == 1:
+            self._admit(raise_errors=True)
+
+    def _admit(self, *, raise_errors: bool = False,
+               events: ConnectorEvents | None = None) -> None:
+        """Admit waiting decode requests in arrival order while their blocks fit."""
+        from kvxfer.engine import NoFreeBlocks
+
+        while self._pending:
+            item = self._pending[0]
+            try:
+                self.engine.add_request(item.request_id, item.prompt, item.params,
+                                        remote_kv=True)
+            except NoFreeBlocks:
+                return  # strict FCFS: later requests wait behind the head
+            except ValueError as exc:
+                self._pending.popleft()
+                if raise_errors:
+                    raise
+                if events is not None:
+                    events.rejected[item.request_id] = str(exc)
+                continue
+            self._pending.popleft()
+            self._start_read(item)
+
+    def _start_read(self, item: _Pending) -> None:
+        count = len(item.remote.remote_block_ids)
+        local = self.engine.block_ids(item.request_id)[:count]
+        read = _Read(item.remote, set(range(len(self.workers))))
+        self._reads[item.request_id] = read
+        for rank, worker in enumerate(self.workers):
+            try:
+                worker.start_read(item.request_id, item.remote, local)
+            except (ValueError, RuntimeError) as exc:
+                read.ranks_left.discard(rank)
+                read.failures[rank] = f"rank {rank} could not start its READ: {exc}"
+        if not read.ranks_left:
+            self._resolve(item.request_id)
+
+    def _poll_reads(self) -> None:
+        for rank, worker in enumerate(self.workers):
+            result = worker.poll()
+            for request_id in result.finished:
+                read = self._reads.get(request_id)
+                if read is not None:
+                    read.ranks_left.discard(rank)
+                    read.stats.append(result.stats[request_id])
+            for request_id, reason in result.failed.items():
+                read = self._reads.get(request_id)
+                if read is not None:
+                    read.ranks_left.discard(rank)
+                    read.failures[rank] = reason
+        for request_id in [rid for rid, read in self._reads.items() if not read.ranks_left]:
+            self._resolve(request_id)
+
+    def _resolve(self, request_id: str) -> None:
+        """Every rank ended its READ: hand the request back to the engine."""
+        read = self._reads.pop(request_id)
+        if read.stats:
+            self.metrics.transfer_bytes.inc(sum(s.num_bytes for s in read.stats))
+            self.metrics.transfer_descriptors.inc(sum(s.descriptors for s in read.stats))
+        if read.aborted:
+            self.metrics.transfers.labels("aborted").inc()
+            self.engine.abort(request_id)
+            return
+        if not read.failures:
+            self.metrics.transfers.labels("ok").inc()
+            self.metrics.transfer_seconds.observe(max(s.seconds for s in read.stats))
+            self.engine.finish_kv_load(request_id, ok=True)
+            return
+        self.metrics.transfers.labels("failed").inc()
+        self.metrics.transfer_failures.inc()
+        reason = "; ".join(read.failures[rank] for rank in sorted(read.failures))
+        if self.failure_policy == "recompute":
+            log.warning("KV read for request %s failed, recomputing its prompt: %s", request_id,
+                        reason)
+            self.metrics.recomputes.inc()
+            self.engine.finish_kv_load(request_id, ok=False, recompute=True)
+            return
+        log.warning("KV read for request %s failed (policy fail): %s", request_id, reason)
+        message = f"KV transfer from prefill engine {read.remote.remote_engine_id} failed: {reason}"
+        self._transfer_errors[request_id] = message
+        self.engine.finish_kv_load(request_id, ok=False, recompute=False, reason=message)
+
+    def take_transfer_error(self, request_id: str) -> str | None:
+        """The failure message if ``request_id`` ended because its KV read failed."""
+        return self._transfer_errors.pop(request_id, None)
+
+    # -- both roles -------------------------------------------------------------------------
+    def abort(self, request_id: str) -> AbortOutcome:
+        """The client left: drop, defer or leave the request (see :class:`AbortOutcome`)."""
+        for item in self._pending:
+            if item.request_id == request_id:
+                self._pending.remove(item)
+                return AbortOutcome.DROPPED
+        read = self._reads.get(request_id)
+        if read is not None:
+            read.aborted = True
+            return AbortOutcome.DEFERRED
+        if request_id in self._lease_of:
+            return AbortOutcome.LEASED
+        return AbortOutcome.NOT_MINE
+
+    def poll(self) -> ConnectorEvents:
+        """Collect READ results and released leases; admit waiting decode requests."""
+        events = ConnectorEvents()
+        if not self.workers:
+            return events
+        self._poll_leases(events)
+        self._poll_reads()
+        self._admit(events=events)
+        self.metrics.leases_held.set(len(self._leases))
+        return events
+
+
+def new_engine_id(role: str) -> str:
+    """A fresh engine id: the role and 12 random hex digits (new on every start)."""
+    return f"{role}-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one sidecar, in a registry of its own (one per app).
+
+Who writes what: the HTTP middleware counts requests by route and status; the
+engine loop counts tokens and publishes KV block and lease gauges after every
+iteration; the connector records transfers, failures, recomputes and lease
+releases. ``GET /metrics`` renders :meth:`SidecarMetrics.render`.
+
+Units: bytes for sizes, seconds for durations, tokens and blocks as counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "SidecarMetrics"]
+
+# A tiny-model KV read takes ~0.1-10 ms on one host; large models over a network
+# take up to seconds.
+TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                      1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class SidecarMetrics:
+    """Every metric the sidecar exports; all thread-safe (prometheus-client locks)."""
+
+    def __init__(self, *, role: str, engine_id: str, model: str, layout: str, tp: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        info = Gauge("kvxfer_sidecar_info", "Constant 1, labelled with the sidecar's identity",
+                     ["role", "engine_id", "model", "layout", "tp"], registry=r)
+        info.labels(role, engine_id, model, layout, str(tp)).set(1)
+        self.http_requests = Counter("kvxfer_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("kvxfer_prompt_tokens", "Prompt tokens of requests that "
+                                     "produced their first token (transferred KV included)",
+                                     registry=r)
+        self.generation_tokens = Counter("kvxfer_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.blocks_free = Gauge("kvxfer_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.blocks_used = Gauge("kvxfer_kv_blocks_used", "KV cache blocks allocated "
+                                 "(running, parked and leased requests)", registry=r)
+        self.requests_in_flight = Gauge("kvxfer_requests_in_flight", "Requests the engine loop "
+                                        "tracks (queued, running, parked or leased)", registry=r)
+        self.leases_held = Gauge("kvxfer_kv_leases_held", "Prefill: requests whose blocks are "
+                                 "leased to decode readers", registry=r)
+        self.leases_released = Counter("kvxfer_kv_leases_released", "Prefill: leases ended, by "
+                                       "reason (done: every reader notified; expired: TTL)",
+                                       ["reason"], registry=r)
+        self.transfer_bytes = Counter("kvxfer_kv_transfer_bytes", "Decode: KV bytes read from "
+                                      "prefill instances (all TP ranks)", registry=r)
+        self.transfer_descriptors = Counter("kvxfer_kv_transfer_descriptors", "Decode: NIXL "
+                                            "descriptors posted by finished reads", registry=r)
+        self.transfer_seconds = Histogram("kvxfer_kv_transfer_duration_seconds", "Decode: one "
+                                          "request's KV read, start to last rank done",
+                                          buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.transfers = Counter("kvxfer_kv_transfers", "Decode: KV reads that ended, by "
+                                 "outcome (ok, failed, aborted)", ["outcome"], registry=r)
+        self.transfer_failures = Counter("kvxfer_kv_transfer_failures", "Decode: KV reads that "
+                                         "failed on at least one rank", registry=r)
+        self.recomputes = Counter("kvxfer_kv_recomputes", "Decode: failed reads whose prompt "
+                                  "was recomputed locally (policy recompute)", registry=r)
+        for reason in ("done", "expired"):
+            self.leases_released.labels(reason)
+        for outcome in ("ok", "failed", "aborted"):
+            self.transfers.labels(outcome)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

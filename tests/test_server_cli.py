@@ -1,0 +1,118 @@
+"""``kvxfer serve`` as a command: help, start-up lines, one-line errors, clean shutdown.
+
+Every case runs the real command in its own process.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from sidecars import ROOT, Sidecar, SidecarGroup, Spec, free_port
+
+SERVE = [sys.executable, "-m", "kvxfer.cli", "serve"]
+
+
+def run_serve(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SERVE, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], *names: str) -> None:
+    assert done.returncode == 2, f"exit {done.returncode}:\n{done.stderr}"
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith("kvxfer serve: error: ")
+    assert "Traceback" not in done.stderr
+    for name in names:
+        assert name in errors[0], f"{name!r} not named in {errors[0]!r}"
+
+
+def test_help_lists_roles_and_flags() -> None:
+    done = run_serve("--help")
+    assert done.returncode == 0
+    for text in ("prefill", "decode", "both", "--side-channel-port", "--tp",
+                 "--kv-cache-layout", "KVXFER_KV_CACHE_LAYOUT", "--block-size", "--num-blocks",
+                 "--kv-load-failure-policy", "--lease-ttl", "--served-model-name", "ready"):
+        assert text in done.stdout, f"{text!r} missing from --help"
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port something else listens on for the duration of the test."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield int(sock.getsockname()[1])
+
+
+def test_http_port_in_use_is_a_one_line_error(taken_port: int) -> None:
+    assert_one_line_error(run_serve("--port", str(taken_port)), f"HTTP port {taken_port}")
+
+
+def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
+    done = run_serve("--role", "prefill", "--port", str(free_port()),
+                     "--side-channel-port", str(taken_port))
+    assert_one_line_error(done, f"127.0.0.1:{taken_port}")
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (("--tp", "3"), "3"),
+    (("--model", "no/such/checkpoint"), "no/such/checkpoint"),
+    (("--kv-cache-layout", "XYZ"), "XYZ"),
+    (("--port", "70000"), "70000"),
+    (("--lease-ttl", "0"), "--lease-ttl"),
+], ids=["tp", "model", "layout", "port", "lease-ttl"])
+def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> None:
+    assert_one_line_error(run_serve("--port", str(free_port()), *args), named)
+
+
+@pytest.fixture
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarGroup]:
+    with SidecarGroup(tmp_path_factory.mktemp("cli")) as started:
+        yield started
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_the_sidecar_cleanly(group: SidecarGroup, sig: int) -> None:
+    prefill: Sidecar = group.start_one(Spec("prefill", tp=2))
+    health = prefill.health()
+    answer = prefill.post("/v1/completions", {"prompt": "bye", "max_tokens": 2})
+    assert answer.status_code == 200
+    log = prefill.log_tail(200)
+    ready = [line for line in log.splitlines() if line.startswith("kvxfer serve ready: ")]
+    assert ready and f"http://127.0.0.1:{prefill.port}" in ready[0]
+    started = next(line for line in log.splitlines() if "kvxfer serve: role=prefill" in line)
+    for text in ("model=kvxfer-tiny", "layout=LBHNC", "tp=2", f"http=127.0.0.1:{prefill.port}",
+                 f"side_channel=127.0.0.1:{health['side_channel_port']}",
+                 f"engine_id={health['engine_id']}"):
+        assert text in started, f"{text!r} missing from the start-up line {started!r}"
+    assert prefill.stop(sig) == 0
+    log = prefill.log_tail(400)
+    assert "Traceback" not in log and "Application shutdown complete" in log
+    with socket.socket() as sock:  # the side channel was closed too
+        sock.bind(("127.0.0.1", health["side_channel_port"]))
+
+
+def test_signal_during_start_up_stops_it_quietly(tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    log_path = tmp_path_factory.mktemp("early") / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([*SERVE, "--role", "prefill", "--port", str(free_port())],
+                                   cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(1.0)  # inside imports or engine construction
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    output = log_path.read_text(errors="replace")
+    assert code in (0, -signal.SIGTERM), f"exit {code}:\n{output}"
+    assert "Traceback" not in output, output
