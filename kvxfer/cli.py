@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvxfer import __version__
 
-COMMANDS: tuple[str, ...] = ("serve", "plan", "generate", "bench")
+COMMANDS: tuple[str, ...] = ("serve", "demo", "plan", "generate", "accuracy", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

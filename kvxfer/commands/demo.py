@@ -1,0 +1,291 @@
+"""``kvxfer demo``: a prefill sidecar, a decode sidecar and the proxy, end to end.
+
+Starts the three processes on free loopback ports with the built-in model, sends a
+few requests through the proxy (the last one streamed), and shows for each what
+moved between the sidecars: blocks, bytes, descriptors, transfer time and GB/s,
+and the time to first token split into prefill, KV transfer and decode. The
+numbers come from the sidecars' and the proxy's own ``/metrics``, read before and
+after each request (requests run one at a time, so the differences are exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HELP = "run prefill + decode sidecars behind the proxy and show requests moving between them"
+
+DEFAULT_PROMPTS = (
+    "The quick brown fox",
+    "kvxfer moves the KV cache of a request from a prefill instance to a decode instance, "
+    "so that prompt processing and token generation can scale separately.",
+    "Once upon a time, in a data center far away,",
+)
+STARTUP_TIMEOUT_S = 120.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="kvxfer-tiny",
+                        help="kvxfer-tiny (default) or a checkpoint directory")
+    parser.add_argument("--prefill-layout", default="BLHNC", help="prefill KV layout (BLHNC)")
+    parser.add_argument("--decode-layout", default="LBHNC", help="decode KV layout (LBHNC)")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (1)")
+    parser.add_argument("--decode-tp", type=int, default=2, help="decode TP size (2)")
+    parser.add_argument("--port", type=int, default=0,
+                        help="proxy port (default 0: a free port)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="a prompt to send (repeatable; default: three built-in prompts)")
+    parser.add_argument("--keep-running", action="store_true",
+                        help="leave the deployment up after the requests, until Ctrl-C")
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Deployment:
+    procs: list[Proc] = field(default_factory=list)
+    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvxfer-demo.")))
+
+    def start(self, name: str, port: int, argv: list[str]) -> Proc:
+        log = self.logs / f"{name}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        proc = Proc(name, f"http://127.0.0.1:{port}", popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+                proc.popen.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _wait_ready(proc: Proc, timeout: float) -> str | None:
+    """Wait for ``/health`` 200; an error message if the process died or never got there."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            tail = proc.log.read_text(errors="replace").strip().splitlines()[-8:]
+            return f"{proc.name} exited with code {proc.popen.returncode}:\n  " + \
+                "\n  ".join(tail)
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{proc.url}/health", timeout=1.0).status_code == 200:
+                return None
+        time.sleep(0.2)
+    return f"{proc.name} was not ready after {timeout:.0f} s (log: {proc.log})"
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
+
+
+def _total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
+           **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in metrics.items() if n == name and want <= set(lab))
+
+
+class Snapshot:
+    """Metrics of the decode sidecar and the proxy at one moment."""
+
+    def __init__(self, decode_url: str, proxy_url: str) -> None:
+        self.decode = _scrape(decode_url)
+        self.proxy = _scrape(proxy_url)
+
+    def moved(self, before: Snapshot) -> dict[str, float]:
+        def delta(source: str, name: str, **labels: str) -> float:
+            now, then = getattr(self, source), getattr(before, source)
+            return _total(now, name, **labels) - _total(then, name, **labels)
+
+        return {
+            "bytes": delta("decode", "kvxfer_kv_transfer_bytes_total"),
+            "descriptors": delta("decode", "kvxfer_kv_transfer_descriptors_total"),
+            "transfer_s": delta("decode", "kvxfer_kv_transfer_duration_seconds_sum"),
+            "prefill_s": delta("proxy", "kvxfer_proxy_upstream_latency_seconds_sum",
+                               role="prefill"),
+            "recomputes": delta("decode", "kvxfer_kv_recomputes_total"),
+        }
+
+
+def _print_moved(moved: dict[str, float], prompt_tokens: int, block_size: int,
+                 ttft_s: float | None) -> None:
+    blocks = math.ceil(prompt_tokens / block_size)
+    rate = moved["bytes"] / moved["transfer_s"] / 1e9 if moved["transfer_s"] else 0.0
+    print(f"    moved: {blocks} blocks ({prompt_tokens} prompt tokens), "
+          f"{moved['bytes'] / 1024:.1f} KiB in {int(moved['descriptors'])} descriptors, "
+          f"{moved['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s)")
+    if moved["recomputes"]:
+        print("    (the transfer failed and the decode recomputed the prompt)")
+    if ttft_s is not None:
+        decode_s = max(0.0, ttft_s - moved["prefill_s"] - moved["transfer_s"])
+        print(f"    time to first token {ttft_s * 1e3:.1f} ms = prefill "
+              f"{moved['prefill_s'] * 1e3:.1f} ms + KV transfer {moved['transfer_s'] * 1e3:.2f}"
+              f" ms + decode {decode_s * 1e3:.1f} ms")
+
+
+def _printable(text: str) -> str:
+    """The answer as one line, unprintable characters shown as a middle dot."""
+    return "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in text)
+
+
+def _send(client: Any, proxy_url: str, prompt: str, max_tokens: int, stream: bool
+          ) -> tuple[int, float | None]:
+    """Send one completion through the proxy, print the answer; (prompt tokens, TTFT)."""
+    import json
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    print(f"\n> {prompt}")
+    if not stream:
+        answer = client.post(f"{proxy_url}/v1/completions", json=body)
+        answer.raise_for_status()
+        data = answer.json()
+        print(f"< {_printable(data['choices'][0]['text'])}")
+        return int(data["usage"]["prompt_tokens"]), None
+    body.update(stream=True, stream_options={"include_usage": True})
+    started, ttft, prompt_tokens = time.perf_counter(), None, 0
+    print("< (streamed) ", end="", flush=True)
+    with client.stream("POST", f"{proxy_url}/v1/completions", json=body) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    ttft = ttft or time.perf_counter() - started
+                    print(_printable(choice["text"]), end="", flush=True)
+    print()
+    return prompt_tokens, ttft
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    if args.port and _port_busy(args.port):
+        print(f"kvxfer demo: port {args.port} on 127.0.0.1 is busy; pick another with --port "
+              f"(or --port 0 for any free port)", file=sys.stderr)
+        return 2
+    python = [sys.executable, "-m"]
+    common = ["--model", args.model, "--host", "127.0.0.1"]
+    deployment = Deployment()
+    ports = {"prefill": _free_port(), "decode": _free_port(), "proxy": args.port or _free_port()}
+    plan = [
+        ("prefill sidecar", ports["prefill"],
+         [*python, "kvxfer.cli", "--log-level", "WARNING", "serve", "--role", "prefill",
+          "--port", str(ports["prefill"]), "--tp", str(args.prefill_tp),
+          "--kv-cache-layout", args.prefill_layout, *common],
+         f"{args.prefill_layout}, TP {args.prefill_tp}"),
+        ("decode sidecar", ports["decode"],
+         [*python, "kvxfer.cli", "--log-level", "WARNING", "serve", "--role", "decode",
+          "--port", str(ports["decode"]), "--tp", str(args.decode_tp),
+          "--kv-cache-layout", args.decode_layout, *common],
+         f"{args.decode_layout}, TP {args.decode_tp}"),
+        ("proxy", ports["proxy"],
+         [*python, "proxy", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
+          "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(ports["prefill"]),
+          "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(ports["decode"]),
+          "--log-level", "warning"], "round robin"),
+    ]
+    env_layout = os.environ.pop("KVXFER_KV_CACHE_LAYOUT", None)  # flags above are explicit
+    try:
+        procs = {}
+        for step, (name, port, argv, detail) in enumerate(plan, start=1):
+            started = time.monotonic()
+            print(f"[{step}/3] starting {name} ({detail}) on 127.0.0.1:{port} ...", end=" ",
+                  flush=True)
+            procs[name] = deployment.start(name, port, argv)
+            error = _wait_ready(procs[name], STARTUP_TIMEOUT_S)
+            if error:
+                print("failed")
+                print(f"kvxfer demo: {error}", file=sys.stderr)
+                return 1
+            print(f"ready in {time.monotonic() - started:.1f} s")
+        proxy_url, decode_url = procs["proxy"].url, procs["decode sidecar"].url
+        block_size = int(httpx.get(f"{decode_url}/health", timeout=5).json().get("block_size",
+                                                                                  16))
+        prompts = args.prompt or list(DEFAULT_PROMPTS)
+        if args.model == "kvxfer-tiny":
+            print("\nThe built-in model has seeded random weights: its text is noise, but exactly "
+                  "the noise a single instance produces (scripts/run_accuracy_test.sh checks "
+                  "that). The first request also pays the one-time handshake.")
+        with httpx.Client(timeout=120) as client:
+            for index, prompt in enumerate(prompts):
+                before = Snapshot(decode_url, proxy_url)
+                tokens, ttft = _send(client, proxy_url, prompt, args.max_tokens,
+                                     stream=index == len(prompts) - 1)
+                _print_moved(Snapshot(decode_url, proxy_url).moved(before), tokens,
+                             block_size, ttft)
+        print(f"\nproxy: {proxy_url}  (try: curl -s {proxy_url}/v1/completions -H "
+              f"'content-type: application/json' -d '{{\"prompt\": \"Hi\", "
+              f"\"max_tokens\": 8}}')")
+        if args.keep_running:
+            print("running; press Ctrl-C to stop")
+            while all(p.popen.poll() is None for p in deployment.procs):
+                time.sleep(0.5)
+            print("a process exited; stopping", file=sys.stderr)
+            return 1
+        return 0
+    except httpx.HTTPError as exc:
+        print(f"\nkvxfer demo: request failed: {exc} (logs in {deployment.logs})",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping", file=sys.stderr)
+        return 130
+    finally:
+        if env_layout is not None:
+            os.environ["KVXFER_KV_CACHE_LAYOUT"] = env_layout
+        print("stopping the sidecars and the proxy ...", file=sys.stderr)
+        deployment.stop()

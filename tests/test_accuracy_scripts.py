@@ -1,0 +1,187 @@
+"""The accuracy scripts, ``kvxfer accuracy`` and ``kvxfer demo``, run for real.
+
+``scripts/run_accuracy_test.sh`` launches prefill, decode, reference and proxy
+processes on loopback; it must pass on the default configuration and across a
+TP and layout change, clean up every process it started (also on Ctrl-C), and
+the comparison it relies on must fail when two instances disagree.
+Each script runs in its own session, so "no process left" means: no process
+of that process group is alive afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sidecars import ROOT, SidecarGroup, Spec, free_port
+
+SCRIPT = ROOT / "scripts" / "run_accuracy_test.sh"
+SWEEP = ROOT / "scripts" / "config_sweep_accuracy_test.sh"
+RUN_TIMEOUT_S = 300.0
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of live (not zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def run_script(argv: list[str], env: dict[str, str],
+               tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run a script in a new session; assert afterwards that nothing of it survived."""
+    full_env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
+    process = subprocess.Popen(argv, cwd=ROOT, env=full_env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        out, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        leftover = group_members(process.pid)
+        kill_group(process.pid)
+        process.wait()
+    assert not leftover, f"processes left running after {argv[0]}: {leftover}"
+    return subprocess.CompletedProcess(argv, process.returncode, out, None)
+
+
+@pytest.mark.parametrize("env", [
+    pytest.param({}, id="default"),
+    pytest.param({"PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"}, id="tp1-to-tp2"),
+    pytest.param({"KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
+                  "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
+                  "NUM_DECODE_INSTANCES": "2"}, id="mixed-layouts-tp2-to-tp1-two-decodes"),
+])
+def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
+    result = run_script([str(SCRIPT)], env, tmp_path)
+    assert result.returncode == 0, result.stdout
+    prompts = json.loads((ROOT / "scripts" / "accuracy_prompts.json").read_text())
+    cases = len(prompts["prompts"]) + len(prompts.get("chat", []))
+    assert f"{cases}/{cases} match" in result.stdout, result.stdout
+    assert result.stdout.rstrip().endswith("accuracy: PASS")
+    assert not list(tmp_path.glob("kvxfer-accuracy.*")), "a passing run keeps no logs"
+
+
+def test_sweep_prints_one_line_per_configuration(tmp_path: Path) -> None:
+    env = {"SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"}
+    result = run_script([str(SWEEP)], env, tmp_path)
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    assert any(line.split()[:3] == ["BHLNC", "1->2", "pass"] for line in lines), result.stdout
+    assert any(line.split()[:3] == ["LBNHC", "1->2", "skipped"] for line in lines)
+    assert lines[-1] == "1/1 configurations passed"
+
+
+def test_accuracy_script_fails_and_cleans_up_when_an_instance_cannot_start(
+        tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    result = run_script([str(SCRIPT)], {"MODEL": str(missing), "STARTUP_TIMEOUT": "60"},
+                        tmp_path)
+    assert result.returncode != 0
+    assert "did not come up" in result.stdout and str(missing) in result.stdout, result.stdout
+    assert list(tmp_path.glob("kvxfer-accuracy.*")), "a failed run keeps its logs"
+
+
+def test_accuracy_script_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    process = subprocess.Popen([str(SCRIPT)], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        assert process.stdout is not None
+        banner = process.stdout.readline()  # printed once every process is launched
+        assert banner.startswith("accuracy: prefill"), banner
+        assert len(group_members(process.pid)) > 1, "the instances should be running"
+        os.kill(process.pid, signal.SIGINT)
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == 130, out
+        assert "interrupted" in out
+        deadline = time.monotonic() + 10
+        while group_members(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_members(process.pid), "instances outlived the script"
+    finally:
+        kill_group(process.pid)
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two plain instances whose tiny models differ only in the weight seed."""
+    with SidecarGroup(tmp_path_factory.mktemp("seeds")) as group:
+        sidecars = group.start([Spec("both", extra=("--seed", "0")),
+                                Spec("both", extra=("--seed", "1"))])
+        yield [s.url for s in sidecars]
+
+
+def accuracy(target: str, reference: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer.cli", "accuracy", "--target", target,
+                           "--reference", reference, "--max-tokens", "4", *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def test_accuracy_command_fails_when_answers_differ(two_models: list[str]) -> None:
+    same = accuracy(two_models[0], two_models[0], "--json")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert json.loads(same.stdout)["passed"] is True
+
+    differ = accuracy(two_models[0], two_models[1])
+    assert differ.returncode == 1, differ.stdout + differ.stderr
+    assert "FAIL" in differ.stdout and "target:" in differ.stdout
+
+
+def test_accuracy_command_names_an_unreachable_target(two_models: list[str]) -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    result = accuracy(nobody, two_models[0], "--wait", "1")
+    assert result.returncode == 2
+    assert nobody in result.stderr and "not healthy" in result.stderr
+
+
+def test_demo_shows_a_disaggregated_request_end_to_end(tmp_path: Path) -> None:
+    result = run_script([sys.executable, "-m", "kvxfer.cli", "demo", "--max-tokens", "8",
+                         "--prompt", "The quick brown fox"], {}, tmp_path)
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    assert "> The quick brown fox" in out
+    moved = re.search(r"moved: (\d+) blocks \((\d+) prompt tokens\), [\d.]+ [KMG]?i?B in "
+                      r"(\d+) descriptors, [\d.]+ ms \([\d.]+ GB/s\)", out)
+    assert moved, f"demo does not say what moved:\n{out}"
+    assert int(moved[1]) >= 1 and int(moved[3]) >= int(moved[1])
+    assert re.search(r"time to first token [\d.]+ ms = prefill [\d.]+ ms \+ KV transfer "
+                     r"[\d.]+ ms \+ decode [\d.]+ ms", out), out
+    assert "stopping the sidecars and the proxy" in out
+
+
+def test_demo_on_a_busy_port_says_which_and_what_to_do() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--port", str(port)],
+                                cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 2
+    assert f"port {port}" in result.stderr and "--port" in result.stderr, result.stderr
