@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import logging
 import signal
+import socket
+import sys
 from types import FrameType
 from typing import Literal, TypedDict
 
@@ -45,20 +47,60 @@ def _importable(module: str) -> bool:
     return True
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (port 0: any free one); OSError says which address failed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
+                                 f"pick another --port (0: any free port)") from None
+    sock.listen(2048)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, printing one ready line (with the real port) on stdout.
+
+    The line ``kvxfer-proxy ready: http://HOST:PORT`` is printed at every log
+    level, so scripts that start the proxy on port 0 learn its address from it.
+    """
+
+    def __init__(self, config: uvicorn.Config, url: str) -> None:
+        super().__init__(config)
+        self.url = url
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"kvxfer-proxy ready: {self.url}", flush=True)
+
+
 def serve(config: ProxyConfig) -> int:
     """Serve until SIGINT or SIGTERM, then shut down cleanly; returns the exit status.
 
     uvicorn takes over both signals while it runs and, once it has shut down,
     raises them again for the handlers it found; ours only note them, so a
     signalled proxy exits with status 0 instead of dying from the re-raise.
+    Returns 2 when the address cannot be bound.
     """
+    try:
+        sock = bind(config.host, config.port)
+    except OSError as exc:
+        print(f"kvxfer-proxy: {exc.strerror}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}"
     options = server_options()
     log.info("serving with the %s event loop and the %s HTTP parser", options["loop"],
              options["http"])
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, log_level=config.log_level,
+    server = _Server(uvicorn.Config(
+        create_app(config), log_level=config.log_level,
         access_log=config.access_log, lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **options))
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **options), url)
     received: list[int] = []
 
     def note(signum: int, frame: FrameType | None) -> None:
@@ -66,10 +108,11 @@ def serve(config: ProxyConfig) -> int:
 
     previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sock.close()
     if not server.started:
         log.error("the proxy did not start on %s:%d", config.host, config.port)
         return 1

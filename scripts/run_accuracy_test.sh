@@ -15,7 +15,7 @@
 #   NUM_DECODE_INSTANCES    decode sidecars (default 1)
 #   MODEL                   kvxfer-tiny (default) or a checkpoint directory
 #   LOGPROB_TOL             allowed |logprob difference| (default 1e-4)
-#   STARTUP_TIMEOUT         seconds to wait for every /health (default 180)
+#   STARTUP_TIMEOUT         seconds to wait for every instance to be ready (default 180)
 #   PYTHON                  interpreter with kvxfer installed (default: .venv/bin/python,
 #                           else python3)
 #   KEEP_LOGS=1             keep the per-process logs even when the test passes
@@ -72,69 +72,107 @@ cleanup() {
 trap cleanup EXIT
 trap 'echo "interrupted" >&2; exit 130' INT TERM
 
-free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+NAMES=()
 
-launch() {  # launch NAME ARGS... : start a sidecar in the background, log to LOG_DIR/NAME.log
+launch() {  # launch NAME CMD... : start a process in the background, log to LOG_DIR/NAME.log
   local name="$1"; shift
-  "$PYTHON" -m kvxfer.cli --log-level WARNING serve "$@" >"$LOG_DIR/$name.log" 2>&1 &
-  PIDS+=("$!")
+  "$@" >"$LOG_DIR/$name.log" 2>&1 &
+  PIDS+=("$!"); NAMES+=("$name")
 }
 
-common=(--model "$MODEL" --device "$KV_BUFFER_DEVICE" --host 127.0.0.1 --side-channel-port 0)
+# wait_ready NAME... : every named process binds port 0 and prints "... ready: URL" once
+# it serves; print "NAME URL" per process. Fails at once if one exits, or at the deadline.
+# (Port 0 lets the kernel pick: no race with other programs for a port chosen in advance.)
+wait_ready() {
+  local args=() name i
+  for name in "$@"; do
+    for i in "${!NAMES[@]}"; do
+      [[ "${NAMES[$i]}" == "$name" ]] && args+=("$name" "${PIDS[$i]}" "$LOG_DIR/$name.log")
+    done
+  done
+  "$PYTHON" - "$STARTUP_TIMEOUT" "${args[@]}" <<'PY'
+import os, re, sys, time
+deadline = time.monotonic() + float(sys.argv[1])
+pending = [sys.argv[i:i + 3] for i in range(2, len(sys.argv), 3)]
+ready = re.compile(r"ready: (http://\S+)")
+
+def alive(pid):
+    try:  # a zombie (exited, not yet reaped by the script) counts as gone
+        return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: signal 0 only tells that the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+while pending:
+    name, pid, log = pending[0]
+    with open(log, errors="replace") as f:
+        found = ready.search(f.read())
+    if found:
+        print(name, found[1])
+        pending.pop(0)
+        continue
+    if not alive(int(pid)):
+        sys.exit(f"{name} exited before it was ready")
+    if time.monotonic() > deadline:
+        sys.exit(f"{name} not ready after {sys.argv[1]} s")
+    time.sleep(0.1)
+PY
+}
+
+show_logs() {
+  for log in "$LOG_DIR"/*.log; do echo "--- $log"; tail -n 20 "$log"; done >&2
+}
+
+serve=("$PYTHON" -m kvxfer.cli --log-level WARNING serve)
+common=(--model "$MODEL" --device "$KV_BUFFER_DEVICE" --host 127.0.0.1 --port 0
+        --side-channel-port 0)
 # A failed transfer must fail the test, not be hidden by a local recompute.
 decode_policy=(--kv-load-failure-policy fail)
-prefill_ports=(); decode_ports=()
+sidecars=()
 for i in $(seq "$NUM_PREFILL_INSTANCES"); do
-  port="$(free_port)"; prefill_ports+=("$port")
-  launch "prefill-$i" --role prefill --port "$port" --tp "$PREFILLER_TP_SIZE" \
+  launch "prefill-$i" "${serve[@]}" --role prefill --tp "$PREFILLER_TP_SIZE" \
     --kv-cache-layout "$PREFILL_LAYOUT" "${common[@]}"
+  sidecars+=("prefill-$i")
 done
 for i in $(seq "$NUM_DECODE_INSTANCES"); do
-  port="$(free_port)"; decode_ports+=("$port")
-  launch "decode-$i" --role decode --port "$port" --tp "$DECODER_TP_SIZE" \
+  launch "decode-$i" "${serve[@]}" --role decode --tp "$DECODER_TP_SIZE" \
     --kv-cache-layout "$DECODE_LAYOUT" "${decode_policy[@]}" "${common[@]}"
+  sidecars+=("decode-$i")
 done
-ref_port="$(free_port)"
-launch reference --role both --port "$ref_port" --tp 1 --kv-cache-layout LBHNC "${common[@]}"
-proxy_port="$(free_port)"
-"$PYTHON" -m proxy --host 127.0.0.1 --port "$proxy_port" \
-  --prefiller-hosts 127.0.0.1 --prefiller-ports "${prefill_ports[@]}" \
-  --decoder-hosts 127.0.0.1 --decoder-ports "${decode_ports[@]}" >"$LOG_DIR/proxy.log" 2>&1 &
-PIDS+=("$!")
+launch reference "${serve[@]}" --role both --tp 1 --kv-cache-layout LBHNC "${common[@]}"
+sidecars+=(reference)
 
 echo "accuracy: prefill ${PREFILL_LAYOUT} TP${PREFILLER_TP_SIZE} x${NUM_PREFILL_INSTANCES}," \
      "decode ${DECODE_LAYOUT} TP${DECODER_TP_SIZE} x${NUM_DECODE_INSTANCES}, model ${MODEL}," \
      "KV on ${KV_BUFFER_DEVICE}"
-urls=()
-for port in "${prefill_ports[@]}" "${decode_ports[@]}" "$ref_port" "$proxy_port"; do
-  urls+=("http://127.0.0.1:$port")
-done
-if ! "$PYTHON" - "$STARTUP_TIMEOUT" "${urls[@]}" <<'PY'
-import sys, time, urllib.request
-deadline = time.monotonic() + float(sys.argv[1])
-for url in sys.argv[2:]:
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
-                if answer.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"{url} not healthy after {sys.argv[1]} s")
-        time.sleep(0.2)
-PY
-then
+if ! urls="$(wait_ready "${sidecars[@]}")"; then
   echo "accuracy: instances did not come up; see the logs" >&2
-  for log in "$LOG_DIR"/*.log; do echo "--- $log"; tail -n 20 "$log"; done >&2
+  show_logs
   exit 1
 fi
+url_of() { awk -v n="$1" '$1 == n { print $2 }' <<<"$urls"; }
+port_of() { local url; url="$(url_of "$1")"; echo "${url##*:}"; }
+prefill_ports=(); decode_ports=()
+for i in $(seq "$NUM_PREFILL_INSTANCES"); do prefill_ports+=("$(port_of "prefill-$i")"); done
+for i in $(seq "$NUM_DECODE_INSTANCES"); do decode_ports+=("$(port_of "decode-$i")"); done
+launch proxy "$PYTHON" -m proxy --host 127.0.0.1 --port 0 \
+  --prefiller-hosts 127.0.0.1 --prefiller-ports "${prefill_ports[@]}" \
+  --decoder-hosts 127.0.0.1 --decoder-ports "${decode_ports[@]}"
+if ! proxy_url="$(wait_ready proxy)"; then
+  echo "accuracy: the proxy did not come up; see the logs" >&2
+  show_logs
+  exit 1
+fi
+proxy_url="${proxy_url#proxy }"
 
 set +e
-"$PYTHON" -m kvxfer.cli accuracy --target "http://127.0.0.1:$proxy_port" \
-  --reference "http://127.0.0.1:$ref_port" --logprob-tol "$LOGPROB_TOL"
+"$PYTHON" -m kvxfer.cli accuracy --target "$proxy_url" --reference "$(url_of reference)" \
+  --logprob-tol "$LOGPROB_TOL" --wait "$STARTUP_TIMEOUT"
 STATUS=$?
 set -e
 if [[ "$STATUS" -eq 0 ]]; then echo "accuracy: PASS"; else echo "accuracy: FAIL" >&2; fi

@@ -172,6 +172,7 @@ def test_demo_shows_a_disaggregated_request_end_to_end(tmp_path: Path) -> None:
     assert re.search(r"time to first token [\d.]+ ms = prefill [\d.]+ ms \+ KV transfer "
                      r"[\d.]+ ms \+ decode [\d.]+ ms", out), out
     assert "stopping the sidecars and the proxy" in out
+    assert not list(tmp_path.glob("kvxfer-demo.*")), "a demo that ran through keeps no logs"
 
 
 def test_demo_on_a_busy_port_says_which_and_what_to_do() -> None:

@@ -187,3 +187,32 @@ def test_bench_proxy_stops_its_processes_on_ctrl_c() -> None:
         if bench.poll() is None:
             bench.kill()
             bench.communicate(timeout=WAIT_S)
+
+
+def test_port_0_picks_a_free_port_and_prints_the_ready_line() -> None:
+    process = subprocess.Popen([sys.executable, "-m", "proxy", "--port", "0", "--log-level",
+                                "warning", "--prefiller-ports", "9", "--decoder-ports", "9"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # printed at every log level
+        assert line.startswith("kvxfer-proxy ready: http://127.0.0.1:"), line
+        url = line.split()[-1]
+        assert int(url.rsplit(":", 1)[1]) > 0
+        health = httpx.get(url + "/health", timeout=WAIT_S, trust_env=False)
+        assert health.status_code == 503, health.text  # it serves; port 9 has no instance
+        assert "prefill" in health.text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=WAIT_S)
+    assert process.returncode == 0
+
+
+def test_busy_port_is_a_one_line_error_naming_it() -> None:
+    with bind_loopback() as busy:
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run("-m", "proxy", "--port", str(port))
+    assert done.returncode == 2
+    assert f"127.0.0.1:{port}" in done.stderr and "--port" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -14,6 +14,8 @@ import argparse
 import contextlib
 import math
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,12 +65,13 @@ class Deployment:
     procs: list[Proc] = field(default_factory=list)
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvxfer-demo.")))
 
-    def start(self, name: str, port: int, argv: list[str]) -> Proc:
-        log = self.logs / f"{name}.log"
+    def start(self, name: str, argv: list[str]) -> Proc:
+        """Launch ``argv``; its URL is known once it printed its ready line."""
+        log = self.logs / f"{name.replace(' ', '-')}.log"
         with open(log, "wb") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
-        proc = Proc(name, f"http://127.0.0.1:{port}", popen, log)
+        proc = Proc(name, "", popen, log)
         self.procs.append(proc)
         return proc
 
@@ -85,10 +88,8 @@ class Deployment:
                 proc.popen.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _port(proc: Proc) -> str:
+    return proc.url.rsplit(":", 1)[1]
 
 
 def _port_busy(port: int) -> bool:
@@ -100,20 +101,25 @@ def _port_busy(port: int) -> bool:
     return False
 
 
-def _wait_ready(proc: Proc, timeout: float) -> str | None:
-    """Wait for ``/health`` 200; an error message if the process died or never got there."""
-    import httpx
+READY = re.compile(r"ready: (http://\S+)")
 
+
+def _wait_ready(proc: Proc, timeout: float) -> str | None:
+    """Wait for the process's "... ready: URL" line (both kvxfer serve and the proxy print
+    one) and set ``proc.url``; an error message if it died or never got there. Every
+    process binds port 0 (unless the user chose the proxy's), so no port can be lost to
+    another program between choosing and binding it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        found = READY.search(proc.log.read_text(errors="replace"))
+        if found:
+            proc.url = found[1]
+            return None
         if proc.popen.poll() is not None:
             tail = proc.log.read_text(errors="replace").strip().splitlines()[-8:]
             return f"{proc.name} exited with code {proc.popen.returncode}:\n  " + \
                 "\n  ".join(tail)
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{proc.url}/health", timeout=1.0).status_code == 200:
-                return None
-        time.sleep(0.2)
+        time.sleep(0.1)
     return f"{proc.name} was not ready after {timeout:.0f} s (log: {proc.log})"
 
 
@@ -220,38 +226,35 @@ def run(args: argparse.Namespace) -> int:
     python = [sys.executable, "-m"]
     common = ["--model", args.model, "--host", "127.0.0.1"]
     deployment = Deployment()
-    ports = {"prefill": _free_port(), "decode": _free_port(), "proxy": args.port or _free_port()}
-    plan = [
-        ("prefill sidecar", ports["prefill"],
-         [*python, "kvxfer.cli", "--log-level", "WARNING", "serve", "--role", "prefill",
-          "--port", str(ports["prefill"]), "--tp", str(args.prefill_tp),
-          "--kv-cache-layout", args.prefill_layout, *common],
-         f"{args.prefill_layout}, TP {args.prefill_tp}"),
-        ("decode sidecar", ports["decode"],
-         [*python, "kvxfer.cli", "--log-level", "WARNING", "serve", "--role", "decode",
-          "--port", str(ports["decode"]), "--tp", str(args.decode_tp),
-          "--kv-cache-layout", args.decode_layout, *common],
-         f"{args.decode_layout}, TP {args.decode_tp}"),
-        ("proxy", ports["proxy"],
-         [*python, "proxy", "--host", "127.0.0.1", "--port", str(ports["proxy"]),
-          "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(ports["prefill"]),
-          "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(ports["decode"]),
-          "--log-level", "warning"], "round robin"),
+    serve = [*python, "kvxfer.cli", "--log-level", "WARNING", "serve", "--port", "0", *common]
+    plan: list[tuple[str, str, Any]] = [
+        ("prefill sidecar", f"{args.prefill_layout}, TP {args.prefill_tp}",
+         lambda: [*serve, "--role", "prefill", "--tp", str(args.prefill_tp),
+                  "--kv-cache-layout", args.prefill_layout]),
+        ("decode sidecar", f"{args.decode_layout}, TP {args.decode_tp}",
+         lambda: [*serve, "--role", "decode", "--tp", str(args.decode_tp),
+                  "--kv-cache-layout", args.decode_layout]),
+        ("proxy", "round robin",
+         lambda: [*python, "proxy", "--host", "127.0.0.1", "--port", str(args.port),
+                  "--prefiller-hosts", "127.0.0.1",
+                  "--prefiller-ports", _port(procs["prefill sidecar"]),
+                  "--decoder-hosts", "127.0.0.1",
+                  "--decoder-ports", _port(procs["decode sidecar"]), "--log-level", "warning"]),
     ]
     env_layout = os.environ.pop("KVXFER_KV_CACHE_LAYOUT", None)  # flags above are explicit
+    procs: dict[str, Proc] = {}
+    clean = False  # keep the logs unless the demo ran through or the user stopped it
     try:
-        procs = {}
-        for step, (name, port, argv, detail) in enumerate(plan, start=1):
+        for step, (name, detail, argv) in enumerate(plan, start=1):
             started = time.monotonic()
-            print(f"[{step}/3] starting {name} ({detail}) on 127.0.0.1:{port} ...", end=" ",
-                  flush=True)
-            procs[name] = deployment.start(name, port, argv)
+            print(f"[{step}/3] starting {name} ({detail}) ...", end=" ", flush=True)
+            procs[name] = deployment.start(name, argv())
             error = _wait_ready(procs[name], STARTUP_TIMEOUT_S)
             if error:
                 print("failed")
                 print(f"kvxfer demo: {error}", file=sys.stderr)
                 return 1
-            print(f"ready in {time.monotonic() - started:.1f} s")
+            print(f"ready on {procs[name].url} in {time.monotonic() - started:.1f} s")
         proxy_url, decode_url = procs["proxy"].url, procs["decode sidecar"].url
         block_size = int(httpx.get(f"{decode_url}/health", timeout=5).json().get("block_size",
                                                                                   16))
@@ -276,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             print("a process exited; stopping", file=sys.stderr)
             return 1
+        clean = True
         return 0
     except httpx.HTTPError as exc:
         print(f"\nkvxfer demo: request failed: {exc} (logs in {deployment.logs})",
@@ -283,9 +287,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; stopping", file=sys.stderr)
+        clean = True
         return 130
     finally:
         if env_layout is not None:
             os.environ["KVXFER_KV_CACHE_LAYOUT"] = env_layout
         print("stopping the sidecars and the proxy ...", file=sys.stderr)
         deployment.stop()
+        if clean:
+            shutil.rmtree(deployment.logs, ignore_errors=True)
+        else:
+            print(f"logs kept in {deployment.logs}", file=sys.stderr)
