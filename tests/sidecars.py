@@ -5,7 +5,8 @@ own contract functions, so a test sends exactly what the proxy would. Every side
 process on 127.0.0.1 with a free HTTP port chosen at launch (a port taken in
 the meantime by someone else is retried on another one) and its side channel
 on port 0 (the listener picks). Output goes to a log file whose tail is shown
-when a sidecar fails to start.
+when a sidecar fails to start. :class:`ProxyProcess` launches ``python -m proxy``
+in front of sidecars the same way.
 
 Typical use, with a fixture that always stops what it started::
 

@@ -1,0 +1,366 @@
+"""The proxy as a real process in front of real ``kvxfer serve`` sidecars, over real HTTP.
+
+One module-scoped fleet: a ``both`` reference sidecar, two prefill and two
+decode sidecars (policy ``fail``), and a prefill serving other weights (seed 1,
+leases of 2 s). Three ``python -m proxy`` processes stand in front of them:
+
+* ``proxy``: both prefills and both decodes, no key, health checks too rare to
+  matter (so only the request path can mark an instance down);
+* ``keyed``: the same instances behind ``--api-key``, health checks every second;
+* ``mismatched``: the other-weights prefill and the second decode, whose KV
+  transfers therefore fail at the handshake.
+
+Checked: both routes, streamed and not, answer exactly what one instance
+answers; round robin over 2 + 2 instances; the client's X-Request-Id reaches
+both stages; a sidecar's 4xx passes through unchanged; a decode-stage transfer
+failure is a 502 naming the decode; a client that leaves stops the decode; the
+API key; a killed prefill is skipped. The kill is the LAST test: it leaves the
+fleet with one prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, prefill_body, start_proxies
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 6}
+BODIES: dict[str, dict[str, Any]] = {
+    COMPLETIONS: {"prompt": "Through the proxy", "logprobs": 1, **GREEDY},
+    CHAT: {"messages": [{"role": "user", "content": "Hello, proxy!"}], "logprobs": True,
+           **GREEDY},
+}
+API_KEY = "sk-test-7f3a"
+LOGPROB_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The module's processes; ``prefills`` and ``decodes`` are what ``proxy`` and
+    ``keyed`` route over, ``mismatched`` routes ``other_weights`` to ``decodes[1]``."""
+
+    both: Sidecar
+    prefills: list[Sidecar]
+    decodes: list[Sidecar]
+    other_weights: Sidecar  # a prefill with seed 1: its KV is refused by every decode
+    proxy: ProxyProcess
+    keyed: ProxyProcess
+    mismatched: ProxyProcess
+
+    @property
+    def workers(self) -> list[Sidecar]:
+        return self.prefills + self.decodes
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    log_dir = tmp_path_factory.mktemp("proxy-sidecars")
+    with SidecarGroup(log_dir) as group, contextlib.ExitStack() as stack:
+        both, p0, p1, d0, d1, other = group.start([
+            Spec("both"), Spec("prefill"), Spec("prefill"), Spec("decode", policy="fail"),
+            Spec("decode", policy="fail"),
+            Spec("prefill", extra=("--seed", "1", "--lease-ttl", "2"))])
+        proxies = []
+        for prefills, decodes, extra in (
+                ([p0, p1], [d0, d1], ("--health-interval", "3600")),
+                ([p0, p1], [d0, d1], ("--health-interval", "1", "--api-key", API_KEY)),
+                ([other], [d1], ("--health-interval", "3600"))):
+            proxy = ProxyProcess(log_dir, prefills, decodes, extra)
+            stack.callback(proxy.stop)
+            proxies.append(proxy)
+        start_proxies(proxies)
+        yield Fleet(both, [p0, p1], [d0, d1], other, *proxies)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def ok(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 200, f"{response.status_code}: {response.text}"
+    return dict(response.json())
+
+
+def events(response: httpx.Response) -> list[Any]:
+    """The SSE ``data:`` payloads of a whole response, ``[DONE]`` as the string."""
+    assert response.headers["content-type"].startswith("text/event-stream"), response.headers
+    out: list[Any] = []
+    for block in response.text.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), f"not an SSE data event: {block!r}"
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def text_and_logprobs(route: str, choices: list[dict[str, Any]]
+                      ) -> tuple[str, list[str], list[float]]:
+    """Text, tokens and their logprobs of a whole answer's or a stream's choices (in order)."""
+    text, tokens, logprobs = "", [], []
+    for choice in choices:
+        if route == COMPLETIONS:
+            text += choice["text"]
+            tokens += (choice["logprobs"] or {}).get("tokens", [])
+            logprobs += (choice["logprobs"] or {}).get("token_logprobs", [])
+        else:
+            text += (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+            content = (choice.get("logprobs") or {}).get("content") or []
+            tokens += [c["token"] for c in content]
+            logprobs += [c["logprob"] for c in content]
+    return text, tokens, logprobs
+
+
+def assert_same_answer(route: str, got: list[dict[str, Any]], want: list[dict[str, Any]]
+                       ) -> None:
+    got_text, got_tokens, got_logprobs = text_and_logprobs(route, got)
+    want_text, want_tokens, want_logprobs = text_and_logprobs(route, want)
+    assert len(want_tokens) == GREEDY["max_tokens"], want
+    assert (got_text, got_tokens) == (want_text, want_tokens)
+    for i, (a, b) in enumerate(zip(got_logprobs, want_logprobs, strict=True)):
+        assert abs(a - b) < LOGPROB_TOLERANCE, f"token {i}: logprob {a} vs {b}"
+
+
+def reference(fleet: Fleet, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(ok(fleet.both.post(route, body))["choices"])
+
+
+def idle(health: dict[str, Any]) -> bool:
+    return bool(health["used_blocks"] == 0 and health["leases"] == 0
+                and health["requests_in_flight"] == 0)
+
+
+def wait_fleet_idle(fleet: Fleet) -> None:
+    """Every prefill and decode: no request in flight, no lease, every block free."""
+    for sidecar in [*fleet.workers, fleet.other_weights]:
+        if sidecar.process is not None and sidecar.process.poll() is None:
+            sidecar.wait_for("idle: no request, lease or used block", idle)
+
+
+def served(sidecar: Sidecar, route: str = COMPLETIONS, status: str = "200") -> float:
+    return sidecar.metric("kvxfer_http_requests_total", route=route, status=status)
+
+
+def kv_reads(fleet: Fleet) -> float:
+    """KV transfers the decodes completed."""
+    return sum(d.metric("kvxfer_kv_transfers_total", outcome="ok") for d in fleet.decodes)
+
+
+def completion_calls(sidecars: list[Sidecar]) -> float:
+    """Completion requests the sidecars answered, every route and status together."""
+    return sum(v for s in sidecars for (name, labels), v in s.metrics().items()
+               if name == "kvxfer_http_requests_total"
+               and dict(labels).get("route") in (COMPLETIONS, CHAT))
+
+
+# -- both routes, streamed and not --------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+def test_answers_match_a_single_instance(fleet: Fleet, route: str, stream: bool) -> None:
+    body = BODIES[route]
+    want = reference(fleet, route, body)
+    rid = f"match-{route.rsplit('/', 1)[1]}-{stream}"
+    reads = kv_reads(fleet)
+    response = fleet.proxy.post(route, {**body, "stream": stream},
+                                headers={"x-request-id": rid})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-request-id"] == rid
+    prefix = "cmpl" if route == COMPLETIONS else "chatcmpl"
+    if stream:
+        chunks = events(response)
+        assert chunks[-1] == "[DONE]" and response.text.endswith("data: [DONE]\n\n")
+        parts = chunks[:-1]
+        assert len(parts) >= GREEDY["max_tokens"], f"{len(parts)} events relayed"
+        assert {c["id"] for c in parts} == {f"{prefix}-{rid}"}, "the decode saw another id"
+        assert parts[-1]["choices"][0]["finish_reason"] == "length"
+        assert_same_answer(route, [c["choices"][0] for c in parts], want)
+    else:
+        answer = response.json()
+        assert answer["id"] == f"{prefix}-{rid}", "the decode saw another request id"
+        assert_same_answer(route, answer["choices"], want)
+        assert answer["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    assert kv_reads(fleet) == reads + 1, "the decode did not read the prompt's KV"
+    wait_fleet_idle(fleet)
+
+
+# -- round robin --------------------------------------------------------------------------
+
+def test_round_robin_over_two_prefills_and_two_decodes(fleet: Fleet) -> None:
+    requests = 4
+    prompts = [f"round robin {i}" for i in range(requests)]
+    body = BODIES[COMPLETIONS]
+    want = [reference(fleet, COMPLETIONS, {**body, "prompt": p}) for p in prompts]
+    before = {s.url: served(s) for s in fleet.workers}
+    reads = {d.url: d.metric("kvxfer_kv_transfers_total", outcome="ok") for d in fleet.decodes}
+    done = {p.url: p.metric("kvxfer_kv_leases_released_total", reason="done")
+            for p in fleet.prefills}
+    for i, prompt in enumerate(prompts):
+        response = fleet.proxy.post(COMPLETIONS, {**body, "prompt": prompt},
+                                    headers={"x-request-id": f"rr-{i}"})
+        answer = ok(response)
+        assert response.headers["x-request-id"] == f"rr-{i}"
+        assert answer["id"] == f"cmpl-rr-{i}", "the decode did not get the client's request id"
+        assert_same_answer(COMPLETIONS, answer["choices"], want[i])
+    wait_fleet_idle(fleet)
+    share = requests // 2
+    for sidecar in fleet.workers:
+        got = served(sidecar) - before[sidecar.url]
+        assert got == share, f"{sidecar.spec.role} {sidecar.url} served {got} of {requests}"
+    for decode in fleet.decodes:
+        got = decode.metric("kvxfer_kv_transfers_total", outcome="ok") - reads[decode.url]
+        assert got == share, f"decode {decode.url} read the KV of {got} requests"
+    for prefill in fleet.prefills:
+        got = prefill.metric("kvxfer_kv_leases_released_total", reason="done") - done[
+            prefill.url]
+        assert got == share, f"prefill {prefill.url}: {got} leases released by 'done'"
+
+
+# -- upstream errors ----------------------------------------------------------------------
+
+def test_a_sidecar_rejection_passes_through_unchanged(fleet: Fleet) -> None:
+    body = {**BODIES[COMPLETIONS], "prompt": [65] * 2100}  # over the 2048-token context
+    decode_calls = completion_calls(fleet.decodes)
+    rejected = sum(served(p, status="400") for p in fleet.prefills)
+    response = fleet.proxy.post(COMPLETIONS, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    assert error["param"] == "prompt" and "2100 tokens" in error["message"], error
+    # byte for byte what a prefill answers to the call the proxy makes
+    direct = fleet.prefills[0].post(COMPLETIONS, prefill_body(body))
+    assert (direct.status_code, direct.json()) == (400, response.json())
+    assert sum(served(p, status="400") for p in fleet.prefills) == rejected + 2
+    assert completion_calls(fleet.decodes) == decode_calls, "a rejected request reached a decode"
+    # the proxy keeps serving
+    want = reference(fleet, COMPLETIONS, BODIES[COMPLETIONS])
+    assert_same_answer(COMPLETIONS, ok(fleet.proxy.post(COMPLETIONS, BODIES[COMPLETIONS]))[
+        "choices"], want)
+    wait_fleet_idle(fleet)
+
+
+def test_a_failed_kv_transfer_is_a_502_naming_the_decode(fleet: Fleet) -> None:
+    """The decode (policy fail) refuses KV from a prefill with other weights: the
+    handshake's compatibility hashes differ. The prefill's lease then expires."""
+    proxy, prefill, decode = fleet.mismatched, fleet.other_weights, fleet.decodes[1]
+    engine_id = prefill.health()["engine_id"]
+    failed = decode.metric("kvxfer_kv_transfers_total", outcome="failed")
+    expired = prefill.metric("kvxfer_kv_leases_released_total", reason="expired")
+    response = proxy.post(COMPLETIONS, BODIES[COMPLETIONS], headers={"x-request-id": "mm-1"})
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["type"] == "upstream_error" and error["code"] == 502
+    message = error["message"]
+    assert f"decode instance {decode.url} answered HTTP 502" in message, message
+    assert engine_id in message and "not compatible" in message, message
+    # the lease id the prefill made from the client's X-Request-Id, named by the proxy
+    assert f"prefill instance {prefill.url} holds the KV of request 'mm-1@" in message, message
+    assert decode.metric("kvxfer_kv_transfers_total", outcome="failed") == failed + 1
+    decode.wait_for("the failed request's blocks free", idle)
+    prefill.wait_for("the unread lease expired", idle, timeout=20)
+    assert prefill.metric("kvxfer_kv_leases_released_total", reason="expired") == expired + 1
+    # a 502 is not an unreachable instance: the proxy keeps it and keeps serving
+    health = proxy.health()
+    assert health["status"] == "ok" and all(i["healthy"] for i in health["instances"]), health
+    models = ok(proxy.get("/v1/models"))
+    assert models["data"][0]["id"] == "kvxfer-tiny"
+
+
+# -- client disconnect --------------------------------------------------------------------
+
+def test_a_client_that_leaves_stops_the_decode(fleet: Fleet) -> None:
+    wait_fleet_idle(fleet)
+    max_tokens = 2000
+    generated = sum(d.metric("kvxfer_generation_tokens_total") for d in fleet.decodes)
+    done = sum(p.metric("kvxfer_kv_leases_released_total", reason="done")
+               for p in fleet.prefills)
+    left = fleet.proxy.metric("kvxfer_proxy_client_disconnects_total", route=COMPLETIONS)
+    body = {"prompt": "a long story", "stream": True, **GREEDY, "max_tokens": max_tokens}
+    with httpx.Client(timeout=30, trust_env=False) as client, \
+            client.stream("POST", f"{fleet.proxy.url}{COMPLETIONS}", json=body) as response:
+        assert response.status_code == 200
+        assert next(response.iter_lines()).startswith("data: {")
+    for decode in fleet.decodes:
+        decode.wait_for("the abandoned stream stopped and its blocks free", idle, timeout=30)
+    tokens = sum(d.metric("kvxfer_generation_tokens_total") for d in fleet.decodes) - generated
+    assert 1 <= tokens < max_tokens, f"the decode generated {tokens} tokens for nobody"
+    for prefill in fleet.prefills:
+        prefill.wait_for("the lease released", idle)
+    assert sum(p.metric("kvxfer_kv_leases_released_total", reason="done")
+               for p in fleet.prefills) == done + 1
+    assert fleet.proxy.metric("kvxfer_proxy_client_disconnects_total",
+                              route=COMPLETIONS) == left + 1
+    assert all(i["outstanding"] == 0 for i in fleet.proxy.health()["instances"])
+
+
+# -- API key ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("authorization", "says"), [
+    (None, "missing Authorization header"),
+    ("Bearer sk-wrong", "invalid API key"),
+    (f"Basic {API_KEY}", "scheme 'Basic' is not supported"),
+], ids=["missing", "wrong key", "wrong scheme"])
+def test_api_key_refused(fleet: Fleet, authorization: str | None, says: str) -> None:
+    headers = {"authorization": authorization} if authorization else {}
+    calls = completion_calls(fleet.workers)
+    for method, path in (("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"),
+                         ("GET", "/metrics")):
+        response = fleet.keyed.client.request(
+            method, f"{fleet.keyed.url}{path}", headers=headers,
+            json=BODIES.get(path) if method == "POST" else None)
+        assert response.status_code == 401, f"{method} {path}: {response.text}"
+        assert response.headers["www-authenticate"] == "Bearer"
+        error = response.json()["error"]
+        assert error["type"] == "authentication_error" and error["code"] == 401
+        assert says in error["message"], error["message"]
+        assert API_KEY not in error["message"]
+    assert completion_calls(fleet.workers) == calls, "a refused request reached a sidecar"
+
+
+def test_api_key_accepted_and_health_is_open(fleet: Fleet) -> None:
+    assert fleet.keyed.get("/health").status_code == 200  # no key
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    for route, body in BODIES.items():
+        answer = ok(fleet.keyed.post(route, body, headers=headers))
+        assert_same_answer(route, answer["choices"], reference(fleet, route, body))
+    assert ok(fleet.keyed.get("/v1/models", headers=headers))["data"][0]["id"] == "kvxfer-tiny"
+    assert fleet.keyed.metric("kvxfer_proxy_requests_total", headers=headers,
+                              route=COMPLETIONS, status="200") >= 1
+    wait_fleet_idle(fleet)
+
+
+# -- an instance down (LAST: kills a prefill of the shared fleet) -------------------------
+
+def test_a_killed_prefill_is_skipped(fleet: Fleet) -> None:
+    alive, victim = fleet.prefills
+    wait_fleet_idle(fleet)
+    victim.kill()
+    requests = 4
+    before = {s.url: served(s) for s in [alive, *fleet.decodes]}
+    want = reference(fleet, COMPLETIONS, BODIES[COMPLETIONS])
+    for i in range(requests):
+        response = fleet.proxy.post(COMPLETIONS, BODIES[COMPLETIONS],
+                                    headers={"x-request-id": f"down-{i}"})
+        assert_same_answer(COMPLETIONS, ok(response)["choices"], want)
+    assert served(alive) - before[alive.url] == requests
+    for decode in fleet.decodes:
+        assert served(decode) - before[decode.url] == requests // 2
+    # the request path found it dead (health checks of this proxy are an hour apart)
+    health = fleet.proxy.health()
+    assert health["status"] == "ok", health
+    state = fleet.proxy.instance(victim.url)
+    assert not state["healthy"] and "ConnectError" in (state["last_error"] or ""), state
+    assert fleet.proxy.metric("kvxfer_proxy_upstream_errors_total", role="prefill",
+                              instance=victim.url, kind="unreachable") >= 1
+    # the keyed proxy's health checker finds it dead without any request
+    deadline = time.monotonic() + 15
+    while fleet.keyed.instance(victim.url)["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    state = fleet.keyed.instance(victim.url)
+    assert not state["healthy"] and "health check" in (state["last_error"] or ""), state
+    wait_fleet_idle(fleet)
