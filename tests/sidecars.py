@@ -1,12 +1,12 @@
-"""Real ``kvxfer serve`` processes for tests: launch, wait for /health, talk, stop.
+"""Real ``kvxfer serve`` processes for tests: launch, wait until ready, talk, stop.
 
 Used by the server, proxy and accuracy tests. Pairs are driven with the proxy's
-own contract functions, so a test sends exactly what the proxy would. Every sidecar is a separate OS
-process on 127.0.0.1 with a free HTTP port chosen at launch (a port taken in
-the meantime by someone else is retried on another one) and its side channel
-on port 0 (the listener picks). Output goes to a log file whose tail is shown
-when a sidecar fails to start. :class:`ProxyProcess` launches ``python -m proxy``
-in front of sidecars the same way.
+own contract functions, so a test sends exactly what the proxy would. Every
+sidecar is a separate OS process on 127.0.0.1 that binds port 0 for HTTP and for
+its side channel; its address comes from the "... ready: URL" line it prints once
+it serves (so no port chosen in advance can be lost to another program). Output
+goes to a log file whose tail is shown when a sidecar fails to start.
+:class:`ProxyProcess` launches ``python -m proxy`` in front of sidecars the same way.
 
 Typical use, with a fixture that always stops what it started::
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,7 +40,6 @@ from proxy.contract import decode_request, parse_prefill_answer, prefill_request
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0   # two busy cores and several sidecars importing torch at once
 STOP_TIMEOUT_S = 20.0
-PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -47,15 +47,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def distinct_ports(count: int) -> list[int]:
-    """``count`` different free ports (held together while picked, so no repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 @dataclass(frozen=True)
@@ -70,9 +61,9 @@ class Spec:
     block_size: int = 16
     extra: tuple[str, ...] = ()
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self) -> list[str]:
         return [sys.executable, "-m", "kvxfer.cli", "serve", "--role", self.role,
-                "--port", str(port), "--side-channel-port", "0", "--tp", str(self.tp),
+                "--port", "0", "--side-channel-port", "0", "--tp", str(self.tp),
                 "--kv-cache-layout", self.layout, "--num-blocks", str(self.num_blocks),
                 "--block-size", str(self.block_size),
                 "--kv-load-failure-policy", self.policy, *self.extra]
@@ -82,30 +73,30 @@ class Spec:
         return f"{self.role}-{self.layout}-tp{self.tp}-{self.policy}"
 
 
-class Sidecar:
-    """A launched ``kvxfer serve`` process and a client for its HTTP API."""
+class Launched:
+    """A launched server process that prints "... ready: URL" once it serves.
 
-    def __init__(self, spec: Spec, log_dir: Path, env: dict[str, str] | None = None,
-                 port: int | None = None) -> None:
-        self.spec = spec
-        self.log_path = log_dir / f"{spec.name}-{time.monotonic_ns()}.log"
-        self._env = env
-        self.port = 0
-        self.process: subprocess.Popen[bytes] | None = None
+    ``argv`` must make it bind port 0; :meth:`wait_ready` reads the URL from the
+    log. A client for its HTTP API is ``client``; :meth:`stop` ends it.
+    """
+
+    READY = re.compile(r"ready: (http://\S+)")
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.url = ""
+        self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
         self.client = httpx.Client(timeout=60.0, trust_env=False)
-        self._launch(port)
-
-    def _launch(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        env = {**os.environ, **(self._env or {}), "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.spec.argv(self.port), cwd=ROOT, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+            self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                list(argv), cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def port(self) -> int:
+        assert self.url, f"{self.name} is not ready yet"
+        return int(self.url.rsplit(":", 1)[1])
 
     @property
     def pid(self) -> int:
@@ -119,40 +110,56 @@ class Sidecar:
             return "(no log)"
 
     def wait_ready(self, deadline: float) -> None:
-        """Poll /health until 200; relaunch on another port if the port was taken."""
+        """Wait for the ready line (sets ``url``); fails at once if the process exits."""
         assert self.process is not None
-        for _ in range(PORT_ATTEMPTS):
-            while time.monotonic() < deadline:
-                code = self.process.poll()
-                if code is not None:
-                    break
-                if self._healthy():
-                    return
-                time.sleep(0.1)
-            else:
-                raise TimeoutError(f"{self.spec.name} on port {self.port} not healthy within "
-                                   f"{READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-            if code == 2 and f"HTTP port {self.port}" in self.log_tail(5):
-                self._launch()  # lost the port race: try another one
-                continue
-            raise RuntimeError(f"{self.spec.name} exited with {code} while starting:\n"
-                               f"{self.log_tail()}")
-        raise RuntimeError(f"{self.spec.name}: no free port after {PORT_ATTEMPTS} attempts")
+        while time.monotonic() < deadline:
+            found = self.READY.search(self.log_path.read_text(errors="replace"))
+            if found:
+                self.url = found[1]
+                return
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with {code} while starting:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready within the deadline:\n{self.log_tail()}")
 
-    def _healthy(self) -> bool:
-        """/health answers 200, from this process (not another that won the port)."""
-        try:
-            response = self.client.get(f"{self.url}/health", timeout=2.0)
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200 and response.json().get("pid") == self.pid
-
-    # -- talking to it ------------------------------------------------------------------------
     def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
         return self.client.post(f"{self.url}{path}", json=body, **kw)
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return self.client.get(f"{self.url}{path}", **kw)
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        """Signal the process, wait, kill it if it hangs; its exit code."""
+        if self.process is None:
+            return None
+        self.send_signal(sig)
+        try:
+            code = self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait(STOP_TIMEOUT_S)
+        self.client.close()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL: the process vanishes without cleaning up (a crashed instance)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_S)
+
+
+class Sidecar(Launched):
+    """A launched ``kvxfer serve`` process and a client for its HTTP API."""
+
+    def __init__(self, spec: Spec, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(spec.name, spec.argv(), log_dir, env)
+        self.spec = spec
 
     def health(self) -> dict[str, Any]:
         response = self.get("/health")
@@ -181,30 +188,6 @@ class Sidecar:
         raise AssertionError(f"{self.spec.name}: {what} not reached within {timeout} s; "
                              f"last /health: {health}")
 
-    # -- stopping it ----------------------------------------------------------------------
-    def send_signal(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        """Signal the process, wait, kill it if it hangs; its exit code."""
-        if self.process is None:
-            return None
-        self.send_signal(sig)
-        try:
-            code = self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait(STOP_TIMEOUT_S)
-        self.client.close()
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL: the process vanishes without cleaning up (a crashed instance)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_S)
-
 
 class SidecarGroup:
     """Sidecars started together and always stopped together (a context manager)."""
@@ -216,8 +199,7 @@ class SidecarGroup:
 
     def start(self, specs: Sequence[Spec], timeout: float = READY_TIMEOUT_S) -> list[Sidecar]:
         """Launch all ``specs`` at once, then wait until every one is healthy."""
-        started = [Sidecar(spec, self.log_dir, self.env, port)
-                   for spec, port in zip(specs, distinct_ports(len(specs)), strict=True)]
+        started = [Sidecar(spec, self.log_dir, self.env) for spec in specs]
         self.sidecars += started
         deadline = time.monotonic() + timeout
         for sidecar in started:
@@ -270,11 +252,10 @@ def disaggregated(prefill: Sidecar, decode: Sidecar, path: str, body: dict[str, 
 
 # -- the proxy in front of sidecars ---------------------------------------------------------
 
-class ProxyProcess:
+class ProxyProcess(Launched):
     """A launched ``python -m proxy`` in front of given sidecars, and a client for it.
 
-    A separate OS process on 127.0.0.1 with a free port chosen at launch (relaunched
-    on another one if the port was taken meanwhile); ``extra`` are further proxy
+    A separate OS process on 127.0.0.1 bound to port 0; ``extra`` are further proxy
     flags (``--api-key``, ``--health-interval`` ...). Output goes to a log file
     whose tail is shown when the proxy fails to start. Call :meth:`stop`.
     """
@@ -283,53 +264,20 @@ class ProxyProcess:
                  extra: Sequence[str] = ()) -> None:
         self.prefill_urls = [s.url for s in prefills]
         self.decode_urls = [s.url for s in decodes]
-        self._flags = ["--prefiller-hosts", "127.0.0.1",
-                       "--prefiller-ports", *(str(s.port) for s in prefills),
-                       "--decoder-hosts", "127.0.0.1",
-                       "--decoder-ports", *(str(s.port) for s in decodes), *extra]
-        self.log_path = log_dir / f"proxy-{time.monotonic_ns()}.log"
-        self.port = 0
-        self.process: subprocess.Popen[bytes] | None = None
-        self.client = httpx.Client(timeout=60.0, trust_env=False)
-        self._launch()
-
-    def _launch(self) -> None:
-        self.port = free_port()
-        argv = [sys.executable, "-m", "proxy", "--port", str(self.port), *self._flags]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, cwd=ROOT, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        super().__init__("proxy", [
+            sys.executable, "-m", "proxy", "--port", "0",
+            "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", *(str(s.port) for s in prefills),
+            "--decoder-hosts", "127.0.0.1", "--decoder-ports", *(str(s.port) for s in decodes),
+            *extra], log_dir)
 
     def wait_ready(self, deadline: float) -> None:
-        """Poll /health until it answers 200 naming our instances; relaunch on a lost port."""
-        assert self.process is not None
-        for _ in range(PORT_ATTEMPTS):
-            while time.monotonic() < deadline:
-                code = self.process.poll()
-                if code is not None:
-                    break
-                if self._ready():
-                    return
-                time.sleep(0.1)
-            else:
-                raise TimeoutError(f"proxy on port {self.port} not ready within the deadline:\n"
+        """The ready line, then /health answering and naming exactly our instances."""
+        super().wait_ready(deadline)
+        while not self._ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"proxy at {self.url} does not list its instances:\n"
                                    f"{self.log_tail()}")
-            if "address already in use" in self.log_tail().lower():
-                self._launch()  # lost the port race: try another one
-                continue
-            raise RuntimeError(f"proxy exited with {code} while starting:\n{self.log_tail()}")
-        raise RuntimeError(f"proxy: no free port after {PORT_ATTEMPTS} attempts")
+            time.sleep(0.05)
 
     def _ready(self) -> bool:
         """/health answers 200 and lists exactly our instances (not another proxy's)."""
@@ -341,13 +289,6 @@ class ProxyProcess:
             return False
         urls = [i["url"] for i in response.json().get("instances", [])]
         return urls == self.prefill_urls + self.decode_urls
-
-    # -- talking to it ------------------------------------------------------------------------
-    def post(self, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
-        return self.client.post(f"{self.url}{path}", json=body, **kw)
-
-    def get(self, path: str, **kw: Any) -> httpx.Response:
-        return self.client.get(f"{self.url}{path}", **kw)
 
     def health(self) -> dict[str, Any]:
         """/health's body: 200 when every role has a healthy instance, 503 otherwise."""
@@ -369,20 +310,6 @@ class ProxyProcess:
         return next((s.value for family in text_string_to_metric_families(response.text)
                      for s in family.samples
                      if s.name == name and tuple(sorted(s.labels.items())) == want), 0.0)
-
-    def stop(self) -> int | None:
-        """SIGTERM, wait, SIGKILL if it hangs; its exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.terminate()
-        try:
-            code = self.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait(STOP_TIMEOUT_S)
-        self.client.close()
-        return code
 
 
 def start_proxies(proxies: Sequence[ProxyProcess], timeout: float = READY_TIMEOUT_S) -> None:
