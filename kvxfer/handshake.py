@@ -5,15 +5,20 @@ The only module that imports ZMQ. Wire format and validation live in
 
 * Prefill side: one :class:`HandshakeListener` per instance, a ROUTER socket
   served by a background thread, answers a :class:`MetadataRequest` with the
-  :class:`AgentMetadata` of the requested local TP ranks. Whatever a peer sends
-  (garbage, wrong frame counts, another version or model, a bad signature,
-  unknown ranks) is logged with the peer's address and identity and answered
-  with an :class:`ErrorReply`; the listener keeps serving.
+  :class:`AgentMetadata` of the requested local TP ranks, and a
+  :class:`ReleaseLease` with a :class:`ReleaseAck` after handing it to its
+  ``on_release`` callback. Whatever a peer sends (garbage, wrong frame counts,
+  another version or model, a bad signature, unknown ranks) is logged with the
+  peer's address and identity and answered with an :class:`ErrorReply`; the
+  listener keeps serving. A release from another model is served: it carries
+  no KV metadata (see :data:`~kvxfer.protocol.HASH_FREE_KINDS`).
 * Decode side: :class:`HandshakeClient.fetch` sends one request over a fresh
   DEALER socket per attempt (so a late answer to an abandoned attempt can
   never be mistaken for the current one), waits up to ``timeout`` seconds per
   attempt, retries only timeouts, and raises a :class:`HandshakeError` naming
-  the peer address on any failure.
+  the peer address on any failure. :meth:`HandshakeClient.release` sends one
+  release the same way, with one attempt. :class:`ReleaseSender` sends releases
+  from a background thread, best effort, so that no caller waits on a peer.
 
 Frames: the client sends exactly one frame (the encoded envelope) and receives
 exactly one. The listener also answers REQ sockets, whose empty delimiter
@@ -22,8 +27,10 @@ frame it echoes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
+import queue
 import socket
 import threading
 import time
@@ -33,6 +40,7 @@ from types import TracebackType
 import zmq
 
 from kvxfer.protocol import (
+    MAX_RELEASE_REASON_CHARS,
     AgentMetadata,
     BadSignature,
     CompatInfo,
@@ -44,6 +52,8 @@ from kvxfer.protocol import (
     MetadataRequest,
     MetadataResponse,
     ProtocolError,
+    ReleaseAck,
+    ReleaseLease,
     check_response,
     compat_hash,
     decode_envelope,
@@ -52,7 +62,7 @@ from kvxfer.protocol import (
 )
 
 __all__ = ["HandshakeClient", "HandshakeError", "HandshakeListener", "HandshakeTimeout",
-           "PeerRefused"]
+           "PeerRefused", "ReleaseSender"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +74,9 @@ BACKOFF_S = 0.05              # first pause between attempts; doubles, capped at
 MAX_BACKOFF_S = 0.5
 JOIN_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 0.5         # the TCP probe that explains a timeout
+RELEASE_TIMEOUT_S = 1.0       # one release attempt; a lost release only costs the lease TTL
+RELEASE_QUEUE = 1024          # releases waiting to be sent; more are dropped (and logged)
+RELEASE_DRAIN_S = 1.0         # how long ReleaseSender.close() keeps sending what is queued
 
 
 class HandshakeTimeout(HandshakeError):
@@ -77,8 +90,8 @@ class PeerUnreachable(HandshakeError):
 class PeerRefused(HandshakeError):
     """The peer answered with an :class:`ErrorReply`; ``code`` says why."""
 
-    def __init__(self, reply: ErrorReply, *, peer: str) -> None:
-        super().__init__(f"peer {peer} refused the handshake ({reply.code.value}): "
+    def __init__(self, reply: ErrorReply, *, peer: str, what: str = "the handshake") -> None:
+        super().__init__(f"peer {peer} refused {what} ({reply.code.value}): "
                          f"{reply.message}", peer=peer, found=reply.code)
         self.code = reply.code
         self.reason = reply.message
@@ -106,18 +119,25 @@ class HandshakeListener:
     :attr:`port`), and served by a daemon thread from :meth:`start` until
     :meth:`close`. ``metadata()`` is called for each request, on the serving
     thread, and returns this instance's ranks; ``on_request(requester_engine_id)``
-    is called on that thread after each successful answer. Both must not block
-    for long: requests are served one at a time.
+    is called on that thread after each successful answer.
+    ``on_release(lease_id, requester_engine_id, reason)`` is called on that
+    thread for each :class:`ReleaseLease` and returns whether the lease is held
+    (the :class:`ReleaseAck` says so); it must only hand the release over to the
+    thread that owns the leases. Without it releases are refused as
+    ``unavailable``. All must not block for long: requests are served one at a
+    time.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, engine_id: str,
                  compat: CompatInfo, metadata: Callable[[], Sequence[AgentMetadata]],
                  hmac_key: bytes | None = None,
-                 on_request: Callable[[str], None] | None = None) -> None:
+                 on_request: Callable[[str], None] | None = None,
+                 on_release: Callable[[str, str, str], bool] | None = None) -> None:
         self.engine_id = engine_id
         self.host = host
         self._compat, self._hash = compat, compat_hash(compat)
         self._metadata, self._on_request = metadata, on_request
+        self._on_release = on_release
         self._key = hmac_key
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = _new_socket(self._ctx, zmq.ROUTER, host, MAX_REQUEST_BYTES)
@@ -240,10 +260,14 @@ class HandshakeListener:
                 log.exception("handshake listener at %s: on_request(%r) failed", self.address,
                               requester)
 
-    def _answer(self, raw: bytes, peer: str) -> tuple[MetadataResponse | ErrorReply, str | None]:
-        """The reply to one envelope, and the requester's engine id when it succeeded."""
+    def _answer(self, raw: bytes, peer: str
+                ) -> tuple[MetadataResponse | ReleaseAck | ErrorReply, str | None]:
+        """The reply to one envelope, and the requester's engine id when a metadata
+        request succeeded (None otherwise: no ``on_request`` call)."""
         envelope = decode_envelope(raw, expected_hash=self._hash, peer=peer,
                                    hmac_key=self._key, local_compat=self._compat)
+        if envelope.kind is MessageKind.RELEASE:
+            return self._release(decode_payload(envelope, ReleaseLease, peer=peer), peer), None
         request = decode_payload(envelope, MetadataRequest, peer=peer)
         try:
             served = {m.tp_rank: m for m in self._metadata()}
@@ -263,6 +287,25 @@ class HandshakeListener:
             return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} cannot serve "
                                                      f"its metadata: {exc}"), None
         return response, request.requester_engine_id
+
+    def _release(self, release: ReleaseLease, peer: str) -> ReleaseAck | ErrorReply:
+        """Hand a release to ``on_release``; the ack says whether the lease was held."""
+        if self._on_release is None:
+            why = f"engine {self.engine_id} holds no leases"
+            log.warning("handshake listener at %s: refused a release of lease %s from %s "
+                        "(engine %s): %s", self.address, release.lease_id, peer,
+                        release.requester_engine_id, why)
+            return ErrorReply(ErrorCode.UNAVAILABLE, why)
+        try:
+            found = self._on_release(release.lease_id, release.requester_engine_id,
+                                     release.reason)
+        except Exception as exc:
+            log.exception("handshake listener at %s: on_release(%r) failed", self.address,
+                          release.lease_id)
+            return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} could not "
+                                                     f"release lease {release.lease_id!r}: "
+                                                     f"{exc}")
+        return ReleaseAck(release.lease_id, bool(found))
 
 
 def _describe(identity: zmq.Frame) -> str:
@@ -334,6 +377,39 @@ class HandshakeClient:
                                f"{retries + 1} attempts ({why})", peer=address,
                                expected=f"an answer within {timeout:g} s", found=why)
 
+    def release(self, host: str, port: int, lease_id: str, reason: str, *,
+                timeout: float = RELEASE_TIMEOUT_S) -> bool:
+        """Tell the prefill listening at ``host:port`` that lease ``lease_id`` will not
+        be read; True when it held that lease, False when it did not (nothing changed).
+
+        One attempt of at most ``timeout`` seconds (a lost release only means the
+        lease runs until its TTL, so it is not worth retrying). ``reason`` is
+        truncated to MAX_RELEASE_REASON_CHARS. The reply's compatibility hash is
+        not checked: the prefill may serve another model. Raises a
+        :class:`HandshakeError` naming the peer address on any failure
+        (:class:`PeerRefused` for an :class:`ErrorReply`).
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        if not timeout > 0:
+            raise ValueError(f"release timeout must be positive, got {timeout!r}")
+        if not 0 < port < 65536:
+            raise ValueError(f"release port must be in 1..65535, got {port!r}")
+        address = endpoint(host, port)
+        message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS])
+        request = encode_message(message, compat=self.compat, hmac_key=self._key)
+        why_not = _connect_error(host, port, min(timeout, PROBE_TIMEOUT_S))
+        if why_not is not None and "timed out" not in why_not:
+            raise PeerUnreachable(f"cannot connect to {address}: {why_not}", peer=address,
+                                  expected="a listening side channel", found=why_not)
+        frames = self._exchange(host, address, request, timeout)
+        if frames is None:
+            raise HandshakeTimeout(f"no answer from {address} to the release of lease "
+                                   f"{lease_id!r} within {timeout:g} s", peer=address,
+                                   expected=f"an answer within {timeout:g} s",
+                                   found="no answer")
+        return self._parse_ack(frames, address, lease_id)
+
     def close(self) -> None:
         """Release the ZMQ context (idempotent)."""
         if not self._closed:
@@ -376,6 +452,22 @@ class HandshakeClient:
         response = decode_payload(envelope, MetadataResponse, peer=address)
         return check_response(response, ranks, peer=address)
 
+    def _parse_ack(self, frames: list[bytes], address: str, lease_id: str) -> bool:
+        if len(frames) != 1:
+            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
+                                   expected=1, found=len(frames))
+        envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
+                                   hmac_key=self._key)
+        if envelope.kind is MessageKind.ERROR_REPLY:
+            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
+                              what=f"the release of lease {lease_id!r}")
+        ack = decode_payload(envelope, ReleaseAck, peer=address)
+        if ack.lease_id != lease_id:
+            raise MalformedMessage("release ack", f"it acknowledges lease {ack.lease_id!r}, "
+                                                  f"not {lease_id!r}", peer=address,
+                                   expected=lease_id, found=ack.lease_id)
+        return ack.found
+
 
 def _connect_error(host: str, port: int, timeout: float) -> str | None:
     """Why a plain TCP connect to host:port fails (refused, unknown host...), or None if it
@@ -386,3 +478,97 @@ def _connect_error(host: str, port: int, timeout: float) -> str | None:
             return None
     except OSError as exc:
         return exc.strerror or str(exc) or type(exc).__name__
+
+
+class ReleaseSender:
+    """Decode side: sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
+
+    :meth:`submit` only queues (thread-safe, never blocks), so the engine-loop
+    thread and HTTP handlers can call it. Releases are best effort: at most
+    ``max_queued`` wait (further ones are dropped), each gets one attempt of
+    ``timeout`` seconds, and failures are only logged; a lost release means the
+    prefill frees the blocks at lease expiry instead. :meth:`close` keeps
+    sending what is queued for at most ``drain_s`` seconds, then drops the rest
+    and stops the thread. ``sent``, ``dropped`` and ``failed`` count outcomes
+    (``sent``: the prefill answered, whether or not it held the lease). The
+    sender owns ``client`` and closes it in :meth:`close`.
+    """
+
+    _STOP = object()
+
+    def __init__(self, client: HandshakeClient, *, timeout: float = RELEASE_TIMEOUT_S,
+                 max_queued: int = RELEASE_QUEUE, drain_s: float = RELEASE_DRAIN_S) -> None:
+        self._client, self._timeout, self._drain_s = client, timeout, drain_s
+        self._queue: queue.Queue[object] = queue.Queue(max_queued)
+        self._give_up_at: float | None = None  # set by close(): drop what is still queued then
+        self._closed = False
+        self.sent = self.dropped = self.failed = 0
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvxfer-release-{client.engine_id}")
+        self._thread.start()
+
+    def submit(self, host: str, port: int, lease_id: str, reason: str) -> bool:
+        """Queue one release; False (logged) when closed or the queue is full."""
+        if self._closed:
+            log.info("release of lease %s at %s not sent: the sender is closed", lease_id,
+                     endpoint(host, port))
+            return False
+        try:
+            self._queue.put_nowait((host, port, lease_id, reason))
+        except queue.Full:
+            self.dropped += 1
+            log.warning("release of lease %s at %s dropped: %d releases already wait; the "
+                        "prefill frees it at lease expiry", lease_id, endpoint(host, port),
+                        self._queue.maxsize)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Send what is queued for at most ``drain_s`` s, then stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._give_up_at = time.monotonic() + self._drain_s
+        # When the queue is full the thread drains it (fast past the deadline), then
+        # finds it empty and stops.
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(self._STOP)
+        self._thread.join(self._drain_s + self._timeout + PROBE_TIMEOUT_S + JOIN_TIMEOUT_S)
+        if self._thread.is_alive():  # its socket is still open: leave the context alone
+            log.error("release sender of %s did not stop", self._client.engine_id)
+            return
+        self._client.close()
+
+    def _run(self) -> None:
+        while True:
+            try:  # the timeout only matters when close() found the queue full
+                item = self._queue.get(timeout=POLL_INTERVAL_S if self._closed else None)
+            except queue.Empty:
+                return
+            if item is self._STOP:
+                return
+            assert isinstance(item, tuple)
+            host, port, lease_id, reason = item
+            if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                self.dropped += 1
+                log.info("release of lease %s at %s dropped: shutting down", lease_id,
+                         endpoint(host, port))
+                continue
+            self._send(host, port, lease_id, reason)
+
+    def _send(self, host: str, port: int, lease_id: str, reason: str) -> None:
+        try:
+            found = self._client.release(host, port, lease_id, reason, timeout=self._timeout)
+        except (HandshakeError, ValueError, RuntimeError) as exc:
+            self.failed += 1
+            log.warning("could not release lease %s: %s (the prefill frees it at lease "
+                        "expiry)", lease_id, exc)
+            return
+        except Exception:  # the thread must survive anything
+            self.failed += 1
+            log.exception("releasing lease %s at %s failed unexpectedly", lease_id,
+                          endpoint(host, port))
+            return
+        self.sent += 1
+        log.info("released lease %s at %s (%s): %s", lease_id, endpoint(host, port), reason,
+                 "freed" if found else "it was not held (ended already)")

@@ -5,11 +5,20 @@ these bytes over ZMQ; ``kvxfer.worker`` sends notifications through NIXL.
 
 A handshake message on the wire is ``MAGIC`` followed by the msgpack map of an
 :class:`Envelope`, whose ``payload`` is the msgpack map of one message
-(:class:`MetadataRequest`, :class:`MetadataResponse` or :class:`ErrorReply`).
-Decoding is two-phase and strict: :func:`decode_envelope` checks the magic, the
-protocol version, the envelope's shape, the signature and the compatibility
-hash before anything else is looked at; :func:`decode_payload` then decodes the
-inner message into its declared type. Nothing is decoded into untyped dicts.
+(:class:`MetadataRequest`, :class:`MetadataResponse`, :class:`ReleaseLease`,
+:class:`ReleaseAck` or :class:`ErrorReply`). Decoding is two-phase and strict:
+:func:`decode_envelope` checks the magic, the protocol version, the envelope's
+shape, the signature and the compatibility hash before anything else is looked
+at; :func:`decode_payload` then decodes the inner message into its declared
+type. Nothing is decoded into untyped dicts.
+
+Two exchanges share the side channel: metadata (decode asks, prefill answers
+with its ranks' NIXL metadata) and release (a decode that will not read a lease
+tells the prefill, which frees the blocks at once instead of at lease expiry).
+A release carries no KV metadata, so its compatibility hash is not checked
+(:data:`HASH_FREE_KINDS`): a decode of another model, whose handshake was
+refused for that very reason, must still be able to release. Magic, version,
+shape and signature are checked as for every message.
 
 Every decoding failure raises a :class:`ProtocolError` subclass whose message
 names the peer and what was expected and found, so a receiver can log it,
@@ -34,7 +43,9 @@ from kvxfer.regions import RegionPlan
 #      payload, signature, sender}; MetadataRequest / MetadataResponse /
 #      ErrorReply payloads; AgentMetadata carries a RegionPlan; ReadDone
 #      notifications as MAGIC + msgpack {version, done}.
-KVXFER_PROTOCOL_VERSION: int = 1
+#   2: message kinds "release" (ReleaseLease, decode -> prefill) and "release_ack"
+#      (ReleaseAck); neither has its compat hash checked.
+KVXFER_PROTOCOL_VERSION: int = 2
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
@@ -47,7 +58,16 @@ class MessageKind(str, enum.Enum):
 
     METADATA_REQUEST = "metadata_request"
     METADATA_RESPONSE = "metadata_response"
+    RELEASE = "release"
+    RELEASE_ACK = "release_ack"
     ERROR_REPLY = "error_reply"
+
+
+HASH_FREE_KINDS: frozenset[MessageKind] = frozenset({MessageKind.RELEASE,
+                                                     MessageKind.RELEASE_ACK})
+"""Kinds whose compatibility hash :func:`decode_envelope` does not check: they carry
+no KV metadata, only a lease id, so two instances of different models may exchange
+them (a decode whose handshake was refused for a model mismatch still releases)."""
 
 
 class ErrorCode(str, enum.Enum):
@@ -299,6 +319,50 @@ class MetadataResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      f"{first.layout}")
 
 
+MAX_LEASE_ID_CHARS = 1024  # a request id (<= 200 characters) plus "@<serial>", with room
+MAX_RELEASE_REASON_CHARS = 1024  # senders truncate; the reason is only logged
+
+
+class ReleaseLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: the decode will not read lease ``lease_id``; free its blocks now.
+
+    ``lease_id`` is the ``remote_request_id`` of the prefill's ``kv_transfer_params``
+    (unique per prefill engine, so a release can never end another lease).
+    ``reason`` is free text for the prefill's log (e.g. why the decode refused
+    the request). Sent only when no NIXL "done" notification will come.
+    """
+
+    lease_id: str
+    requester_engine_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.lease_id), "ReleaseLease.lease_id must not be empty")
+        _require(len(self.lease_id) <= MAX_LEASE_ID_CHARS,
+                 f"ReleaseLease.lease_id has {len(self.lease_id)} characters, at most "
+                 f"{MAX_LEASE_ID_CHARS} are allowed")
+        _require(bool(self.requester_engine_id),
+                 "ReleaseLease.requester_engine_id must not be empty")
+        _require(len(self.reason) <= MAX_RELEASE_REASON_CHARS,
+                 f"ReleaseLease.reason has {len(self.reason)} characters, at most "
+                 f"{MAX_RELEASE_REASON_CHARS} are allowed")
+
+
+class ReleaseAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the answer to a :class:`ReleaseLease`.
+
+    ``found`` is True when the prefill held lease ``lease_id`` as the release
+    arrived (it ends on the prefill's next engine-loop iteration), False when
+    no such lease is held (ended already, or never existed): nothing changed.
+    """
+
+    lease_id: str
+    found: bool
+
+    def __post_init__(self) -> None:
+        _require(bool(self.lease_id), "ReleaseAck.lease_id must not be empty")
+
+
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill → decode: the request was refused; ``message`` names the reason."""
 
@@ -306,12 +370,15 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     message: str
 
 
-Message = MetadataRequest | MetadataResponse | ErrorReply
-MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ErrorReply)
+Message = MetadataRequest | MetadataResponse | ReleaseLease | ReleaseAck | ErrorReply
+MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ReleaseLease, ReleaseAck,
+                   ErrorReply)
 
 _KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
     MetadataRequest: MessageKind.METADATA_REQUEST,
     MetadataResponse: MessageKind.METADATA_RESPONSE,
+    ReleaseLease: MessageKind.RELEASE,
+    ReleaseAck: MessageKind.RELEASE_ACK,
     ErrorReply: MessageKind.ERROR_REPLY,
 }
 
@@ -443,15 +510,18 @@ def _check_version(raw: bytes, what: str, peer: str) -> bytes:
     return body
 
 
-def decode_envelope(raw: bytes, *, expected_hash: str, peer: str,
+def decode_envelope(raw: bytes, *, expected_hash: str | None, peer: str,
                     hmac_key: bytes | None = None,
                     local_compat: CompatInfo | None = None) -> Envelope:
     """Phase one of decoding a handshake message; the payload stays undecoded.
 
     Checks, in order: magic, version, the envelope's shape, the signature (when
     ``hmac_key`` is set; without a key, signatures are ignored), and the
-    compatibility hash against ``expected_hash``. With ``local_compat`` a hash
-    mismatch names the differing fields. ``peer`` is only used in messages.
+    compatibility hash against ``expected_hash``. The hash is not checked for
+    :data:`HASH_FREE_KINDS`, nor when ``expected_hash`` is None (a caller that
+    expects only a reply to a release, which may come from another model). With
+    ``local_compat`` a hash mismatch names the differing fields. ``peer`` is
+    only used in messages.
     """
     body = _check_version(raw, "envelope", peer)
     envelope = _decode(Envelope, body, "envelope", peer)
@@ -465,7 +535,8 @@ def decode_envelope(raw: bytes, *, expected_hash: str, peer: str,
     if sender is not None and compat_hash(sender) != envelope.compat_hash:
         raise MalformedMessage("envelope", f"its compat_hash {envelope.compat_hash} is not the "
                                            f"hash of the CompatInfo it carries", peer=peer)
-    if envelope.compat_hash != expected_hash:
+    if (expected_hash is not None and envelope.kind not in HASH_FREE_KINDS
+            and envelope.compat_hash != expected_hash):
         differing = None
         if sender is not None and local_compat is not None:
             differing = compat_diff(local_compat, sender)

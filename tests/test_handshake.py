@@ -33,6 +33,7 @@ from kvxfer.handshake import (
     HandshakeTimeout,
     PeerRefused,
     PeerUnreachable,
+    ReleaseSender,
 )
 from kvxfer.layout import CacheSpec, allocate_kv_cache
 from kvxfer.protocol import (
@@ -48,6 +49,8 @@ from kvxfer.protocol import (
     MalformedMessage,
     MetadataRequest,
     MetadataResponse,
+    ReleaseAck,
+    ReleaseLease,
     VersionMismatch,
     compat_hash,
     decode_envelope,
@@ -414,7 +417,7 @@ BAD_REPLIES: dict[str, tuple[list[bytes], type[HandshakeError], str]] = {
     "two-frames": (_response(*RANKS) * 2, MalformedMessage, "2 frames, expected 1"),
     "garbage": ([b"\xde\xad\xbe\xef"], BadMagic, r"b'\xde\xad\xbe\xef'"),
     "version": ([MAGIC + msgspec.msgpack.encode({"version": 3})], VersionMismatch,
-                "speaks kvxfer protocol 3, this side speaks 1"),
+                f"speaks kvxfer protocol 3, this side speaks {KVXFER_PROTOCOL_VERSION}"),
     "a-request": ([request(MetadataRequest("x", (0,)))], MalformedMessage,
                   "expected a metadata_response, found a metadata_request"),
     "inconsistent-tp": (_forged_response(tp_size=4), MalformedMessage,
@@ -555,6 +558,186 @@ def test_binding_a_taken_port_names_the_address(listener: HandshakeListener) -> 
     with pytest.raises(OSError, match=re.escape(f"cannot bind tcp://{HOST}:{listener.port}")):
         HandshakeListener(HOST, listener.port, engine_id=ENGINE, compat=COMPAT,
                           metadata=lambda: RANKS)
+
+
+# -- releases -------------------------------------------------------------------------------
+
+HELD = "req-1@1"  # the one lease the release listener holds
+
+
+@pytest.fixture(scope="module")
+def releases() -> list[tuple[str, str, str]]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def release_listener(releases: list[tuple[str, str, str]]) -> Iterator[HandshakeListener]:
+    def on_release(lease_id: str, requester: str, reason: str) -> bool:
+        releases.append((lease_id, requester, reason))
+        return lease_id == HELD
+
+    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+                           hmac_key=None, on_release=on_release) as served:
+        yield served
+
+
+def test_release_calls_back_once_and_the_listener_keeps_serving(
+        client: HandshakeClient, release_listener: HandshakeListener,
+        releases: list[tuple[str, str, str]]) -> None:
+    before = len(releases)
+    assert client.release(HOST, release_listener.port, HELD, "refused: max_tokens") is True
+    assert releases[before:] == [(HELD, "decode-b", "refused: max_tokens")]
+    assert client.release(HOST, release_listener.port, "req-1@2", "aborted") is False
+    assert releases[before + 1:] == [("req-1@2", "decode-b", "aborted")]
+    good_fetch(client, release_listener)
+
+
+def test_a_release_from_another_model_is_served(release_listener: HandshakeListener,
+                                                releases: list[tuple[str, str, str]]) -> None:
+    other = msgspec.structs.replace(COMPAT, num_layers=32)
+    with HandshakeClient("decode-other", other) as mismatched:
+        with pytest.raises(HashMismatch):  # its handshake is refused...
+            mismatched.fetch(HOST, release_listener.port, [0], timeout=ANSWER_S)
+        # ...but it can still release what it will not read
+        assert mismatched.release(HOST, release_listener.port, HELD, "handshake refused")
+    assert releases[-1] == (HELD, "decode-other", "handshake refused")
+
+
+def test_a_long_reason_is_truncated(client: HandshakeClient,
+                                    release_listener: HandshakeListener,
+                                    releases: list[tuple[str, str, str]]) -> None:
+    client.release(HOST, release_listener.port, HELD, "x" * 5000)
+    assert releases[-1][2] == "x" * 1024
+
+
+@pytest.mark.parametrize("case", ["wrong-version", "garbage", "wrong-kind-payload"])
+def test_a_bad_release_is_refused_without_a_callback(
+        case: str, ctx: zmq.Context[Any], client: HandshakeClient,
+        release_listener: HandshakeListener, releases: list[tuple[str, str, str]]) -> None:
+    release = request(ReleaseLease(HELD, "decode-b", "x"))
+    frames, code, named = {
+        "wrong-version": ([MAGIC + msgspec.msgpack.encode(
+            {**msgspec.msgpack.decode(release[len(MAGIC):]),
+             "version": KVXFER_PROTOCOL_VERSION + 1})], ErrorCode.VERSION_MISMATCH,
+            f"speaks kvxfer protocol {KVXFER_PROTOCOL_VERSION + 1}"),
+        "garbage": ([b"RELEASE " + HELD.encode()], ErrorCode.BAD_MAGIC, "b'RELEASE '"),
+        "wrong-kind-payload": ([forged(kind="release")], ErrorCode.MALFORMED,
+                               "malformed release"),
+    }[case]
+    before = len(releases)
+    reply = refusal(exchange(ctx, release_listener.address, frames))
+    assert reply.code is code and named in reply.message
+    assert len(releases) == before, "a refused release must not reach on_release"
+    good_fetch(client, release_listener)
+
+
+@pytest.mark.parametrize("key", [None, b"guess"], ids=["unsigned", "wrong-key"])
+def test_a_badly_signed_release_is_refused(key: bytes | None, ctx: zmq.Context[Any]) -> None:
+    calls: list[str] = []
+
+    def on_release(lease_id: str, _requester: str, _reason: str) -> bool:
+        calls.append(lease_id)
+        return True
+
+    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+                           hmac_key=KEY, on_release=on_release) as served:
+        with HandshakeClient("decode-b", COMPAT, hmac_key=key) as unsigned, \
+                pytest.raises((PeerRefused, BadSignature)) as info:
+            unsigned.release(HOST, served.port, HELD, "x", timeout=ANSWER_S)
+        if key is None:
+            assert isinstance(info.value, PeerRefused)
+            assert info.value.code is ErrorCode.BAD_SIGNATURE
+            assert str(info.value).startswith(f"peer {served.address} refused the release of "
+                                              f"lease '{HELD}' (bad_signature)")
+        else:  # the listener refuses, and the reply's signature does not verify for it
+            assert served.address in str(info.value) and "does not verify" in str(info.value)
+        assert calls == []
+        with HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
+            assert keyed.release(HOST, served.port, HELD, "x", timeout=ANSWER_S) is True
+        assert calls == [HELD]
+
+
+def test_a_listener_without_leases_refuses_releases(client: HandshakeClient,
+                                                    listener: HandshakeListener) -> None:
+    with pytest.raises(PeerRefused) as info:
+        client.release(HOST, listener.port, HELD, "x", timeout=ANSWER_S)
+    assert info.value.code is ErrorCode.UNAVAILABLE
+    assert f"engine {ENGINE} holds no leases" in str(info.value)
+    good_fetch(client, listener)
+
+
+def test_a_failing_on_release_is_answered_as_unavailable(client: HandshakeClient) -> None:
+    def on_release(lease_id: str, _requester: str, _reason: str) -> bool:
+        raise RuntimeError(f"queue closed for {lease_id}")
+
+    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+                           on_release=on_release) as served:
+        with pytest.raises(PeerRefused, match=f"queue closed for {HELD}") as info:
+            client.release(HOST, served.port, HELD, "x", timeout=ANSWER_S)
+        assert info.value.code is ErrorCode.UNAVAILABLE
+        good_fetch(client, served)
+
+
+def test_release_client_errors_name_the_peer(client: HandshakeClient,
+                                             scripted: Callable[..., ScriptedPeer]) -> None:
+    silent = scripted(None)
+    with pytest.raises(HandshakeTimeout) as info:
+        client.release(HOST, silent.port, HELD, "x", timeout=0.2)
+    assert str(info.value) == (f"no answer from tcp://{HOST}:{silent.port} to the release of "
+                               f"lease '{HELD}' within 0.2 s")
+    wait_for(lambda: silent.received == 1, "the release")
+    assert silent.received == 1, "a release is sent once, never retried"
+    other_ack = scripted(lambda _: [encode_message(ReleaseAck("req-9@9", True), compat=COMPAT)])
+    with pytest.raises(MalformedMessage, match="acknowledges lease 'req-9@9', not 'req-1@1'"):
+        client.release(HOST, other_ack.port, HELD, "x", timeout=ANSWER_S)
+    metadata = scripted(lambda _: _response(*RANKS))
+    with pytest.raises(MalformedMessage, match="expected a release_ack, found a "
+                                               "metadata_response"):
+        client.release(HOST, metadata.port, HELD, "x", timeout=ANSWER_S)
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(PeerUnreachable, match=f"cannot connect to tcp://{HOST}:{port}"):
+        client.release(HOST, port, HELD, "x", timeout=ANSWER_S)
+    with pytest.raises(ValueError, match="got 0"):
+        client.release(HOST, 0, HELD, "x")
+    with pytest.raises(ValueError, match="lease_id must not be empty"):
+        client.release(HOST, silent.port, "", "x")
+
+
+def test_release_sender_sends_in_the_background_and_drains_on_close(
+        release_listener: HandshakeListener, releases: list[tuple[str, str, str]]) -> None:
+    sender = ReleaseSender(HandshakeClient("decode-s", COMPAT))
+    before = len(releases)
+    try:
+        assert sender.submit(HOST, release_listener.port, HELD, "one")
+        assert sender.submit(HOST, release_listener.port, "req-2@5", "two")
+    finally:
+        sender.close()
+    assert releases[before:] == [(HELD, "decode-s", "one"), ("req-2@5", "decode-s", "two")]
+    assert (sender.sent, sender.failed, sender.dropped) == (2, 0, 0)
+    assert not sender.submit(HOST, release_listener.port, HELD, "late")
+    sender.close()  # idempotent
+
+
+def test_release_sender_survives_failures_and_bounds_its_queue_and_close(
+        scripted: Callable[..., ScriptedPeer]) -> None:
+    """A silent prefill: each send times out; extra releases are dropped, not queued
+    without bound, and close() gives up on what is left after drain_s."""
+    silent = scripted(None)
+    sender = ReleaseSender(HandshakeClient("decode-s", COMPAT), timeout=0.2, max_queued=2,
+                           drain_s=0.3)
+    try:
+        accepted = [sender.submit(HOST, silent.port, f"req-{i}@{i}", "x") for i in range(6)]
+        assert accepted.count(False) >= 3, "at most 2 wait, and one may be sending"
+        wait_for(lambda: sender.failed >= 1, "a failed send")
+    finally:
+        sender.close()
+    assert not sender._thread.is_alive(), "close() gave up on the rest and stopped the thread"
+    assert sender.dropped == accepted.count(False) + (6 - accepted.count(False)
+                                                      - sender.failed - sender.sent)
+    assert sender.sent == 0 and sender.failed >= 1
+    wait_for(lambda: silent.received == sender.failed, "every attempted release")
 
 
 # -- a listener in another OS process -------------------------------------------------------

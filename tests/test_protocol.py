@@ -1,4 +1,8 @@
-"""Tests for ``kvxfer.protocol``: wire round trips, strict decoding, errors, hash, signatures."""
+"""Tests for ``kvxfer.protocol``: wire round trips, strict decoding, errors, hash, signatures.
+
+Releases (``ReleaseLease`` / ``ReleaseAck``) follow every rule of the other
+messages except the compatibility hash, which is not checked for them.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,11 @@ from hypothesis import strategies as st
 
 from kvxfer.layout import CacheSpec, allocate_kv_cache
 from kvxfer.protocol import (
+    HASH_FREE_KINDS,
     KVXFER_PROTOCOL_VERSION,
     MAGIC,
+    MAX_LEASE_ID_CHARS,
+    MAX_RELEASE_REASON_CHARS,
     AgentMetadata,
     BadMagic,
     BadSignature,
@@ -29,6 +36,8 @@ from kvxfer.protocol import (
     MetadataResponse,
     ProtocolError,
     ReadDone,
+    ReleaseAck,
+    ReleaseLease,
     VersionMismatch,
     check_response,
     compat_diff,
@@ -67,7 +76,12 @@ def meta(rank: int = 0, tp_size: int = 2, engine_id: str = "prefill-a",
 
 RESPONSE = MetadataResponse("prefill-a", 2, (meta(1), meta(0)))
 REQUEST = MetadataRequest("decode-b", (1, 0))
-MESSAGES = [REQUEST, RESPONSE, ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
+RELEASE = ReleaseLease("req-7@3", "decode-b", "the decode refused the request: max_tokens")
+ACK = ReleaseAck("req-7@3", found=True)
+MESSAGES = [REQUEST, RESPONSE, RELEASE, ACK, ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
+KIND_NAMES: dict[type[Any], str] = {
+    MetadataRequest: "metadata_request", MetadataResponse: "metadata_response",
+    ReleaseLease: "release", ReleaseAck: "release_ack", ErrorReply: "error_reply"}
 
 
 def builtins(obj: Any) -> Any:
@@ -81,8 +95,7 @@ def forge(envelope: dict[str, Any], magic: bytes = MAGIC) -> bytes:
 
 def envelope_dict(message: Any = REQUEST, **changes: Any) -> dict[str, Any]:
     """The envelope of ``message`` as a dict, with ``changes`` applied (unsigned)."""
-    kind = {MetadataRequest: "metadata_request", MetadataResponse: "metadata_response",
-            ErrorReply: "error_reply"}[type(message)]
+    kind = KIND_NAMES[type(message)]
     out = {"version": KVXFER_PROTOCOL_VERSION, "compat_hash": HASH, "kind": kind,
            "payload": msgspec.msgpack.encode(message), "signature": None,
            "sender": builtins(COMPAT)}
@@ -300,11 +313,22 @@ def _bad_response_rank(**changes: Any) -> dict[str, Any]:
     (MetadataResponse, _bad_response_rank(agent_name=""), "agent_name must not be empty"),
     (MetadataResponse, _bad_response_rank(engine_id=""), "engine_id must not be empty"),
     (MetadataResponse, {**builtins(RESPONSE), "ranks": []}, "ranks must not be empty"),
-], ids=lambda v: v if isinstance(v, str) else None)
+    (ReleaseLease, {**builtins(RELEASE), "lease_id": ""}, "lease_id must not be empty"),
+    (ReleaseLease, {**builtins(RELEASE), "lease_id": "x" * (MAX_LEASE_ID_CHARS + 1)},
+     f"lease_id has {MAX_LEASE_ID_CHARS + 1} characters"),
+    (ReleaseLease, {**builtins(RELEASE), "requester_engine_id": ""},
+     "requester_engine_id must not be empty"),
+    (ReleaseLease, {**builtins(RELEASE), "reason": "r" * (MAX_RELEASE_REASON_CHARS + 1)},
+     f"reason has {MAX_RELEASE_REASON_CHARS + 1} characters"),
+    (ReleaseLease, {**builtins(RELEASE), "reason": 7}, "reason"),
+    (ReleaseLease, {**builtins(RELEASE), "blocks": [1, 2]}, "blocks"),
+    (ReleaseLease, {"lease_id": "req-7@3", "reason": "x"}, "requester_engine_id"),
+    (ReleaseAck, {"lease_id": "req-7@3", "found": "yes"}, "found"),
+    (ReleaseAck, {"lease_id": "", "found": False}, "ReleaseAck.lease_id must not be empty"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 60 else None)
 def test_strict_payload_decoding_names_the_offender(kind: type[Any], payload: dict[str, Any],
                                                     named: str) -> None:
-    kind_name = {MetadataRequest: "metadata_request", MetadataResponse: "metadata_response",
-                 ErrorReply: "error_reply"}[kind]
+    kind_name = KIND_NAMES[kind]
     raw = forge(envelope_dict(kind=kind_name, payload=msgspec.msgpack.encode(payload)))
     envelope = decode(raw)
     with pytest.raises(MalformedMessage) as info:
@@ -344,6 +368,7 @@ def test_check_response_names_missing_and_extra_ranks() -> None:
 
 GOOD_NOTE = {"request_id": "r", "reader_engine_id": "d", "reader_rank": 0,
              "expected_readers": 1, "ok": True}
+V = KVXFER_PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize(("raw", "error", "named"), [
@@ -353,18 +378,18 @@ GOOD_NOTE = {"request_id": "r", "reader_engine_id": "d", "reader_rank": 0,
     (encode_notif(ReadDone("r", "d", 0, 1, True))[:-2], MalformedMessage, "truncated"),
     (MAGIC + msgspec.msgpack.encode({"version": 9, "done": GOOD_NOTE}), VersionMismatch,
      "protocol 9"),
-    (MAGIC + msgspec.msgpack.encode({"version": 1, "done": {**GOOD_NOTE, "x": 1}}),
+    (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE, "x": 1}}),
      MalformedMessage, "`x`"),
-    (MAGIC + msgspec.msgpack.encode({"version": 1, "done": {**GOOD_NOTE, "ok": "yes"}}),
+    (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE, "ok": "yes"}}),
      MalformedMessage, "ok"),
-    (MAGIC + msgspec.msgpack.encode({"version": 1, "done": {**GOOD_NOTE,
+    (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE,
                                                             "expected_readers": 0}}),
      MalformedMessage, "expected_readers must be positive, got 0"),
-    (MAGIC + msgspec.msgpack.encode({"version": 1, "done": {**GOOD_NOTE, "request_id": ""}}),
+    (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE, "request_id": ""}}),
      MalformedMessage, "request_id"),
-    (MAGIC + msgspec.msgpack.encode({"version": 1, "done": {**GOOD_NOTE, "reader_rank": -3}}),
+    (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE, "reader_rank": -3}}),
      MalformedMessage, "reader_rank must not be negative, got -3"),
-    (MAGIC + msgspec.msgpack.encode({"version": 1, "done": {**GOOD_NOTE,
+    (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE,
                                                             "reader_engine_id": ""}}),
      MalformedMessage, "reader_engine_id"),
 ], ids=["empty", "text", "array", "truncated", "version", "extra-field", "bool-type",
@@ -423,13 +448,14 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned: a change here changes the wire, so it needs a protocol version bump.
-    assert HASH == "b0a70323c599080d0aae5e7a473ad883da31cdb92bde9cf18de48fcb92688545"
+    # Pinned (protocol 2): a change here changes the wire, so it needs a version bump.
+    assert HASH == "d396b9176b01b144f3d8f98db60290f07a7c787ace0ac4c7184560415026c094"
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("model", "llama-3-70b"), ("dtype", "float16"), ("cache_dtype", "fp8_e4m3"),
-    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32), ("protocol_version", 2),
+    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32),
+    ("protocol_version", KVXFER_PROTOCOL_VERSION + 1),
 ])
 def test_every_field_changes_the_hash(field: str, value: object) -> None:
     changed = msgspec.structs.replace(COMPAT, **{field: value})
@@ -446,4 +472,87 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 1
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 2
+
+
+# -- releases: no hash check, every other check -----------------------------------------------
+
+def test_release_kinds_are_the_hash_free_ones() -> None:
+    assert {MessageKind.RELEASE, MessageKind.RELEASE_ACK} == HASH_FREE_KINDS
+
+
+@pytest.mark.parametrize("message", [RELEASE, ACK], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("key", [None, KEY], ids=["unsigned", "signed"])
+def test_a_release_from_another_model_is_accepted(message: Any, key: bytes | None) -> None:
+    """The decode whose handshake was refused for a model mismatch must still release."""
+    raw = encode_message(message, compat=OTHER, hmac_key=key)
+    envelope = decode(raw, hmac_key=key, local_compat=COMPAT)
+    assert envelope.compat_hash == compat_hash(OTHER) != HASH
+    assert decode_payload(envelope, type(message), peer=PEER) == message
+
+
+def test_a_metadata_message_labelled_as_a_release_is_still_malformed() -> None:
+    """The exemption follows the kind, so a request disguised as a release gets nowhere."""
+    raw = forge(envelope_dict(REQUEST, kind="release", compat_hash=compat_hash(OTHER),
+                              sender=builtins(OTHER)))
+    envelope = decode(raw)
+    with pytest.raises(MalformedMessage, match="malformed release") as info:
+        decode_payload(envelope, ReleaseLease, peer=PEER)
+    assert PEER in str(info.value)
+    with pytest.raises(MalformedMessage, match="expected a metadata_request, found a release"):
+        decode_payload(envelope, MetadataRequest, peer=PEER)
+
+
+def test_without_an_expected_hash_no_kind_is_hash_checked() -> None:
+    """A release's client reads the reply (an ack or a refusal) from any model."""
+    refusal = ErrorReply(ErrorCode.BAD_SIGNATURE, "unsigned")
+    envelope = decode(encode_message(refusal, compat=OTHER), expected_hash=None)
+    assert decode_payload(envelope, ErrorReply) == refusal
+    with pytest.raises(HashMismatch):
+        decode(encode_message(refusal, compat=OTHER))
+
+
+def test_a_release_of_another_version_is_refused() -> None:
+    raw = forge(envelope_dict(RELEASE, version=KVXFER_PROTOCOL_VERSION + 1))
+    with pytest.raises(VersionMismatch) as info:
+        decode(raw)
+    assert f"speaks kvxfer protocol {KVXFER_PROTOCOL_VERSION + 1}" in str(info.value)
+    assert PEER in str(info.value)
+
+
+def test_a_garbled_release_is_refused() -> None:
+    raw = encode_message(RELEASE, compat=COMPAT)
+    with pytest.raises(BadMagic, match="XKVF"):
+        decode(b"XKVF" + raw[4:])
+    with pytest.raises(MalformedMessage, match="malformed envelope"):
+        decode(raw[:-5])
+
+
+@pytest.mark.parametrize("compat", [COMPAT, OTHER], ids=["same-model", "other-model"])
+def test_an_unsigned_or_wrongly_signed_release_is_refused_when_a_key_is_set(
+        compat: CompatInfo) -> None:
+    with pytest.raises(BadSignature, match="unsigned message") as info:
+        decode(encode_message(RELEASE, compat=compat), hmac_key=KEY)
+    assert PEER in str(info.value)
+    with pytest.raises(BadSignature, match="does not verify"):
+        decode(encode_message(RELEASE, compat=compat, hmac_key=b"guess"), hmac_key=KEY)
+
+
+def test_tampering_with_a_signed_release_is_refused() -> None:
+    good = msgspec.msgpack.decode(encode_message(RELEASE, compat=OTHER, hmac_key=KEY)[4:])
+    other_lease = msgspec.msgpack.encode(ReleaseLease("req-8@4", "decode-b", "x"))
+    with pytest.raises(BadSignature, match="does not verify"):
+        decode(forge({**good, "payload": other_lease}), hmac_key=KEY)
+
+
+GOOD_RELEASE_WIRE = encode_message(RELEASE, compat=OTHER, hmac_key=KEY)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, len(GOOD_RELEASE_WIRE) - 1), st.integers(1, 255))
+def test_corrupted_releases_raise_only_protocol_errors(position: int, flip: int) -> None:
+    raw = bytearray(GOOD_RELEASE_WIRE)
+    raw[position] ^= flip
+    with pytest.raises(ProtocolError):  # signed: every change is caught somewhere
+        envelope = decode(bytes(raw), hmac_key=KEY, local_compat=COMPAT)
+        decode_payload(envelope, ReleaseLease, peer=PEER)
