@@ -6,8 +6,11 @@ per TP rank (all sharing the instance's ``engine_id``, new on every start) with
 handshake listener that serves every rank's metadata to decode instances.
 
 Threading: every method except :attr:`engine_id` / :attr:`side_channel_port`
-is called from the sidecar's engine-loop thread only, the same thread that
-steps the engine, so engine calls here never race a step.
+and :meth:`release_remote` is called from the sidecar's engine-loop thread
+only, the same thread that steps the engine, so engine calls and lease state
+changes here never race a step. Other threads only queue work for it: the
+listener's thread queues side-channel releases, :meth:`release_remote` queues
+a release for the sender thread.
 
 Prefill role (who calls what):
 
@@ -15,8 +18,14 @@ Prefill role (who calls what):
   rank leases the request's blocks (readers announced by the decode side,
   ``ttl`` = ``lease_ttl`` seconds) and the answer's ``kv_transfer_params`` are
   returned;
+* a decode that will not read a lease says so over the side channel (a
+  ``ReleaseLease``); the listener's thread queues it, and the next :meth:`poll`
+  ends that lease on every rank (``worker.end_lease``). An id that is not a
+  held lease (ended already, or never handed out) changes nothing;
 * :meth:`poll` collects released leases; once *every* rank released a request
-  ("done" by all its readers, or "expired"), ``engine.release`` frees its blocks.
+  ("done" by all its readers, "abandoned" by a release, or "expired"),
+  ``engine.release`` frees its blocks and ``kvxfer_kv_leases_released_total``
+  counts it once, by reason (expired > abandoned > done when ranks differ).
 
 Decode role:
 
@@ -29,6 +38,16 @@ Decode role:
   ``engine.finish_kv_load``: ok, or on any failure recompute (policy
   ``recompute``) or fail the request (policy ``fail``; :meth:`take_transfer_error`
   then tells the loop it was a transfer failure).
+* A request that ends without the prefill having been told by NIXL sends the
+  prefill a release over its side channel (best effort, from the
+  :class:`~kvxfer.handshake.ReleaseSender` thread, never from the loop):
+  refused at admission, aborted while waiting for blocks, a read that failed
+  before a NIXL connection existed (handshake refused: another model, layout or
+  TP) or whose failure notification could not be sent, and requests still
+  waiting or reading at :meth:`close`. After a successful read, or a failed one
+  whose ``ok=False`` notifications went out, nothing more is sent: the
+  notifications end the lease. The HTTP layer calls :meth:`release_remote` for
+  a request refused before it reached the loop.
 
 Invariant (the reason deferred aborts exist): a request's blocks are never
 freed or reused while any rank's READ may still be writing into them. An abort
@@ -40,6 +59,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
 import time
 import uuid
 from collections import deque
@@ -51,7 +71,7 @@ from kvxfer.protocol import CompatInfo
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.handshake import HandshakeListener
+    from kvxfer.handshake import HandshakeListener, ReleaseSender
     from kvxfer.worker import ReadStats, RemoteParams, TransferWorker
 
 log = logging.getLogger(__name__)
@@ -110,6 +130,7 @@ class _Read:
     failures: dict[int, str] = field(default_factory=dict)
     stats: list[ReadStats] = field(default_factory=list)
     aborted: bool = False
+    unnotified: set[int] = field(default_factory=set)  # failed ranks the prefill never heard of
 
 
 @dataclass
@@ -141,6 +162,9 @@ class KVConnector:
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
         self.workers: list[TransferWorker] = []
         self.listener: HandshakeListener | None = None
+        self.releaser: ReleaseSender | None = None  # decode: sends side-channel releases
+        # prefill: (lease id, requester, reason) from the listener's thread
+        self._releases: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
         self._pending: deque[_Pending] = deque()
         self._reads: dict[str, _Read] = {}
         self._leases: dict[str, _Lease] = {}  # by lease id
@@ -153,6 +177,8 @@ class KVConnector:
             self._start_workers()
             if role == "prefill":
                 self._start_listener(side_channel_port)
+            else:
+                self._start_releaser()
         except BaseException:
             self.close()
             raise
@@ -179,7 +205,12 @@ class KVConnector:
             self.side_channel_host, port, engine_id=self.engine_id,
             compat=compat_info(self.engine),
             metadata=lambda: [w.metadata() for w in self.workers],
-            on_request=connecting).start()
+            on_request=connecting, on_release=self._on_release).start()
+
+    def _start_releaser(self) -> None:
+        from kvxfer.handshake import HandshakeClient, ReleaseSender
+
+        self.releaser = ReleaseSender(HandshakeClient(self.engine_id, compat_info(self.engine)))
 
     @property
     def side_channel_port(self) -> int | None:
@@ -204,12 +235,23 @@ class KVConnector:
         return request_id in self._lease_of
 
     def close(self) -> None:
-        """Stop the listener, then the workers (idempotent). Call after the loop stopped."""
+        """Stop the listener, then the workers, then release the leases of decode
+        requests that will never read, sending for at most about a second
+        (idempotent). Call after the loop stopped."""
         if self.listener is not None:
             self.listener.close()
             self.listener = None
         for worker in self.workers:
             worker.close()
+        if self.releaser is not None:
+            for item in self._pending:
+                self._release(item.remote, "the decode instance shut down before reading it")
+            for read in self._reads.values():  # the workers stopped: no READ goes on
+                self._release(read.remote, "the decode instance shut down while reading it")
+            self._pending.clear()
+            self._reads.clear()
+            self.releaser.close()
+            self.releaser = None
 
     # -- prefill ----------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: list[int],
@@ -248,6 +290,30 @@ class KVConnector:
         self._leases[lease_id] = lease
         self._lease_of[lease.request_id] = lease_id
 
+    def _on_release(self, lease_id: str, requester: str, reason: str) -> bool:
+        """Listener thread: queue a side-channel release for :meth:`poll`; whether the
+        lease is held right now (the ack's ``found``; reading worker state is safe)."""
+        self._releases.put((lease_id, requester, reason))
+        return any(worker.holds_lease(lease_id) for worker in self.workers)
+
+    def _take_releases(self) -> None:
+        """End the leases decode instances released, on every rank still holding them;
+        ``_poll_leases`` then frees the blocks as for any other release."""
+        while True:
+            try:
+                lease_id, requester, reason = self._releases.get_nowait()
+            except queue.Empty:
+                return
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                log.info("decode %s released lease %s, which is not held (ended already or "
+                         "never handed out): ignored", requester, lease_id)
+                continue
+            log.info("decode %s will not read lease %s (%s): freeing its blocks", requester,
+                     lease_id, reason)
+            for rank in sorted(lease.ranks_left):
+                self.workers[rank].end_lease(lease_id, "abandoned")
+
     def _poll_leases(self, events: ConnectorEvents) -> None:
         for rank, worker in enumerate(self.workers):
             for item in worker.poll_released():
@@ -261,7 +327,7 @@ class KVConnector:
                     del self._leases[item.request_id]
                     del self._lease_of[lease.request_id]
                     self.engine.release(lease.request_id)
-                    reason = "expired" if "expired" in lease.reasons else "done"
+                    reason = _lease_end_reason(lease.reasons)
                     self.metrics.leases_released.labels(reason).inc()
                     events.released.append(lease.request_id)
 
@@ -291,6 +357,7 @@ class KVConnector:
                 return  # strict FCFS: later requests wait behind the head
             except ValueError as exc:
                 self._pending.popleft()
+                self._release(item.remote, f"the decode refused the request: {exc}")
                 if raise_errors:
                     raise
                 if events is not None:
@@ -310,6 +377,7 @@ class KVConnector:
             except (ValueError, RuntimeError) as exc:
                 read.ranks_left.discard(rank)
                 read.failures[rank] = f"rank {rank} could not start its READ: {exc}"
+                read.unnotified.add(rank)
         if not read.ranks_left:
             self._resolve(item.request_id)
 
@@ -326,12 +394,17 @@ class KVConnector:
                 if read is not None:
                     read.ranks_left.discard(rank)
                     read.failures[rank] = reason
+                    if request_id in result.unnotified:
+                        read.unnotified.add(rank)
         for request_id in [rid for rid, read in self._reads.items() if not read.ranks_left]:
             self._resolve(request_id)
 
     def _resolve(self, request_id: str) -> None:
         """Every rank ended its READ: hand the request back to the engine."""
         read = self._reads.pop(request_id)
+        if read.unnotified:  # some prefill rank still waits for a reader that gave up
+            why = "; ".join(read.failures[rank] for rank in sorted(read.unnotified))
+            self._release(read.remote, f"the decode's KV read failed: {why}")
         if read.stats:
             self.metrics.transfer_bytes.inc(sum(s.num_bytes for s in read.stats))
             self.metrics.transfer_descriptors.inc(sum(s.descriptors for s in read.stats))
@@ -368,6 +441,8 @@ class KVConnector:
         for item in self._pending:
             if item.request_id == request_id:
                 self._pending.remove(item)
+                self._release(item.remote, "the request was aborted before its KV read "
+                                           "started")
                 return AbortOutcome.DROPPED
         read = self._reads.get(request_id)
         if read is not None:
@@ -377,16 +452,39 @@ class KVConnector:
             return AbortOutcome.LEASED
         return AbortOutcome.NOT_MINE
 
+    def release_remote(self, remote: RemoteParams, reason: str) -> bool:
+        """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
+        for the sender thread; False when not queued). For a decode request that ends
+        before reaching the engine loop, e.g. refused by the HTTP layer."""
+        return self._release(remote, reason)
+
+    def _release(self, remote: RemoteParams, reason: str) -> bool:
+        releaser = self.releaser  # read once: close() may clear it from another thread
+        if releaser is None:
+            return False
+        return releaser.submit(remote.remote_host, remote.remote_port,
+                               remote.remote_request_id, reason)
+
     def poll(self) -> ConnectorEvents:
         """Collect READ results and released leases; admit waiting decode requests."""
         events = ConnectorEvents()
         if not self.workers:
             return events
+        self._take_releases()
         self._poll_leases(events)
         self._poll_reads()
         self._admit(events=events)
         self.metrics.leases_held.set(len(self._leases))
         return events
+
+
+def _lease_end_reason(reasons: set[str]) -> str:
+    """One label for a lease whose ranks ended it for ``reasons``: a rank that expired
+    means a reader was lost, a release means nobody read; "done" only when all read."""
+    for reason in ("expired", "abandoned"):
+        if reason in reasons:
+            return reason
+    return "done"
 
 
 def new_engine_id(role: str) -> str:

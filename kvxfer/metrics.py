@@ -45,8 +45,9 @@ class SidecarMetrics:
         self.leases_held = Gauge("kvxfer_kv_leases_held", "Prefill: requests whose blocks are "
                                  "leased to decode readers", registry=r)
         self.leases_released = Counter("kvxfer_kv_leases_released", "Prefill: leases ended, by "
-                                       "reason (done: every reader notified; expired: TTL)",
-                                       ["reason"], registry=r)
+                                       "reason (done: every reader notified; abandoned: the "
+                                       "decode released it unread over the side channel; "
+                                       "expired: TTL)", ["reason"], registry=r)
         self.transfer_bytes = Counter("kvxfer_kv_transfer_bytes", "Decode: KV bytes read from "
                                       "prefill instances (all TP ranks)", registry=r)
         self.transfer_descriptors = Counter("kvxfer_kv_transfer_descriptors", "Decode: NIXL "
@@ -60,7 +61,7 @@ class SidecarMetrics:
                                          "failed on at least one rank", registry=r)
         self.recomputes = Counter("kvxfer_kv_recomputes", "Decode: failed reads whose prompt "
                                   "was recomputed locally (policy recompute)", registry=r)
-        for reason in ("done", "expired"):
+        for reason in ("done", "abandoned", "expired"):
             self.leases_released.labels(reason)
         for outcome in ("ok", "failed", "aborted"):
             self.transfers.labels(outcome)

@@ -20,7 +20,10 @@ Errors are :class:`OpenAIError`; their body is ``{"error": {"message", "type",
   this prompt (``remote_num_tokens``, one block id per ``block_size`` tokens).
 * anything else: a plain request (the params are ignored).
 
-Both transfer paths take exactly one prompt.
+Both transfer paths take exactly one prompt. A decode request refused here
+(any 400/404) still names a prefill lease that nobody will read;
+:func:`unread_lease` finds it in the raw body, so that the server can release
+it at once instead of leaving it to the lease TTL.
 """
 
 from __future__ import annotations
@@ -360,6 +363,37 @@ def _remote_params(kv: dict[str, Any], num_tokens: int, block_size: int) -> Remo
                           f"{len(remote.remote_block_ids)} ids but a {num_tokens}-token prompt "
                           f"fills {needed} blocks of {block_size} tokens", "kv_transfer_params")
     return remote
+
+
+class _KvOnly(msgspec.Struct):
+    """Just the ``kv_transfer_params`` of a body; every other field is ignored."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def unread_lease(raw: bytes, role: str) -> RemoteParams | None:
+    """The prefill lease a refused decode request names, if its params are readable.
+
+    For the decode role only, and only when the body is a JSON object whose
+    ``kv_transfer_params`` say ``do_remote_prefill: true`` and parse as
+    :class:`~kvxfer.worker.RemoteParams`; None otherwise (nothing to release,
+    or no side channel to release it over). The rest of the body is not
+    looked at: it may be the very reason the request was refused.
+    """
+    from kvxfer.worker import RemoteParams
+
+    if role != "decode":
+        return None
+    try:
+        kv = msgspec.json.decode(raw, type=_KvOnly).kv_transfer_params
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if kv is None or kv.get("do_remote_prefill") is not True:
+        return None
+    try:
+        return RemoteParams.parse(kv)
+    except ValueError:
+        return None
 
 
 # -- answers -----------------------------------------------------------------------------

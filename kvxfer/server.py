@@ -15,6 +15,11 @@ takes effect when the read ended (see :mod:`kvxfer.connector`).
 Status codes: 400 bad input (OpenAI ``invalid_request_error``), 404 unknown
 model or route, 502 ``kv_transfer_error`` when a decode's KV read failed under
 policy ``fail``, 500 internal errors, 503 while shutting down.
+
+A decode request refused before it reaches the engine loop (bad body, 503)
+whose ``kv_transfer_params`` name a prefill lease releases that lease over the
+prefill's side channel (:meth:`KVConnector.release_remote`); refusals after
+that point are the connector's to release.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from kvxfer.openai_api import (
     prepare_chat,
     prepare_completion,
     sse,
+    unread_lease,
     usage_chunk,
 )
 
@@ -348,13 +354,26 @@ class _Handlers:
 
     async def completions(self, request: Request) -> Response:
         raw = await request.body()
-        prepared = prepare_completion(decode_body(raw, CompletionRequest), self.side.info)
+        prepared = self._prepare(raw, lambda: prepare_completion(
+            decode_body(raw, CompletionRequest), self.side.info))
         return await self._answer(request, prepared)
 
     async def chat(self, request: Request) -> Response:
         raw = await request.body()
-        prepared = prepare_chat(decode_body(raw, ChatRequest), self.side.info)
+        prepared = self._prepare(raw, lambda: prepare_chat(decode_body(raw, ChatRequest),
+                                                           self.side.info))
         return await self._answer(request, prepared)
+
+    def _prepare(self, raw: bytes, prepare: Callable[[], Prepared]) -> Prepared:
+        """``prepare()``; when it refuses the request, release the lease it names."""
+        try:
+            return prepare()
+        except OpenAIError as exc:
+            remote = unread_lease(raw, self.side.settings.role)
+            if remote is not None:
+                self.side.connector.release_remote(
+                    remote, f"the decode refused the request ({exc.status}): {exc.message}")
+            raise
 
     async def _answer(self, request: Request, prepared: Prepared) -> Response:
         base = _request_id(request)
@@ -369,6 +388,9 @@ class _Handlers:
             loop.submit(submissions, sink)
         except EngineStopped as exc:
             loop.release_ids(ids)
+            if prepared.remote is not None:
+                self.side.connector.release_remote(prepared.remote,
+                                                   f"the decode is not serving: {exc}")
             return _error(OpenAIError(503, str(exc), "service_unavailable"), headers)
         answer = _Answer(self.side, prepared, ids, sink, base)
         try:

@@ -12,12 +12,18 @@ Contract (who calls what, when):
   engine), builds descriptors for this rank's share of heads, posts one READ per
   prefill rank it needs and, on success, each READ delivers a "done"
   notification to its prefill rank. ``poll()`` returns what finished or failed
-  since the last call; a failed request carries a reason naming the peer.
+  since the last call; a failed request carries a reason naming the peer. A
+  failed read notifies the prefill ranks (``ok=False``) when a NIXL connection
+  exists; when it does not (handshake failed, peer dead) or a notification could
+  not be sent, the request is also listed in ``PollResult.unnotified``: the
+  prefill still holds the lease, and the caller should release it over the side
+  channel (``HandshakeClient.release``).
 * Prefill side, per request: ``hold(request_id, block_ids, readers, ttl)``
-  leases the blocks until every expected decode reader has notified "done" or
-  the lease expires (``request_id`` is the lease id the decode echoes back: keep
-  it unique per lease, so a late "done" can never end a newer lease);
-  ``poll_released()`` returns the leases that ended and why.
+  leases the blocks until every expected decode reader has notified "done", the
+  caller ends it (``end_lease``, e.g. on a side-channel release) or the lease
+  expires (``request_id`` is the lease id the decode echoes back: keep it unique
+  per lease, so a late "done" can never end a newer lease); ``poll_released()``
+  returns the leases that ended and why ("done", "abandoned", "expired").
   Prefill never frees blocks on its own: the caller frees them when released.
 * The instance calls ``peer_connecting()`` when its listener served a
   handshake, so that the agent is progressed quickly while the peer wires up
@@ -130,9 +136,16 @@ class ReadStats:
 
 @dataclass
 class PollResult:
+    """Reads that ended since the last :meth:`TransferWorker.poll`.
+
+    ``unnotified`` holds the failed requests whose prefill ranks were not all
+    told by a NIXL notification (subset of ``failed``'s keys).
+    """
+
     finished: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     stats: dict[str, ReadStats] = field(default_factory=dict)
+    unnotified: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
         return bool(self.finished or self.failed)
@@ -141,7 +154,9 @@ class PollResult:
 @dataclass(frozen=True)
 class Released:
     request_id: str
-    reason: str  # "done" (every reader notified) or "expired" (lease ran out)
+    # "done" (every reader notified), "abandoned" (end_lease: the decode will not read)
+    # or "expired" (the lease ran out)
+    reason: str
 
 
 @dataclass
@@ -299,6 +314,23 @@ class TransferWorker:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
 
+    def holds_lease(self, request_id: str) -> bool:
+        """Whether lease ``request_id`` is held (thread-safe)."""
+        with self._lock:
+            return request_id in self._leases
+
+    def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
+        """End lease ``request_id`` now; ``poll_released()`` reports it with ``reason``.
+
+        False when it is not held (ended already, or never existed): nothing
+        changes. Thread-safe; a "done" arriving later for it is ignored.
+        """
+        with self._lock:
+            if self._leases.pop(request_id, None) is None:
+                return False
+            self._released.append(Released(request_id, reason))
+        return True
+
     def poll_released(self) -> list[Released]:
         """Leases that ended since the last call; their blocks may be freed now."""
         with self._lock:
@@ -418,18 +450,23 @@ class TransferWorker:
             job.descriptors += len(rank_descs)
         self._inflight.append(job)
 
-    def _notify(self, job: _Read, ranks: Sequence[int], ok: bool) -> None:
-        """Send "done" to prefill ranks this rank did not READ from (or all, on failure)."""
+    def _notify(self, job: _Read, ranks: Sequence[int], ok: bool) -> bool:
+        """Send "done" to prefill ranks this rank did not READ from (or all, on failure).
+
+        True when every notification was handed to NIXL."""
         peer = self._peers.get(job.remote.remote_engine_id)
         if peer is None:
-            return
+            return False
+        sent = True
         for rank in ranks:
             note = ReadDone(job.remote.remote_request_id, self.engine_id, self.rank,
                             peer.expected_readers[rank], ok=ok)
             try:
                 self._agent.send_notif(peer.agents[rank], encode_notif(note))
             except Exception as exc:
+                sent = False
                 log.info("could not notify prefill %s rank %d: %s", peer.engine_id, rank, exc)
+        return sent
 
     def _check_inflight(self) -> None:
         now = time.monotonic()
@@ -470,14 +507,18 @@ class TransferWorker:
         job.transfers.clear()
 
     def _fail(self, job: _Read, reason: str, notify: bool) -> None:
-        """Fail one request; tell the prefill ranks we will not read so they free early."""
+        """Fail one request; tell the prefill ranks we will not read so they free early.
+
+        Without a connection to them (``notify=False``: the handshake failed or the
+        peer is considered dead) the request is reported ``unnotified``."""
         self._release_transfers(job)
         log.warning("read for request %s failed: %s", job.request_id, reason)
         peer = self._peers.get(job.remote.remote_engine_id)
-        if notify and peer is not None:
-            self._notify(job, list(peer.agents), ok=False)
+        told = notify and peer is not None and self._notify(job, list(peer.agents), ok=False)
         with self._lock:
             self._results.failed[job.request_id] = reason
+            if not told:
+                self._results.unnotified.add(job.request_id)
 
     def _fetch_peer(self, remote: RemoteParams) -> _Handshake:
         """Handshake with ``remote``'s engine and plan the reads (pool thread, no NIXL)."""

@@ -12,7 +12,8 @@ Only an instance that could not be *connected to* is skipped for the next
 one: then nothing reached it. Any later failure of the decode call (5xx,
 timeout, broken stream) is reported to the client, naming the prefill that
 holds the leased blocks, and not retried: the decode may have started reading
-them. The prefill frees its blocks when the lease expires.
+them. The prefill frees its blocks when the decode reports the read done or
+releases the lease, or else when the lease expires.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class PDRouter:
             return await self._decode_json(route, content, request_id)
         except ProxyError as exc:
             raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
-                             f"the KV of request {params.get('remote_request_id')!r} until its "
-                             f"lease expires)", exc.kind) from exc
+                             f"the KV of request {params.get('remote_request_id')!r} until the "
+                             f"decode releases it or its lease expires)", exc.kind) from exc
 
     async def models(self, request_id: str) -> Response:
         """``GET /v1/models`` from a healthy decode instance, passed through."""
