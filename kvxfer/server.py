@@ -48,6 +48,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvxfer.connector import KVConnector, new_engine_id
 from kvxfer.engine_loop import EngineLoop, EngineStopped, Event, Failure, Sink, Submission
 from kvxfer.metrics import CONTENT_TYPE, SidecarMetrics
+from kvxfer.netutil import listen_tcp
 from kvxfer.openai_api import (
     SSE_DONE,
     ChatRequest,
@@ -524,16 +525,11 @@ class _Answer:
 
 def bind_http(host: str, port: int) -> socket.socket:
     """A bound, listening TCP socket for the HTTP server (PortInUse names the port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = listen_tcp(host, port)
     except OSError as exc:
-        sock.close()
         raise PortInUse(f"cannot listen on {host}:{port} (HTTP port {port}): "
                         f"{exc.strerror or exc}") from None
-    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

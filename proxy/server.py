@@ -12,6 +12,7 @@ from typing import Literal, TypedDict
 
 import uvicorn
 
+from kvxfer.netutil import listen_tcp
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 
@@ -49,17 +50,11 @@ def _importable(module: str) -> bool:
 
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket (port 0: any free one); OSError says which address failed."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return listen_tcp(host, port)
     except OSError as exc:
-        sock.close()
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}; "
                                  f"pick another --port (0: any free port)") from None
-    sock.listen(2048)
-    return sock
 
 
 class _Server(uvicorn.Server):

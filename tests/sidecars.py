@@ -19,6 +19,7 @@ Typical use, with a fixture that always stops what it started::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -236,6 +237,18 @@ def sidecars(log_dir: Path, specs: Sequence[Spec]) -> Iterator[list[Sidecar]]:
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The proxy's prefill call: one token, not streamed, ``do_remote_decode``."""
     return prefill_request(body)
+
+
+def events(response: httpx.Response) -> list[Any]:
+    """The SSE ``data:`` payloads of a whole response, ``[DONE]`` as the string."""
+    assert response.headers["content-type"].startswith("text/event-stream"), response.headers
+    out: list[Any] = []
+    for block in response.text.split("\n\n"):
+        if block.strip():
+            assert block.startswith("data: "), f"not an SSE data event: {block!r}"
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
 
 
 def disaggregated(prefill: Sidecar, decode: Sidecar, path: str, body: dict[str, Any],

@@ -21,7 +21,6 @@ fleet with one prefill.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +28,15 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, prefill_body, start_proxies
+from sidecars import (
+    ProxyProcess,
+    Sidecar,
+    SidecarGroup,
+    Spec,
+    events,
+    prefill_body,
+    start_proxies,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 6}
@@ -85,18 +92,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 def ok(response: httpx.Response) -> dict[str, Any]:
     assert response.status_code == 200, f"{response.status_code}: {response.text}"
     return dict(response.json())
-
-
-def events(response: httpx.Response) -> list[Any]:
-    """The SSE ``data:`` payloads of a whole response, ``[DONE]`` as the string."""
-    assert response.headers["content-type"].startswith("text/event-stream"), response.headers
-    out: list[Any] = []
-    for block in response.text.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), f"not an SSE data event: {block!r}"
-            payload = block[len("data: "):]
-            out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 def text_and_logprobs(route: str, choices: list[dict[str, Any]]

@@ -8,13 +8,12 @@ aborts its request; the transfer path works for chat and for streams too.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, prefill_body
+from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, events, prefill_body
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -33,18 +32,6 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sidecar
 @pytest.fixture(scope="module")
 def both(trio: dict[str, Sidecar]) -> Sidecar:
     return trio["both"]
-
-
-def events(response: httpx.Response) -> list[Any]:
-    """The SSE ``data:`` payloads of a whole response, ``[DONE]`` as the string."""
-    assert response.headers["content-type"].startswith("text/event-stream")
-    out: list[Any] = []
-    for block in response.text.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), f"not an SSE data event: {block!r}"
-            payload = block[len("data: "):]
-            out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 def ok(response: httpx.Response) -> dict[str, Any]:
