@@ -148,7 +148,7 @@ class KVConnector:
     def __init__(self, engine: LLMEngine, role: str, metrics: SidecarMetrics, *,
                  engine_id: str | None = None, side_channel_host: str = "127.0.0.1",
                  side_channel_port: int = 0, lease_ttl: float = 120.0,
-                 failure_policy: str = "recompute") -> None:
+                 failure_policy: str = "recompute", read_lanes: int = 2) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if failure_policy not in FAILURE_POLICIES:
@@ -160,6 +160,8 @@ class KVConnector:
         self.engine_id = engine_id or new_engine_id(role)
         self.side_channel_host = side_channel_host
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
+        # only decode ranks read (a prefill's extra agents would sit idle)
+        self.read_lanes = read_lanes if role == "decode" else 1
         self.workers: list[TransferWorker] = []
         self.listener: HandshakeListener | None = None
         self.releaser: ReleaseSender | None = None  # decode: sends side-channel releases
@@ -189,7 +191,8 @@ class KVConnector:
         compat = compat_info(self.engine)
         for rank in range(self.engine.tp):
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
-                                    total_kv_heads=self.engine.config.num_key_value_heads)
+                                    total_kv_heads=self.engine.config.num_key_value_heads,
+                                    read_lanes=self.read_lanes)
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)

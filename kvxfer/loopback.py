@@ -39,6 +39,7 @@ class CacheConfig:
     head_size: int = 8
     num_blocks: int = 32
     dtype: str = "float32"
+    read_lanes: int = 1
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.block_size, heads_per_rank(self.tp, self.total_kv_heads),
@@ -98,7 +99,8 @@ class LoopbackInstance:
                     view.fill_(-1)
             caches = {f"model.layers.{i}.self_attn": v for i, v in enumerate(views)}
             worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
-                                    total_kv_heads=cfg.total_kv_heads)
+                                    total_kv_heads=cfg.total_kv_heads,
+                                    read_lanes=cfg.read_lanes if role == "decode" else 1)
             worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
             inst.workers.append(worker)
             inst.caches.append(caches)

@@ -105,6 +105,7 @@ class Settings:
     device: str = "cpu"
     kv_load_failure_policy: str = "recompute"
     lease_ttl: float = 120.0
+    read_lanes: int = 2
     served_model_names: tuple[str, ...] = ()
 
 
@@ -136,7 +137,7 @@ class Sidecar:
             self.engine, settings.role, self.metrics, engine_id=self.engine_id,
             side_channel_host=settings.side_channel_host,
             side_channel_port=settings.side_channel_port, lease_ttl=settings.lease_ttl,
-            failure_policy=settings.kv_load_failure_policy)
+            failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,

@@ -30,12 +30,21 @@ Contract (who calls what, when):
   its connection (a READ can stall if the target never progresses then).
 
 All NIXL calls happen on the worker's thread, so the agent needs no locking.
+The one exception is read lanes (``read_lanes > 1``, host memory only): with
+NIXL's cma transport a READ copies inside the posting call, on one core, and
+each descriptor costs a few microseconds, so one thread cannot move many small
+descriptors at memory speed. A lane is an extra agent with the same memory
+registered, connected to the same peers; a large request's descriptor lists are
+split across the worker's agent and the lanes, each copied by its own thread
+while the worker thread waits for all of them (so every agent is still used by
+one thread at a time). "Done" is then sent only after every part has landed.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -74,6 +83,8 @@ IDLE_POLL_S = 0.05       # idle: progress/expire 20 times a second (~0.1% of a c
 BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
 CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
 DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
+LANE_MIN_DESCRIPTORS = 64  # smaller requests: one thread (lanes cost a thread hand-off)
+LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not finish at once
 
 
 class TransferError(RuntimeError):
@@ -132,6 +143,7 @@ class ReadStats:
     num_bytes: int
     descriptors: int
     seconds: float
+    lanes: int = 1  # agents (threads) that copied it; see read lanes in the module doc
 
 
 @dataclass
@@ -189,6 +201,7 @@ class _Read:
     transfers: list[Any] = field(default_factory=list)
     num_bytes: int = 0
     descriptors: int = 0
+    lanes: int = 1
 
 
 @dataclass
@@ -205,7 +218,9 @@ class TransferWorker:
     def __init__(self, engine_id: str, rank: int, tp_size: int, compat: CompatInfo, *,
                  total_kv_heads: int, handshake_timeout: float = 5.0,
                  handshake_retries: int = 2, read_timeout: float = 30.0,
-                 hmac_key: bytes | None = None) -> None:
+                 hmac_key: bytes | None = None, read_lanes: int = 1) -> None:
+        if read_lanes < 1:
+            raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.compat = compat
         self.total_kv_heads = total_kv_heads
@@ -213,6 +228,9 @@ class TransferWorker:
         self.read_timeout = read_timeout
         self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
         self._agent = NixlAgent(f"{engine_id}-rank{rank}")
+        self.read_lanes = read_lanes
+        self._lanes: list[NixlAgent] = []   # extra agents; see the module docstring
+        self._lane_pool: ThreadPoolExecutor | None = None
         self._plan: RegionPlan | None = None
         self._geometry: SideGeometry | None = None
         self._peers: dict[str, _Peer] = {}
@@ -244,6 +262,13 @@ class TransferWorker:
             raise RuntimeError(f"rank {self.rank} already registered its KV caches")
         plan = plan_regions(caches, spec, num_blocks, layout)
         self._agent.register(plan.memory)
+        if self.read_lanes > 1 and not any(m.is_cuda for m in plan.memory):
+            for lane in range(1, self.read_lanes):
+                agent = NixlAgent(f"{self._agent.name}-lane{lane}")
+                self._lanes.append(agent)
+                agent.register(plan.memory)
+            self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
+                                                 thread_name_prefix=f"kvxfer-lane-r{self.rank}")
         self._plan, self._geometry = plan, SideGeometry.from_plan(plan)
         return plan
 
@@ -268,6 +293,10 @@ class TransferWorker:
         self._wake.set()
         self._thread.join(timeout=10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._lane_pool is not None:
+            self._lane_pool.shutdown(wait=True)
+        for agent in self._lanes:
+            agent.close()
         self._agent.close()
         self._client.close()
 
@@ -432,6 +461,9 @@ class TransferWorker:
         except (TransferError, ValueError) as exc:
             self._fail(job, f"prefill {peer.engine_id} at {peer.address}: {exc}", notify=True)
             return
+        if self._lanes and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
+            self._read_in_lanes(job, peer, descs)
+            return
         for rank_descs in descs:
             note = ReadDone(request_id=job.remote.remote_request_id,
                             reader_engine_id=self.engine_id, reader_rank=self.rank,
@@ -449,6 +481,62 @@ class TransferWorker:
             job.num_bytes += rank_descs.num_bytes
             job.descriptors += len(rank_descs)
         self._inflight.append(job)
+
+    def _read_in_lanes(self, job: _Read, peer: _Peer, descs: Sequence[Any]) -> None:
+        """Copy this request with every agent at once; return when all parts ended.
+
+        Each prefill rank's list is cut into one contiguous part per agent; part
+        ``i`` of all lists goes to agent ``i``. The worker thread copies its own
+        share, the lane threads theirs. Only after every part landed are the "done"
+        notifications sent, so a prefill never frees blocks still being read.
+        """
+        agents = [self._agent, *self._lanes]
+        parts: list[list[tuple[str, Any, Any]]] = [[] for _ in agents]
+        for rank_descs in descs:
+            name = peer.agents[rank_descs.remote_rank]
+            bounds = np.linspace(0, len(rank_descs), len(agents) + 1).astype(int)
+            for lane, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                if hi > lo:
+                    parts[lane].append((name, rank_descs.local[lo:hi], rank_descs.remote[lo:hi]))
+            job.num_bytes += rank_descs.num_bytes
+            job.descriptors += len(rank_descs)
+        assert self._lane_pool is not None
+        job.lanes = sum(1 for part in parts if part)
+        futures = [self._lane_pool.submit(self._copy_parts, agent, part)
+                   for agent, part in zip(agents[1:], parts[1:], strict=True)]
+        errors = []
+        try:
+            self._copy_parts(self._agent, parts[0])
+        except Exception as exc:
+            errors.append(exc)
+        for future in futures:  # wait for every lane: none may still write on failure
+            try:
+                future.result()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            self._fail(job, f"prefill {peer.engine_id} at {peer.address}: READ failed: "
+                            f"{errors[0]}", notify=True)
+            self._forget_dead(peer, str(errors[0]))
+            return
+        if not self._notify(job, [d.remote_rank for d in descs], ok=True):
+            log.warning("request %s was read, but not every prefill rank could be told",
+                        job.request_id)
+        self._inflight.append(job)  # no transfers left: finished on the next check
+
+    def _copy_parts(self, agent: NixlAgent, parts: Sequence[tuple[str, Any, Any]]) -> None:
+        """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed."""
+        deadline = time.monotonic() + self.read_timeout
+        for remote, local, remote_descs in parts:
+            transfer = agent.read(remote, local, remote_descs)
+            try:
+                while transfer.state() != "DONE":
+                    if time.monotonic() > deadline:
+                        raise TransferError(f"READ still in progress after "
+                                            f"{self.read_timeout:.0f} s")
+                    time.sleep(LANE_POLL_S)
+            finally:
+                transfer.release()
 
     def _notify(self, job: _Read, ranks: Sequence[int], ok: bool) -> bool:
         """Send "done" to prefill ranks this rank did not READ from (or all, on failure).
@@ -487,7 +575,7 @@ class TransferWorker:
                 with self._lock:
                     self._results.finished.append(job.request_id)
                     self._results.stats[job.request_id] = ReadStats(
-                        job.num_bytes, job.descriptors, now - job.started)
+                        job.num_bytes, job.descriptors, now - job.started, job.lanes)
             elif any(s.startswith("ERR") for s in states) or now - job.started > self.read_timeout:
                 reason = next((s for s in states if s.startswith("ERR")),
                               f"READ still in progress after {self.read_timeout:.0f} s")
@@ -553,6 +641,9 @@ class TransferWorker:
                 meta = shake.metas[rank]
                 agents[rank] = self._agent.add_remote(meta.agent_blob)
                 self._agent.connect(agents[rank], probe=meta.plan.memory[0])
+                for lane in self._lanes:
+                    lane.add_remote(meta.agent_blob)
+                    lane.connect(agents[rank], probe=meta.plan.memory[0])
         except Exception as exc:
             for name in agents.values():
                 self._quietly_remove(name)
@@ -571,10 +662,11 @@ class TransferWorker:
         self._dead[peer.engine_id] = (time.monotonic() + DEAD_PEER_S, reason)
 
     def _quietly_remove(self, name: str) -> None:
-        try:
-            self._agent.remove_remote(name)
-        except Exception as exc:
-            log.info("removing remote agent %s failed: %s", name, exc)
+        for agent in (self._agent, *self._lanes):
+            try:
+                agent.remove_remote(name)
+            except Exception as exc:
+                log.info("removing remote agent %s from %s failed: %s", name, agent.name, exc)
 
     def _drop_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id, None)

@@ -67,7 +67,8 @@ def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
     (("--kv-cache-layout", "XYZ"), "XYZ"),
     (("--port", "70000"), "70000"),
     (("--lease-ttl", "0"), "--lease-ttl"),
-], ids=["tp", "model", "layout", "port", "lease-ttl"])
+    (("--read-lanes", "0"), "--read-lanes"),
+], ids=["tp", "model", "layout", "port", "lease-ttl", "read-lanes"])
 def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> None:
     assert_one_line_error(run_serve("--port", str(free_port()), *args), named)
 

@@ -330,3 +330,89 @@ def test_nothing_listening_is_reported_with_the_address(pair: tuple) -> None:
                       "remote_request_id": "n", "tp_size": 1}, [0])
     _, failed = decode.wait(["n"], timeout=10)
     assert f"127.0.0.1:{port}" in failed["n"]
+
+
+# -- read lanes: one request copied by several agents/threads at once --------------------
+
+LANE_CASES = (("LBHNC", "LBHNC", 1, 1), ("LBHNC", "LBHNC", 2, 1), ("BLHNC", "BLHNC", 1, 2),
+              ("BHLNC", "BLHNC", 4, 2), ("LBNHC", "LBNHC", 2, 2))
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"),
+                         LANE_CASES)
+def test_lanes_split_a_large_read_and_stay_byte_exact(prefill: PrefillProcess,
+                                                      prefill_layout: str, decode_layout: str,
+                                                      prefill_tp: int, decode_tp: int,
+                                                      lanes: int) -> None:
+    """A request of >= 64 descriptors is split across ``lanes`` agents; every byte lands
+    where it belongs, nothing else changes, and "done" reaches every prefill rank."""
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_layers=8, num_blocks=40)
+    dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_layers=8, num_blocks=40,
+                       read_lanes=lanes)
+    remote = prefill.create(pcfg)
+    decode = decode_instance(dcfg)
+    try:
+        rng = np.random.default_rng(lanes * 100 + LANE_CASES.index(
+            (prefill_layout, decode_layout, prefill_tp, decode_tp)))
+        remote_ids, local_ids = pick(rng, "random", 30, 40), pick(rng, "random", 30, 40)
+        small_remote, small_local = [i for i in range(40) if i not in remote_ids][:1], \
+            [i for i in range(40) if i not in local_ids][:1]
+        prefill.hold(remote["engine_id"], "big", remote_ids, ttl=30)
+        prefill.hold(remote["engine_id"], "small", small_remote, ttl=30)
+        decode.read("big", params_for(remote, "big", remote_ids, tp_size=prefill_tp), local_ids)
+        decode.read("small", params_for(remote, "small", small_remote, tp_size=prefill_tp),
+                    small_local)
+        stats, failed = decode.wait(["big", "small"])
+        assert failed == {}
+        check_blocks(decode, pcfg, local_ids + small_local, remote_ids + small_remote)
+        assert all(s.lanes == lanes for s in stats["big"]), [s.lanes for s in stats["big"]]
+        assert all(s.lanes == 1 for s in stats["small"]), "a tiny read needs no lanes"
+        released = prefill.wait_released(remote["engine_id"], {"big", "small"})
+        assert released == {"big": "done", "small": "done"}
+        assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
+    finally:
+        decode.close()
+
+
+def test_lanes_that_lose_the_prefill_fail_the_request_naming_it(prefill: PrefillProcess,
+                                                                pair: tuple) -> None:
+    """The prefill dies while lanes are copying: each read completes byte-exact or fails
+    naming the peer, and nothing hangs (the worker waits for every lane)."""
+    remote, cfg, decode = pair
+    big = CacheConfig(head_size=1024, num_layers=40, num_blocks=12)
+    doomed = PrefillProcess()
+    reader = decode_instance(replace(big, num_blocks=40, read_lanes=2))
+    try:
+        victim = doomed.create(big)
+        doomed.hold(victim["engine_id"], "warm", [0, 2], ttl=30)  # 2 runs x 40 layers
+        reader.read("warm", params_for(victim, "warm", [0, 2]), [37, 39])
+        warm_stats, warm_failed = reader.wait(["warm"])
+        assert warm_failed == {} and warm_stats["warm"][0].lanes == 2
+        ids = [f"r{i}" for i in range(12)]
+        for i, rid in enumerate(ids):
+            doomed.hold(victim["engine_id"], rid, [i % 12, (i + 5) % 12], ttl=30)
+        killer = threading.Timer(0.01, doomed.kill)
+        killer.start()
+        for i, rid in enumerate(ids):
+            reader.read(rid, params_for(victim, rid, [i % 12, (i + 5) % 12]), [2 * i, 2 * i + 1])
+        stats, failed = reader.wait(ids, timeout=60)
+        killer.join()
+        assert set(stats) | set(failed) == set(ids)
+        assert all(victim["engine_id"] in reason for reason in failed.values())
+        for i, rid in enumerate(ids):
+            if rid in stats:
+                for layer, view in enumerate(reader.caches[0].values()):
+                    assert torch.equal(view[[2 * i, 2 * i + 1]],
+                                       pattern(big, 0, layer)[[i % 12, (i + 5) % 12]])
+    finally:
+        reader.close()
+        doomed.close()
+    good_read(prefill, remote, cfg, decode, "after-lane-kill")
+
+
+def test_read_lanes_must_be_positive() -> None:
+    from kvxfer.worker import TransferWorker
+
+    with pytest.raises(ValueError, match="read_lanes must be at least 1, got 0"):
+        TransferWorker("e", 0, 1, CacheConfig().compat(), total_kv_heads=4, read_lanes=0)

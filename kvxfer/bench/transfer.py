@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     parser.add_argument("--repeats", type=int, default=10, help="timed requests per case")
+    parser.add_argument("--read-lanes", type=int, default=2, metavar="N",
+                        help="decode threads/agents per rank that copy one request (default 2, "
+                             "as kvxfer serve; 1 for a single posting thread)")
     parser.add_argument("--cases", default="all",
                         help="comma-separated LAYOUT:PTP:DTP entries, e.g. BLHNC:1:2 (default all)")
 
@@ -105,7 +108,7 @@ def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
                        block_size=args.block_size, head_size=args.head_size,
                        num_blocks=capacity, dtype=args.dtype)
     pcfg = CacheConfig(**{**base.__dict__, "tp": prefill_tp})
-    dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp})
+    dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp, "read_lanes": args.read_lanes})
     remote = prefill.create(pcfg, fill="none")
     decode = LoopbackInstance.create("decode", dcfg, fill="none")
     rng = np.random.default_rng(0)
@@ -155,18 +158,22 @@ def run(args: argparse.Namespace) -> int:
     from kvxfer.loopback import PrefillProcess
 
     cases = _parse_cases(args.cases)
+    if args.read_lanes < 1:
+        raise SystemExit(f"--read-lanes must be at least 1, got {args.read_lanes}")
     prefill = PrefillProcess()
     try:
         rows = [_case(prefill, layout, p, d, args) for layout, p, d in cases]
     finally:
         prefill.close()
     if args.json:
-        print(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "rows": rows},
+        print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
+                          "read_lanes": args.read_lanes, "rows": rows},
                          indent=2))
         return 0
     print(f"KV transfer of a {args.tokens}-token request ({args.layers} layers, {args.kv_heads} "
           f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
-          f"{args.repeats}; ceilings measured right after each case for the same bytes")
+          f"{args.repeats}, {args.read_lanes} read lane(s) per decode rank; ceilings measured "
+          f"right after each case for the same bytes")
     print(f"{'layout':7} {'P->D':5} {'MiB':>5} {'descs':>6} {'ms':>7} {'p90':>7} {'GB/s':>6} "
           f"{'READ':>6} {'copy':>6} {'xREAD':>6} target")
     for r in rows:

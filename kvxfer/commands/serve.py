@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-ttl", type=float, default=120.0,
                         help="prefill: seconds leased blocks wait for their decode readers "
                              "(default 120)")
+    parser.add_argument("--read-lanes", type=int, default=2, metavar="N",
+                        help="decode, KV in host memory: copy each large read with N threads, "
+                             "each with its own NIXL agent (NIXL's cma transport copies in "
+                             "the posting thread; default 2)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients may ask for (default: the model's name)")
 
@@ -76,13 +80,16 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--side-channel-port {args.side_channel_port} is not a TCP port")
     if not args.lease_ttl > 0:
         return _fail(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
+    if args.read_lanes < 1:
+        return _fail(f"--read-lanes must be at least 1, got {args.read_lanes}")
     settings = Settings(
         role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port, tp=args.tp,
         kv_cache_layout=args.kv_cache_layout, block_size=args.block_size,
         num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
-        lease_ttl=args.lease_ttl, served_model_names=tuple(args.served_model_name or ()))
+        lease_ttl=args.lease_ttl, read_lanes=args.read_lanes,
+        served_model_names=tuple(args.served_model_name or ()))
     try:
         serve(settings)
     except PortInUse as exc:
