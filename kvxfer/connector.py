@@ -160,8 +160,9 @@ class KVConnector:
         self.engine_id = engine_id or new_engine_id(role)
         self.side_channel_host = side_channel_host
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
-        # only decode ranks read (a prefill's extra agents would sit idle)
-        self.read_lanes = read_lanes if role == "decode" else 1
+        # Copy threads for the whole instance, shared by its in-process TP ranks (which
+        # already read at once); only decode ranks read, a prefill's lanes would idle.
+        self.read_lanes = max(1, read_lanes // engine.tp) if role == "decode" else 1
         self.workers: list[TransferWorker] = []
         self.listener: HandshakeListener | None = None
         self.releaser: ReleaseSender | None = None  # decode: sends side-channel releases

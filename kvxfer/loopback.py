@@ -45,6 +45,11 @@ class CacheConfig:
         return CacheSpec(self.block_size, heads_per_rank(self.tp, self.total_kv_heads),
                          self.head_size, getattr(torch, self.dtype))
 
+    @property
+    def lanes_per_rank(self) -> int:
+        """``read_lanes`` is per instance; its in-process TP ranks share them."""
+        return max(1, self.read_lanes // self.tp)
+
     def compat(self) -> Any:
         from kvxfer.protocol import CompatInfo
 
@@ -100,7 +105,7 @@ class LoopbackInstance:
             caches = {f"model.layers.{i}.self_attn": v for i, v in enumerate(views)}
             worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
                                     total_kv_heads=cfg.total_kv_heads,
-                                    read_lanes=cfg.read_lanes if role == "decode" else 1)
+                                    read_lanes=cfg.lanes_per_rank if role == "decode" else 1)
             worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
             inst.workers.append(worker)
             inst.caches.append(caches)

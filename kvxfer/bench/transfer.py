@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     parser.add_argument("--repeats", type=int, default=10, help="timed requests per case")
     parser.add_argument("--read-lanes", type=int, default=2, metavar="N",
-                        help="decode threads/agents per rank that copy one request (default 2, "
-                             "as kvxfer serve; 1 for a single posting thread)")
+                        help="decode copy threads per instance, shared by its TP ranks (default "
+                             "2, as kvxfer serve; 1 for a single posting thread)")
     parser.add_argument("--cases", default="all",
                         help="comma-separated LAYOUT:PTP:DTP entries, e.g. BLHNC:1:2 (default all)")
 
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"KV transfer of a {args.tokens}-token request ({args.layers} layers, {args.kv_heads} "
           f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
-          f"{args.repeats}, {args.read_lanes} read lane(s) per decode rank; ceilings measured "
+          f"{args.repeats}, {args.read_lanes} read lane(s) per decode instance; ceilings measured "
           f"right after each case for the same bytes")
     print(f"{'layout':7} {'P->D':5} {'MiB':>5} {'descs':>6} {'ms':>7} {'p90':>7} {'GB/s':>6} "
           f"{'READ':>6} {'copy':>6} {'xREAD':>6} target")

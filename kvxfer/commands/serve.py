@@ -59,9 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill: seconds leased blocks wait for their decode readers "
                              "(default 120)")
     parser.add_argument("--read-lanes", type=int, default=2, metavar="N",
-                        help="decode, KV in host memory: copy each large read with N threads, "
-                             "each with its own NIXL agent (NIXL's cma transport copies in "
-                             "the posting thread; default 2)")
+                        help="decode, KV in host memory: copy threads for large reads, each "
+                             "with its own NIXL agent, shared by this instance's TP ranks "
+                             "(each rank gets max(1, N // tp)); NIXL's cma transport copies in "
+                             "the posting thread (default 2)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients may ask for (default: the model's name)")
 
