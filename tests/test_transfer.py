@@ -263,21 +263,22 @@ def test_prefill_killed_fails_its_request_and_others_continue(prefill: PrefillPr
     good_read(prefill, remote, cfg, decode, "after-kill")
 
 
-def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: tuple) -> None:
-    """Kill the prefill while a stream of multi-MiB reads is going: each read either
-    completes with the right bytes or fails with a reason naming the peer; nothing hangs."""
-    remote, cfg, decode = pair
-    big = CacheConfig(head_size=4096, num_blocks=12)
-    doomed, reader = PrefillProcess(), decode_instance(replace(big, num_blocks=40))
+def kill_during_reads(big: CacheConfig, reader_cfg: CacheConfig, warm: list[int],
+                      warm_local: list[int], count: int, delay_s: float) -> list[int]:
+    """Kill a prefill ``delay_s`` after a stream of ``count`` reads started: each read
+    completes with the right bytes or fails naming the peer; nothing hangs. Returns the
+    lanes each warm-up read used."""
+    doomed, reader = PrefillProcess(), decode_instance(reader_cfg)
     try:
         victim = doomed.create(big)
-        doomed.hold(victim["engine_id"], "warm", [0], ttl=30)
-        reader.read("warm", params_for(victim, "warm", [0]), [39])  # handshake + connect
-        assert reader.wait(["warm"])[1] == {}
-        ids = [f"r{i}" for i in range(20)]
+        doomed.hold(victim["engine_id"], "warm", warm, ttl=30)
+        reader.read("warm", params_for(victim, "warm", warm), warm_local)  # handshake + connect
+        warm_stats, warm_failed = reader.wait(["warm"])
+        assert warm_failed == {}
+        ids = [f"r{i}" for i in range(count)]
         for i, rid in enumerate(ids):
             doomed.hold(victim["engine_id"], rid, [i % 12, (i + 5) % 12], ttl=30)
-        killer = threading.Timer(0.003, doomed.kill)
+        killer = threading.Timer(delay_s, doomed.kill)
         killer.start()
         for i, rid in enumerate(ids):
             reader.read(rid, params_for(victim, rid, [i % 12, (i + 5) % 12]), [2 * i, 2 * i + 1])
@@ -291,9 +292,18 @@ def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: t
                     assert torch.equal(view[[2 * i, 2 * i + 1]],
                                        pattern(big, 0, layer)[[i % 12, (i + 5) % 12]])
         print(f"killed mid-stream: {len(stats)} reads completed, {len(failed)} failed")
+        return [s.lanes for s in warm_stats["warm"]]
     finally:
         reader.close()
         doomed.close()
+
+
+def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: tuple) -> None:
+    """Kill the prefill while a stream of multi-MiB reads is going: each read either
+    completes with the right bytes or fails with a reason naming the peer; nothing hangs."""
+    remote, cfg, decode = pair
+    big = CacheConfig(head_size=4096, num_blocks=12)
+    kill_during_reads(big, replace(big, num_blocks=40), [0], [39], count=20, delay_s=0.003)
     good_read(prefill, remote, cfg, decode, "after-kill-running")
 
 
@@ -383,33 +393,10 @@ def test_lanes_that_lose_the_prefill_fail_the_request_naming_it(prefill: Prefill
     naming the peer, and nothing hangs (the worker waits for every lane)."""
     remote, cfg, decode = pair
     big = CacheConfig(head_size=1024, num_layers=40, num_blocks=12)
-    doomed = PrefillProcess()
-    reader = decode_instance(replace(big, num_blocks=40, read_lanes=2))
-    try:
-        victim = doomed.create(big)
-        doomed.hold(victim["engine_id"], "warm", [0, 2], ttl=30)  # 2 runs x 40 layers
-        reader.read("warm", params_for(victim, "warm", [0, 2]), [37, 39])
-        warm_stats, warm_failed = reader.wait(["warm"])
-        assert warm_failed == {} and warm_stats["warm"][0].lanes == 2
-        ids = [f"r{i}" for i in range(12)]
-        for i, rid in enumerate(ids):
-            doomed.hold(victim["engine_id"], rid, [i % 12, (i + 5) % 12], ttl=30)
-        killer = threading.Timer(0.01, doomed.kill)
-        killer.start()
-        for i, rid in enumerate(ids):
-            reader.read(rid, params_for(victim, rid, [i % 12, (i + 5) % 12]), [2 * i, 2 * i + 1])
-        stats, failed = reader.wait(ids, timeout=60)
-        killer.join()
-        assert set(stats) | set(failed) == set(ids)
-        assert all(victim["engine_id"] in reason for reason in failed.values())
-        for i, rid in enumerate(ids):
-            if rid in stats:
-                for layer, view in enumerate(reader.caches[0].values()):
-                    assert torch.equal(view[[2 * i, 2 * i + 1]],
-                                       pattern(big, 0, layer)[[i % 12, (i + 5) % 12]])
-    finally:
-        reader.close()
-        doomed.close()
+    # warm-up: 2 runs x 40 layers = 80 descriptors, enough to use both lanes
+    lanes = kill_during_reads(big, replace(big, num_blocks=40, read_lanes=2), [0, 2], [37, 39],
+                              count=12, delay_s=0.01)
+    assert lanes == [2]
     good_read(prefill, remote, cfg, decode, "after-lane-kill")
 
 
