@@ -116,6 +116,18 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
     assert top_p_filter(probs.clone(), 1.0).tolist() == pytest.approx(probs.tolist())
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1e-38, 1.0), (1e-300, 1.0), (1.0, 1e-46),
+                                                 (1e-30, 5e-324), (1e-6, 1.0)])
+def test_extreme_sampling_values_pick_the_most_likely_token(temperature: float,
+                                                            top_p: float) -> None:
+    """Regression: temperature 1e-38 or top_p 1e-46 made the distribution NaN / all zero,
+    and the exception stopped a sidecar's engine loop for good."""
+    logits = torch.tensor([0.0, 3.0, 1.0, -2.0])
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1)
+    generator = torch.Generator().manual_seed(0)
+    assert {sample(logits, params, generator).token_id for _ in range(20)} == {1}
+
+
 def test_sampling_draws_only_from_the_nucleus() -> None:
     logits = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25]))
     generator = torch.Generator().manual_seed(0)

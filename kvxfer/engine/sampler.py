@@ -1,6 +1,7 @@
 """Sampling parameters and the per-token sampler.
 
-Greedy when ``temperature == 0``; otherwise temperature, then nucleus (top-p)
+Greedy when ``temperature`` is below :data:`GREEDY_BELOW` (dividing float32 logits
+by a smaller one could overflow to inf); otherwise temperature, then nucleus (top-p)
 filtering, then a draw from the request's own ``torch.Generator`` seeded from
 ``seed``, so a request's draws do not depend on what else is in the batch.
 Log-probabilities are always ``log_softmax`` of the raw float32 logits, before
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily (vLLM uses the same cut-off): logits / 1e-38
+# overflow float32 and would turn the distribution into NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _finite(value: object) -> bool:
@@ -87,12 +91,17 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero all but the smallest most-likely set whose mass reaches ``top_p``."""
+    """Zero all but the smallest most-likely set whose mass reaches ``top_p``.
+
+    The most likely token always stays, however small ``top_p`` is (a ``top_p``
+    that rounds to 0 in float32 would otherwise zero every token)."""
     if top_p >= 1:
         return probs
     sorted_probs, order = probs.sort(descending=True)
     mass_before = sorted_probs.cumsum(0) - sorted_probs
-    sorted_probs[mass_before >= top_p] = 0  # the first token always has mass_before 0
+    drop = mass_before >= top_p
+    drop[0] = False
+    sorted_probs[drop] = 0
     return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
 
 
