@@ -128,6 +128,29 @@ def test_extreme_sampling_values_pick_the_most_likely_token(temperature: float,
     assert {sample(logits, params, generator).token_id for _ in range(20)} == {1}
 
 
+def test_a_request_whose_sampling_fails_ends_alone(engine: LLMEngine,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception while sampling one request fails that request only: its blocks
+    come back, the others in the batch finish, and the engine keeps stepping."""
+    import kvxfer.engine.engine as engine_module
+
+    real_sample = engine_module.sample
+
+    def flaky(logits: torch.Tensor, params: SamplingParams, generator: object) -> object:
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real_sample(logits, params, generator)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "sample", flaky)
+    good = SamplingParams(max_tokens=4, ignore_eos=True)
+    bad = SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=13)
+    outputs = engine.generate([PROMPT, PROMPT], [bad, good])
+    assert outputs[0].finish_reason == "error" and "sampling failed" in (outputs[0].error or "")
+    assert outputs[1].finish_reason == "length" and len(outputs[1].token_ids) == 4
+    assert engine.num_used_blocks == 0
+    assert engine.generate([PROMPT], good)[0].token_ids == outputs[1].token_ids
+
+
 def test_sampling_draws_only_from_the_nucleus() -> None:
     logits = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25]))
     generator = torch.Generator().manual_seed(0)

@@ -121,6 +121,18 @@ def test_bad_chat_is_400_and_the_server_keeps_serving(
     ok(both.post(CHAT, {"messages": MESSAGES, "max_tokens": 1}))
 
 
+@pytest.mark.parametrize("extreme", [{"temperature": 1e-38}, {"top_p": 1e-46},
+                                     {"temperature": 1e-300, "top_p": 5e-324}])
+def test_extreme_sampling_values_answer_and_keep_the_engine_loop(
+        both: Sidecar, extreme: dict[str, float]) -> None:
+    """Regression: one such request stopped the engine loop (every later request 503)."""
+    body = {"prompt": "hi", "max_tokens": 2, **extreme}
+    greedy = ok(both.post(COMPLETIONS, {**body, "temperature": 0, "top_p": 1.0}))
+    assert ok(both.post(COMPLETIONS, body))["choices"][0]["text"] == \
+        greedy["choices"][0]["text"]
+    assert both.client.get(f"{both.url}/health").status_code == 200
+
+
 def test_unknown_model_route_and_method_are_openai_errors(both: Sidecar) -> None:
     response = both.post(COMPLETIONS, {"prompt": "hi", "model": "gpt-9"})
     assert_bad_request(response, "model", "'gpt-9'", status=404)

@@ -277,8 +277,14 @@ class LLMEngine:
                 return outputs
             for request, row in zip(batch, logits, strict=True):
                 request.num_computed = request.num_tokens
-                request.append_token(sample(row, request.params, request.generator),
-                                     self._eos_ids)
+                try:
+                    request.append_token(sample(row, request.params, request.generator),
+                                         self._eos_ids)
+                except Exception as exc:  # one request's bad draw fails only that request
+                    logger.exception("sampling failed for request %s", request.request_id)
+                    self.scheduler.remove(request)
+                    self._end(request, "error", f"sampling failed: {exc}")
+                    continue  # reported by the next step, with the other ended requests
                 if request.finished:
                     self._finish(request)
                 outputs.append(self._report(request))
