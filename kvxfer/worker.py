@@ -91,6 +91,9 @@ class TransferError(RuntimeError):
     """A read failed; the message names the peer and the reason."""
 
 
+MAX_BLOCK_ID = 2**63  # exclusive: block ids are int64 on the wire and in descriptors
+
+
 @dataclass(frozen=True)
 class RemoteParams:
     """The vLLM-compatible ``kv_transfer_params`` a decode request carries."""
@@ -128,6 +131,14 @@ class RemoteParams:
         ids = need("remote_block_ids", list)
         if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
             raise ValueError("kv_transfer_params.remote_block_ids must be a list of integers")
+        # Block ids become int64 descriptor offsets: anything outside [0, 2**63) would wrap.
+        outside = next((b for b in ids if not 0 <= b < MAX_BLOCK_ID), None)
+        if outside is not None:
+            raise ValueError(f"kv_transfer_params.remote_block_ids holds {outside}, outside "
+                             f"[0, 2**63)")
+        if len(set(ids)) != len(ids):
+            raise ValueError("kv_transfer_params.remote_block_ids repeats a block id; each "
+                             "block of a prompt is a different block")
         return cls(params["remote_engine_id"], params["remote_host"], port, tuple(ids),
                    params["remote_request_id"], tp)
 

@@ -159,6 +159,10 @@ BAD_DECODE: list[tuple[str, dict[str, Any], str]] = [
     ("token count differs", {"remote_num_tokens": 10}, "remote_num_tokens is 10"),
     ("token count missing", {"remote_num_tokens": None}, "remote_num_tokens must be an integer"),
     ("too few blocks", {"remote_block_ids": []}, "has 0 ids"),
+    ("block id of 2**63", {"remote_block_ids": [2**63]}, "outside [0, 2**63)"),
+    ("block id of 2**64", {"remote_block_ids": [2**64 + 5]}, "outside [0, 2**63)"),
+    ("negative block id", {"remote_block_ids": [-1]}, "outside [0, 2**63)"),
+    ("repeated block id", {"remote_block_ids": [3, 3]}, "repeats a block id"),
     ("flag not a bool", {"do_remote_prefill": "yes"}, "'yes'"),
 ]
 
