@@ -6,8 +6,9 @@ Who calls what:
 - request handlers call :meth:`add_request` and :meth:`abort`;
 - the transfer worker reads :attr:`kv_caches` / :meth:`cache_spec` to register
   memory, :meth:`block_ids` to address a request, :meth:`finish_kv_load` on the
-  decode side when a READ ends, :meth:`release` on the prefill side when every
-  reader is done (or the lease expired).
+  decode side when a READ ends (then :meth:`start_siblings` for the other samples
+  of an ``n > 1`` request, which copy that KV locally instead of reading it again),
+  :meth:`release` on the prefill side when every reader is done (or the lease expired).
 
 Every public method takes the engine lock; a step holds it for its whole forward,
 so no block can be freed or handed to another request while the forward writes it.
@@ -212,6 +213,52 @@ class LLMEngine:
                 self.scheduler.start_running(request)
                 return
             self._end(request, "error", reason or "KV transfer failed")
+
+    def start_siblings(self, source_id: str, sibling_ids: Sequence[str]) -> None:
+        """Decode side, ``n > 1``: start parked requests from ``source_id``'s loaded KV.
+
+        One READ fills the source's blocks; each sibling (parked with ``remote_kv``,
+        the same prompt, blocks of its own) gets a local copy of the blocks holding the
+        source's ``num_computed`` tokens on every rank, and runs from there exactly as
+        if its own READ had ended (``finish_kv_load(ok=True)``). The copy goes through
+        each layer's logical ``[B, H, N, C]`` view, so it is the same for every layout.
+        The source must be running with nothing sampled yet (right after its
+        ``finish_kv_load``). Raises ValueError, before copying anything, otherwise.
+        """
+        with self._lock:
+            source = self._get(source_id)
+            siblings = [self._get(i) for i in sibling_ids]
+            self._check_siblings(source, siblings)
+            count = self.scheduler.blocks_for(source.num_computed)
+            if count and siblings:
+                self._copy_blocks([source.block_ids[:count]] * len(siblings),
+                                  [s.block_ids[:count] for s in siblings])
+            for sibling in siblings:
+                sibling.num_computed = source.num_computed
+                self.scheduler.start_running(sibling)
+
+    @staticmethod
+    def _check_siblings(source: Request, siblings: list[Request]) -> None:
+        if source.state is not RequestState.RUNNING or source.output_token_ids:
+            raise ValueError(f"request {source.request_id!r} is {source.state.value} with "
+                             f"{len(source.output_token_ids)} tokens sampled: siblings start "
+                             f"only from a request whose KV load just ended")
+        for sibling in siblings:
+            if sibling.state is not RequestState.WAITING_FOR_KV:
+                raise ValueError(f"sibling {sibling.request_id!r} is {sibling.state.value}, "
+                                 f"not waiting for KV")
+            if sibling.prompt_token_ids != source.prompt_token_ids:
+                raise ValueError(f"sibling {sibling.request_id!r} has another prompt than "
+                                 f"{source.request_id!r}")
+
+    def _copy_blocks(self, src: list[list[int]], dst: list[list[int]]) -> None:
+        """Copy KV blocks ``src[i][k]`` -> ``dst[i][k]`` in every layer of every rank."""
+        src_ids = torch.tensor([b for blocks in src for b in blocks], dtype=torch.int64)
+        dst_ids = torch.tensor([b for blocks in dst for b in blocks], dtype=torch.int64)
+        for rank in self.kv_caches:
+            for view in rank.values():
+                at_src, at_dst = src_ids.to(view.device), dst_ids.to(view.device)
+                view[at_dst] = view[at_src]  # in place through the (strided) view
 
     def release(self, request_id: str) -> None:
         """Prefill side: free a HELD request's blocks (every reader is done)."""
