@@ -38,6 +38,13 @@ Decode role:
   ``engine.finish_kv_load``: ok, or on any failure recompute (policy
   ``recompute``) or fail the request (policy ``fail``; :meth:`take_transfer_error`
   then tells the loop it was a transfer failure).
+* ``n > 1`` samples of one prompt (``siblings`` of :meth:`add_remote`) share one
+  READ: the group is admitted only when blocks for all of it are free, every
+  member is parked with blocks of its own, the READ fills the first one's blocks,
+  and ``engine.start_siblings`` copies them into the others' when it succeeded
+  (a failed read recomputes or fails every member alike). Aborting the first
+  member before the READ ended aborts the whole group (the others cannot start
+  without its KV); aborting another member drops only that one.
 * A request that ends without the prefill having been told by NIXL sends the
   prefill a release over its side channel (best effort, from the
   :class:`~kvxfer.handshake.ReleaseSender` thread, never from the loop):
@@ -113,12 +120,17 @@ class ConnectorEvents:
 
 @dataclass
 class _Pending:
-    """A decode request waiting for free blocks before it can be parked."""
+    """A decode request (and its ``n > 1`` siblings) waiting for free blocks."""
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
     remote: RemoteParams
+    siblings: list[tuple[str, SamplingParams]] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        return [self.request_id, *(sid for sid, _ in self.siblings)]
 
 
 @dataclass
@@ -127,6 +139,7 @@ class _Read:
 
     remote: RemoteParams
     ranks_left: set[int]
+    siblings: list[str] = field(default_factory=list)  # parked, started from this read
     failures: dict[int, str] = field(default_factory=dict)
     stats: list[ReadStats] = field(default_factory=list)
     aborted: bool = False
@@ -337,13 +350,17 @@ class KVConnector:
 
     # -- decode -----------------------------------------------------------------------------
     def add_remote(self, request_id: str, prompt: list[int], params: SamplingParams,
-                   remote: RemoteParams) -> None:
+                   remote: RemoteParams,
+                   siblings: list[tuple[str, SamplingParams]] | None = None) -> None:
         """Park a decode request and read its prompt's KV, now or once blocks are free.
 
+        ``siblings``: (request id, params) of further samples of the same prompt,
+        started from this request's KV once it is read (see the module docstring).
         Raises ValueError (engine validation) when it can be admitted at once and is
-        invalid; later admission failures come back through :meth:`poll`.
+        invalid; later admission failures come back through :meth:`poll`, one entry
+        per member of the group.
         """
-        self._pending.append(_Pending(request_id, prompt, params, remote))
+        self._pending.append(_Pending(request_id, prompt, params, remote, list(siblings or [])))
         if len(self._pending) == 1:
             self._admit(raise_errors=True)
 
@@ -354,9 +371,11 @@ class KVConnector:
 
         while self._pending:
             item = self._pending[0]
+            blocks = -(-len(item.prompt) // self.engine.block_size) * len(item.ids)
+            if item.siblings and blocks > self.engine.num_free_blocks:
+                return  # the whole group at once, or it waits (strict FCFS)
             try:
-                self.engine.add_request(item.request_id, item.prompt, item.params,
-                                        remote_kv=True)
+                self._park(item)
             except NoFreeBlocks:
                 return  # strict FCFS: later requests wait behind the head
             except ValueError as exc:
@@ -365,15 +384,28 @@ class KVConnector:
                 if raise_errors:
                     raise
                 if events is not None:
-                    events.rejected[item.request_id] = str(exc)
+                    events.rejected.update(dict.fromkeys(item.ids, str(exc)))
                 continue
             self._pending.popleft()
             self._start_read(item)
 
+    def _park(self, item: _Pending) -> None:
+        """Park every member of ``item`` in the engine, all or none."""
+        parked: list[str] = []
+        try:
+            for request_id, params in [(item.request_id, item.params), *item.siblings]:
+                self.engine.add_request(request_id, item.prompt, params, remote_kv=True)
+                parked.append(request_id)
+        except Exception:
+            for request_id in parked:  # frees their blocks; nobody reads them yet
+                self.engine.abort(request_id)
+            raise
+
     def _start_read(self, item: _Pending) -> None:
         count = len(item.remote.remote_block_ids)
         local = self.engine.block_ids(item.request_id)[:count]
-        read = _Read(item.remote, set(range(len(self.workers))))
+        read = _Read(item.remote, set(range(len(self.workers))),
+                     [sid for sid, _ in item.siblings])
         self._reads[item.request_id] = read
         for rank, worker in enumerate(self.workers):
             try:
@@ -412,14 +444,19 @@ class KVConnector:
         if read.stats:
             self.metrics.transfer_bytes.inc(sum(s.num_bytes for s in read.stats))
             self.metrics.transfer_descriptors.inc(sum(s.descriptors for s in read.stats))
+        group = [request_id, *read.siblings]
         if read.aborted:
             self.metrics.transfers.labels("aborted").inc()
-            self.engine.abort(request_id)
+            for member in group:
+                self.engine.abort(member)
             return
         if not read.failures:
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_seconds.observe(max(s.seconds for s in read.stats))
             self.engine.finish_kv_load(request_id, ok=True)
+            if read.siblings:
+                self.engine.start_siblings(request_id, read.siblings)
+                self.metrics.sibling_copies.inc(len(read.siblings))
             return
         self.metrics.transfers.labels("failed").inc()
         self.metrics.transfer_failures.inc()
@@ -428,12 +465,14 @@ class KVConnector:
             log.warning("KV read for request %s failed, recomputing its prompt: %s", request_id,
                         reason)
             self.metrics.recomputes.inc()
-            self.engine.finish_kv_load(request_id, ok=False, recompute=True)
+            for member in group:
+                self.engine.finish_kv_load(member, ok=False, recompute=True)
             return
         log.warning("KV read for request %s failed (policy fail): %s", request_id, reason)
         message = f"KV transfer from prefill engine {read.remote.remote_engine_id} failed: {reason}"
-        self._transfer_errors[request_id] = message
-        self.engine.finish_kv_load(request_id, ok=False, recompute=False, reason=message)
+        for member in group:
+            self._transfer_errors[member] = message
+            self.engine.finish_kv_load(member, ok=False, recompute=False, reason=message)
 
     def take_transfer_error(self, request_id: str) -> str | None:
         """The failure message if ``request_id`` ended because its KV read failed."""
@@ -441,17 +480,29 @@ class KVConnector:
 
     # -- both roles -------------------------------------------------------------------------
     def abort(self, request_id: str) -> AbortOutcome:
-        """The client left: drop, defer or leave the request (see :class:`AbortOutcome`)."""
+        """The client left: drop, defer or leave the request (see :class:`AbortOutcome`).
+
+        DROPPED for the first member of a waiting group drops the whole group: the
+        caller forgets its siblings too. DEFERRED for it aborts the siblings still
+        parked when the READ ends."""
         for item in self._pending:
             if item.request_id == request_id:
                 self._pending.remove(item)
                 self._release(item.remote, "the request was aborted before its KV read "
                                            "started")
                 return AbortOutcome.DROPPED
+            for sibling in item.siblings:
+                if sibling[0] == request_id:
+                    item.siblings.remove(sibling)
+                    return AbortOutcome.DROPPED
         read = self._reads.get(request_id)
         if read is not None:
             read.aborted = True
             return AbortOutcome.DEFERRED
+        for read in self._reads.values():
+            if request_id in read.siblings:  # parked: the engine aborts it and frees its blocks
+                read.siblings.remove(request_id)
+                return AbortOutcome.NOT_MINE
         if request_id in self._lease_of:
             return AbortOutcome.LEASED
         return AbortOutcome.NOT_MINE

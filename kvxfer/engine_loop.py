@@ -96,11 +96,22 @@ class Sink:
 
 
 @dataclass(frozen=True)
+class Sibling:
+    """A further sample of a decode submission's prompt: its own id, choice index, params."""
+
+    request_id: str
+    index: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
 class Submission:
-    """One prompt of an HTTP request, ready for the engine.
+    """One choice of an HTTP request, ready for the engine.
 
     ``hold``: prefill path (``hold_blocks``); ``remote``: decode path (read the
-    prompt's KV from a prefill instance). Neither: a plain request.
+    prompt's KV from a prefill instance). Neither: a plain request. ``siblings``
+    (decode path only): the other ``n - 1`` samples of the prompt, which start from
+    a copy of the KV this submission reads.
     """
 
     request_id: str
@@ -109,6 +120,11 @@ class Submission:
     params: SamplingParams
     hold: bool = False
     remote: RemoteParams | None = None
+    siblings: tuple[Sibling, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.siblings and self.remote is None:
+            raise ValueError("siblings share a KV read: only a decode submission has them")
 
 
 @dataclass
@@ -116,6 +132,7 @@ class _Tracked:
     sink: Sink
     index: int
     hold: bool
+    siblings: tuple[str, ...] = ()  # ids the connector forgets along with this one
 
 
 class EngineLoop:
@@ -235,7 +252,7 @@ class EngineLoop:
             if kind == "submit":
                 submissions, sink = payload
                 for sub in submissions:
-                    self._tracked[sub.request_id] = _Tracked(sink, sub.index, sub.hold)
+                    self._track(sub, sink)
         self._fail_all(failure)
 
     def _pause(self) -> float:
@@ -261,19 +278,29 @@ class EngineLoop:
                 for request_id in payload:
                     self._abort(request_id)
 
+    def _track(self, sub: Submission, sink: Sink) -> None:
+        self._tracked[sub.request_id] = _Tracked(sink, sub.index, sub.hold,
+                                                 tuple(s.request_id for s in sub.siblings))
+        for sibling in sub.siblings:
+            self._tracked[sibling.request_id] = _Tracked(sink, sibling.index, False)
+
     def _add(self, sub: Submission, sink: Sink) -> None:
-        self._tracked[sub.request_id] = _Tracked(sink, sub.index, sub.hold)
+        self._track(sub, sink)
+        group = [sub.request_id, *(s.request_id for s in sub.siblings)]
         try:
             if sub.remote is not None:
-                self.connector.add_remote(sub.request_id, sub.prompt, sub.params, sub.remote)
+                self.connector.add_remote(sub.request_id, sub.prompt, sub.params, sub.remote,
+                                          [(s.request_id, s.params) for s in sub.siblings])
             else:
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params,
                                         hold_blocks=sub.hold)
         except ValueError as exc:
-            self._end(sub.request_id, Failure(400, str(exc), "invalid_request_error"))
+            for request_id in group:
+                self._end(request_id, Failure(400, str(exc), "invalid_request_error"))
         except Exception as exc:  # one request's bug must not stop the loop
             log.exception("adding request %s failed", sub.request_id)
-            self._end(sub.request_id, Failure(500, f"adding the request failed: "
+            for request_id in group:
+                self._end(request_id, Failure(500, f"adding the request failed: "
                                                    f"{type(exc).__name__}: {exc}",
                                               "internal_error"))
 
@@ -283,7 +310,10 @@ class EngineLoop:
             return  # finished already
         tracked.sink.closed = True
         outcome = self.connector.abort(request_id)
-        if outcome is AbortOutcome.NOT_MINE:
+        if outcome is AbortOutcome.DROPPED:
+            for sibling in tracked.siblings:  # a waiting group is dropped whole
+                self._forget(sibling)
+        elif outcome is AbortOutcome.NOT_MINE:
             outcome = AbortOutcome.DEFERRED if self.engine.abort(request_id) \
                 else AbortOutcome.DROPPED
         if outcome is AbortOutcome.DROPPED:

@@ -61,6 +61,10 @@ class SidecarMetrics:
                                          "failed on at least one rank", registry=r)
         self.recomputes = Counter("kvxfer_kv_recomputes", "Decode: failed reads whose prompt "
                                   "was recomputed locally (policy recompute)", registry=r)
+        self.sibling_copies = Counter("kvxfer_kv_sibling_copies", "Decode: samples of an n > 1 "
+                                      "request started from a local copy of the KV its first "
+                                      "sample read (not read again, not recomputed)",
+                                      registry=r)
         for reason in ("done", "abandoned", "expired"):
             self.leases_released.labels(reason)
         for outcome in ("ok", "failed", "aborted"):

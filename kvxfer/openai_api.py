@@ -20,7 +20,9 @@ Errors are :class:`OpenAIError`; their body is ``{"error": {"message", "type",
   this prompt (``remote_num_tokens``, one block id per ``block_size`` tokens).
 * anything else: a plain request (the params are ignored).
 
-Both transfer paths take exactly one prompt. A decode request refused here
+Both transfer paths take exactly one prompt. A prefill request takes ``n`` 1 (the
+prompt is computed once whatever the client asked for); a decode request may ask
+for ``n`` samples, which share one KV read. A decode request refused here
 (any 400/404) still names a prefill lease that nobody will read;
 :func:`unread_lease` finds it in the raw body, so that the server can release
 it at once instead of leaving it to the lease TTL.
@@ -28,6 +30,7 @@ it at once instead of leaving it to the lease TTL.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # the engine's top-k limit
+MAX_N = 64  # samples per prompt; each is a request with its own KV blocks
+SEED_LIMIT = 2**63
 
 
 class OpenAIError(Exception):
@@ -138,11 +143,17 @@ class ModelInfo:
     max_model_len: int
     block_size: int
     role: str
+    num_blocks: int | None = None  # the KV cache's size; None: not checked
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated request: token ids per prompt and everything to answer it."""
+    """A validated request: token ids per prompt and everything to answer it.
+
+    ``n`` choices per prompt: choice ``k`` answers prompt ``k // n`` (OpenAI's and
+    vLLM's order). ``echo``: the text each prompt's choices start with (completions
+    with ``echo: true``), else None.
+    """
 
     prompts: list[list[int]]
     params: SamplingParams
@@ -153,21 +164,47 @@ class Prepared:
     logprobs: bool
     hold: bool = False
     remote: RemoteParams | None = None
+    n: int = 1
+    echo: list[str] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Sampling of choice ``index``: sample ``j = index % n`` of its prompt draws
+        from seed ``seed + j`` (as vLLM seeds its ``n`` child requests), so seeded
+        choices repeat across runs and differ from each other."""
+        j = index % self.n
+        if j == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=choice_seed(self.params.seed, j))
+
+    def echo_text(self, index: int) -> str:
+        """What choice ``index``'s text starts with: its prompt under ``echo``, else ""."""
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of the ``j``-th sample of a request seeded ``seed`` (wraps below 2**63)."""
+    return (seed + j) % SEED_LIMIT
 
 
 def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
     model = _check_model(req.model, info)
     _check_common(req)
-    if req.echo:
-        raise bad_request("echo is not supported by this server", "echo")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt tokens' logprobs, which this "
+                          "server does not compute; send echo or logprobs, not both", "echo")
     prompts = _prompts(req.prompt, info)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                           f"{req.logprobs}", "logprobs")
     params = _sampling(req, req.max_tokens, req.logprobs)
     _check_lengths(prompts, params.max_tokens, info, "prompt")
+    echo = _echo_texts(req.prompt, prompts, info) if req.echo else None
     return _with_kv(req, prompts, params, model, info, chat=False,
-                    logprobs=req.logprobs is not None)
+                    logprobs=req.logprobs is not None, echo=echo)
 
 
 def prepare_chat(req: ChatRequest, info: ModelInfo) -> Prepared:
@@ -204,8 +241,9 @@ def _check_model(model: str | None, info: ModelInfo) -> str:
 
 
 def _check_common(req: _Common) -> None:
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"n must be 1 (one choice per prompt), got {req.n}", "n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}] (choices per prompt), got "
+                          f"{req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -231,6 +269,16 @@ def _prompts(prompt: str | list[Any], info: ModelInfo) -> list[list[int]]:
         return out
     raise bad_request("prompt must be a string, a list of token ids, a list of strings or a "
                       "list of token-id lists", "prompt")
+
+
+def _echo_texts(prompt: str | list[Any], prompts: list[list[int]], info: ModelInfo
+                ) -> list[str]:
+    """Each prompt as ``echo`` shows it: the client's text, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [info.tokenizer.decode(ids) for ids in prompts]
 
 
 def _is_int(value: object) -> bool:
@@ -283,7 +331,7 @@ def _sampling(req: _Common, max_tokens: int | None, logprobs: int | None, *,
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    if req.seed is not None and not 0 <= req.seed < 2**63:
+    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise bad_request(f"seed must be in [0, 2**63), got {req.seed}", "seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stop):
@@ -308,11 +356,12 @@ def _check_lengths(prompts: list[list[int]], max_tokens: int, info: ModelInfo,
 
 
 def _with_kv(req: _Common, prompts: list[list[int]], params: SamplingParams, model: str,
-             info: ModelInfo, *, chat: bool, logprobs: bool) -> Prepared:
+             info: ModelInfo, *, chat: bool, logprobs: bool,
+             echo: list[str] | None = None) -> Prepared:
     hold, remote = _kv_intent(req, prompts, info)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Prepared(prompts, params, model, bool(req.stream), include_usage, chat, logprobs,
-                    hold, remote)
+                    hold, remote, n=req.n or 1, echo=echo)
 
 
 def _kv_intent(req: _Common, prompts: list[list[int]],
@@ -330,11 +379,26 @@ def _kv_intent(req: _Common, prompts: list[list[int]],
             raise bad_request("a prefill request (kv_transfer_params.do_remote_decode) cannot "
                               "be streamed", "stream")
         _one_prompt(prompts)
+        if req.n is not None and req.n != 1:
+            raise bad_request(f"a prefill request (kv_transfer_params.do_remote_decode) "
+                              f"computes the prompt once: n must be 1, got {req.n}; the "
+                              f"decode samples the n choices", "n")
         return True, None
     if info.role == "decode" and kv.get("do_remote_prefill") is True:
         _one_prompt(prompts)
+        _check_siblings_fit(req.n or 1, len(prompts[0]), info)
         return False, _remote_params(kv, len(prompts[0]), info.block_size)
     return False, None
+
+
+def _check_siblings_fit(n: int, num_tokens: int, info: ModelInfo) -> None:
+    """A decode admits its ``n`` samples of one read together: their prompt blocks
+    must fit in the cache at once, or the request would wait forever."""
+    needed = n * -(-num_tokens // info.block_size)
+    if info.num_blocks is not None and needed > info.num_blocks:
+        raise bad_request(f"n={n} samples of a {num_tokens}-token prompt need {needed} KV "
+                          f"blocks at once, but this decode instance has {info.num_blocks}",
+                          "n")
 
 
 def _one_prompt(prompts: list[list[int]]) -> None:
@@ -427,9 +491,15 @@ class TokenText:
 
 @dataclass
 class Choice:
-    """One prompt's answer, accumulated from engine outputs (whole or streamed)."""
+    """One choice's answer, accumulated from engine outputs (whole or streamed).
+
+    ``prompt_index``: the prompt it answers (several choices share one when n > 1);
+    ``echo``: the prompt text its answer starts with (``echo: true``), else "".
+    """
 
     index: int
+    prompt_index: int = 0
+    echo: str = ""
     num_prompt_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -447,7 +517,10 @@ class Choice:
 
 
 def usage(choices: Sequence[Choice]) -> dict[str, int]:
-    prompt = sum(c.num_prompt_tokens for c in choices)
+    """Token counts; a prompt's tokens count once however many choices answer it
+    (vLLM and OpenAI count them so for n > 1)."""
+    per_prompt = {c.prompt_index: c.num_prompt_tokens for c in choices}
+    prompt = sum(per_prompt.values())
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
@@ -488,7 +561,7 @@ def completion_body(request_id: str, created: int, model: str, choices: Sequence
                     prepared: Prepared, names: TokenText) -> dict[str, Any]:
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": c.index, "text": c.text,
+        "choices": [{"index": c.index, "text": c.echo + c.text,
                      "logprobs": completion_logprobs(c.logprobs, [], names)
                      if prepared.logprobs else None,
                      "finish_reason": c.finish_reason} for c in choices],

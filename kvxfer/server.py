@@ -46,7 +46,15 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvxfer.connector import KVConnector, new_engine_id
-from kvxfer.engine_loop import EngineLoop, EngineStopped, Event, Failure, Sink, Submission
+from kvxfer.engine_loop import (
+    EngineLoop,
+    EngineStopped,
+    Event,
+    Failure,
+    Sibling,
+    Sink,
+    Submission,
+)
 from kvxfer.metrics import CONTENT_TYPE, SidecarMetrics
 from kvxfer.netutil import listen_tcp
 from kvxfer.openai_api import (
@@ -141,7 +149,7 @@ class Sidecar:
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,
-                              self.engine.block_size, settings.role)
+                              self.engine.block_size, settings.role, self.engine.num_blocks)
         self.token_text = TokenText(self.engine.tokenizer)
 
     def start(self) -> None:
@@ -381,10 +389,8 @@ class _Handlers:
         base = _request_id(request)
         headers = {"x-request-id": base}
         loop = self.side.loop
-        ids = loop.reserve_ids(base, len(prepared.prompts))
-        submissions = [Submission(rid, i, prompt, prepared.params, hold=prepared.hold,
-                                  remote=prepared.remote)
-                       for i, (rid, prompt) in enumerate(zip(ids, prepared.prompts, strict=True))]
+        ids = loop.reserve_ids(base, prepared.num_choices)
+        submissions = _submissions(prepared, ids)
         sink = Sink(asyncio.get_running_loop())
         try:
             loop.submit(submissions, sink)
@@ -407,6 +413,18 @@ class _Handlers:
             raise
 
 
+def _submissions(prepared: Prepared, ids: list[str]) -> list[Submission]:
+    """One submission per choice (``ids[k]`` is choice ``k``); a decode request's ``n``
+    samples are one submission whose siblings start from its single KV read."""
+    params = prepared.choice_params
+    if prepared.remote is not None:
+        siblings = tuple(Sibling(ids[k], k, params(k)) for k in range(1, len(ids)))
+        return [Submission(ids[0], 0, prepared.prompts[0], params(0), remote=prepared.remote,
+                           siblings=siblings)]
+    return [Submission(rid, k, prepared.prompts[k // prepared.n], params(k), hold=prepared.hold)
+            for k, rid in enumerate(ids)]
+
+
 def _request_id(request: Request) -> str:
     """The client's X-Request-Id when it is usable, else a fresh one."""
     given = request.headers.get("x-request-id", "").strip()
@@ -423,7 +441,8 @@ class _Answer:
         self.side, self.prepared, self.ids, self.sink = side, prepared, ids, sink
         self.response_id = f"{'chatcmpl' if prepared.chat else 'cmpl'}-{base}"
         self.created = int(time.time())
-        self.choices = [Choice(i) for i in range(len(ids))]
+        self.choices = [Choice(k, k // prepared.n, prepared.echo_text(k))
+                        for k in range(len(ids))]
         self.open = set(range(len(ids)))  # choices without a final event yet
 
     def abort(self) -> None:
@@ -478,6 +497,10 @@ class _Answer:
                 yield sse(chat_chunk(self.response_id, self.created, self.prepared.model,
                                      choice.index, {"role": "assistant", "content": ""}, None,
                                      None))
+        elif self.prepared.echo is not None:  # the prompt comes first, as in the whole answer
+            for choice in self.choices:
+                yield sse(completion_chunk(self.response_id, self.created, self.prepared.model,
+                                           choice.index, choice.echo, None, None))
         event: Event | None = first
         limit = self.prepared.params.max_tokens * len(self.ids) + len(self.ids)
         for _ in range(limit):

@@ -64,8 +64,10 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None, str]] = [
     ("temperature negative", {"prompt": "hi", "temperature": -0.5}, "temperature", "-0.5"),
     ("top_p zero", {"prompt": "hi", "top_p": 0}, "top_p", "got 0"),
     ("top_p above one", {"prompt": "hi", "top_p": 1.5}, "top_p", "1.5"),
-    ("n above one", {"prompt": "hi", "n": 2}, "n", "got 2"),
-    ("echo", {"prompt": "hi", "echo": True}, "echo", "echo"),
+    ("n zero", {"prompt": "hi", "n": 0}, "n", "got 0"),
+    ("n too many", {"prompt": "hi", "n": 65}, "n", "got 65"),
+    ("echo with logprobs", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo",
+     "echo or logprobs"),
     ("negative seed", {"prompt": "hi", "seed": -1}, "seed", "got -1"),
     ("empty stop string", {"prompt": "hi", "stop": ["x", ""]}, "stop", "['x', '']"),
     ("logprobs too many", {"prompt": "hi", "logprobs": 21}, "logprobs", "got 21"),
@@ -190,6 +192,8 @@ def test_transfer_paths_take_one_prompt_and_prefill_does_not_stream(
     assert_bad_request(response, "stream", "cannot be streamed")
     response = prefill.post(COMPLETIONS, {**body, "prompt": ["a", "b"]})
     assert_bad_request(response, "prompt", "exactly one prompt, got 2")
+    response = prefill.post(COMPLETIONS, {**body, "n": 2})
+    assert_bad_request(response, "n", "n must be 1, got 2")
     assert prefill.health()["used_blocks"] == 0
 
 
