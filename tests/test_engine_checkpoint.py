@@ -180,8 +180,9 @@ def test_save_refuses_weights_that_do_not_match(tmp_path: Path,
     assert not (tmp_path / "out").exists()
 
 
-def test_model_argument_must_be_tiny_or_a_directory(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="model 'no-such-model' is neither 'kvxfer-tiny' "
-                                              "nor a checkpoint directory"):
+def test_model_argument_must_be_a_name_a_gguf_file_or_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="model 'no-such-model' is not a model name "
+                                              r"\(kvxfer-tiny, .*\), a .gguf file or a "
+                                              "checkpoint directory"):
         LLMEngine.from_model_arg("no-such-model")
     assert LLMEngine.from_model_arg(None, num_blocks=8).model_name == "kvxfer-tiny"

@@ -13,8 +13,10 @@ HELP = "generate completions with the built-in reference engine (no server, no t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s)")
     parser.add_argument("--model", default="kvxfer-tiny",
-                        help="checkpoint directory (config.json + *.safetensors) or "
-                             "'kvxfer-tiny' (default: the seeded tiny model)")
+                        help="a model name from `kvxfer models` (kvxfer-tiny, the seeded "
+                             "tiny model, is the default; smollm2-135m-instruct is a real "
+                             "one), a .gguf file or a checkpoint directory (config.json + "
+                             "*.safetensors)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of kvxfer-tiny (0)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--kv-cache-layout", default=None,

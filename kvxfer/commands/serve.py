@@ -45,8 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (256)")
     parser.add_argument("--model", default="kvxfer-tiny",
-                        help="checkpoint directory (config.json + *.safetensors) or "
-                             "'kvxfer-tiny' (default: the seeded tiny model)")
+                        help="a model name from `kvxfer models` (kvxfer-tiny, the seeded "
+                             "tiny model, is the default; smollm2-135m-instruct is a real "
+                             "one), a .gguf file or a checkpoint directory (config.json + "
+                             "*.safetensors)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed of kvxfer-tiny (0)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         default="float32", help="model and cache dtype (default float32)")

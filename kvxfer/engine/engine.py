@@ -27,19 +27,17 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvxfer.engine.block_allocator import BlockAllocator
-from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint
-from kvxfer.engine.config import ModelConfig, tiny_config
+from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.model import Segment, Transformer, check_tp
 from kvxfer.engine.sampler import SamplingParams, make_generator, sample
 from kvxfer.engine.scheduler import Scheduler
 from kvxfer.engine.sequence import Request, RequestOutput, RequestState
-from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
 from kvxfer.engine.weights import fingerprint, init_weights
 from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, default_layout
 from kvxfer.topology import rank_heads
@@ -105,17 +103,15 @@ class LLMEngine:
 
     @classmethod
     def from_model_arg(cls, model: str | None, **kw: Any) -> LLMEngine:
-        """``None`` or ``"kvxfer-tiny"``: the seeded tiny model; else a checkpoint directory."""
-        if model is None or model == TINY_MODEL:
-            return cls(tiny_config(), None, **kw)
-        path = Path(model)
-        if not path.is_dir():
-            raise CheckpointError(f"model {model!r} is neither {TINY_MODEL!r} nor a checkpoint "
-                                  f"directory")
-        config, state_dict = load_checkpoint(path)
-        kw.setdefault("tokenizer", load_tokenizer(path))
-        kw.setdefault("model_name", path.resolve().name)
-        return cls(config, state_dict, **kw)
+        """A model name (``None`` is ``kvxfer-tiny``, seeded by ``seed``), a ``.gguf`` file
+        or a checkpoint directory; see ``models.py``. Raises CheckpointError."""
+        from kvxfer.engine.models import load_model  # models.py imports this module
+
+        loaded = load_model(TINY_MODEL if model is None else model)
+        if loaded.tokenizer is not None:
+            kw.setdefault("tokenizer", loaded.tokenizer)
+        kw.setdefault("model_name", loaded.name)
+        return cls(loaded.config, loaded.state_dict, **kw)
 
     # -- introspection
 

@@ -1,0 +1,118 @@
+"""The converted-model cache: each GGUF file dequantized once into a checkpoint directory.
+
+Parsing a GGUF's tokenizer metadata, dequantizing and un-permuting its tensors takes
+seconds; the result is stored as an ordinary checkpoint directory (``config.json``,
+``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``), so every later
+load only reads safetensors.
+
+- Where: ``$KVXFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvxfer``, else ``~/.cache/kvxfer``.
+- Key: the file's size, mtime and a SHA-256 of its first and last MiB (header and
+  tensor data), plus :data:`CONVERSION_VERSION`: a replaced or rewritten file gets a new
+  entry, a copy elsewhere with the same mtime shares one.
+- Atomic: an entry is built in a temporary sibling directory and renamed into place.
+  The rename is the commit, so a reader sees a complete entry or none; two processes
+  converting the same file at once both build, one rename wins and the other deletes
+  its copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from kvxfer.engine.checkpoint import CheckpointError, save_checkpoint
+from kvxfer.engine.gguf import GGUFFile, read_config, read_weights
+
+# Bump when the conversion's output changes, so old entries are not reused.
+CONVERSION_VERSION = 1
+_SAMPLE_BYTES = 1 << 20
+# A temporary directory this old belongs to a conversion that died; it is removed.
+_STALE_SECONDS = 3600
+
+
+class ModelCacheError(CheckpointError):
+    """The cache directory cannot be created or written; the message names it."""
+
+
+def cache_dir() -> Path:
+    """The cache root (not created here)."""
+    if os.environ.get("KVXFER_CACHE_DIR"):
+        return Path(os.environ["KVXFER_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "kvxfer"
+    return Path.home() / ".cache" / "kvxfer"
+
+
+def cache_key(gguf_path: str | Path) -> str:
+    """Hex id of the file's identity: size, mtime, first and last MiB, conversion version."""
+    path = Path(gguf_path)
+    stat = path.stat()
+    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(_SAMPLE_BYTES))
+        handle.seek(max(stat.st_size - _SAMPLE_BYTES, 0))
+        digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:24]
+
+
+def entry_path(gguf_path: str | Path) -> Path:
+    """Where the converted checkpoint of ``gguf_path`` lives (it may not exist yet)."""
+    path = Path(gguf_path)
+    return cache_dir() / "gguf" / f"{path.stem}-{cache_key(path)}"
+
+
+def gguf_checkpoint(gguf_path: str | Path) -> Path:
+    """The checkpoint directory converted from ``gguf_path``, converting it when absent."""
+    entry = entry_path(gguf_path)
+    if entry.is_dir():
+        return entry
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(entry)
+        building = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=entry.parent))
+    except OSError as exc:
+        raise ModelCacheError(f"cannot write the model cache {entry.parent}: {exc}; set "
+                              f"KVXFER_CACHE_DIR to a writable directory") from None
+    try:
+        convert_gguf(gguf_path, building)
+        try:
+            building.rename(entry)
+        except OSError:
+            if not entry.is_dir():  # not a lost race: a real failure
+                raise
+    except OSError as exc:
+        raise ModelCacheError(f"cannot write the model cache entry {entry}: {exc}") from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return entry
+
+
+def convert_gguf(gguf_path: str | Path, directory: Path) -> None:
+    """Write the checkpoint directory of a GGUF file (its tokenizer files only when the
+    file describes a tokenizer)."""
+    from kvxfer.engine.gguf_tokenizer import build_tokenizer, tokenizer_config
+
+    file = GGUFFile(gguf_path)
+    config = read_config(file)
+    weights = read_weights(file, config)
+    has_tokenizer = file.get("tokenizer.ggml.model", str, None) is not None
+    tokenizer_json = build_tokenizer(file).to_str() if has_tokenizer else None
+    save_checkpoint(directory, config, weights, tokenizer_json)
+    if has_tokenizer:
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps(tokenizer_config(file), indent=2, ensure_ascii=False) + "\n")
+
+
+def _remove_stale(entry: Path) -> None:
+    """Delete temporary directories of conversions of ``entry`` that died long ago."""
+    for stale in entry.parent.glob(f".tmp-{entry.name}-*"):
+        try:
+            if time.time() - stale.stat().st_mtime > _STALE_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            continue  # another process removed it first
