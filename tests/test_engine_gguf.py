@@ -216,13 +216,14 @@ def test_cache_location_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
     assert cache.cache_dir() == tmp_path / "home" / ".cache" / "kvxfer"
 
 
-def test_second_load_reads_the_cache_and_a_new_file_gets_a_new_entry(
+def test_second_load_reads_the_cache_and_a_new_file_replaces_the_entry(
         tmp_path: Path, weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
         ) -> None:
     path = write_llama_gguf(tmp_path / "m.gguf", CONFIG, weights)
     entry = cache.gguf_checkpoint(path)
     assert entry.parent == cache.cache_dir() / "gguf" and entry.name.startswith("m-")
     assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]
+    real = cache.convert_gguf
 
     def no_conversion(*args: object) -> None:
         raise AssertionError("converted again")
@@ -231,10 +232,24 @@ def test_second_load_reads_the_cache_and_a_new_file_gets_a_new_entry(
     assert cache.gguf_checkpoint(path) == entry
     LLMEngine.from_model_arg(str(path), num_blocks=8)  # served from the cache
     other = init_weights(CONFIG, SEED + 1)
-    write_llama_gguf(path, CONFIG, other)  # same path, new content
+    write_llama_gguf(path, CONFIG, other)  # same path, new content and mtime
     os.utime(path, ns=(1, 1))
     with pytest.raises(AssertionError, match="converted again"):
         cache.gguf_checkpoint(path)
+    monkeypatch.setattr(cache, "convert_gguf", real)
+    fresh = cache.gguf_checkpoint(path)
+    assert fresh != entry and [p.name for p in fresh.parent.iterdir()] == [fresh.name]
+    served = load_model(str(path)).state_dict
+    assert served is not None
+    assert torch.equal(served["model.norm.weight"], other["model.norm.weight"])
+
+
+def test_the_key_covers_the_converter_code(tmp_path: Path, weights: dict[str, torch.Tensor],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_llama_gguf(tmp_path / "k.gguf", CONFIG, weights)
+    before = cache.cache_key(path)
+    monkeypatch.setattr(cache, "_converter_id", lambda: b"another converter")
+    assert cache.cache_key(path) != before
 
 
 def test_a_conversion_that_loses_the_race_keeps_the_winner(

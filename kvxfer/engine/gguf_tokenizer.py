@@ -8,6 +8,9 @@ llama.cpp's table of split regexes. Only byte-level BPE (``tokenizer.ggml.model`
 known ``tokenizers`` equivalent (:data:`PRE_TOKENIZERS`): a wrong split still gives
 plausible text but different ids than the model was trained on, so anything else is
 refused rather than guessed.
+
+The model cache stores the result as ``tokenizer.json`` + ``tokenizer_config.json``,
+which ``load_tokenizer`` wraps in an ``HFTokenizer`` with the chat template.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvxfer.engine.gguf import GGUFFile
-from kvxfer.engine.tokenizer import ChatTemplate, HFTokenizer
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -95,7 +97,7 @@ def _merges(file: GGUFFile) -> list[tuple[str, str]]:
 
 def _token(file: GGUFFile, which: str, tokens: list[str]) -> str | None:
     """The text of the ``which`` ("bos"/"eos") token, or None when the file names none."""
-    token_id = file.get(f"tokenizer.ggml.{which}_token_id", int, None)
+    token_id: int | None = file.get(f"tokenizer.ggml.{which}_token_id", int, None)
     if token_id is None:
         return None
     if not 0 <= token_id < len(tokens):
@@ -114,14 +116,3 @@ def tokenizer_config(file: GGUFFile) -> dict[str, Any]:
         config["chat_template"] = template
     return config
 
-
-def load_gguf_tokenizer(file: GGUFFile) -> HFTokenizer:
-    """The file's tokenizer with its chat template; its EOS id ends generation."""
-    raw = build_tokenizer(file)
-    config = tokenizer_config(file)
-    bos, eos = config["bos_token"], config["eos_token"]
-    source = config.get("chat_template")
-    template = None if source is None else ChatTemplate(source, bos or "", eos or "")
-    return HFTokenizer(raw, template,
-                       bos_token_id=None if bos is None else raw.token_to_id(bos),
-                       eos_token_id=None if eos is None else raw.token_to_id(eos))

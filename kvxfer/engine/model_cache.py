@@ -7,8 +7,9 @@ load only reads safetensors.
 
 - Where: ``$KVXFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvxfer``, else ``~/.cache/kvxfer``.
 - Key: the file's size, mtime and a SHA-256 of its first and last MiB (header and
-  tensor data), plus :data:`CONVERSION_VERSION`: a replaced or rewritten file gets a new
-  entry, a copy elsewhere with the same mtime shares one.
+  tensor data), and the conversion code itself (its source and the ``gguf`` and
+  ``tokenizers`` versions): a replaced file, or a change to how files are converted,
+  gets a new entry, and the entries of the file's other versions are removed.
 - Atomic: an entry is built in a temporary sibling directory and renamed into place.
   The rename is the commit, so a reader sees a complete entry or none; two processes
   converting the same file at once both build, one rename wins and the other deletes
@@ -20,17 +21,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 import time
+from functools import cache
+from importlib.metadata import version
 from pathlib import Path
 
 from kvxfer.engine.checkpoint import CheckpointError, save_checkpoint
 from kvxfer.engine.gguf import GGUFFile, read_config, read_weights
 
-# Bump when the conversion's output changes, so old entries are not reused.
-CONVERSION_VERSION = 1
+# Modules whose code decides what an entry holds.
+_CONVERTER_MODULES = ("kvxfer.engine.gguf", "kvxfer.engine.gguf_tokenizer",
+                      "kvxfer.engine.checkpoint", __name__)
 _SAMPLE_BYTES = 1 << 20
+_KEY_CHARS = 24
 # A temporary directory this old belongs to a conversion that died; it is removed.
 _STALE_SECONDS = 3600
 
@@ -48,16 +55,28 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "kvxfer"
 
 
+@cache
+def _converter_id() -> bytes:
+    import kvxfer.engine.gguf_tokenizer  # noqa: F401  (imported lazily elsewhere)
+
+    digest = hashlib.sha256(f"gguf {version('gguf')} tokenizers {version('tokenizers')}"
+                            .encode())
+    for module in _CONVERTER_MODULES:
+        digest.update(Path(sys.modules[module].__file__ or "").read_bytes())
+    return digest.digest()
+
+
 def cache_key(gguf_path: str | Path) -> str:
-    """Hex id of the file's identity: size, mtime, first and last MiB, conversion version."""
+    """Hex id of the file's identity (size, mtime, first and last MiB) and the converter's."""
     path = Path(gguf_path)
     stat = path.stat()
-    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(_converter_id())
+    digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
     with path.open("rb") as handle:
         digest.update(handle.read(_SAMPLE_BYTES))
         handle.seek(max(stat.st_size - _SAMPLE_BYTES, 0))
         digest.update(handle.read(_SAMPLE_BYTES))
-    return digest.hexdigest()[:24]
+    return digest.hexdigest()[:_KEY_CHARS]
 
 
 def entry_path(gguf_path: str | Path) -> Path:
@@ -89,6 +108,7 @@ def gguf_checkpoint(gguf_path: str | Path) -> Path:
         raise ModelCacheError(f"cannot write the model cache entry {entry}: {exc}") from None
     finally:
         shutil.rmtree(building, ignore_errors=True)
+    _remove_other_versions(entry, Path(gguf_path).stem)
     return entry
 
 
@@ -106,6 +126,15 @@ def convert_gguf(gguf_path: str | Path, directory: Path) -> None:
     if has_tokenizer:
         (directory / "tokenizer_config.json").write_text(
             json.dumps(tokenizer_config(file), indent=2, ensure_ascii=False) + "\n")
+
+
+def _remove_other_versions(entry: Path, stem: str) -> None:
+    """Delete entries of the same file name with another key: an older file or converter.
+    (A process still reading one keeps its open files; entries are never rewritten.)"""
+    pattern = re.compile(re.escape(stem) + f"-[0-9a-f]{{{_KEY_CHARS}}}")
+    for other in entry.parent.iterdir():
+        if other != entry and pattern.fullmatch(other.name):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _remove_stale(entry: Path) -> None:
