@@ -70,14 +70,40 @@ def query_heads(rank: int, tp: int, config: ModelConfig) -> range:
     return heads
 
 
-def check_tp(config: ModelConfig, tp: int) -> None:
-    """``tp`` must split KV heads (or replicate them), query heads and the MLP evenly."""
-    rank_heads(0, tp, config.num_key_value_heads)  # raises for an impossible head split
+def tp_problem(config: ModelConfig, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot run ``config`` (None when they can): ``tp`` must split the
+    KV heads evenly or be a multiple of them (replication), and split the query heads
+    and the MLP's intermediate dim evenly."""
+    try:
+        for rank in range(tp):
+            query_heads(rank, tp, config)  # also checks the KV head split
+    except ValueError as exc:
+        return str(exc)
     if config.num_attention_heads % tp:
-        raise ValueError(f"TP {tp} does not divide num_attention_heads="
-                         f"{config.num_attention_heads}")
+        return f"TP {tp} does not divide num_attention_heads={config.num_attention_heads}"
     if config.intermediate_size % tp:
-        raise ValueError(f"TP {tp} does not divide intermediate_size={config.intermediate_size}")
+        return f"TP {tp} does not divide intermediate_size={config.intermediate_size}"
+    return None
+
+
+def valid_tp_sizes(config: ModelConfig) -> list[int]:
+    """Every TP size that can run ``config`` (none exceeds the query head count)."""
+    return [tp for tp in range(1, config.num_attention_heads + 1)
+            if tp_problem(config, tp) is None]
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming the reason and the TP sizes that would work."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+        raise ValueError(f"TP size must be a positive integer, got {tp!r}")
+    problem = tp_problem(config, tp)
+    if problem is not None:
+        sizes = ", ".join(f"{n} (KV heads replicated)" if n > config.num_key_value_heads
+                          else str(n) for n in valid_tp_sizes(config))
+        raise ValueError(f"{problem}; TP sizes that fit this model "
+                         f"({config.num_attention_heads} query heads, "
+                         f"{config.num_key_value_heads} KV heads, intermediate_size "
+                         f"{config.intermediate_size}): {sizes}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
