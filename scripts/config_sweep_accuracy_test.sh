@@ -6,7 +6,8 @@
 #
 # Environment:
 #   SWEEP_LAYOUTS   layouts to sweep (default "LBHNC LBNHC BLHNC BLNHC BHLNC")
-#   SWEEP_TP_PAIRS  prefill:decode TP pairs (default "1:1 1:2 2:1 2:2")
+#   SWEEP_TP_PAIRS  prefill:decode TP pairs (default "1:1 1:3 3:1 3:3" for the default
+#                   model, SmolLM2 with 3 KV heads; "1:1 1:2 2:1 2:2" for MODEL=kvxfer-tiny)
 #   MODEL, PYTHON, STARTUP_TIMEOUT, LOGPROB_TOL: passed through to run_accuracy_test.sh
 #
 # Layouts that keep tokens outside heads (LBNHC, BLNHC) cannot be head-split, so they
@@ -18,7 +19,8 @@ for arg in "$@"; do case "$arg" in -h|--help) usage; exit 0 ;; esac; done
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LAYOUTS="${SWEEP_LAYOUTS:-LBHNC LBNHC BLHNC BLNHC BHLNC}"
-TP_PAIRS="${SWEEP_TP_PAIRS:-1:1 1:2 2:1 2:2}"
+if [[ "${MODEL:-}" == kvxfer-tiny ]]; then DEFAULT_PAIRS="1:1 1:2 2:1 2:2"; else DEFAULT_PAIRS="1:1 1:3 3:1 3:3"; fi
+TP_PAIRS="${SWEEP_TP_PAIRS:-$DEFAULT_PAIRS}"
 
 trap 'echo "interrupted" >&2; exit 130' INT TERM
 failed=0; ran=0

@@ -13,7 +13,9 @@
 #   DECODER_TP_SIZE         decode tensor-parallel size (default 1)
 #   NUM_PREFILL_INSTANCES   prefill sidecars (default 1)
 #   NUM_DECODE_INSTANCES    decode sidecars (default 1)
-#   MODEL                   kvxfer-tiny (default) or a checkpoint directory
+#   MODEL                   a model name (smollm2-135m-instruct, the default; kvxfer-tiny,
+#                           seeded and fast), a .gguf file or a checkpoint directory; the
+#                           engine runs it in float32. SmolLM2 has 3 KV heads: TP 1 or 3.
 #   LOGPROB_TOL             allowed |logprob difference| (default 1e-4)
 #   STARTUP_TIMEOUT         seconds to wait for every instance to be ready (default 180)
 #   PYTHON                  interpreter with kvxfer installed (default: .venv/bin/python,
@@ -42,7 +44,7 @@ PREFILLER_TP_SIZE="${PREFILLER_TP_SIZE:-1}"
 DECODER_TP_SIZE="${DECODER_TP_SIZE:-1}"
 NUM_PREFILL_INSTANCES="${NUM_PREFILL_INSTANCES:-1}"
 NUM_DECODE_INSTANCES="${NUM_DECODE_INSTANCES:-1}"
-MODEL="${MODEL:-kvxfer-tiny}"
+MODEL="${MODEL:-smollm2-135m-instruct}"
 LOGPROB_TOL="${LOGPROB_TOL:-1e-4}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-180}"
 if [[ -z "${PYTHON:-}" ]]; then

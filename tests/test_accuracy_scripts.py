@@ -67,12 +67,19 @@ def run_script(argv: list[str], env: dict[str, str],
     return subprocess.CompletedProcess(argv, process.returncode, out, None)
 
 
+TINY = {"MODEL": "kvxfer-tiny"}
+
+
 @pytest.mark.parametrize("env", [
-    pytest.param({}, id="default"),
-    pytest.param({"PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"}, id="tp1-to-tp2"),
-    pytest.param({"KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
+    pytest.param({}, id="default-smollm2"),
+    pytest.param({"KVXFER_KV_CACHE_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "1",
+                  "DECODER_TP_SIZE": "3"}, id="smollm2-bhlnc-tp1-to-tp3"),
+    pytest.param({"PREFILLER_TP_SIZE": "3", "DECODER_TP_SIZE": "1"}, id="smollm2-tp3-to-tp1"),
+    pytest.param({**TINY, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
+                 id="tiny-tp1-to-tp2"),
+    pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
-                  "NUM_DECODE_INSTANCES": "2"}, id="mixed-layouts-tp2-to-tp1-two-decodes"),
+                  "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
 ])
 def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     result = run_script([str(SCRIPT)], env, tmp_path)
@@ -85,7 +92,7 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
 
 
 def test_sweep_prints_one_line_per_configuration(tmp_path: Path) -> None:
-    env = {"SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"}
+    env = {**TINY, "SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"}
     result = run_script([str(SWEEP)], env, tmp_path)
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
@@ -105,7 +112,7 @@ def test_accuracy_script_fails_and_cleans_up_when_an_instance_cannot_start(
 
 
 def test_accuracy_script_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **TINY}
     process = subprocess.Popen([str(SCRIPT)], cwd=ROOT, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
@@ -159,9 +166,24 @@ def test_accuracy_command_names_an_unreachable_target(two_models: list[str]) -> 
     assert nobody in result.stderr and "not healthy" in result.stderr
 
 
+def test_demo_answers_with_real_text_by_default(tmp_path: Path) -> None:
+    """The first thing a newcomer runs: SmolLM2 behind the proxy, TP 1 -> TP 3."""
+    result = run_script([sys.executable, "-m", "kvxfer.cli", "demo", "--max-tokens", "16"],
+                        {}, tmp_path)
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    assert "decode sidecar (LBHNC, TP 3)" in out, out
+    chat = out.split("> (chat) What is the capital of France?", 1)[1].split("\n")[1]
+    assert chat.startswith("< ") and "Paris" in chat, out
+    streamed = re.search(r"< \(streamed\) (.+)", out)
+    assert streamed and len(re.findall(r"[A-Za-z]{3,}", streamed[1])) >= 3, out
+    assert out.count("moved: ") == 3 and "noise" not in out, out
+
+
 def test_demo_shows_a_disaggregated_request_end_to_end(tmp_path: Path) -> None:
     result = run_script([sys.executable, "-m", "kvxfer.cli", "demo", "--max-tokens", "8",
-                         "--prompt", "The quick brown fox"], {}, tmp_path)
+                         "--model", "kvxfer-tiny", "--prompt", "The quick brown fox"], {},
+                        tmp_path)
     assert result.returncode == 0, result.stdout
     out = result.stdout
     assert "> The quick brown fox" in out

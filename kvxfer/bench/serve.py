@@ -1,8 +1,9 @@
-"""``kvxfer bench serve``: what the sidecars of the built-in engine do on this machine.
+"""``kvxfer bench serve``: what the sidecars of the reference engine do on this machine.
 
-Starts a ``both``, a ``prefill`` and a ``decode`` sidecar (``kvxfer serve``, each
-its own process on loopback, HTTP port chosen by the sidecar) and measures, over
-real HTTP:
+For every ``--model`` and ``--tp`` (each repeatable; a TP size that does not split a
+model's KV heads is reported as not applicable), starts a ``both``, a ``prefill``
+and a ``decode`` sidecar (``kvxfer serve``, each its own process on loopback, HTTP
+port chosen by the sidecar) and measures, over real HTTP:
 
 - prompt processing: a ``--prompt-tokens`` prompt with ``max_tokens=1`` on the
   ``both`` instance, in prompt tokens per second;
@@ -13,7 +14,9 @@ real HTTP:
   (``kvxfer_kv_transfer_duration_seconds`` and bytes), after one warm-up pair
   that pays the handshake. The end-to-end time of the decode request is shown too.
 
-Every number is a median over ``--repeats`` runs; nothing is asserted.
+Every number is a median over ``--repeats`` runs; nothing is asserted. The first
+model is the baseline: the table shows each figure of the others as a ratio to it
+(same TP), measured in the same run.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-HELP = "prefill/decode throughput of the built-in model and the KV transfer time, via sidecars"
+HELP = "prefill/decode throughput and KV transfer time of the reference engine, via sidecars"
+
+DEFAULT_MODELS = ("smollm2-135m-instruct", "kvxfer-tiny")
+DEFAULT_TPS = (1, 3)
 
 READY_PREFIX = "kvxfer serve ready: "
 START_TIMEOUT_S = 120.0
@@ -44,23 +50,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8,
                         help="concurrent decode requests for the batched figure (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (default 3)")
-    parser.add_argument("--tp", type=int, default=1, help="TP of every sidecar (default 1)")
+    parser.add_argument("--model", action="append", default=None,
+                        help="model to measure (repeatable; default: "
+                             f"{' and '.join(DEFAULT_MODELS)}); the first is the baseline")
+    parser.add_argument("--tp", type=int, action="append", default=None,
+                        help="TP size of the sidecars (repeatable; default: "
+                             f"{' and '.join(map(str, DEFAULT_TPS))})")
     parser.add_argument("--kv-cache-layout", default="LBHNC", help="layout (default LBHNC)")
     parser.add_argument("--num-blocks", type=int, default=1024,
                         help="KV cache blocks per sidecar (default 1024)")
 
 
 @contextmanager
-def sidecar(role: str, args: argparse.Namespace) -> Iterator[str]:
+def sidecar(role: str, model: str, tp: int, args: argparse.Namespace) -> Iterator[str]:
     """A ``kvxfer serve`` process; yields its base URL, terminates it on exit."""
     argv = [sys.executable, "-m", "kvxfer.cli", "--log-level", "WARNING", "serve",
-            "--role", role, "--port", "0", "--tp", str(args.tp), "--kv-cache-layout",
+            "--role", role, "--model", model, "--port", "0", "--tp", str(tp),
+            "--kv-cache-layout",
             args.kv_cache_layout, "--num-blocks", str(args.num_blocks),
             "--kv-load-failure-policy", "fail"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:
-        yield _wait_ready(process, role)
+        yield _wait_ready(process, f"{role} sidecar ({model}, TP {tp})")
     finally:
         process.terminate()
         try:
@@ -70,20 +82,28 @@ def sidecar(role: str, args: argparse.Namespace) -> Iterator[str]:
             process.wait(20)
 
 
-def _wait_ready(process: subprocess.Popen[str], role: str) -> str:
-    assert process.stdout is not None
+def _wait_ready(process: subprocess.Popen[str], what: str) -> str:
+    assert process.stdout is not None and process.stderr is not None
     deadline = time.monotonic() + START_TIMEOUT_S
     for line in process.stdout:  # ends when the process exits
         if line.startswith(READY_PREFIX):
             return line[len(READY_PREFIX):].split()[0]
         if time.monotonic() > deadline:
             break
-    raise RuntimeError(f"the {role} sidecar did not become ready (exit code {process.poll()})")
+    process.kill()
+    tail = process.stderr.read().strip().splitlines()[-3:]
+    raise BenchError(f"the {what} did not become ready (exit code {process.poll()}): "
+                     + " / ".join(tail))
+
+
+class BenchError(RuntimeError):
+    """A sidecar did not start or a request failed; the message says which."""
 
 
 def _prompt(tokens: int) -> list[int]:
-    """BOS and ``tokens - 1`` printable bytes: exactly ``tokens`` ids for the tiny model."""
-    return [256] + [32 + (7 * i) % 95 for i in range(tokens - 1)]
+    """Exactly ``tokens`` ids, each below 128: valid for the byte model and any BPE
+    vocabulary, and the same prompt for every model."""
+    return [1] + [32 + (7 * i) % 95 for i in range(tokens - 1)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,26 +115,79 @@ def run(args: argparse.Namespace) -> int:
         print("--prompt-tokens, --decode-tokens, --batch and --repeats must be >= 1",
               file=sys.stderr)
         return 2
+    models, tps = args.model or list(DEFAULT_MODELS), args.tp or list(DEFAULT_TPS)
+    cells: list[dict[str, Any]] = []
+    try:
+        for model in models:
+            for tp in tps:
+                reason = _not_applicable(model, tp)
+                results = None if reason else _measure(model, tp, args, httpx)
+                cells.append({"model": model, "tp": tp, "results": results,
+                              "not_applicable": reason})
+                if not args.json:
+                    print(f"  measured {model} TP {tp}" if results else
+                          f"  skipped {model} TP {tp}: {reason}", file=sys.stderr)
+    except BenchError as exc:
+        print(f"kvxfer bench serve: {exc}", file=sys.stderr)
+        return 1
+    config = {"layout": args.kv_cache_layout, "prompt_tokens": args.prompt_tokens,
+              "decode_tokens": args.decode_tokens, "batch": args.batch,
+              "baseline": models[0]}
+    _add_ratios(cells, models[0])
+    if args.json:
+        print(json.dumps({"config": config, "cells": cells}, indent=2))
+    else:
+        _print_table(config, cells)
+    return 0
+
+
+def _not_applicable(model: str, tp: int) -> str | None:
+    """Why ``model`` cannot run at TP ``tp`` (None when it can), without loading weights."""
+    from kvxfer.engine.model import check_tp
+    from kvxfer.engine.models import model_config
+
+    try:
+        check_tp(model_config(model), tp)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _measure(model: str, tp: int, args: argparse.Namespace, httpx: Any) -> dict[str, float]:
     with ExitStack() as stack:
-        urls = {role: stack.enter_context(sidecar(role, args))
+        urls = {role: stack.enter_context(sidecar(role, model, tp, args))
                 for role in ("both", "prefill", "decode")}
-        client = stack.enter_context(httpx.Client(timeout=300, trust_env=False))
-        results = {
+        client = stack.enter_context(httpx.Client(timeout=600, trust_env=False))
+        return {
             "prefill_tokens_per_s": _median(args.repeats, lambda: _prefill(client, urls, args)),
             "decode_tokens_per_s": _median(args.repeats, lambda: _decode(client, urls, args)),
             f"decode_tokens_per_s_batch{args.batch}":
                 _median(args.repeats, lambda: _batch(client, urls, args)),
             **_transfer(client, urls, args),
         }
-    config = {"tp": args.tp, "layout": args.kv_cache_layout,
-              "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens}
-    if args.json:
-        print(json.dumps({"config": config, "results": results}, indent=2))
-    else:
-        print(f"kvxfer bench serve ({', '.join(f'{k}={v}' for k, v in config.items())})")
-        for key, value in results.items():
-            print(f"  {key:<32} {value:12.3f}")
-    return 0
+
+
+def _add_ratios(cells: list[dict[str, Any]], baseline: str) -> None:
+    """``ratio_to_baseline``: each figure over the baseline model's at the same TP."""
+    base = {c["tp"]: c["results"] for c in cells if c["model"] == baseline and c["results"]}
+    for cell in cells:
+        ref = base.get(cell["tp"])
+        if cell["results"] and ref and cell["model"] != baseline:
+            cell["ratio_to_baseline"] = {k: v / ref[k] for k, v in cell["results"].items()
+                                         if ref.get(k)}
+
+
+def _print_table(config: dict[str, Any], cells: list[dict[str, Any]]) -> None:
+    print(f"kvxfer bench serve ({', '.join(f'{k}={v}' for k, v in config.items())})")
+    for cell in cells:
+        print(f"\n{cell['model']}, TP {cell['tp']}")
+        if not cell["results"]:
+            print(f"  not applicable: {cell['not_applicable']}")
+            continue
+        ratios = cell.get("ratio_to_baseline", {})
+        for key, value in cell["results"].items():
+            ratio = f"  ({ratios[key]:.3f}x baseline)" if key in ratios else ""
+            print(f"  {key:<32} {value:12.3f}{ratio}")
 
 
 def _median(repeats: int, measure: Any) -> float:
@@ -124,7 +197,7 @@ def _median(repeats: int, measure: Any) -> float:
 def _post(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     response = client.post(url, json=body)
     if response.status_code != 200:
-        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
+        raise BenchError(f"{url} answered {response.status_code}: {response.text[:300]}")
     return dict(response.json())
 
 

@@ -1,7 +1,8 @@
 """``kvxfer demo``: a prefill sidecar, a decode sidecar and the proxy, end to end.
 
-Starts the three processes on free loopback ports with the built-in model, sends a
-few requests through the proxy (the last one streamed), and shows for each what
+Starts the three processes on free loopback ports with a real model (SmolLM2-135M-
+Instruct by default; ``--model kvxfer-tiny`` for the seeded built-in one), sends a
+completion, a chat question and a streamed chat through the proxy, and shows for each what
 moved between the sidecars: blocks, bytes, descriptors, transfer time and GB/s,
 and the time to first token split into prefill, KV transfer and decode. The
 numbers come from the sidecars' and the proxy's own ``/metrics``, read before and
@@ -27,27 +28,43 @@ from typing import Any
 
 HELP = "run prefill + decode sidecars behind the proxy and show requests moving between them"
 
-DEFAULT_PROMPTS = (
-    "The quick brown fox",
-    "kvxfer moves the KV cache of a request from a prefill instance to a decode instance, "
-    "so that prompt processing and token generation can scale separately.",
-    "Once upon a time, in a data center far away,",
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request of the demo: a completion prompt or a one-message chat."""
+
+    text: str
+    chat: bool = False
+    stream: bool = False
+
+
+DEFAULT_ASKS = (
+    Ask("The three primary colors are"),
+    Ask("What is the capital of France?", chat=True),
+    Ask("In one sentence, why would anyone split prompt processing from token "
+        "generation?", chat=True, stream=True),
 )
-STARTUP_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 300.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="kvxfer-tiny",
-                        help="kvxfer-tiny (default) or a checkpoint directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"a model name ({DEFAULT_MODEL}, the default, or kvxfer-tiny: "
+                             "seeded noise, fast), a .gguf file or a checkpoint directory")
     parser.add_argument("--prefill-layout", default="BLHNC", help="prefill KV layout (BLHNC)")
     parser.add_argument("--decode-layout", default="LBHNC", help="decode KV layout (LBHNC)")
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size (1)")
-    parser.add_argument("--decode-tp", type=int, default=2, help="decode TP size (2)")
+    parser.add_argument("--decode-tp", type=int, default=None,
+                        help="decode TP size (default: the smallest size above 1 that splits "
+                             "the model's KV heads: 3 for SmolLM2, 2 for kvxfer-tiny)")
     parser.add_argument("--port", type=int, default=0,
                         help="proxy port (default 0: a free port)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")
     parser.add_argument("--prompt", action="append", default=None,
-                        help="a prompt to send (repeatable; default: three built-in prompts)")
+                        help="a completion prompt to send (repeatable; the last one is "
+                             "streamed; default: a completion, a chat and a streamed chat)")
     parser.add_argument("--keep-running", action="store_true",
                         help="leave the deployment up after the requests, until Ctrl-C")
 
@@ -184,23 +201,30 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in text)
 
 
-def _send(client: Any, proxy_url: str, prompt: str, max_tokens: int, stream: bool
+def _send(client: Any, proxy_url: str, ask: Ask, max_tokens: int
           ) -> tuple[int, float | None]:
-    """Send one completion through the proxy, print the answer; (prompt tokens, TTFT)."""
+    """Send one request through the proxy, print the answer; (prompt tokens, TTFT)."""
     import json
 
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    print(f"\n> {prompt}")
-    if not stream:
-        answer = client.post(f"{proxy_url}/v1/completions", json=body)
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0}
+    if ask.chat:
+        body["messages"] = [{"role": "user", "content": ask.text}]
+    else:
+        body["prompt"] = ask.text
+    route = f"{proxy_url}/v1/{'chat/completions' if ask.chat else 'completions'}"
+    print(f"\n> {'(chat) ' if ask.chat else ''}{ask.text}")
+    if not ask.stream:
+        answer = client.post(route, json=body)
         answer.raise_for_status()
         data = answer.json()
-        print(f"< {_printable(data['choices'][0]['text'])}")
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if ask.chat else choice["text"]
+        print(f"< {_printable(text)}")
         return int(data["usage"]["prompt_tokens"]), None
     body.update(stream=True, stream_options={"include_usage": True})
     started, ttft, prompt_tokens = time.perf_counter(), None, 0
     print("< (streamed) ", end="", flush=True)
-    with client.stream("POST", f"{proxy_url}/v1/completions", json=body) as answer:
+    with client.stream("POST", route, json=body) as answer:
         answer.raise_for_status()
         for line in answer.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -209,11 +233,21 @@ def _send(client: Any, proxy_url: str, prompt: str, max_tokens: int, stream: boo
             if chunk.get("usage"):
                 prompt_tokens = int(chunk["usage"]["prompt_tokens"])
             for choice in chunk.get("choices", []):
-                if choice.get("text"):
+                text = (choice.get("delta") or {}).get("content") if ask.chat \
+                    else choice.get("text")
+                if text:
                     ttft = ttft or time.perf_counter() - started
-                    print(_printable(choice["text"]), end="", flush=True)
+                    print(_printable(text), end="", flush=True)
     print()
     return prompt_tokens, ttft
+
+
+def _decode_tp(model: str) -> int:
+    """The smallest TP size above 1 that splits ``model``'s KV heads (1 if none does)."""
+    from kvxfer.engine.models import model_config
+
+    heads = model_config(model).num_key_value_heads
+    return next((tp for tp in range(2, heads + 1) if heads % tp == 0), 1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,6 +258,12 @@ def run(args: argparse.Namespace) -> int:
               f"(or --port 0 for any free port)", file=sys.stderr)
         return 2
     python = [sys.executable, "-m"]
+    if args.decode_tp is None:
+        try:
+            args.decode_tp = _decode_tp(args.model)
+        except ValueError as exc:  # an unknown name or a bad file: say so before starting
+            print(f"kvxfer demo: {exc}", file=sys.stderr)
+            return 2
     common = ["--model", args.model, "--host", "127.0.0.1"]
     deployment = Deployment()
     serve = [*python, "kvxfer.cli", "--log-level", "WARNING", "serve", "--port", "0", *common]
@@ -258,16 +298,18 @@ def run(args: argparse.Namespace) -> int:
         proxy_url, decode_url = procs["proxy"].url, procs["decode sidecar"].url
         block_size = int(httpx.get(f"{decode_url}/health", timeout=5).json().get("block_size",
                                                                                   16))
-        prompts = args.prompt or list(DEFAULT_PROMPTS)
+        asks = [Ask(p, stream=i == len(args.prompt) - 1) for i, p in enumerate(args.prompt)] \
+            if args.prompt else list(DEFAULT_ASKS)
         if args.model == "kvxfer-tiny":
             print("\nThe built-in model has seeded random weights: its text is noise, but exactly "
                   "the noise a single instance produces (scripts/run_accuracy_test.sh checks "
-                  "that). The first request also pays the one-time handshake.")
-        with httpx.Client(timeout=120) as client:
-            for index, prompt in enumerate(prompts):
+                  "that).")
+        print("\nEach answer is generated by the decode sidecar from KV it read out of the "
+              "prefill sidecar; the first transfer also pays the one-time handshake.")
+        with httpx.Client(timeout=300) as client:
+            for ask in asks:
                 before = Snapshot(decode_url, proxy_url)
-                tokens, ttft = _send(client, proxy_url, prompt, args.max_tokens,
-                                     stream=index == len(prompts) - 1)
+                tokens, ttft = _send(client, proxy_url, ask, args.max_tokens)
                 _print_moved(Snapshot(decode_url, proxy_url).moved(before), tokens,
                              block_size, ttft)
         print(f"\nproxy: {proxy_url}  (try: curl -s {proxy_url}/v1/completions -H "

@@ -90,8 +90,7 @@ def load_model(model: str) -> LoadedModel:
         return _from_directory(gguf_checkpoint(path), path.stem)
     if path.is_dir():
         return _from_directory(path, path.resolve().name)
-    raise ModelNotFound(f"model {model!r} is not a model name ({', '.join(MODELS)}), a .gguf "
-                        f"file or a checkpoint directory")
+    raise _not_found(model)
 
 
 def _from_directory(directory: Path, name: str) -> LoadedModel:
@@ -125,3 +124,25 @@ def model_statuses() -> list[ModelStatus]:
         out.append(ModelStatus(named.name, named.description, True, str(path),
                                entry_path(path).is_dir()))
     return out
+
+
+def model_config(model: str) -> ModelConfig:
+    """The config of a model argument without loading its weights (GGUF metadata or
+    ``config.json`` only): what a launcher needs to pick TP sizes before starting."""
+    from kvxfer.engine.checkpoint import load_config
+    from kvxfer.engine.gguf import GGUFFile, read_config
+
+    named = MODELS.get(model)
+    if named is not None:
+        return tiny_config() if named.gguf is None else read_config(GGUFFile(named.gguf.locate()))
+    path = Path(model)
+    if path.is_file():
+        return read_config(GGUFFile(path))
+    if path.is_dir():
+        return load_config(path)
+    raise _not_found(model)
+
+
+def _not_found(model: str) -> ModelNotFound:
+    return ModelNotFound(f"model {model!r} is not a model name ({', '.join(MODELS)}), a .gguf "
+                         f"file or a checkpoint directory")
