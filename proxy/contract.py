@@ -1,10 +1,13 @@
 """The sidecars' HTTP contract as the proxy speaks it (pure: no I/O).
 
 A client request goes to a prefill instance rewritten by :func:`prefill_request`
-(one token, not streamed, ``do_remote_decode``). The prefill answers with a
-top-level ``kv_transfer_params`` object (:class:`RemotePrefillParams`) naming
-the KV blocks it leased; :func:`decode_request` adds that object, unchanged, to
-the client's original body for the decode instance.
+(one token, one sample, not streamed, ``do_remote_decode``). The prefill answers
+with a top-level ``kv_transfer_params`` object (:class:`RemotePrefillParams`)
+naming the KV blocks it leased; :func:`decode_request` adds that object,
+unchanged, to the client's original body for the decode instance, which samples
+the client's ``n`` choices from that one read. :func:`drain_request` is the
+decode call that only ends a lease (one token, answer discarded), for a prompt
+whose request failed elsewhere.
 
 Client bodies are OpenAI request bodies with fields this proxy does not know,
 so they stay plain JSON objects; only the fields the contract touches are read.
@@ -74,6 +77,8 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     prefill["max_tokens"] = 1
     if "max_completion_tokens" in body:
         prefill["max_completion_tokens"] = 1
+    if "n" in body:  # the decode samples the n choices; the prompt's KV is computed once
+        prefill["n"] = 1
     prefill["stream"] = False
     prefill.pop("stream_options", None)
     prefill["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -83,6 +88,13 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
 def decode_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """The decode call's body: the client's original plus the prefill's params."""
     return {**body, "kv_transfer_params": params}
+
+
+def drain_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A decode call that reads a lease and computes one token nobody waits for."""
+    drain = {**prefill_request(body), "kv_transfer_params": params}
+    drain.pop("max_completion_tokens", None)
+    return drain
 
 
 def parse_prefill_answer(content: bytes, url: str) -> dict[str, Any]:

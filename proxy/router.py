@@ -14,6 +14,11 @@ timeout, broken stream) is reported to the client, naming the prefill that
 holds the leased blocks, and not retried: the decode may have started reading
 them. The prefill frees its blocks when the decode reports the read done or
 releases the lease, or else when the lease expires.
+
+A completions request with several prompts runs one such pair per prompt (see
+:mod:`proxy.fanout`): first every prefill, all at once; if one failed, the
+leases the others hold are drained by one-token decode calls and the failure is
+answered; else every decode, all at once, their answers or streams merged.
 """
 
 from __future__ import annotations
@@ -26,8 +31,25 @@ import msgspec
 from starlette.responses import Response
 
 from proxy.balancer import Balancer, Instance
-from proxy.contract import decode_request, parse_prefill_answer, prefill_request, wants_stream
+from proxy.contract import (
+    decode_request,
+    drain_request,
+    parse_prefill_answer,
+    prefill_request,
+    wants_stream,
+)
 from proxy.errors import ProxyError, unavailable
+from proxy.fanout import (
+    StreamMerger,
+    choices_per_prompt,
+    for_prompt,
+    gather_or_cancel,
+    gather_settled,
+    merge_answers,
+    merged_stream,
+    split_prompts,
+    wants_usage,
+)
 from proxy.metrics import ProxyMetrics
 from proxy.relay import RelayResponse
 from proxy.upstream import Answer, OpenStream, Unreachable, Upstream
@@ -46,6 +68,9 @@ class PDRouter:
 
     async def complete(self, route: str, body: dict[str, Any], request_id: str) -> Response:
         """Answer a completion request (``route`` is its path) through prefill and decode."""
+        bodies = split_prompts(route, body)
+        if bodies is not None:
+            return await self._fan_out(route, body, bodies, request_id)
         prefill, params = await self._prefill(route, body, request_id)
         content = msgspec.json.encode(decode_request(body, params))
         try:
@@ -56,6 +81,62 @@ class PDRouter:
             raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
                              f"the KV of request {params.get('remote_request_id')!r} until the "
                              f"decode releases it or its lease expires)", exc.kind) from exc
+
+    async def _fan_out(self, route: str, body: dict[str, Any], bodies: list[dict[str, Any]],
+                       request_id: str) -> Response:
+        """Several prompts: one prefill/decode pair each, answers merged in prompt order."""
+        prefills = await gather_settled([self._prefill(route, b, request_id) for b in bodies])
+        failed = [(i, r) for i, r in enumerate(prefills) if isinstance(r, BaseException)]
+        if failed:
+            await self._drain(route, bodies, prefills, request_id)
+            index, error = failed[0]
+            if not isinstance(error, Exception):
+                raise error  # cancellation and the like: not an answer
+            raise for_prompt(index, error) from error
+        leases = [r[1] for r in prefills if not isinstance(r, BaseException)]  # all of them
+        contents = [msgspec.json.encode(decode_request(b, params))
+                    for b, params in zip(bodies, leases, strict=True)]
+        n = choices_per_prompt(body)
+        if wants_stream(body):
+            return await self._fan_out_stream(route, contents, request_id, n, wants_usage(body))
+        answers = await gather_or_cancel([self._post_decode(route, c, request_id)
+                                          for c in contents])
+        merged = merge_answers([(a.content, i.url) for i, a in answers], n)
+        return Response(merged, 200, media_type="application/json")
+
+    async def _fan_out_stream(self, route: str, contents: list[bytes], request_id: str, n: int,
+                              include_usage: bool) -> Response:
+        async def discard(opened: tuple[Instance, OpenStream]) -> None:
+            self.balancer.release(opened[0])
+            await opened[1].aclose()
+
+        streams = await gather_or_cancel([self._open_decode(route, c, request_id)
+                                          for c in contents], discard)
+
+        async def close() -> None:
+            for opened in streams:
+                await discard(opened)
+
+        def on_disconnect() -> None:
+            self.metrics.client_disconnects.labels(route).inc()
+            log.info("client left request %s; closed its %d decode streams", request_id,
+                     len(streams))
+
+        merger = StreamMerger(n, lambda i: streams[i][0].url)
+        chunks = merged_stream([s.chunks() for _, s in streams], merger, include_usage)
+        return RelayResponse(chunks, close, on_disconnect, 200, "text/event-stream")
+
+    async def _drain(self, route: str, bodies: list[dict[str, Any]],
+                     prefills: list[tuple[Instance, dict[str, Any]] | BaseException],
+                     request_id: str) -> None:
+        """End the leases of the prompts whose prefill answered, when another failed."""
+        calls = [self._post_decode(route, msgspec.json.encode(drain_request(b, r[1])),
+                                   request_id)
+                 for b, r in zip(bodies, prefills, strict=True) if not isinstance(r, BaseException)]
+        for result in await gather_settled(calls):
+            if isinstance(result, BaseException):
+                log.warning("request %s: draining a lease failed (it ends at its TTL): %s",
+                            request_id, result)
 
     async def models(self, request_id: str) -> Response:
         """``GET /v1/models`` from a healthy decode instance, passed through."""
@@ -75,14 +156,22 @@ class PDRouter:
             instance.last_error = exc.message
             raise
 
-    async def _decode_json(self, route: str, content: bytes, request_id: str) -> Response:
-        _, response = await self._with_failover(
+    async def _post_decode(self, route: str, content: bytes, request_id: str
+                           ) -> tuple[Instance, Answer]:
+        return await self._with_failover(
             "decode", lambda i: self._fetch(i, "POST", route, request_id, content))
+
+    async def _open_decode(self, route: str, content: bytes, request_id: str
+                           ) -> tuple[Instance, OpenStream]:
+        return await self._with_failover(
+            "decode", lambda i: self._open(i, route, request_id, content))
+
+    async def _decode_json(self, route: str, content: bytes, request_id: str) -> Response:
+        _, response = await self._post_decode(route, content, request_id)
         return passthrough(response)
 
     async def _decode_stream(self, route: str, content: bytes, request_id: str) -> Response:
-        instance, stream = await self._with_failover(
-            "decode", lambda i: self._open(i, route, request_id, content))
+        instance, stream = await self._open_decode(route, content, request_id)
 
         async def close() -> None:
             self.balancer.release(instance)
