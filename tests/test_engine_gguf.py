@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, RopeScalingType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from kvxfer.cli import main as cli_main
 from kvxfer.engine import LLMEngine, SamplingParams, init_weights, save_checkpoint, tiny_config
@@ -100,6 +100,29 @@ def test_tied_embeddings_have_no_output_tensor(tmp_path: Path) -> None:
     config_back, loaded = load_gguf(write_llama_gguf(tmp_path / "tied.gguf", config, tied))
     assert config_back.tie_word_embeddings and "lm_head.weight" not in loaded
     assert torch.equal(loaded["model.embed_tokens.weight"], tied["model.embed_tokens.weight"])
+
+
+def test_attention_biases_are_read_and_unpermuted_like_their_weights(tmp_path: Path) -> None:
+    config = dataclasses.replace(CONFIG, attention_bias=True)
+    biased = init_weights(config, SEED)
+    path = write_llama_gguf(tmp_path / "bias.gguf", config, biased)
+    config_back, loaded = load_gguf(path)
+    assert config_back == config
+    assert all(torch.equal(loaded[name], biased[name]) for name in biased)
+    assert _outputs(LLMEngine.from_model_arg(str(path), block_size=8, num_blocks=16)) \
+        == _outputs(LLMEngine(config, biased, block_size=8, num_blocks=16))
+
+
+def test_add_bos_token_makes_encode_start_with_bos(tmp_path: Path,
+                                                   weights: dict[str, torch.Tensor]) -> None:
+    def tokenizer(writer: GGUFWriter) -> None:
+        add_byte_tokenizer(writer)
+        writer.add_add_bos_token(True)
+
+    path = write_llama_gguf(tmp_path / "bos.gguf", CONFIG, weights, tokenizer=tokenizer)
+    engine = LLMEngine.from_model_arg(str(path), num_blocks=8)
+    assert engine.tokenizer.encode("hi") == [256, *b"hi"]
+    assert engine.tokenizer.encode("hi", add_special_tokens=False) == list(b"hi")
 
 
 def test_byte_tokenizer_from_metadata_matches_the_byte_ids(

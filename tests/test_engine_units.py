@@ -16,6 +16,7 @@ from kvxfer.engine import (
     SamplingParams,
     tiny_config,
 )
+from kvxfer.engine.model import check_tp, valid_tp_sizes
 from kvxfer.engine.sampler import sample, top_p_filter
 
 # -- block allocator --
@@ -253,3 +254,29 @@ def test_tiny_config_shape() -> None:
     assert (config.num_key_value_heads, config.num_attention_heads, config.head_dim) == (4, 8, 16)
     with pytest.raises(ConfigError, match="'attention_bias': mistral models have no attention"):
         ModelConfig(**{**config.__dict__, "model_type": "mistral", "attention_bias": True})
+
+
+# -- TP sizes --
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "inter", "sizes"), [
+    (8, 4, 256, [1, 2, 4, 8]),      # kvxfer-tiny: 8 replicates its 4 KV heads
+    (9, 3, 1536, [1, 3]),           # SmolLM2-135M: 9 would replicate, but 9 does not divide 1536
+    (32, 8, 14336, [1, 2, 4, 8, 16, 32]),
+])
+def test_valid_tp_sizes_split_heads_and_mlp(heads: int, kv_heads: int, inter: int,
+                                             sizes: list[int]) -> None:
+    config = ModelConfig(vocab_size=300, hidden_size=heads * 16, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                         intermediate_size=inter)
+    assert valid_tp_sizes(config) == sizes
+
+
+def test_an_impossible_tp_names_the_reason_and_the_sizes_that_fit() -> None:
+    with pytest.raises(ValueError, match=r"^4 KV heads cannot be split evenly over local TP 3; "
+                                         r"TP sizes that fit this model \(8 query heads, 4 KV "
+                                         r"heads, intermediate_size 256\): 1, 2, 4, 8 \(KV "
+                                         r"heads replicated\)$"):
+        check_tp(tiny_config(), 3)
+    with pytest.raises(ValueError, match="TP size must be a positive integer, got 0"):
+        check_tp(tiny_config(), 0)
