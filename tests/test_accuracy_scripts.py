@@ -68,13 +68,15 @@ def run_script(argv: list[str], env: dict[str, str],
 
 
 TINY = {"MODEL": "kvxfer-tiny"}
+GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as MODEL
 
 
 @pytest.mark.parametrize("env", [
     pytest.param({}, id="default-smollm2"),
     pytest.param({"KVXFER_KV_CACHE_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "1",
                   "DECODER_TP_SIZE": "3"}, id="smollm2-bhlnc-tp1-to-tp3"),
-    pytest.param({"PREFILLER_TP_SIZE": "3", "DECODER_TP_SIZE": "1"}, id="smollm2-tp3-to-tp1"),
+    pytest.param({"MODEL": GGUF_FILE, "PREFILLER_TP_SIZE": "3",
+                  "DECODER_TP_SIZE": "1"}, id="smollm2-gguf-path-tp3-to-tp1"),
     pytest.param({**TINY, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
                  id="tiny-tp1-to-tp2"),
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
@@ -82,6 +84,12 @@ TINY = {"MODEL": "kvxfer-tiny"}
                   "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
 ])
 def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
+    if env.get("MODEL") == GGUF_FILE:
+        from kvxfer.engine.models import MODELS
+
+        packaged = MODELS["smollm2-135m-instruct"].gguf
+        assert packaged is not None
+        env = {**env, "MODEL": str(packaged.locate())}
     result = run_script([str(SCRIPT)], env, tmp_path)
     assert result.returncode == 0, result.stdout
     prompts = json.loads((ROOT / "scripts" / "accuracy_prompts.json").read_text())
