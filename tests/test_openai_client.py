@@ -223,6 +223,9 @@ def test_n_chat_with_a_system_message(fleet: Fleet, target: openai.OpenAI) -> No
     assert texts(answer) == texts(want) and texts(answer)[0] != texts(answer)[1]
     assert all(c.message.role == "assistant" for c in answer.choices)
     assert answer.usage is not None and answer.usage.completion_tokens == 10
+    greedy = {**body, **GREEDY, "seed": None}
+    one = fleet.reference.chat.completions.create(**{**greedy, "n": 1})
+    assert texts(target.chat.completions.create(**greedy)) == texts(one) * 2
 
 
 def test_n_streamed_with_usage(fleet: Fleet, target: openai.OpenAI) -> None:
