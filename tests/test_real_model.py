@@ -64,3 +64,17 @@ def test_tp2_is_refused_with_the_sizes_that_fit(capsys: pytest.CaptureFixture[st
     assert capsys.readouterr().err.startswith("kvxfer generate: error: 3 KV heads cannot be "
                                               "split evenly over local TP 2; TP sizes that "
                                               "fit this model")
+
+
+def test_model_config_reads_the_config_without_the_weights(tp1: LLMEngine) -> None:
+    """What launchers (demo, bench serve) use to pick TP sizes before starting anything."""
+    from kvxfer.engine import tiny_config
+    from kvxfer.engine.models import MODELS, ModelNotFound, model_config
+
+    packaged = MODELS[MODEL].gguf
+    assert packaged is not None
+    assert model_config(MODEL) == tp1.config
+    assert model_config(str(packaged.locate())) == tp1.config
+    assert model_config("kvxfer-tiny") == tiny_config()
+    with pytest.raises(ModelNotFound, match="'no-such-model' is not a model name"):
+        model_config("no-such-model")

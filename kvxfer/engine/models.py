@@ -127,20 +127,25 @@ def model_statuses() -> list[ModelStatus]:
 
 
 def model_config(model: str) -> ModelConfig:
-    """The config of a model argument without loading its weights (GGUF metadata or
-    ``config.json`` only): what a launcher needs to pick TP sizes before starting."""
+    """The config of a model argument without loading its weights (the converted
+    checkpoint's ``config.json`` when cached, else the GGUF metadata): what a launcher
+    needs to pick TP sizes before starting."""
     from kvxfer.engine.checkpoint import load_config
-    from kvxfer.engine.gguf import GGUFFile, read_config
 
     named = MODELS.get(model)
-    if named is not None:
-        return tiny_config() if named.gguf is None else read_config(GGUFFile(named.gguf.locate()))
-    path = Path(model)
-    if path.is_file():
-        return read_config(GGUFFile(path))
+    if named is not None and named.gguf is None:
+        return tiny_config()
+    path = named.gguf.locate() if named is not None and named.gguf is not None else Path(model)
     if path.is_dir():
         return load_config(path)
-    raise _not_found(model)
+    if not path.is_file():
+        raise _not_found(model)
+    entry = entry_path(path)
+    if entry.is_dir():
+        return load_config(entry)
+    from kvxfer.engine.gguf import GGUFFile, read_config
+
+    return read_config(GGUFFile(path))
 
 
 def _not_found(model: str) -> ModelNotFound:
