@@ -9,13 +9,14 @@ test can corrupt one thing at a time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 from kvxfer.engine.config import ModelConfig
@@ -153,3 +154,54 @@ def expected_weights(weights: dict[str, torch.Tensor], dtype: str) -> dict[str, 
             array = dequantize(array, qtype)
         out[name] = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(weight.shape)
     return out
+
+
+BROKEN_CASES = ("wrong magic", "truncated data", "truncated header", "empty", "not llama",
+                "missing tensor", "unexpected tensor", "unsupported quantization",
+                "missing metadata", "rope scaling", "wrong shape")
+
+
+def _mangle(path: Path, keep: int | None = None, head: bytes | None = None) -> Path:
+    data = path.read_bytes()
+    if head is not None:
+        data = head + data[len(head):]
+    path.write_bytes(data[:keep])
+    return path
+
+
+def write_broken_gguf(tmp_path: Path, config: ModelConfig, weights: dict[str, torch.Tensor],
+                      case: str) -> Path:
+    """A GGUF file in ``tmp_path`` broken in one way (one of :data:`BROKEN_CASES`)."""
+    path = tmp_path / f"{case}.gguf"
+    if case == "wrong magic":
+        return _mangle(write_llama_gguf(path, config, weights), head=b"GGML")
+    if case == "truncated data":
+        write_llama_gguf(path, config, weights)
+        return _mangle(path, keep=path.stat().st_size - 4096)
+    if case == "truncated header":
+        return _mangle(write_llama_gguf(path, config, weights), keep=200)
+    if case == "empty":
+        path.write_bytes(b"")
+        return path
+    if case == "not llama":
+        return write_llama_gguf(path, config, weights, arch="qwen2")
+    if case == "missing tensor":
+        return write_llama_gguf(path, config, weights, skip=["blk.1.ffn_up.weight"])
+    if case == "unexpected tensor":
+        return write_llama_gguf(path, config, weights,
+                                extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    if case == "unsupported quantization":
+        # Q8_1 is a real llama.cpp type that gguf.quants cannot dequantize.
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+        q8_1 = np.zeros((config.intermediate_size, config.hidden_size // block * size), np.uint8)
+        return write_llama_gguf(path, config, weights, replace={
+            "blk.0.ffn_up.weight": (q8_1, GGMLQuantizationType.Q8_1)})
+    if case == "missing metadata":
+        return write_llama_gguf(path, config, weights, skip_keys=["add_block_count"])
+    if case == "rope scaling":
+        return write_llama_gguf(path, config, weights, metadata=lambda w: w.add_rope_scaling_type(
+            RopeScalingType.YARN))
+    if case == "wrong shape":
+        return write_llama_gguf(path, dataclasses.replace(config, intermediate_size=128),
+                                weights)
+    raise AssertionError(case)

@@ -66,3 +66,16 @@ def test_invalid_settings_fail_with_one_line_and_exit_2() -> None:
     assert out.stderr.strip().splitlines() == [
         "kvxfer generate: error: unknown KV cache layout 'XYZ'; valid names: LBHNC, LBNHC, "
         "BLHNC, BLNHC, BHLNC, HND, HNC, NHD, NHC"]
+
+
+def test_a_gguf_path_answers_like_the_model_name() -> None:
+    """The SmolLM2 GGUF by path and by name: the same greedy chat answer, real text."""
+    from kvxfer.engine.models import MODELS
+
+    packaged = MODELS["smollm2-135m-instruct"].gguf
+    assert packaged is not None
+    question = ["--chat", "--max-tokens", "10", "What is the capital of France?"]
+    by_path = kvxfer("--model", str(packaged.locate()), *question)
+    by_name = kvxfer("--model", "smollm2-135m-instruct", *question)
+    assert by_path.returncode == 0, by_path.stderr
+    assert "Paris" in by_path.stdout and by_path.stdout == by_name.stdout

@@ -12,10 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGUFWriter
 
 from kvxfer.cli import main as cli_main
 from kvxfer.engine import LLMEngine, SamplingParams, init_weights, save_checkpoint, tiny_config
@@ -23,9 +22,11 @@ from kvxfer.engine import model_cache as cache
 from kvxfer.engine.gguf import GGUFError, load_gguf, unpermute_rotary_rows
 from kvxfer.engine.models import MODELS, ModelNotFound, PackagedGGUF, load_model
 from tests.gguf_files import (
+    BROKEN_CASES,
     add_byte_tokenizer,
     expected_weights,
     interleave_rotary_rows,
+    write_broken_gguf,
     write_llama_gguf,
 )
 
@@ -137,50 +138,6 @@ def test_byte_tokenizer_from_metadata_matches_the_byte_ids(
         == "<user>hi<assistant>"
 
 
-def _mangle(path: Path, keep: int | None = None, head: bytes | None = None) -> Path:
-    data = path.read_bytes()
-    if head is not None:
-        data = head + data[len(head):]
-    path.write_bytes(data[:keep])
-    return path
-
-
-def _broken(tmp_path: Path, weights: dict[str, torch.Tensor], case: str) -> Path:
-    path = tmp_path / f"{case}.gguf"
-    if case == "wrong magic":
-        return _mangle(write_llama_gguf(path, CONFIG, weights), head=b"GGML")
-    if case == "truncated data":
-        write_llama_gguf(path, CONFIG, weights)
-        return _mangle(path, keep=path.stat().st_size - 4096)
-    if case == "truncated header":
-        return _mangle(write_llama_gguf(path, CONFIG, weights), keep=200)
-    if case == "empty":
-        path.write_bytes(b"")
-        return path
-    if case == "not llama":
-        return write_llama_gguf(path, CONFIG, weights, arch="qwen2")
-    if case == "missing tensor":
-        return write_llama_gguf(path, CONFIG, weights, skip=["blk.1.ffn_up.weight"])
-    if case == "unexpected tensor":
-        return write_llama_gguf(path, CONFIG, weights,
-                                extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
-    if case == "unsupported quantization":
-        # Q8_1 is a real llama.cpp type that gguf.quants cannot dequantize.
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
-        q8_1 = np.zeros((CONFIG.intermediate_size, CONFIG.hidden_size // block * size), np.uint8)
-        return write_llama_gguf(path, CONFIG, weights, replace={
-            "blk.0.ffn_up.weight": (q8_1, GGMLQuantizationType.Q8_1)})
-    if case == "missing metadata":
-        return write_llama_gguf(path, CONFIG, weights, skip_keys=["add_block_count"])
-    if case == "rope scaling":
-        return write_llama_gguf(path, CONFIG, weights, metadata=lambda w: w.add_rope_scaling_type(
-            RopeScalingType.YARN))
-    if case == "wrong shape":
-        config = dataclasses.replace(CONFIG, intermediate_size=128)
-        return write_llama_gguf(path, config, weights)
-    raise AssertionError(case)
-
-
 BROKEN = {
     "wrong magic": r"not a GGUF file: it starts with b'GGML', not b'GGUF'",
     "truncated data": r"corrupt or truncated \(cannot reshape",
@@ -198,10 +155,14 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("case", list(BROKEN))
+def test_every_broken_case_has_an_expected_message() -> None:
+    assert sorted(BROKEN) == sorted(BROKEN_CASES)
+
+
+@pytest.mark.parametrize("case", BROKEN_CASES)
 def test_broken_files_name_the_file_and_the_reason(
         tmp_path: Path, weights: dict[str, torch.Tensor], case: str) -> None:
-    path = _broken(tmp_path, weights, case)
+    path = write_broken_gguf(tmp_path, CONFIG, weights, case)
     with pytest.raises(GGUFError, match=BROKEN[case]) as caught:
         load_gguf(path)
     assert str(path) in str(caught.value)

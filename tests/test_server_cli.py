@@ -5,12 +5,14 @@ Every case runs the real command in its own process.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, free_port
@@ -71,6 +73,24 @@ def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
 ], ids=["tp", "model", "layout", "port", "lease-ttl", "read-lanes"])
 def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> None:
     assert_one_line_error(run_serve("--port", str(free_port()), *args), named)
+
+
+@pytest.mark.parametrize(("case", "reason"), [
+    ("wrong magic", "not a GGUF file"),
+    ("not llama", "architecture 'qwen2' is not supported"),
+    ("unsupported quantization", "has type Q8_1"),
+    ("truncated data", "corrupt or truncated"),
+])
+def test_a_broken_gguf_fails_at_start_up_naming_the_file_and_reason(
+        tmp_path: Path, case: str, reason: str) -> None:
+    from kvxfer.engine import init_weights, tiny_config
+    from tests.gguf_files import write_broken_gguf
+
+    path = write_broken_gguf(tmp_path, tiny_config(), init_weights(tiny_config(), 0), case)
+    done = subprocess.run([*SERVE, "--port", str(free_port()), "--model", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "KVXFER_CACHE_DIR": str(tmp_path / "cache")})
+    assert_one_line_error(done, str(path), reason)
 
 
 @pytest.fixture
