@@ -161,7 +161,8 @@ class KVConnector:
     def __init__(self, engine: LLMEngine, role: str, metrics: SidecarMetrics, *,
                  engine_id: str | None = None, side_channel_host: str = "127.0.0.1",
                  side_channel_port: int = 0, lease_ttl: float = 120.0,
-                 failure_policy: str = "recompute", read_lanes: int = 2) -> None:
+                 failure_policy: str = "recompute", read_lanes: int = 2,
+                 kv_read_timeout: float = 10.0) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if failure_policy not in FAILURE_POLICIES:
@@ -173,6 +174,7 @@ class KVConnector:
         self.engine_id = engine_id or new_engine_id(role)
         self.side_channel_host = side_channel_host
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
+        self.kv_read_timeout = kv_read_timeout
         # Copy threads for the whole instance, shared by its in-process TP ranks (which
         # already read at once); only decode ranks read, a prefill's lanes would idle.
         self.read_lanes = max(1, read_lanes // engine.tp) if role == "decode" else 1
@@ -206,10 +208,16 @@ class KVConnector:
         for rank in range(self.engine.tp):
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
                                     total_kv_heads=self.engine.config.num_key_value_heads,
-                                    read_lanes=self.read_lanes)
+                                    read_lanes=self.read_lanes, **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)
+
+    def _read_deadlines(self) -> dict[str, Any]:
+        """A decode's bounds, from ``kv_read_timeout``: the handshake's two attempts take
+        at most that long together (a frozen prefill costs no more), a READ as long."""
+        return {"handshake_timeout": self.kv_read_timeout / 2, "handshake_retries": 1,
+                "read_timeout": self.kv_read_timeout}
 
     def _start_listener(self, port: int) -> None:
         from kvxfer.handshake import HandshakeListener

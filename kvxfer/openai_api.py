@@ -129,6 +129,8 @@ def decode_body(raw: bytes, kind: type[_Common]) -> Any:
         raise bad_request(f"invalid request: {exc}", param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's answer to JSON nested too deep
+        raise bad_request("the request body is nested too deeply") from None
 
 
 # -- validation --------------------------------------------------------------------------
@@ -450,7 +452,7 @@ def unread_lease(raw: bytes, role: str) -> RemoteParams | None:
         return None
     try:
         kv = msgspec.json.decode(raw, type=_KvOnly).kv_transfer_params
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     if kv is None or kv.get("do_remote_prefill") is not True:
         return None

@@ -12,14 +12,21 @@ engine: they validate (:mod:`kvxfer.openai_api`), submit to the
 disconnects (streaming or not) aborts its requests; an abort during a KV read
 takes effect when the read ended (see :mod:`kvxfer.connector`).
 
-Status codes: 400 bad input (OpenAI ``invalid_request_error``), 404 unknown
-model or route, 502 ``kv_transfer_error`` when a decode's KV read failed under
-policy ``fail``, 500 internal errors, 503 while shutting down.
+Status codes: 400 bad input (OpenAI ``invalid_request_error``), 401 without
+the API key, 404 unknown model or route, 502 ``kv_transfer_error`` when a
+decode's KV read failed under policy ``fail``, 500 internal errors, 503 while
+shutting down.
+
+With an API key (``Settings.api_key``) every route answers 401 before its
+handler runs unless the request carries ``Authorization: Bearer KEY``
+(:mod:`kvxfer.api_key`); ``/health`` still answers, but only ``{"status"}``.
+So an unauthenticated request never makes a decode contact a side channel,
+read, or release anything.
 
 A decode request refused before it reaches the engine loop (bad body, 503)
 whose ``kv_transfer_params`` name a prefill lease releases that lease over the
-prefill's side channel (:meth:`KVConnector.release_remote`); refusals after
-that point are the connector's to release.
+prefill's side channel (:meth:`KVConnector.release_remote`), the caller being
+authenticated; refusals after that point are the connector's to release.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvxfer.api_key import ApiKeyMiddleware, authenticated
 from kvxfer.connector import KVConnector, new_engine_id
 from kvxfer.engine_loop import (
     EngineLoop,
@@ -115,6 +123,8 @@ class Settings:
     lease_ttl: float = 120.0
     read_lanes: int = 2
     served_model_names: tuple[str, ...] = ()
+    api_key: str | None = None  # HTTP: required as "Authorization: Bearer KEY" when set
+    kv_read_timeout: float = 10.0  # decode: bound on a KV load's handshake and on its READ
 
 
 class PortInUse(OSError):
@@ -145,7 +155,8 @@ class Sidecar:
             self.engine, settings.role, self.metrics, engine_id=self.engine_id,
             side_channel_host=settings.side_channel_host,
             side_channel_port=settings.side_channel_port, lease_ttl=settings.lease_ttl,
-            failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes)
+            failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
+            kv_read_timeout=settings.kv_read_timeout)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,
@@ -205,7 +216,9 @@ def create_app(settings: Settings, sidecar: Sidecar | None = None) -> FastAPI:
     app.add_api_route("/health", handlers.health, methods=["GET"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
     _install_error_handlers(app)
-    app.add_middleware(_CountRequests, metrics=side.metrics)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(_CountRequests, metrics=side.metrics)  # outermost: counts 401s too
     return app
 
 
@@ -346,8 +359,12 @@ class _Handlers:
         self.side = side
         self.created = int(time.time())
 
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
+        """200 while the engine loop runs, else 503; details only with the API key."""
         loop = self.side.loop
+        if not authenticated(request.scope):
+            return _json({"status": "ok" if loop.running else "error"},
+                         200 if loop.running else 503)
         if not loop.running:
             return _json({"status": "error", "role": self.side.settings.role,
                           "error": loop.error or "the engine loop is not running"}, 503)
@@ -581,6 +598,9 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
             signal.signal(sig, interrupt)
         side = Sidecar(settings)
         log.info("kvxfer serve: %s", side.describe(port))
+        if settings.api_key is None:
+            log.warning("kvxfer serve: no --api-key: anyone who reaches %s:%d may use this "
+                        "sidecar's HTTP API", settings.host, port)
         app = create_app(settings, side)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

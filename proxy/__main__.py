@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
+from kvxfer.api_key import ApiKeyError, load_key
 from proxy.config import POLICIES, ConfigError, ProxyConfig, instance_urls
 
 API_KEY_ENV = "KVXFER_PROXY_API_KEY"
+UPSTREAM_API_KEY_ENV = "KVXFER_API_KEY"  # what `kvxfer serve` reads its own key from
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,14 +39,28 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"{role} instance HTTP ports (default {port})")
     parser.add_argument("--policy", choices=POLICIES, default="round_robin",
                         help="how to pick an instance per role (default round_robin)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' from clients on every route; "
+                             f"/health without it says only ok / not ok "
                              f"(default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read --api-key from the first line of this file")
+    parser.add_argument("--upstream-api-key", default=None,
+                        help=f"the key of the sidecars (their `kvxfer serve --api-key`), sent "
+                             f"as 'Authorization: Bearer KEY' on every call to them; keep it "
+                             f"apart from --api-key so that clients cannot call sidecars "
+                             f"directly (default: ${UPSTREAM_API_KEY_ENV}, else none)")
+    parser.add_argument("--upstream-api-key-file", default=None, metavar="PATH",
+                        help="read --upstream-api-key from the first line of this file")
     parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="longest wait to connect to an instance (default 5)")
+    parser.add_argument("--prefill-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="longest wait for a prefill's answer (one token); a frozen or "
+                             "overloaded prefill answers the client 504 after this "
+                             "(default 30)")
     parser.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="longest wait for a whole non-streamed answer, or for each next "
-                             "chunk of a stream (default 600)")
+                        help="longest wait for a whole non-streamed decode answer, or for "
+                             "each next chunk of a stream (default 600)")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
                         help="pause between health checks of every instance (default 5)")
     parser.add_argument("--log-level", default="info",
@@ -56,11 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """The :class:`ProxyConfig` the flags describe; raises :class:`ConfigError`."""
+    try:
+        api_key = load_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
+        upstream_key = load_key(args.upstream_api_key, args.upstream_api_key_file,
+                                UPSTREAM_API_KEY_ENV, "--upstream-api-key")
+    except ApiKeyError as exc:
+        raise ConfigError(str(exc)) from None
     return ProxyConfig(
         prefill_urls=instance_urls(args.prefiller_hosts, args.prefiller_ports, "prefiller"),
         decode_urls=instance_urls(args.decoder_hosts, args.decoder_ports, "decoder"),
-        host=args.host, port=args.port, policy=args.policy, api_key=args.api_key,
-        connect_timeout=args.connect_timeout, request_timeout=args.request_timeout,
+        host=args.host, port=args.port, policy=args.policy, api_key=api_key,
+        upstream_api_key=upstream_key, connect_timeout=args.connect_timeout,
+        prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
         health_interval=args.health_interval, log_level=args.log_level,
         access_log=args.access_log)
 

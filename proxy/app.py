@@ -9,6 +9,7 @@ and end; the first health round finishes before the app takes requests.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from kvxfer.api_key import authenticated
 from proxy.balancer import Balancer
 from proxy.config import ROLES, ProxyConfig
 from proxy.contract import CHAT_COMPLETIONS, COMPLETIONS, parse_client_body
@@ -33,10 +35,11 @@ from proxy.middleware import (
 )
 from proxy.relay import ClientDisconnected, unless_disconnected
 from proxy.router import PDRouter
-from proxy.upstream import Upstream, new_client
+from proxy.upstream import Upstream, new_client, upstream_auth
 
 ROUTES: tuple[str, ...] = (COMPLETIONS, CHAT_COMPLETIONS, "/v1/models", "/health", "/metrics")
 JSON = "application/json"
+log = logging.getLogger(__name__)
 
 
 class ProxyService:
@@ -58,7 +61,7 @@ class ProxyService:
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         async with new_client(self.config) as session:
             checker = HealthChecker(self.balancer, session, self.config.health_interval,
-                                    self.config.connect_timeout)
+                                    self.config.connect_timeout, upstream_auth(self.config))
             await checker.check_all()
             self._router = PDRouter(self.balancer, Upstream(session, self.config, self.metrics),
                                     self.metrics)
@@ -81,11 +84,14 @@ class ProxyService:
             self.metrics.client_disconnects.labels(route).inc()
             return Response(status_code=CLIENT_CLOSED)  # the server drops it: nobody listens
 
-    def health(self) -> Response:
-        """Every instance's state; 200 when each role has a healthy instance, else 503."""
+    def health(self, request: Request) -> Response:
+        """200 when each role has a healthy instance, else 503; every instance's state
+        too, but only for a caller with the API key (the URLs map the cluster)."""
         ready = all(self.balancer.has_healthy(role) for role in ROLES)
-        body = {"status": "ok" if ready else "unavailable", "policy": self.balancer.policy,
-                "instances": [i.state() for i in self.balancer.instances()]}
+        body: dict[str, object] = {"status": "ok" if ready else "unavailable"}
+        if authenticated(request.scope):
+            body.update(policy=self.balancer.policy,
+                        instances=[i.state() for i in self.balancer.instances()])
         return Response(msgspec.json.encode(body), 200 if ready else 503, media_type=JSON)
 
 
@@ -108,7 +114,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await service.router.models(request_id(request.scope))
 
     async def health(request: Request) -> Response:
-        return service.health()
+        return service.health(request)
 
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -121,6 +127,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     add_error_handlers(app)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    else:
+        log.warning("no --api-key: every client may use this proxy")
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)  # outermost: sees all
     return app
@@ -143,6 +151,12 @@ def add_error_handlers(app: FastAPI) -> None:
         return Response(error_body(exc.status_code, message, "invalid_request_error"),
                         exc.status_code, media_type=JSON, headers=exc.headers)
 
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        message = f"internal error: {type(exc).__name__}"  # no traceback, no internals
+        return Response(error_body(500, message, "internal_error"), 500, media_type=JSON)
+
     app.add_exception_handler(ProxyError, proxy_error)
     app.add_exception_handler(UpstreamRejected, upstream_rejected)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)

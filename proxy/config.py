@@ -21,8 +21,15 @@ class ConfigError(ValueError):
 class ProxyConfig:
     """Everything :func:`proxy.app.create_app` and :func:`proxy.server.serve` need.
 
+    ``api_key`` is what clients must send; ``upstream_api_key`` what the proxy
+    sends to every sidecar (their ``kvxfer serve --api-key``). They are separate
+    keys on purpose: a client holding the proxy's key cannot call a sidecar
+    directly (a decode call names whose KV to read).
     ``connect_timeout`` bounds establishing a TCP connection to an instance;
-    ``request_timeout`` bounds a whole non-streamed upstream answer, and for a
+    ``prefill_timeout`` bounds a whole prefill call (one token: a frozen or
+    overloaded prefill costs the client at most that long; never more than
+    ``request_timeout``);
+    ``request_timeout`` bounds a whole non-streamed decode answer, and for a
     streamed answer the wait for its headers and for each next chunk.
     ``health_interval`` is the pause between two rounds of ``GET /health``.
     """
@@ -33,7 +40,9 @@ class ProxyConfig:
     port: int = 8000
     policy: str = "round_robin"
     api_key: str | None = None
+    upstream_api_key: str | None = None
     connect_timeout: float = 5.0
+    prefill_timeout: float = 30.0
     request_timeout: float = 600.0
     health_interval: float = 5.0
     log_level: str = "info"
@@ -47,12 +56,15 @@ class ProxyConfig:
                 raise ConfigError(f"{role} instances repeat: {', '.join(urls)}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
-        for name in ("connect_timeout", "request_timeout", "health_interval"):
+        for name in ("connect_timeout", "prefill_timeout", "request_timeout",
+                     "health_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
-        if self.api_key == "":
-            raise ConfigError("--api-key is empty; omit it to run without authentication")
+        for flag, key in (("--api-key", self.api_key),
+                          ("--upstream-api-key", self.upstream_api_key)):
+            if key is not None and not key.strip():
+                raise ConfigError(f"{flag} is empty; omit it to run without authentication")
 
     def urls(self, role: str) -> tuple[str, ...]:
         """Base URLs of the instances of ``role`` ("prefill" or "decode")."""

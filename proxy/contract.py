@@ -54,11 +54,14 @@ def json_type(value: object) -> str:
 
 
 def parse_client_body(raw: bytes) -> dict[str, Any]:
-    """The client's JSON object; 400 for malformed JSON, a non-object or a bad ``stream``."""
+    """The client's JSON object; 400 for malformed or too deeply nested JSON, a
+    non-object or a bad ``stream``."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's answer to JSON nested too deep
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {json_type(body)}")
     stream = body.get("stream")

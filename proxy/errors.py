@@ -40,10 +40,6 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, "invalid_request_error", param)
 
 
-def unauthorized(message: str) -> ProxyError:
-    return ProxyError(401, message, "authentication_error")
-
-
 def bad_gateway(message: str) -> ProxyError:
     """An upstream answered with a 5xx, broke the connection, or answered nonsense."""
     return ProxyError(502, message, "upstream_error")

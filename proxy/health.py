@@ -26,8 +26,9 @@ class HealthChecker:
     """Checks the balancer's instances over the app's shared client until stopped."""
 
     def __init__(self, balancer: Balancer, session: aiohttp.ClientSession, interval: float,
-                 connect_timeout: float) -> None:
+                 connect_timeout: float, headers: dict[str, str] | None = None) -> None:
         self.balancer = balancer
+        self.headers = headers or {}  # the sidecars' API key, when they have one
         self.session = session
         self.interval = interval
         self.timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S,
@@ -38,7 +39,7 @@ class HealthChecker:
         """One ``GET /health``: 200 marks the instance up, anything else down."""
         was_healthy = instance.healthy
         try:
-            async with self.session.get(f"{instance.url}/health",
+            async with self.session.get(f"{instance.url}/health", headers=self.headers,
                                         timeout=self.timeout) as response:
                 await response.read()  # to the end, so the connection can be reused
                 status = response.status

@@ -2,23 +2,25 @@
 
 From the outside in: :class:`MetricsMiddleware` (counts every answer, 401s
 included), :class:`RequestIdMiddleware` (the ``X-Request-Id`` both upstream
-calls carry and the answer echoes), :class:`ApiKeyMiddleware` (bearer token).
+calls carry and the answer echoes), :class:`ApiKeyMiddleware` (bearer token, shared
+with the sidecars: :mod:`kvxfer.api_key`).
 Pure ASGI rather than Starlette's ``BaseHTTPMiddleware`` so that streamed
 bodies pass through unbuffered and routes see the server's own ``receive``.
 """
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
 
 from starlette.datastructures import Headers
-from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from proxy.errors import CLIENT_CLOSED, unauthorized
+from kvxfer.api_key import ApiKeyMiddleware
+from proxy.errors import CLIENT_CLOSED
 from proxy.metrics import ProxyMetrics
+
+__all__ = ["ApiKeyMiddleware", "MetricsMiddleware", "RequestIdMiddleware", "request_id"]
 
 REQUEST_ID_HEADER = "x-request-id"
 # Where RequestIdMiddleware leaves the id for the routes.
@@ -51,39 +53,6 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on every path but ``open_paths``."""
-
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)
-                 ) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-        self.open_paths = frozenset(open_paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            problem = self.problem(Headers(scope=scope).get("authorization"))
-            if problem is not None:
-                error = unauthorized(problem)
-                response = Response(error.body(), error.status, media_type="application/json",
-                                    headers={"www-authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def problem(self, authorization: str | None) -> str | None:
-        """Why ``authorization`` is refused, or None when it carries the key."""
-        if not authorization:
-            return "missing Authorization header; send 'Authorization: Bearer <api key>'"
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return f"Authorization scheme {scheme!r} is not supported; use 'Bearer <api key>'"
-        # Constant-time comparison; the key itself never appears in a message.
-        if not hmac.compare_digest(token.strip().encode(), self.api_key):
-            return "invalid API key in the Authorization header"
-        return None
 
 
 class MetricsMiddleware:

@@ -2,6 +2,7 @@
 
 Order of events for ``POST /v1/completions`` (and chat):
 
+0. no healthy decode instance: 503 at once (nothing is prefilled, no lease held);
 1. pick prefill candidates (balancer), send the prefill call; an unreachable
    instance is marked down and the next candidate tried;
 2. validate the prefill's ``kv_transfer_params`` (the blocks are now leased);
@@ -68,6 +69,7 @@ class PDRouter:
 
     async def complete(self, route: str, body: dict[str, Any], request_id: str) -> Response:
         """Answer a completion request (``route`` is its path) through prefill and decode."""
+        self._need_decode()
         bodies = split_prompts(route, body)
         if bodies is not None:
             return await self._fan_out(route, body, bodies, request_id)
@@ -81,6 +83,16 @@ class PDRouter:
             raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
                              f"the KV of request {params.get('remote_request_id')!r} until the "
                              f"decode releases it or its lease expires)", exc.kind) from exc
+
+    def _need_decode(self) -> None:
+        """503 before any prefill when no decode is healthy: a prefill would only lease
+        blocks that nobody reads until the lease expires."""
+        if not self.balancer.has_healthy("decode"):
+            raise self._unavailable("decode")
+
+    def _unavailable(self, role: str) -> Exception:
+        return unavailable(f"no healthy {role} instance: " + "; ".join(
+            f"{i.url} ({i.last_error or 'unhealthy'})" for i in self.balancer.instances(role)))
 
     async def _fan_out(self, route: str, body: dict[str, Any], bodies: list[dict[str, Any]],
                        request_id: str) -> Response:
@@ -210,8 +222,7 @@ class PDRouter:
                 self.balancer.mark_down(instance, exc.reason)
                 log.warning("%s instance %s is unreachable (%s); marked down, trying the next",
                             role, instance.url, exc.reason)
-        raise unavailable(f"no healthy {role} instance: " + "; ".join(
-            f"{i.url} ({i.last_error or 'unhealthy'})" for i in self.balancer.instances(role)))
+        raise self._unavailable(role)
 
 
 def passthrough(answer: Answer) -> Response:

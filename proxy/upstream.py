@@ -117,15 +117,22 @@ class Upstream:
         self.session = session
         self.request_timeout = config.request_timeout
         self.metrics = metrics
-        # A whole answer within request_timeout; a stream's headers and each chunk within it.
+        # a prefill computes one token: its bound is the tighter of the two
+        self.prefill_timeout = min(config.prefill_timeout, config.request_timeout)
+        self._auth = upstream_auth(config)
+        # A whole answer within request_timeout (a prefill's within prefill_timeout); a
+        # stream's headers and each chunk within request_timeout.
         self._whole = aiohttp.ClientTimeout(total=config.request_timeout,
                                             sock_connect=config.connect_timeout)
+        self._prefill = aiohttp.ClientTimeout(total=self.prefill_timeout,
+                                              sock_connect=config.connect_timeout)
         self._per_read = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
                                                sock_read=config.request_timeout)
 
     async def fetch(self, instance: Instance, method: str, path: str, request_id: str,
                     content: bytes | None = None) -> Answer:
-        """One whole (non-streamed) call, bounded by ``request_timeout`` in total.
+        """One whole (non-streamed) call, bounded in total by ``prefill_timeout`` for a
+        prefill instance (it computes one token), else by ``request_timeout``.
 
         Returns only a 2xx answer. Cancelling the caller closes the connection,
         which is how the instance learns that nobody waits for the answer.
@@ -133,12 +140,12 @@ class Upstream:
         start = time.perf_counter()
         try:
             async with self.session.request(method, instance.url + path, data=content,
-                                            headers=_headers(request_id, content),
-                                            timeout=self._whole) as response:
+                                            headers=self._headers(request_id, content),
+                                            timeout=self._timeout(instance)) as response:
                 answer = Answer(response.status, _content_type(response),
                                 await response.read())
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise self.failure(instance, exc) from exc
+            raise self.failure(instance, exc, self._limit(instance)) from exc
         self.observe(instance, start)
         if not 200 <= answer.status < 300:
             raise self._rejection(instance, answer)
@@ -154,7 +161,7 @@ class Upstream:
         start = time.perf_counter()
         try:
             response = await self.session.request("POST", instance.url + path, data=content,
-                                                  headers=_headers(request_id, content),
+                                                  headers=self._headers(request_id, content),
                                                   timeout=self._per_read)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise self.failure(instance, exc) from exc
@@ -168,6 +175,19 @@ class Upstream:
             response.release()  # back to the pool if read to the end, else closed
         raise self._rejection(instance, answer)
 
+    def _timeout(self, instance: Instance) -> aiohttp.ClientTimeout:
+        return self._prefill if instance.role == "prefill" else self._whole
+
+    def _limit(self, instance: Instance) -> float:
+        """Seconds a whole answer of ``instance`` may take."""
+        return self.prefill_timeout if instance.role == "prefill" else self.request_timeout
+
+    def _headers(self, request_id: str, content: bytes | None) -> dict[str, str]:
+        headers = {"x-request-id": request_id, **self._auth}
+        if content is not None:
+            headers["content-type"] = "application/json"
+        return headers
+
     def observe(self, instance: Instance, start: float) -> None:
         """Record a finished call (``start`` from ``time.perf_counter()``)."""
         self.metrics.upstream_latency.labels(instance.role, instance.url).observe(
@@ -179,8 +199,10 @@ class Upstream:
         if detail is not None:
             instance.last_error = detail
 
-    def failure(self, instance: Instance, exc: BaseException) -> Exception:
-        """The exception that reports ``exc`` from a call to ``instance``."""
+    def failure(self, instance: Instance, exc: BaseException,
+                limit: float | None = None) -> Exception:
+        """The exception that reports ``exc`` from a call to ``instance`` whose wait was
+        bounded by ``limit`` seconds (default ``request_timeout``)."""
         who = f"{instance.role} instance {instance.url}"
         name = failure_name(exc)
         detail = f"{name}: {exc}" if str(exc) else name
@@ -188,9 +210,9 @@ class Upstream:
             self._error(instance, "unreachable", detail)
             return Unreachable(instance, detail)
         if name == READ_TIMEOUT:
-            self._error(instance, "timeout", f"no answer within {self.request_timeout:g} s")
-            return gateway_timeout(f"{who} did not answer within {self.request_timeout:g} s "
-                                   f"({name})")
+            limit = self.request_timeout if limit is None else limit
+            self._error(instance, "timeout", f"no answer within {limit:g} s")
+            return gateway_timeout(f"{who} did not answer within {limit:g} s ({name})")
         self._error(instance, "broken", detail)
         return bad_gateway(f"{who} failed: {detail}")
 
@@ -206,10 +228,10 @@ class Upstream:
                            f"{error_excerpt(answer.content)}")
 
 
-def _headers(request_id: str, content: bytes | None) -> dict[str, str]:
-    if content is None:
-        return {"x-request-id": request_id}
-    return {"x-request-id": request_id, "content-type": "application/json"}
+def upstream_auth(config: ProxyConfig) -> dict[str, str]:
+    """The ``Authorization`` header every call to a sidecar carries (none without a key)."""
+    key = config.upstream_api_key
+    return {} if key is None else {"authorization": f"Bearer {key}"}
 
 
 def _content_type(response: aiohttp.ClientResponse) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,6 +44,16 @@ READY_TIMEOUT_S = 120.0   # two busy cores and several sidecars importing torch 
 STOP_TIMEOUT_S = 20.0
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header that carries ``api_key`` (none without a key)."""
+    return {} if api_key is None else {"authorization": f"Bearer {api_key}"}
+
+
+def new_api_key() -> str:
+    """A random HTTP API key, as a deployment would generate one."""
+    return f"sk-{secrets.token_urlsafe(24)}"
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (the caller may still lose a race)."""
     with socket.socket() as sock:
@@ -61,13 +72,15 @@ class Spec:
     num_blocks: int = 256
     block_size: int = 16
     extra: tuple[str, ...] = ()
+    api_key: str | None = None  # --api-key; the test's client then sends it on every call
 
     def argv(self) -> list[str]:
+        key = ["--api-key", self.api_key] if self.api_key is not None else []
         return [sys.executable, "-m", "kvxfer.cli", "serve", "--role", self.role,
                 "--port", "0", "--side-channel-port", "0", "--tp", str(self.tp),
                 "--kv-cache-layout", self.layout, "--num-blocks", str(self.num_blocks),
                 "--block-size", str(self.block_size),
-                "--kv-load-failure-policy", self.policy, *self.extra]
+                "--kv-load-failure-policy", self.policy, *key, *self.extra]
 
     @property
     def name(self) -> str:
@@ -84,11 +97,12 @@ class Launched:
     READY = re.compile(r"ready: (http://\S+)")
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: Path,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.name = name
         self.url = ""
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
-        self.client = httpx.Client(timeout=60.0, trust_env=False)
+        self.client = httpx.Client(timeout=60.0, trust_env=False, headers=headers)
         with open(self.log_path, "ab") as log:
             self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
                 list(argv), cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
@@ -159,7 +173,7 @@ class Sidecar(Launched):
     """A launched ``kvxfer serve`` process and a client for its HTTP API."""
 
     def __init__(self, spec: Spec, log_dir: Path, env: dict[str, str] | None = None) -> None:
-        super().__init__(spec.name, spec.argv(), log_dir, env)
+        super().__init__(spec.name, spec.argv(), log_dir, env, bearer(spec.api_key))
         self.spec = spec
 
     def health(self) -> dict[str, Any]:
@@ -269,19 +283,28 @@ class ProxyProcess(Launched):
     """A launched ``python -m proxy`` in front of given sidecars, and a client for it.
 
     A separate OS process on 127.0.0.1 bound to port 0; ``extra`` are further proxy
-    flags (``--api-key``, ``--health-interval`` ...). Output goes to a log file
-    whose tail is shown when the proxy fails to start. Call :meth:`stop`.
+    flags (``--health-interval`` ...). ``api_key`` is the proxy's own ``--api-key``
+    (its client does not send it by default: tests choose per call, :attr:`auth`
+    is the header); the sidecars' key, when they have one, is passed as
+    ``--upstream-api-key`` (through the environment, as a deployment would).
+    Output goes to a log file whose tail is shown when the proxy fails to start.
+    Call :meth:`stop`.
     """
 
     def __init__(self, log_dir: Path, prefills: Sequence[Sidecar], decodes: Sequence[Sidecar],
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), api_key: str | None = None) -> None:
         self.prefill_urls = [s.url for s in prefills]
         self.decode_urls = [s.url for s in decodes]
+        self.auth = bearer(api_key)
+        upstream = {s.spec.api_key for s in [*prefills, *decodes]} - {None}
+        assert len(upstream) <= 1, "the sidecars behind one proxy share one key"
+        env = {"KVXFER_API_KEY": upstream.pop()} if upstream else None
+        key = ["--api-key", api_key] if api_key is not None else []
         super().__init__("proxy", [
             sys.executable, "-m", "proxy", "--port", "0",
             "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", *(str(s.port) for s in prefills),
             "--decoder-hosts", "127.0.0.1", "--decoder-ports", *(str(s.port) for s in decodes),
-            *extra], log_dir)
+            *key, *extra], log_dir, env)
 
     def wait_ready(self, deadline: float) -> None:
         """The ready line, then /health answering and naming exactly our instances."""
@@ -295,7 +318,7 @@ class ProxyProcess(Launched):
     def _ready(self) -> bool:
         """/health answers 200 and lists exactly our instances (not another proxy's)."""
         try:
-            response = self.client.get(f"{self.url}/health", timeout=2.0)
+            response = self.client.get(f"{self.url}/health", timeout=2.0, headers=self.auth)
         except httpx.TransportError:
             return False
         if response.status_code != 200:
@@ -305,7 +328,7 @@ class ProxyProcess(Launched):
 
     def health(self) -> dict[str, Any]:
         """/health's body: 200 when every role has a healthy instance, 503 otherwise."""
-        response = self.get("/health")
+        response = self.get("/health", headers=self.auth)
         assert response.status_code in (200, 503), f"proxy /health: {response.text}"
         return dict(response.json())
 
@@ -317,7 +340,7 @@ class ProxyProcess(Launched):
 
     def metric(self, name: str, headers: dict[str, str] | None = None, **labels: str) -> float:
         """One sample of the proxy's /metrics (0.0 when absent)."""
-        response = self.get("/metrics", headers=headers or {})
+        response = self.get("/metrics", headers=self.auth if headers is None else headers)
         assert response.status_code == 200, f"proxy /metrics: {response.text}"
         want = tuple(sorted(labels.items()))
         return next((s.value for family in text_string_to_metric_families(response.text)

@@ -4,9 +4,12 @@ One module-scoped fleet: a ``both`` reference sidecar, two prefill and two
 decode sidecars (policy ``fail``), and a prefill serving other weights (seed 1,
 leases of 2 s). Three ``python -m proxy`` processes stand in front of them:
 
-* ``proxy``: both prefills and both decodes, no key, health checks too rare to
-  matter (so only the request path can mark an instance down);
+* ``proxy``: both prefills and both decodes, no client key, health checks too
+  rare to matter (so only the request path can mark an instance down);
 * ``keyed``: the same instances behind ``--api-key``, health checks every second;
+
+Every sidecar has its own HTTP key (``--api-key``), which each proxy passes on
+(``--upstream-api-key``, from the environment): the fleet runs as deployed.
 * ``mismatched``: the other-weights prefill and the second decode, whose KV
   transfers therefore fail at the handshake.
 
@@ -21,6 +24,7 @@ fleet with one prefill.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,9 +38,12 @@ from sidecars import (
     SidecarGroup,
     Spec,
     events,
+    new_api_key,
     prefill_body,
     start_proxies,
 )
+
+from proxy.contract import decode_request, parse_prefill_answer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 6}
@@ -45,8 +52,10 @@ BODIES: dict[str, dict[str, Any]] = {
     CHAT: {"messages": [{"role": "user", "content": "Hello, proxy!"}], "logprobs": True,
            **GREEDY},
 }
-API_KEY = "sk-test-7f3a"
+API_KEY = new_api_key()  # the keyed proxy's, for its clients
+SIDECAR_KEY = new_api_key()  # every sidecar's; each proxy passes it as --upstream-api-key
 LOGPROB_TOLERANCE = 1e-4
+JSON_TYPE = "application/json"
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class Fleet:
     proxy: ProxyProcess
     keyed: ProxyProcess
     mismatched: ProxyProcess
+    spare_decode: Sidecar  # the only decode of ``lonely``; a test kills it
+    lonely: ProxyProcess
 
     @property
     def workers(self) -> list[Sidecar]:
@@ -71,20 +82,25 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("proxy-sidecars")
     with SidecarGroup(log_dir) as group, contextlib.ExitStack() as stack:
-        both, p0, p1, d0, d1, other = group.start([
-            Spec("both"), Spec("prefill"), Spec("prefill"), Spec("decode", policy="fail"),
-            Spec("decode", policy="fail"),
-            Spec("prefill", extra=("--seed", "1", "--lease-ttl", "2"))])
+        key = SIDECAR_KEY
+        both, p0, p1, d0, d1, other, spare = group.start([
+            Spec("both", api_key=key), Spec("prefill", api_key=key),
+            Spec("prefill", api_key=key), Spec("decode", policy="fail", api_key=key),
+            Spec("decode", policy="fail", api_key=key),
+            Spec("prefill", extra=("--seed", "1", "--lease-ttl", "2"), api_key=key),
+            Spec("decode", policy="fail", api_key=key)])
         proxies = []
-        for prefills, decodes, extra in (
-                ([p0, p1], [d0, d1], ("--health-interval", "3600")),
-                ([p0, p1], [d0, d1], ("--health-interval", "1", "--api-key", API_KEY)),
-                ([other], [d1], ("--health-interval", "3600"))):
-            proxy = ProxyProcess(log_dir, prefills, decodes, extra)
+        for prefills, decodes, extra, client_key in (
+                ([p0, p1], [d0, d1], ("--health-interval", "3600"), None),
+                ([p0, p1], [d0, d1], ("--health-interval", "1"), API_KEY),
+                ([other], [d1], ("--health-interval", "3600"), None),
+                ([other], [spare], ("--health-interval", "0.5"), None)):
+            proxy = ProxyProcess(log_dir, prefills, decodes, extra, api_key=client_key)
             stack.callback(proxy.stop)
             proxies.append(proxy)
         start_proxies(proxies)
-        yield Fleet(both, [p0, p1], [d0, d1], other, *proxies)
+        proxy, keyed, mismatched, lonely = proxies
+        yield Fleet(both, [p0, p1], [d0, d1], other, proxy, keyed, mismatched, spare, lonely)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -147,10 +163,12 @@ def kv_reads(fleet: Fleet) -> float:
 
 
 def completion_calls(sidecars: list[Sidecar]) -> float:
-    """Completion requests the sidecars answered, every route and status together."""
+    """Completion requests the sidecars' handlers answered, both routes and every status
+    together (401s never reach a handler: not counted)."""
     return sum(v for s in sidecars for (name, labels), v in s.metrics().items()
                if name == "kvxfer_http_requests_total"
-               and dict(labels).get("route") in (COMPLETIONS, CHAT))
+               and dict(labels).get("route") in (COMPLETIONS, CHAT)
+               and dict(labels).get("status") != "401")
 
 
 # -- both routes, streamed and not --------------------------------------------------------
@@ -321,7 +339,7 @@ def test_api_key_refused(fleet: Fleet, authorization: str | None, says: str) -> 
 
 def test_api_key_accepted_and_health_is_open(fleet: Fleet) -> None:
     assert fleet.keyed.get("/health").status_code == 200  # no key
-    headers = {"authorization": f"Bearer {API_KEY}"}
+    headers = fleet.keyed.auth
     for route, body in BODIES.items():
         answer = ok(fleet.keyed.post(route, body, headers=headers))
         assert_same_answer(route, answer["choices"], reference(fleet, route, body))
@@ -329,6 +347,136 @@ def test_api_key_accepted_and_health_is_open(fleet: Fleet) -> None:
     assert fleet.keyed.metric("kvxfer_proxy_requests_total", headers=headers,
                               route=COMPLETIONS, status="200") >= 1
     wait_fleet_idle(fleet)
+
+
+def test_health_without_the_key_says_only_ok(fleet: Fleet) -> None:
+    """The instance URLs map the cluster: only a caller with the key sees them."""
+    bare = fleet.keyed.client.get(f"{fleet.keyed.url}/health")
+    assert (bare.status_code, bare.json()) == (200, {"status": "ok"})
+    full = ok(fleet.keyed.get("/health", headers=fleet.keyed.auth))
+    assert [i["url"] for i in full["instances"]] == fleet.keyed.prefill_urls + \
+        fleet.keyed.decode_urls
+    for sidecar in fleet.workers:  # the same on every sidecar, whose key the proxy has
+        with httpx.Client(trust_env=False, timeout=10) as stranger:
+            bare = stranger.get(f"{sidecar.url}/health")
+        assert (bare.status_code, bare.json()) == (200, {"status": "ok"})
+        assert sidecar.health()["engine_id"], "with the key /health has the details"
+
+
+def unauthenticated(sidecar: Sidecar, method: str, path: str, body: Any = None,
+                    authorization: str | None = None) -> httpx.Response:
+    headers = {"authorization": authorization} if authorization else {}
+    with httpx.Client(trust_env=False, timeout=30) as stranger:
+        return stranger.request(method, f"{sidecar.url}{path}", json=body, headers=headers)
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer sk-wrong", f"Bearer {API_KEY}"],
+                         ids=["missing", "wrong", "the proxy's client key"])
+def test_a_sidecar_refuses_every_route_without_its_key(fleet: Fleet,
+                                                       authorization: str | None) -> None:
+    """The proxy's key does not open a sidecar: the sidecars have a key of their own."""
+    calls = completion_calls(fleet.workers)
+    for sidecar in [fleet.both, *fleet.workers]:
+        for method, path in (("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"),
+                             ("GET", "/metrics")):
+            response = unauthenticated(sidecar, method, path, BODIES.get(path), authorization)
+            assert response.status_code == 401, f"{method} {path}: {response.text}"
+            assert response.headers["www-authenticate"] == "Bearer"
+            error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("authentication_error", 401), error
+            assert SIDECAR_KEY not in response.text
+    assert completion_calls(fleet.workers) == calls, "a refused call reached a handler"
+
+
+def lease(prefill: Sidecar, body: dict[str, Any]) -> dict[str, Any]:
+    """A lease, taken the way the proxy takes one (with the sidecars' key)."""
+    answer = prefill.post(COMPLETIONS, prefill_body(body))
+    return parse_prefill_answer(answer.content, prefill.url)
+
+
+def test_an_unauthenticated_decode_call_releases_and_reads_nothing(fleet: Fleet) -> None:
+    """A victim's lease named in a refused (bad body) call without the key: 401, the
+    lease stays held, and the victim's own decode still reads it and answers right."""
+    wait_fleet_idle(fleet)
+    prefill, decode = fleet.prefills[0], fleet.decodes[0]
+    body = BODIES[COMPLETIONS]
+    victim = lease(prefill, body)
+    reads = kv_reads_of(decode)
+    for bad in ({**body, "max_tokens": -1}, {"prompt": "other", "max_tokens": 1}):
+        response = unauthenticated(decode, "POST", COMPLETIONS, decode_request(bad, victim))
+        assert response.status_code == 401, response.text
+    time.sleep(1.0)  # a release, had one been sent, lands within milliseconds
+    assert prefill.health()["leases"] == 1, "an unauthenticated call released the lease"
+    assert kv_reads_of(decode) == reads
+    answer = ok(decode.post(COMPLETIONS, decode_request(body, victim)))
+    assert_same_answer(COMPLETIONS, answer["choices"], reference(fleet, COMPLETIONS, body))
+    wait_fleet_idle(fleet)
+
+
+def kv_reads_of(decode: Sidecar) -> float:
+    return decode.metric("kvxfer_kv_transfers_total", outcome="ok")
+
+
+def test_an_unauthenticated_decode_call_connects_nowhere(fleet: Fleet) -> None:
+    """No port-scan oracle: without the key the decode never contacts the address a
+    call names (a listening socket of the test's sees no connection)."""
+    decode = fleet.decodes[0]
+    with socket.socket() as target:
+        target.bind(("127.0.0.1", 0))
+        target.listen(8)
+        target.settimeout(1.5)
+        params = {"do_remote_prefill": True, "do_remote_decode": False,
+                  "remote_engine_id": "prefill-000000000000", "remote_host": "127.0.0.1",
+                  "remote_port": target.getsockname()[1], "remote_block_ids": [0],
+                  "remote_request_id": "scan@1", "remote_num_tokens": 4, "tp_size": 1}
+        start = time.monotonic()
+        response = unauthenticated(decode, "POST", COMPLETIONS,
+                                   {"prompt": "a b c d", "max_tokens": 1,
+                                    "kv_transfer_params": params})
+        assert response.status_code == 401 and time.monotonic() - start < 1.0, response.text
+        with pytest.raises(TimeoutError):
+            target.accept()
+
+
+def test_deeply_nested_json_is_a_400(fleet: Fleet) -> None:
+    """100,000 nested arrays: an OpenAI 400, from the proxy and from every sidecar."""
+    raw = b'{"prompt": ' + b"[" * 100_000
+    targets = [(fleet.keyed, fleet.keyed.auth), (fleet.proxy, {})] + \
+        [(s, {}) for s in [fleet.both, *fleet.workers]]  # sidecars' clients send their key
+    for target, headers in targets:
+        for route in (COMPLETIONS, CHAT):
+            response = target.client.post(f"{target.url}{route}", content=raw,
+                                          headers={**headers, "content-type": JSON_TYPE})
+            assert response.status_code == 400, f"{target.url}{route}: {response.text[:300]}"
+            error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", 400), error
+            assert "nested too deeply" in error["message"], error
+    assert fleet.proxy.health()["status"] == "ok"
+    wait_fleet_idle(fleet)
+
+
+def test_no_healthy_decode_is_a_503_before_any_prefill(fleet: Fleet) -> None:
+    """``lonely`` has one decode; killed, the proxy answers 503 without prefilling, so
+    no prefill block is leased for nobody."""
+    proxy, prefill = fleet.lonely, fleet.other_weights
+    prefill.wait_for("idle", idle)
+    fleet.spare_decode.kill()
+    deadline = time.monotonic() + 15
+    while proxy.health()["status"] == "ok" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proxy.health()["status"] == "unavailable"
+    calls = completion_calls([prefill])
+    for i in range(4):
+        response = proxy.post(COMPLETIONS, {**BODIES[COMPLETIONS], "prompt": f"nobody {i}"})
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable" and "no healthy decode" in error[
+            "message"], error
+    stream = proxy.post(COMPLETIONS, {**BODIES[COMPLETIONS], "stream": True,
+                                      "prompt": ["two", "prompts"]})
+    assert stream.status_code == 503, stream.text
+    assert completion_calls([prefill]) == calls, "the proxy prefilled for no decode"
+    assert prefill.health()["leases"] == 0
 
 
 # -- an instance down (LAST: kills a prefill of the shared fleet) -------------------------

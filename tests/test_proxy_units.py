@@ -178,7 +178,8 @@ def test_an_instance_that_never_answers_is_a_504(call: str) -> None:
     from proxy.upstream import new_client
 
     async def scenario(url: str) -> ProxyError:
-        settings = ProxyConfig((url,), ("http://127.0.0.1:9",), request_timeout=0.2)
+        settings = ProxyConfig((url,), ("http://127.0.0.1:9",), request_timeout=0.2,
+                               prefill_timeout=0.2)
         balancer = Balancer(settings)
         async with new_client(settings) as session:
             calls = Upstream(session, settings, ProxyMetrics(balancer, ()))

@@ -21,8 +21,13 @@ roles:
            prompt's KV from that prefill instance, then generates the rest
   both     a plain single instance (the reference for accuracy checks)
 
+With --api-key (or --api-key-file, or $KVXFER_API_KEY) every route requires
+"Authorization: Bearer KEY"; /health without it says only ok / not ok.
+
 Prints "kvxfer serve ready: ..." on stdout once it accepts requests; stops
 cleanly on SIGINT or SIGTERM."""
+
+API_KEY_ENV = "KVXFER_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with its own NIXL agent, shared by this instance's TP ranks "
                              "(each rank gets max(1, N // tp)); NIXL's cma transport copies in "
                              "the posting thread (default 2)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every HTTP route; "
+                             f"/health without it says only ok / not ok (default: "
+                             f"${API_KEY_ENV}, else no key: anyone who reaches the port may "
+                             f"use it)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read --api-key from the first line of this file")
+    parser.add_argument("--kv-read-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="decode: longest handshake with a prefill (all attempts "
+                             "together), and longest READ of one request's KV; then the "
+                             "read fails (recompute or 502, by policy) (default 10)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients may ask for (default: the model's name)")
 
@@ -75,6 +91,7 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvxfer.api_key import ApiKeyError, load_key
     from kvxfer.server import PortInUse, Settings, serve
 
     if not 0 <= args.port < 65536:
@@ -85,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
     if args.read_lanes < 1:
         return _fail(f"--read-lanes must be at least 1, got {args.read_lanes}")
+    if not args.kv_read_timeout > 0:
+        return _fail(f"--kv-read-timeout must be a positive number of seconds, got "
+                     f"{args.kv_read_timeout}")
+    try:
+        api_key = load_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
+    except ApiKeyError as exc:
+        return _fail(str(exc))
     settings = Settings(
         role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port, tp=args.tp,
@@ -92,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
         lease_ttl=args.lease_ttl, read_lanes=args.read_lanes,
-        served_model_names=tuple(args.served_model_name or ()))
+        served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
+        kv_read_timeout=args.kv_read_timeout)
     try:
         serve(settings)
     except PortInUse as exc:
