@@ -116,6 +116,7 @@ class ConnectorEvents:
 
     released: list[str] = field(default_factory=list)  # prefill: leases ended, blocks freed
     rejected: dict[str, str] = field(default_factory=dict)  # decode: refused at admission
+    failed: dict[str, str] = field(default_factory=dict)  # decode: admission raised (a bug)
 
 
 @dataclass
@@ -144,6 +145,7 @@ class _Read:
     stats: list[ReadStats] = field(default_factory=list)
     aborted: bool = False
     unnotified: set[int] = field(default_factory=set)  # failed ranks the prefill never heard of
+    done_unsent: set[int] = field(default_factory=set)  # read ranks whose "done" was not sent
 
 
 @dataclass
@@ -365,8 +367,9 @@ class KVConnector:
         ``siblings``: (request id, params) of further samples of the same prompt,
         started from this request's KV once it is read (see the module docstring).
         Raises ValueError (engine validation) when it can be admitted at once and is
-        invalid; later admission failures come back through :meth:`poll`, one entry
-        per member of the group.
+        invalid, or whatever else admitting it raised (its lease released, it waits no
+        more); later admission failures come back through :meth:`poll`
+        (``rejected``: invalid, ``failed``: anything else), one entry per member.
         """
         self._pending.append(_Pending(request_id, prompt, params, remote, list(siblings or [])))
         if len(self._pending) == 1:
@@ -386,16 +389,31 @@ class KVConnector:
                 self._park(item)
             except NoFreeBlocks:
                 return  # strict FCFS: later requests wait behind the head
-            except ValueError as exc:
+            except Exception as exc:  # refused (ValueError) or a bug: this request only
                 self._pending.popleft()
-                self._release(item.remote, f"the decode refused the request: {exc}")
+                self._drop_unadmitted(item, exc, events)
                 if raise_errors:
                     raise
-                if events is not None:
-                    events.rejected.update(dict.fromkeys(item.ids, str(exc)))
                 continue
             self._pending.popleft()
             self._start_read(item)
+
+    def _drop_unadmitted(self, item: _Pending, exc: Exception,
+                         events: ConnectorEvents | None) -> None:
+        """The engine would not park ``item``: release its lease, report every member
+        (a ValueError is the request's fault, anything else ours), and never leave it at
+        the head of the queue, where it would block everyone behind it."""
+        if isinstance(exc, ValueError):
+            self._release(item.remote, f"the decode refused the request: {exc}")
+            if events is not None:
+                events.rejected.update(dict.fromkeys(item.ids, str(exc)))
+            return
+        log.error("admitting decode request %s failed", item.request_id, exc_info=exc)
+        self._release(item.remote, f"the decode could not admit the request: "
+                                   f"{type(exc).__name__}")
+        if events is not None:
+            events.failed.update(dict.fromkeys(
+                item.ids, f"admitting the request failed: {type(exc).__name__}: {exc}"))
 
     def _park(self, item: _Pending) -> None:
         """Park every member of ``item`` in the engine, all or none."""
@@ -433,6 +451,8 @@ class KVConnector:
                 if read is not None:
                     read.ranks_left.discard(rank)
                     read.stats.append(result.stats[request_id])
+                    if request_id in result.unnotified:
+                        read.done_unsent.add(rank)
             for request_id, reason in result.failed.items():
                 read = self._reads.get(request_id)
                 if read is not None:
@@ -449,6 +469,8 @@ class KVConnector:
         if read.unnotified:  # some prefill rank still waits for a reader that gave up
             why = "; ".join(read.failures[rank] for rank in sorted(read.unnotified))
             self._release(read.remote, f"the decode's KV read failed: {why}")
+        elif read.done_unsent:
+            self._release_unsent_done(read)
         if read.stats:
             self.metrics.transfer_bytes.inc(sum(s.num_bytes for s in read.stats))
             self.metrics.transfer_descriptors.inc(sum(s.descriptors for s in read.stats))
@@ -481,6 +503,16 @@ class KVConnector:
         for member in group:
             self._transfer_errors[member] = message
             self.engine.finish_kv_load(member, ok=False, recompute=False, reason=message)
+
+    def _release_unsent_done(self, read: _Read) -> None:
+        """The KV was read but some prefill rank was not told "done": count it and release
+        the lease over the side channel, so those ranks free the blocks before the TTL."""
+        self.metrics.done_unsent.inc()
+        log.warning("the KV of lease %s was read, but ranks %s could not send their \"done\"; "
+                    "releasing it over the side channel", read.remote.remote_request_id,
+                    sorted(read.done_unsent))
+        self._release(read.remote, "the decode read the KV but could not notify every "
+                                   "prefill rank")
 
     def take_transfer_error(self, request_id: str) -> str | None:
         """The failure message if ``request_id`` ended because its KV read failed."""

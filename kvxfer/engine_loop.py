@@ -253,7 +253,15 @@ class EngineLoop:
                 submissions, sink = payload
                 for sub in submissions:
                     self._track(sub, sink)
+                    self._release_unadmitted(sub)
         self._fail_all(failure)
+
+    def _release_unadmitted(self, sub: Submission) -> None:
+        """A decode submission that never reached the connector: its lease would wait
+        for its TTL, so tell the prefill now (the connector still sends at this point)."""
+        if sub.remote is not None:
+            self.connector.release_remote(sub.remote, "the decode instance shut down before "
+                                                      "admitting the request")
 
     def _pause(self) -> float:
         if self.connector.busy:
@@ -326,6 +334,8 @@ class EngineLoop:
                 self._ids.difference_update(events.released)
         for request_id, message in events.rejected.items():
             self._end(request_id, Failure(400, message, "invalid_request_error"))
+        for request_id, message in events.failed.items():
+            self._end(request_id, Failure(500, message, "internal_error"))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -65,6 +65,10 @@ class SidecarMetrics:
                                       "request started from a local copy of the KV its first "
                                       "sample read (not read again, not recomputed)",
                                       registry=r)
+        self.done_unsent = Counter("kvxfer_kv_done_unsent", "Decode: KV reads that succeeded "
+                                   "but could not send \"done\" to every prefill rank (the "
+                                   "lease was released over the side channel instead)",
+                                   registry=r)
         for reason in ("done", "abandoned", "expired"):
             self.leases_released.labels(reason)
         for outcome in ("ok", "failed", "aborted"):

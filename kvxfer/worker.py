@@ -161,8 +161,8 @@ class ReadStats:
 class PollResult:
     """Reads that ended since the last :meth:`TransferWorker.poll`.
 
-    ``unnotified`` holds the failed requests whose prefill ranks were not all
-    told by a NIXL notification (subset of ``failed``'s keys).
+    ``unnotified`` holds the requests, failed or finished, whose prefill ranks
+    were not all told by a NIXL notification.
     """
 
     finished: list[str] = field(default_factory=list)
@@ -213,6 +213,7 @@ class _Read:
     num_bytes: int = 0
     descriptors: int = 0
     lanes: int = 1
+    unnotified: bool = False  # read, but some "done" could not be sent
 
 
 @dataclass
@@ -533,6 +534,7 @@ class TransferWorker:
         if not self._notify(job, [d.remote_rank for d in descs], ok=True):
             log.warning("request %s was read, but not every prefill rank could be told",
                         job.request_id)
+            job.unnotified = True
         self._inflight.append(job)  # no transfers left: finished on the next check
 
     def _copy_parts(self, agent: NixlAgent, parts: Sequence[tuple[str, Any, Any]]) -> None:
@@ -582,9 +584,13 @@ class TransferWorker:
                 peer = self._peers.get(job.remote.remote_engine_id)
                 if peer is not None:  # ranks nobody reads still hold the blocks: release them
                     read = {p.remote_rank for p in peer.plans}
-                    self._notify(job, [r for r in peer.agents if r not in read], ok=True)
+                    if not self._notify(job, [r for r in peer.agents if r not in read],
+                                        ok=True):
+                        job.unnotified = True
                 with self._lock:
                     self._results.finished.append(job.request_id)
+                    if job.unnotified:
+                        self._results.unnotified.add(job.request_id)
                     self._results.stats[job.request_id] = ReadStats(
                         job.num_bytes, job.descriptors, now - job.started, job.lanes)
             elif any(s.startswith("ERR") for s in states) or now - job.started > self.read_timeout:

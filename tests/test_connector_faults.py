@@ -1,0 +1,201 @@
+"""What the decode does when its own machinery fails, in this process.
+
+Against a real engine, real NIXL workers, a real engine loop and a real
+side-channel listener that records the releases it receives (``Recorder``
+from ``test_release``; its handshakes are refused, so no READ ever starts):
+
+* an exception other than ValueError while admitting a request fails that
+  request (500), releases its lease, and does not leave it at the head of the
+  queue, where every later request would wait behind it forever;
+* a decode submission still queued for the engine loop when it shuts down
+  releases its lease (instead of leaving it to the TTL);
+* a read that landed but whose "done" could not be sent is counted
+  (``kvxfer_kv_done_unsent_total``) and released over the side channel; the
+  worker reports it (a real prefill process, NIXL notifications that fail).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from test_release import Recorder, poll_until, prompt
+
+from kvxfer.connector import KVConnector
+from kvxfer.engine import LLMEngine, SamplingParams
+from kvxfer.engine_loop import EngineLoop, Sink, Submission
+from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess
+from kvxfer.metrics import SidecarMetrics
+from kvxfer.worker import PollResult, ReadStats, RemoteParams
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    made = Recorder()
+    yield made
+    made.listener.close()
+
+
+@pytest.fixture
+def connector() -> Iterator[KVConnector]:
+    """A decode connector over an 8-block engine (128 tokens), policy fail."""
+    engine = LLMEngine.from_model_arg("kvxfer-tiny", seed=0, tp=1, layout=None, block_size=16,
+                                      num_blocks=8, dtype="float32", device="cpu")
+    metrics = SidecarMetrics(role="decode", engine_id="decode-faults", model="tiny",
+                             layout=engine.layout.name, tp=1)
+    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
+    yield made
+    made.close()
+
+
+def lease(recorder: Recorder, lease_id: str, tokens: int) -> RemoteParams:
+    """Params naming one of the recorder's leases, as a prefill hands them out."""
+    base = recorder.params(lease_id, tokens)
+    return RemoteParams.parse({
+        "remote_engine_id": base.remote_engine_id, "remote_host": base.remote_host,
+        "remote_port": base.remote_port, "remote_block_ids": list(base.remote_block_ids),
+        "remote_request_id": lease_id, "tp_size": 1, "remote_num_tokens": tokens,
+        "lease_expires_at": time.time() + 60})
+
+
+def broken_admission(connector: KVConnector, monkeypatch: pytest.MonkeyPatch,
+                     victim: str) -> None:
+    """``engine.add_request`` raises a RuntimeError (not a ValueError) for ``victim``."""
+    real = connector.engine.add_request
+
+    def add_request(request_id: str, *args: object, **kwargs: object) -> None:
+        if request_id == victim:
+            raise RuntimeError("the engine broke while admitting it")
+        real(request_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(connector.engine, "add_request", add_request)
+
+
+def test_an_admission_that_raises_fails_that_request_only(
+        connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken_admission(connector, monkeypatch, "broken")
+    with pytest.raises(RuntimeError, match="broke"):
+        connector.add_remote("broken", prompt(20), PARAMS, lease(recorder, "lease-broken", 20))
+    assert not connector.waiting, "the failed request still waits at the head of the queue"
+    [(lease_id, _, reason)] = recorder.wait_for(1)
+    assert lease_id == "lease-broken" and "could not admit" in reason
+    # the next request is admitted (its READ starts, and fails at the refused handshake)
+    connector.add_remote("next", prompt(20), PARAMS, lease(recorder, "lease-next", 20))
+    poll_until(connector, lambda: connector.take_transfer_error("next") is not None)
+    assert connector.engine.num_used_blocks == 0
+
+
+def test_a_waiting_request_whose_admission_raises_is_failed_by_poll(
+        connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = connector.engine
+    engine.add_request("filler", prompt(100), PARAMS, remote_kv=True)  # 7 of 8 blocks
+    connector.add_remote("broken", prompt(40), PARAMS, lease(recorder, "lease-broken", 40))
+    connector.add_remote("behind", prompt(40), PARAMS, lease(recorder, "lease-behind", 40))
+    assert connector.poll().failed == {} and connector.waiting
+    broken_admission(connector, monkeypatch, "broken")
+    engine.abort("filler")  # blocks free: the head is admitted on the next poll
+    events = connector.poll()  # raised out of poll (and stopped the engine loop) before
+    assert list(events.failed) == ["broken"] and "RuntimeError" in events.failed["broken"]
+    assert not connector.waiting, "the request behind it was admitted"
+    poll_until(connector, lambda: connector.take_transfer_error("behind") is not None)
+    assert ("lease-broken" in [c[0] for c in recorder.wait_for(2)])
+
+
+def test_a_decode_queued_at_shutdown_releases_its_lease(
+        connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop is inside a step when a decode submission arrives and the sidecar stops:
+    the submission never reaches the connector, yet its lease is released."""
+    engine, metrics = connector.engine, connector.metrics
+    loop = EngineLoop(engine, connector, metrics)
+    inside, go_on = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def step() -> list[object]:
+        inside.set()
+        go_on.wait(10)
+        return real_step()  # type: ignore[return-value]
+
+    monkeypatch.setattr(engine, "step", step)
+    events = asyncio.new_event_loop()
+    try:
+        sink = Sink(events)
+        loop.start()
+        loop.submit([Submission("busy", 0, prompt(10), PARAMS)], sink)
+        assert inside.wait(10), "the engine never stepped"
+        loop.submit([Submission("queued", 0, prompt(20), PARAMS,
+                                remote=lease(recorder, "lease-queued", 20))], sink)
+        stopper = threading.Thread(target=loop.stop)
+        stopper.start()
+        time.sleep(0.2)  # stop() has asked; the step is still running
+        go_on.set()
+        stopper.join(15)
+        assert not stopper.is_alive()
+        calls = recorder.wait_for(1)
+        assert [c[0] for c in calls] == ["lease-queued"] and "shut down" in calls[0][2]
+    finally:
+        go_on.set()
+        loop.stop()
+        events.close()
+
+
+def test_a_read_whose_done_was_not_sent_is_counted_and_released(
+        connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker reports the request finished but "done" unsent to some prefill rank."""
+    worker = connector.workers[0]
+    monkeypatch.setattr(worker, "start_read", lambda *args: None)
+    results = [PollResult(finished=["read"], stats={"read": ReadStats(64, 1, 0.001)},
+                          unnotified={"read"})]
+    monkeypatch.setattr(worker, "poll", lambda: results.pop() if results else PollResult())
+    connector.add_remote("read", prompt(20), PARAMS, lease(recorder, "lease-read", 20))
+    connector.poll()
+    assert connector.metrics.done_unsent._value.get() == 1
+    [(lease_id, _, reason)] = recorder.wait_for(1)
+    assert lease_id == "lease-read" and "could not notify" in reason
+    assert connector.take_transfer_error("read") is None, "the read itself succeeded"
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[PrefillProcess]:
+    proc = PrefillProcess()
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
+def test_the_worker_reports_a_read_whose_done_could_not_be_sent(
+        prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lanes read (its "done" goes out after the copy, as its own notification) with
+    every notification failing: finished, and listed as unnotified."""
+    cfg = CacheConfig(num_layers=8, num_blocks=40)
+    remote = prefill.create(cfg)
+    decode = LoopbackInstance.create("decode", CacheConfig(num_layers=8, num_blocks=40,
+                                                           read_lanes=2), fill="sentinel")
+    try:
+        worker = decode.workers[0]
+
+        def refuse(*_args: object) -> None:
+            raise RuntimeError("the notification could not be sent")
+
+        monkeypatch.setattr(worker._agent, "send_notif", refuse)
+        ids, local = list(range(30)), list(range(29, -1, -1))  # reversed: no runs merge
+        prefill.hold(remote["engine_id"], "quiet", ids, ttl=30)
+        worker.start_read("quiet", {"remote_engine_id": remote["engine_id"],
+                                    "remote_host": "127.0.0.1", "remote_port": remote["port"],
+                                    "remote_block_ids": ids, "remote_request_id": "quiet",
+                                    "tp_size": 1, "lease_expires_at": time.time() + 30}, local)
+        result = PollResult()
+        deadline = time.monotonic() + 30
+        while not (result.finished or result.failed) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            result = worker.poll()
+        assert result.finished == ["quiet"], result
+        assert result.unnotified == {"quiet"}, "the unsent done was not reported"
+    finally:
+        decode.close()
+
