@@ -21,6 +21,10 @@
 #   PYTHON                  interpreter with kvxfer installed (default: .venv/bin/python,
 #                           else python3)
 #   KEEP_LOGS=1             keep the per-process logs even when the test passes
+#
+# HTTP keys are on, as in a deployment: a random one for the sidecars ($KVXFER_API_KEY,
+# which the proxy also reads as its --upstream-api-key) and one for the proxy's clients
+# ($KVXFER_PROXY_API_KEY); `kvxfer accuracy` sends them.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -52,6 +56,9 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 # The KV layout flag below is explicit per instance; the environment must not override it.
 unset KVXFER_KV_CACHE_LAYOUT
+new_key() { "$PYTHON" -c 'import secrets; print("sk-" + secrets.token_urlsafe(24))'; }
+KVXFER_API_KEY="$(new_key)"; KVXFER_PROXY_API_KEY="$(new_key)"
+export KVXFER_API_KEY KVXFER_PROXY_API_KEY
 
 LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvxfer-accuracy.XXXXXX")"
 PIDS=()

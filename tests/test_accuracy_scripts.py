@@ -202,6 +202,7 @@ def test_demo_shows_a_disaggregated_request_end_to_end(tmp_path: Path) -> None:
     assert re.search(r"time to first token [\d.]+ ms = prefill [\d.]+ ms \+ KV transfer "
                      r"[\d.]+ ms \+ decode [\d.]+ ms", out), out
     assert "stopping the sidecars and the proxy" in out
+    assert re.search(r"curl -s http://\S+ -H 'Authorization: Bearer sk-\S+'", out), out
     assert not list(tmp_path.glob("kvxfer-demo.*")), "a demo that ran through keeps no logs"
 
 

@@ -70,7 +70,12 @@ def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
     (("--port", "70000"), "70000"),
     (("--lease-ttl", "0"), "--lease-ttl"),
     (("--read-lanes", "0"), "--read-lanes"),
-], ids=["tp", "model", "layout", "port", "lease-ttl", "read-lanes"])
+    (("--kv-read-timeout", "0"), "--kv-read-timeout"),
+    (("--api-key", " "), "--api-key"),
+    (("--api-key-file", "no/such/key-file"), "no/such/key-file"),
+    (("--api-key", "k", "--api-key-file", "f"), "not both"),
+], ids=["tp", "model", "layout", "port", "lease-ttl", "read-lanes", "kv-read-timeout",
+        "empty-api-key", "missing-key-file", "key-and-file"])
 def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> None:
     assert_one_line_error(run_serve("--port", str(free_port()), *args), named)
 
@@ -137,3 +142,22 @@ def test_signal_during_start_up_stops_it_quietly(tmp_path_factory: pytest.TempPa
     output = log_path.read_text(errors="replace")
     assert code in (0, -signal.SIGTERM), f"exit {code}:\n{output}"
     assert "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("source", ["file", "env"])
+def test_the_api_key_comes_from_a_file_or_the_environment(
+        tmp_path: Path, source: str) -> None:
+    key = "sk-from-" + source
+    if source == "file":
+        (tmp_path / "key").write_text(key + "\n")
+        spec, env = Spec(extra=("--api-key-file", str(tmp_path / "key"))), None
+    else:
+        spec, env = Spec(), {"KVXFER_API_KEY": key}
+    with SidecarGroup(tmp_path, env) as group:
+        sidecar = group.start_one(spec)
+        refused = sidecar.get("/v1/models")
+        assert refused.status_code == 401, refused.text
+        served = sidecar.get("/v1/models", headers={"authorization": f"Bearer {key}"})
+        assert served.status_code == 200, served.text
+        assert sidecar.get("/health").json() == {"status": "ok"}
+        assert "no --api-key" not in sidecar.log_tail()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", type=float, default=0.0,
                         help="first wait up to this many seconds for both /health to answer 200")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--target-api-key", default=os.environ.get("KVXFER_PROXY_API_KEY"),
+                        help="HTTP key of the target (default $KVXFER_PROXY_API_KEY, else none)")
+    parser.add_argument("--reference-api-key", default=os.environ.get("KVXFER_API_KEY"),
+                        help="HTTP key of the reference (default $KVXFER_API_KEY, else none)")
 
 
 def wait_healthy(urls: list[str], deadline_s: float) -> str | None:
@@ -54,6 +59,10 @@ def wait_healthy(urls: list[str], deadline_s: float) -> str | None:
             return f"{pending[0]} not healthy after {deadline_s:.0f} s ({last})"
         time.sleep(0.2)
     return None
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {} if not key else {"authorization": f"Bearer {key}"}
 
 
 def _completion(client: Any, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -102,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
     cases: list[tuple[str, Any]] = [("completion", p) for p in spec.get("prompts", [])]
     cases += [("chat", m) for m in spec.get("chat", [])]
     rows = []
-    with httpx.Client(timeout=args.timeout) as client:
+    with httpx.Client(timeout=args.timeout, headers=_bearer(args.target_api_key)) as client, \
+            httpx.Client(timeout=args.timeout, headers=_bearer(args.reference_api_key)) as ref:
         for kind, prompt in cases:
             call = _completion if kind == "completion" else _chat
             try:
                 result = compare(call(client, target, prompt, max_tokens),
-                                 call(client, reference, prompt, max_tokens), args.logprob_tol)
+                                 call(ref, reference, prompt, max_tokens), args.logprob_tol)
             except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
                 detail = exc.response.text[:300] if isinstance(exc, httpx.HTTPStatusError) else ""
                 result = {"tokens": 0, "same_tokens": False, "max_logprob_diff": None,
