@@ -67,14 +67,17 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+import secrets
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.leases import HeldLease, LeaseBook
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.protocol import CompatInfo
+from kvxfer.protocol import CompatInfo, RenewAck
+from kvxfer.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
@@ -127,6 +130,7 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams
     remote: RemoteParams
+    lease: HeldLease
     siblings: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
     @property
@@ -164,7 +168,7 @@ class KVConnector:
                  engine_id: str | None = None, side_channel_host: str = "127.0.0.1",
                  side_channel_port: int = 0, lease_ttl: float = 120.0,
                  failure_policy: str = "recompute", read_lanes: int = 2,
-                 kv_read_timeout: float = 10.0) -> None:
+                 kv_read_timeout: float = 10.0, hmac_key: bytes | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if failure_policy not in FAILURE_POLICIES:
@@ -176,6 +180,12 @@ class KVConnector:
         self.engine_id = engine_id or new_engine_id(role)
         self.side_channel_host = side_channel_host
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
+        self._key = hmac_key  # signs the side channel, notifications and lease tickets
+        self.leases = LeaseBook(hmac_key)  # decode: which leases may still be read
+        self.renewer: ReleaseSender | None = None  # decode: renews leases of waiting requests
+        # decode: (request id, ack or None, monotonic time sent, why not) from the renewer
+        self._renewals: queue.SimpleQueue[tuple[str, RenewAck | None, float, str]] = \
+            queue.SimpleQueue()
         self.kv_read_timeout = kv_read_timeout
         # Copy threads for the whole instance, shared by its in-process TP ranks (which
         # already read at once); only decode ranks read, a prefill's lanes would idle.
@@ -189,7 +199,6 @@ class KVConnector:
         self._reads: dict[str, _Read] = {}
         self._leases: dict[str, _Lease] = {}  # by lease id
         self._lease_of: dict[str, str] = {}  # request id -> lease id
-        self._lease_serial = 0
         self._transfer_errors: dict[str, str] = {}
         if role == "both":
             return  # a plain instance: nobody reads from it and it reads from nobody
@@ -210,7 +219,8 @@ class KVConnector:
         for rank in range(self.engine.tp):
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
                                     total_kv_heads=self.engine.config.num_key_value_heads,
-                                    read_lanes=self.read_lanes, **self._read_deadlines())
+                                    read_lanes=self.read_lanes, hmac_key=self._key,
+                                    **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)
@@ -231,13 +241,17 @@ class KVConnector:
         self.listener = HandshakeListener(
             self.side_channel_host, port, engine_id=self.engine_id,
             compat=compat_info(self.engine),
-            metadata=lambda: [w.metadata() for w in self.workers],
-            on_request=connecting, on_release=self._on_release).start()
+            metadata=lambda: [w.metadata() for w in self.workers], hmac_key=self._key,
+            on_request=connecting, on_release=self._on_release,
+            on_renew=self._on_renew).start()
 
     def _start_releaser(self) -> None:
         from kvxfer.handshake import HandshakeClient, ReleaseSender
 
-        self.releaser = ReleaseSender(HandshakeClient(self.engine_id, compat_info(self.engine)))
+        compat = compat_info(self.engine)
+        self.releaser = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))
+        # its own thread: a renewal must not wait behind releases to a dead prefill
+        self.renewer = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))
 
     @property
     def side_channel_port(self) -> int | None:
@@ -279,6 +293,9 @@ class KVConnector:
             self._reads.clear()
             self.releaser.close()
             self.releaser = None
+        if self.renewer is not None:
+            self.renewer.close()
+            self.renewer = None
 
     # -- prefill ----------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: list[int],
@@ -287,11 +304,12 @@ class KVConnector:
 
         Returns the ``kv_transfer_params`` of the answer. ``remote_block_ids``
         are the prompt's blocks (``ceil(num_prompt_tokens / block_size)``). The
-        lease id (``remote_request_id``) is unique for this engine's lifetime, so
-        a late or repeated "done" for an ended lease can never release a new one.
+        lease id (``remote_request_id``) is 128 random bits: unique, so a late or
+        repeated "done" for an ended lease can never release a new one, and
+        unguessable, so nobody can name a lease they were not handed. With a key,
+        ``lease_ticket`` signs what the params say (:mod:`kvxfer.tickets`).
         """
-        self._lease_serial += 1
-        lease_id = f"{request_id}@{self._lease_serial}"
+        lease_id = secrets.token_urlsafe(16)
         holding: set[int] = set()
         try:
             for rank, worker in enumerate(self.workers):
@@ -306,12 +324,19 @@ class KVConnector:
             raise
         self._add_lease(lease_id, _Lease(request_id, holding))
         prompt_blocks = -(-num_prompt_tokens // self.engine.block_size)
-        return {"do_remote_decode": False, "do_remote_prefill": True,
-                "remote_engine_id": self.engine_id, "remote_host": self.side_channel_host,
-                "remote_port": self.side_channel_port,
-                "remote_block_ids": list(block_ids[:prompt_blocks]),
-                "remote_request_id": lease_id, "remote_num_tokens": num_prompt_tokens,
-                "tp_size": self.engine.tp, "lease_expires_at": time.time() + self.lease_ttl}
+        port = self.side_channel_port
+        assert port is not None
+        claims = LeaseClaims(self.engine_id, self.side_channel_host, port, lease_id,
+                             tuple(block_ids[:prompt_blocks]), num_prompt_tokens, self.engine.tp,
+                             time.time() + self.lease_ttl)
+        params = {"do_remote_decode": False, "do_remote_prefill": True,
+                  "remote_engine_id": self.engine_id, "remote_host": self.side_channel_host,
+                  "remote_port": port, "remote_block_ids": list(claims.block_ids),
+                  "remote_request_id": lease_id, "remote_num_tokens": num_prompt_tokens,
+                  "tp_size": self.engine.tp, "lease_expires_at": claims.expires_at}
+        if self._key is not None:
+            params[TICKET_KEY] = sign_ticket(self._key, claims)
+        return params
 
     def _add_lease(self, lease_id: str, lease: _Lease) -> None:
         self._leases[lease_id] = lease
@@ -322,6 +347,15 @@ class KVConnector:
         lease is held right now (the ack's ``found``; reading worker state is safe)."""
         self._releases.put((lease_id, requester, reason))
         return any(worker.holds_lease(lease_id) for worker in self.workers)
+
+    def _on_renew(self, lease_id: str, requester: str) -> float | None:
+        """Listener thread: extend a held lease by ``lease_ttl`` on every rank holding it
+        (worker leases are thread-safe); the TTL granted, or None when none holds it."""
+        renewed = [worker.renew(lease_id, self.lease_ttl) for worker in self.workers]
+        if not any(renewed):
+            return None
+        log.debug("decode %s renewed lease %s for %g s", requester, lease_id, self.lease_ttl)
+        return self.lease_ttl
 
     def _take_releases(self) -> None:
         """End the leases decode instances released, on every rank still holding them;
@@ -364,6 +398,10 @@ class KVConnector:
                    siblings: list[tuple[str, SamplingParams]] | None = None) -> None:
         """Park a decode request and read its prompt's KV, now or once blocks are free.
 
+        First the lease is claimed (:meth:`LeaseBook.claim`): an expired, forged,
+        altered or already used lease raises :class:`~kvxfer.leases.LeaseRefused` (a
+        ValueError) and nothing is read or released (it may be another request's).
+
         ``siblings``: (request id, params) of further samples of the same prompt,
         started from this request's KV once it is read (see the module docstring).
         Raises ValueError (engine validation) when it can be admitted at once and is
@@ -371,7 +409,9 @@ class KVConnector:
         more); later admission failures come back through :meth:`poll`
         (``rejected``: invalid, ``failed``: anything else), one entry per member.
         """
-        self._pending.append(_Pending(request_id, prompt, params, remote, list(siblings or [])))
+        lease = self.leases.claim(remote.claims(), remote.lease_ticket)  # before any READ
+        self._pending.append(_Pending(request_id, prompt, params, remote, lease,
+                                      list(siblings or [])))
         if len(self._pending) == 1:
             self._admit(raise_errors=True)
 
@@ -433,6 +473,14 @@ class KVConnector:
         read = _Read(item.remote, set(range(len(self.workers))),
                      [sid for sid, _ in item.siblings])
         self._reads[item.request_id] = read
+        ended = item.lease.why_unusable(time.monotonic())
+        if ended is not None:  # its blocks may hold another prompt's KV now: never read
+            for rank in range(len(self.workers)):
+                read.failures[rank] = (f"lease {item.remote.remote_request_id} of prefill "
+                                       f"{item.remote.remote_engine_id} was not read: {ended}")
+            read.ranks_left.clear()
+            self._resolve(item.request_id)
+            return
         for rank, worker in enumerate(self.workers):
             try:
                 worker.start_read(item.request_id, item.remote, local)
@@ -550,8 +598,51 @@ class KVConnector:
     def release_remote(self, remote: RemoteParams, reason: str) -> bool:
         """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
         for the sender thread; False when not queued). For a decode request that ends
-        before reaching the engine loop, e.g. refused by the HTTP layer."""
+        before reaching the engine loop, e.g. refused by the HTTP layer. Only a lease
+        this decode may claim is released (ticket valid, not expired, not used
+        before): a refused request must not free a lease it merely names."""
+        try:
+            self.leases.claim(remote.claims(), remote.lease_ticket)
+        except ValueError as exc:  # LeaseRefused, or no expiry
+            log.info("not releasing lease %s named by a refused request: %s",
+                     remote.remote_request_id, exc)
+            return False
         return self._release(remote, reason)
+
+    def _renew_waiting(self) -> None:
+        """Renew the leases of requests still waiting for blocks before they expire."""
+        renewer = self.renewer
+        if renewer is None:
+            return
+        now = time.monotonic()
+        for item in self._pending:
+            if item.lease.needs_renewal(now):
+                item.lease.renewing = True
+
+                def done(ack: RenewAck | None, sent_at: float, why: str,
+                         request_id: str = item.request_id) -> None:
+                    self._renewals.put((request_id, ack, sent_at, why))
+
+                if not renewer.submit_renew(item.remote.remote_host, item.remote.remote_port,
+                                            item.remote.remote_request_id, done):
+                    item.lease.renewing = False
+
+    def _take_renewals(self) -> None:
+        """Apply renewal answers to the waiting requests they were sent for."""
+        while True:
+            try:
+                request_id, ack, sent_at, why = self._renewals.get_nowait()
+            except queue.Empty:
+                return
+            item = next((p for p in self._pending if p.request_id == request_id), None)
+            if item is None:
+                continue  # admitted or dropped meanwhile
+            if ack is not None and ack.found:
+                item.lease.renewed(sent_at, ack.expires_in)
+                continue
+            item.lease.renewing = False  # a failed attempt is retried until the deadline
+            if ack is not None:  # the prefill says it ended: never read it
+                item.lease.lost = f"the prefill no longer holds it ({why})"
 
     def _release(self, remote: RemoteParams, reason: str) -> bool:
         releaser = self.releaser  # read once: close() may clear it from another thread
@@ -568,7 +659,9 @@ class KVConnector:
         self._take_releases()
         self._poll_leases(events)
         self._poll_reads()
+        self._take_renewals()
         self._admit(events=events)
+        self._renew_waiting()
         self.metrics.leases_held.set(len(self._leases))
         return events
 

@@ -40,6 +40,7 @@ from types import TracebackType
 import zmq
 
 from kvxfer.protocol import (
+    AUTH_FAILED,
     MAX_RELEASE_REASON_CHARS,
     AgentMetadata,
     BadSignature,
@@ -47,6 +48,7 @@ from kvxfer.protocol import (
     ErrorCode,
     ErrorReply,
     HandshakeError,
+    HashMismatch,
     MalformedMessage,
     MessageKind,
     MetadataRequest,
@@ -54,6 +56,9 @@ from kvxfer.protocol import (
     ProtocolError,
     ReleaseAck,
     ReleaseLease,
+    RenewAck,
+    RenewLease,
+    ReplayGuard,
     check_response,
     compat_hash,
     decode_envelope,
@@ -124,21 +129,31 @@ class HandshakeListener:
     thread for each :class:`ReleaseLease` and returns whether the lease is held
     (the :class:`ReleaseAck` says so); it must only hand the release over to the
     thread that owns the leases. Without it releases are refused as
-    ``unavailable``. All must not block for long: requests are served one at a
-    time.
+    ``unavailable``. ``on_renew(lease_id, requester_engine_id)`` extends a held
+    lease and returns its new TTL in seconds, or None when it is not held (the
+    :class:`RenewAck` says so). All must not block for long: requests are served
+    one at a time.
+
+    With ``hmac_key`` every request must be signed with it and fresh (timestamp
+    and nonce, see :class:`~kvxfer.protocol.ReplayGuard`); an unauthenticated peer
+    is answered only "authentication failed", without this side's CompatInfo, so
+    it gets neither metadata (the NIXL agent blob) nor a release nor a renewal,
+    and learns nothing about the model.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, engine_id: str,
                  compat: CompatInfo, metadata: Callable[[], Sequence[AgentMetadata]],
                  hmac_key: bytes | None = None,
                  on_request: Callable[[str], None] | None = None,
-                 on_release: Callable[[str, str, str], bool] | None = None) -> None:
+                 on_release: Callable[[str, str, str], bool] | None = None,
+                 on_renew: Callable[[str, str], float | None] | None = None) -> None:
         self.engine_id = engine_id
         self.host = host
         self._compat, self._hash = compat, compat_hash(compat)
         self._metadata, self._on_request = metadata, on_request
-        self._on_release = on_release
+        self._on_release, self._on_renew = on_release, on_renew
         self._key = hmac_key
+        self._replay = ReplayGuard()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = _new_socket(self._ctx, zmq.ROUTER, host, MAX_REQUEST_BYTES)
         try:
@@ -237,9 +252,12 @@ class HandshakeListener:
             reply, requester = self._answer(body[0], peer)
         except ProtocolError as exc:
             log.warning("handshake listener at %s: %s", self.address, exc)
-            reply = ErrorReply(exc.code, str(exc))
-            # an unauthenticated peer is not told which model this instance serves
-            include_compat = not isinstance(exc, BadSignature)
+            reply = ErrorReply(exc.code, AUTH_FAILED if isinstance(exc, BadSignature)
+                               else str(exc))
+            # An unauthenticated peer is not told which model this instance serves; with
+            # a key, only a signed request that failed the hash check is authenticated.
+            include_compat = (not isinstance(exc, BadSignature)
+                              and (self._key is None or isinstance(exc, HashMismatch)))
         try:
             raw = encode_message(reply, compat=self._compat, hmac_key=self._key,
                                  include_compat=include_compat)
@@ -261,13 +279,16 @@ class HandshakeListener:
                               requester)
 
     def _answer(self, raw: bytes, peer: str
-                ) -> tuple[MetadataResponse | ReleaseAck | ErrorReply, str | None]:
+                ) -> tuple[MetadataResponse | ReleaseAck | RenewAck | ErrorReply, str | None]:
         """The reply to one envelope, and the requester's engine id when a metadata
         request succeeded (None otherwise: no ``on_request`` call)."""
         envelope = decode_envelope(raw, expected_hash=self._hash, peer=peer,
-                                   hmac_key=self._key, local_compat=self._compat)
+                                   hmac_key=self._key, local_compat=self._compat,
+                                   replay=self._replay)
         if envelope.kind is MessageKind.RELEASE:
             return self._release(decode_payload(envelope, ReleaseLease, peer=peer), peer), None
+        if envelope.kind is MessageKind.RENEW:
+            return self._renew(decode_payload(envelope, RenewLease, peer=peer), peer), None
         request = decode_payload(envelope, MetadataRequest, peer=peer)
         try:
             served = {m.tp_rank: m for m in self._metadata()}
@@ -307,6 +328,22 @@ class HandshakeListener:
                                                      f"{exc}")
         return ReleaseAck(release.lease_id, bool(found))
 
+    def _renew(self, renew: RenewLease, peer: str) -> RenewAck | ErrorReply:
+        """Hand a renewal to ``on_renew``; the ack says whether and for how long."""
+        if self._on_renew is None:
+            return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} holds no leases")
+        try:
+            ttl = self._on_renew(renew.lease_id, renew.requester_engine_id)
+        except Exception as exc:
+            log.exception("handshake listener at %s: on_renew(%r) failed", self.address,
+                          renew.lease_id)
+            return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} could not "
+                                                     f"renew lease {renew.lease_id!r}: {exc}")
+        if ttl is None:
+            log.info("handshake listener at %s: %s (engine %s) renewed lease %s, which is not "
+                     "held", self.address, peer, renew.requester_engine_id, renew.lease_id)
+        return RenewAck(renew.lease_id, ttl is not None, 0.0 if ttl is None else float(ttl))
+
 
 def _describe(identity: zmq.Frame) -> str:
     """``<ip> [id <hex identity>]`` for logs and error messages."""
@@ -330,6 +367,7 @@ class HandshakeClient:
         self.engine_id = engine_id
         self.compat, self._hash = compat, compat_hash(compat)
         self._key = hmac_key
+        self._replay = ReplayGuard()  # replies, too, are refused when replayed
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._closed = False
 
@@ -410,6 +448,36 @@ class HandshakeClient:
                                    found="no answer")
         return self._parse_ack(frames, address, lease_id)
 
+    def renew(self, host: str, port: int, lease_id: str, *,
+              timeout: float = RELEASE_TIMEOUT_S) -> RenewAck:
+        """Ask the prefill at ``host:port`` to keep lease ``lease_id`` for another TTL.
+
+        One attempt of at most ``timeout`` seconds; the ack says whether the lease was
+        still held and for how long it now lasts. Raises a :class:`HandshakeError`
+        naming the peer address on any failure.
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        address = endpoint(host, port)
+        request = encode_message(RenewLease(lease_id, self.engine_id), compat=self.compat,
+                                 hmac_key=self._key)
+        frames = self._exchange(host, address, request, timeout)
+        if frames is None:
+            raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
+                                   f"{lease_id!r} within {timeout:g} s", peer=address)
+        if len(frames) != 1:
+            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address)
+        envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
+                                   hmac_key=self._key, replay=self._replay)
+        if envelope.kind is MessageKind.ERROR_REPLY:
+            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
+                              what=f"the renewal of lease {lease_id!r}")
+        ack = decode_payload(envelope, RenewAck, peer=address)
+        if ack.lease_id != lease_id:
+            raise MalformedMessage("renew ack", f"it acknowledges lease {ack.lease_id!r}, not "
+                                                f"{lease_id!r}", peer=address)
+        return ack
+
     def close(self) -> None:
         """Release the ZMQ context (idempotent)."""
         if not self._closed:
@@ -446,7 +514,8 @@ class HandshakeClient:
             raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
                                    expected=1, found=len(frames))
         envelope = decode_envelope(frames[0], expected_hash=self._hash, peer=address,
-                                   hmac_key=self._key, local_compat=self.compat)
+                                   hmac_key=self._key, local_compat=self.compat,
+                                   replay=self._replay)
         if envelope.kind is MessageKind.ERROR_REPLY:
             raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address)
         response = decode_payload(envelope, MetadataResponse, peer=address)
@@ -457,7 +526,7 @@ class HandshakeClient:
             raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
                                    expected=1, found=len(frames))
         envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
-                                   hmac_key=self._key)
+                                   hmac_key=self._key, replay=self._replay)
         if envelope.kind is MessageKind.ERROR_REPLY:
             raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
                               what=f"the release of lease {lease_id!r}")
@@ -523,6 +592,21 @@ class ReleaseSender:
             return False
         return True
 
+    def submit_renew(self, host: str, port: int, lease_id: str,
+                     done: Callable[[RenewAck | None, float, str], None]) -> bool:
+        """Queue one renewal (:meth:`HandshakeClient.renew`); ``done(ack, sent_at, why)``
+        is called on the sender's thread with the ack (None on failure), the monotonic
+        time it was sent and, unless renewed, why not. False (and no call) when closed
+        or the queue is full."""
+        if self._closed:
+            return False
+        try:
+            self._queue.put_nowait((host, port, lease_id, done))
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
     def close(self) -> None:
         """Send what is queued for at most ``drain_s`` s, then stop the thread (idempotent)."""
         if self._closed:
@@ -554,7 +638,26 @@ class ReleaseSender:
                 log.info("release of lease %s at %s dropped: shutting down", lease_id,
                          endpoint(host, port))
                 continue
-            self._send(host, port, lease_id, reason)
+            if callable(reason):
+                self._send_renew(host, port, lease_id, reason)
+            else:
+                self._send(host, port, lease_id, reason)
+
+    def _send_renew(self, host: str, port: int, lease_id: str,
+                    done: Callable[[RenewAck | None, float, str], None]) -> None:
+        sent_at = time.monotonic()
+        try:
+            ack: RenewAck | None = self._client.renew(host, port, lease_id,
+                                                      timeout=self._timeout)
+            why = "" if ack is not None and ack.found else "the prefill no longer holds it"
+        except Exception as exc:  # the thread must survive anything
+            ack, why = None, str(exc)
+            log.warning("could not renew lease %s at %s: %s", lease_id, endpoint(host, port),
+                        exc)
+        try:
+            done(ack, sent_at, why)
+        except Exception:
+            log.exception("the renewal callback of lease %s failed", lease_id)
 
     def _send(self, host: str, port: int, lease_id: str, reason: str) -> None:
         try:

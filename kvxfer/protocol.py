@@ -30,6 +30,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import os
+import threading
+import time
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple, TypeVar
 
@@ -45,7 +48,10 @@ from kvxfer.regions import RegionPlan
 #      notifications as MAGIC + msgpack {version, done}.
 #   2: message kinds "release" (ReleaseLease, decode -> prefill) and "release_ack"
 #      (ReleaseAck); neither has its compat hash checked.
-KVXFER_PROTOCOL_VERSION: int = 2
+#   3: signed envelopes carry a timestamp and a random nonce (both signed) so that
+#      a receiver refuses replays; notifications carry an optional HMAC signature;
+#      message kinds "renew" (RenewLease) and "renew_ack" (RenewAck), hash-free.
+KVXFER_PROTOCOL_VERSION: int = 3
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
@@ -60,14 +66,24 @@ class MessageKind(str, enum.Enum):
     METADATA_RESPONSE = "metadata_response"
     RELEASE = "release"
     RELEASE_ACK = "release_ack"
+    RENEW = "renew"
+    RENEW_ACK = "renew_ack"
     ERROR_REPLY = "error_reply"
 
 
-HASH_FREE_KINDS: frozenset[MessageKind] = frozenset({MessageKind.RELEASE,
-                                                     MessageKind.RELEASE_ACK})
+HASH_FREE_KINDS: frozenset[MessageKind] = frozenset({
+    MessageKind.RELEASE, MessageKind.RELEASE_ACK, MessageKind.RENEW, MessageKind.RENEW_ACK})
 """Kinds whose compatibility hash :func:`decode_envelope` does not check: they carry
 no KV metadata, only a lease id, so two instances of different models may exchange
 them (a decode whose handshake was refused for a model mismatch still releases)."""
+
+MAX_MESSAGE_AGE_S = 30.0
+"""A signed message whose timestamp is further than this from the receiver's clock
+is refused (so a captured message cannot be replayed later); nonces are remembered
+for as long. Clocks of the two sides must agree to well within this."""
+
+AUTH_FAILED = "authentication failed"
+"""All an unauthenticated peer is told (see :class:`BadSignature`)."""
 
 
 class ErrorCode(str, enum.Enum):
@@ -176,6 +192,17 @@ class BadSignature(ProtocolError):
         super().__init__(f"peer {peer} sent {what}", peer=peer,
                          expected="a valid HMAC-SHA256 signature",
                          found="no signature" if signature is None else signature.hex())
+
+
+class ReplayedMessage(BadSignature):
+    """A correctly signed message that is stale (timestamp outside the window) or
+    whose nonce was seen already: a replay."""
+
+    def __init__(self, why: str, *, peer: str) -> None:
+        ProtocolError.__init__(self, f"peer {peer} sent a signed message that is refused as a "
+                                     f"replay: {why}", peer=peer,
+                               expected=f"a fresh message (within {MAX_MESSAGE_AGE_S:g} s, "
+                                        f"new nonce)", found=why)
 
 
 class MalformedMessage(ProtocolError):
@@ -363,6 +390,40 @@ class ReleaseAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(bool(self.lease_id), "ReleaseAck.lease_id must not be empty")
 
 
+class RenewLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: the decode will still read lease ``lease_id`` (it waits, e.g.
+    for free blocks); keep it for another lease TTL."""
+
+    lease_id: str
+    requester_engine_id: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.lease_id), "RenewLease.lease_id must not be empty")
+        _require(len(self.lease_id) <= MAX_LEASE_ID_CHARS,
+                 f"RenewLease.lease_id has {len(self.lease_id)} characters, at most "
+                 f"{MAX_LEASE_ID_CHARS} are allowed")
+        _require(bool(self.requester_engine_id),
+                 "RenewLease.requester_engine_id must not be empty")
+
+
+class RenewAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the answer to a :class:`RenewLease`.
+
+    ``found`` is True when the lease was held and now lasts ``expires_in``
+    seconds from when the prefill answered; False when it had ended (the decode
+    must not read it).
+    """
+
+    lease_id: str
+    found: bool
+    expires_in: float
+
+    def __post_init__(self) -> None:
+        _require(bool(self.lease_id), "RenewAck.lease_id must not be empty")
+        _require(self.expires_in >= 0,
+                 f"RenewAck.expires_in must not be negative, got {self.expires_in}")
+
+
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill → decode: the request was refused; ``message`` names the reason."""
 
@@ -370,15 +431,18 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     message: str
 
 
-Message = MetadataRequest | MetadataResponse | ReleaseLease | ReleaseAck | ErrorReply
+Message = (MetadataRequest | MetadataResponse | ReleaseLease | ReleaseAck | RenewLease
+           | RenewAck | ErrorReply)
 MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ReleaseLease, ReleaseAck,
-                   ErrorReply)
+                   RenewLease, RenewAck, ErrorReply)
 
 _KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
     MetadataRequest: MessageKind.METADATA_REQUEST,
     MetadataResponse: MessageKind.METADATA_RESPONSE,
     ReleaseLease: MessageKind.RELEASE,
     ReleaseAck: MessageKind.RELEASE_ACK,
+    RenewLease: MessageKind.RENEW,
+    RenewAck: MessageKind.RENEW_ACK,
     ErrorReply: MessageKind.ERROR_REPLY,
 }
 
@@ -406,7 +470,9 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``signature`` is HMAC-SHA256 with the shared key over every other field
     (see :func:`_signed_bytes`), absent when the sender has no key. ``sender``
     is the sender's :class:`CompatInfo`, so that a hash mismatch can name the
-    fields that differ.
+    fields that differ. A signed envelope carries ``timestamp`` (seconds since
+    the epoch, the sender's clock) and a random 16-byte ``nonce``, so that a
+    receiver can refuse replays (:class:`ReplayGuard`).
     """
 
     version: int
@@ -415,6 +481,8 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     payload: bytes
     signature: bytes | None = None
     sender: CompatInfo | None = None
+    timestamp: float = 0.0
+    nonce: bytes = b""
 
 
 class _Header(msgspec.Struct):
@@ -448,10 +516,12 @@ class ReadDone(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class _NotifFrame(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A notification on the wire (after MAGIC)."""
+    """A notification on the wire (after MAGIC); ``signature`` is HMAC-SHA256 over the
+    magic, the version and ``done`` (absent without a key)."""
 
     version: int
     done: ReadDone
+    signature: bytes | None = None
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -461,10 +531,11 @@ _DECODERS: dict[type[msgspec.Struct], msgspec.msgpack.Decoder[msgspec.Struct]] =
 }
 
 
-def _signed_bytes(version: int, compat_hash_: str, kind: MessageKind, payload: bytes,
-                  sender: CompatInfo | None) -> bytes:
+def _signed_bytes(envelope: Envelope) -> bytes:
     """What the HMAC covers: the magic and every envelope field except the signature."""
-    return MAGIC + _ENCODER.encode((version, compat_hash_, kind.value, payload, sender))
+    return MAGIC + _ENCODER.encode((envelope.version, envelope.compat_hash, envelope.kind.value,
+                                    envelope.payload, envelope.sender, envelope.timestamp,
+                                    envelope.nonce))
 
 
 def _sign(key: bytes, data: bytes) -> bytes:
@@ -480,13 +551,14 @@ def encode_message(message: Message, *, compat: CompatInfo, hmac_key: bytes | No
     """
     kind = _KIND_OF[type(message)]
     payload = _ENCODER.encode(message)
-    digest = compat_hash(compat)
     sender = compat if include_compat else None
-    signature = None
+    envelope = Envelope(KVXFER_PROTOCOL_VERSION, compat_hash(compat), kind, payload, None,
+                        sender)
     if hmac_key is not None:
-        signature = _sign(hmac_key, _signed_bytes(KVXFER_PROTOCOL_VERSION, digest, kind,
-                                                  payload, sender))
-    envelope = Envelope(KVXFER_PROTOCOL_VERSION, digest, kind, payload, signature, sender)
+        envelope = msgspec.structs.replace(envelope, timestamp=time.time(),
+                                           nonce=os.urandom(NONCE_BYTES))
+        envelope = msgspec.structs.replace(envelope,
+                                           signature=_sign(hmac_key, _signed_bytes(envelope)))
     return MAGIC + _ENCODER.encode(envelope)
 
 
@@ -512,12 +584,15 @@ def _check_version(raw: bytes, what: str, peer: str) -> bytes:
 
 def decode_envelope(raw: bytes, *, expected_hash: str | None, peer: str,
                     hmac_key: bytes | None = None,
-                    local_compat: CompatInfo | None = None) -> Envelope:
+                    local_compat: CompatInfo | None = None,
+                    replay: ReplayGuard | None = None) -> Envelope:
     """Phase one of decoding a handshake message; the payload stays undecoded.
 
     Checks, in order: magic, version, the envelope's shape, the signature (when
-    ``hmac_key`` is set; without a key, signatures are ignored), and the
-    compatibility hash against ``expected_hash``. The hash is not checked for
+    ``hmac_key`` is set; without a key, signatures are ignored), its freshness
+    (with a key: the timestamp within :data:`MAX_MESSAGE_AGE_S`, and with
+    ``replay`` a nonce never seen before), and the compatibility hash against
+    ``expected_hash``. The hash is not checked for
     :data:`HASH_FREE_KINDS`, nor when ``expected_hash`` is None (a caller that
     expects only a reply to a release, which may come from another model). With
     ``local_compat`` a hash mismatch names the differing fields. ``peer`` is
@@ -527,10 +602,10 @@ def decode_envelope(raw: bytes, *, expected_hash: str | None, peer: str,
     envelope = _decode(Envelope, body, "envelope", peer)
     assert isinstance(envelope, Envelope)
     if hmac_key is not None:
-        want = _sign(hmac_key, _signed_bytes(envelope.version, envelope.compat_hash,
-                                             envelope.kind, envelope.payload, envelope.sender))
+        want = _sign(hmac_key, _signed_bytes(envelope))
         if envelope.signature is None or not hmac.compare_digest(want, envelope.signature):
             raise BadSignature(envelope.signature, peer=peer)
+        (replay or _FRESHNESS).check(envelope.nonce, envelope.timestamp, peer=peer)
     sender = envelope.sender
     if sender is not None and compat_hash(sender) != envelope.compat_hash:
         raise MalformedMessage("envelope", f"its compat_hash {envelope.compat_hash} is not the "
@@ -559,14 +634,82 @@ def decode_payload(envelope: Envelope, kind: type[MessageT], *,
 
 # -- notifications --------------------------------------------------------------------------
 
-def encode_notif(done: ReadDone) -> bytes:
-    """The NIXL notification bytes for ``done``: magic, then msgpack ``{version, done}``."""
-    return MAGIC + _ENCODER.encode(_NotifFrame(KVXFER_PROTOCOL_VERSION, done))
+def _notif_signed_bytes(version: int, done: ReadDone) -> bytes:
+    return MAGIC + _ENCODER.encode((version, done))
 
 
-def decode_notif(raw: bytes, *, peer: str = _UNKNOWN_PEER) -> ReadDone:
-    """Decode a notification strictly; anything else raises a :class:`ProtocolError`."""
+def encode_notif(done: ReadDone, hmac_key: bytes | None = None) -> bytes:
+    """The NIXL notification bytes for ``done``: magic, then msgpack ``{version, done,
+    signature}``; signed when a key is given.
+
+    A notification has no nonce: the lease id it names is unique and used once,
+    and a reader's "done" counts once per lease, so a replayed one changes nothing.
+    """
+    signature = None
+    if hmac_key is not None:
+        signature = _sign(hmac_key, _notif_signed_bytes(KVXFER_PROTOCOL_VERSION, done))
+    return MAGIC + _ENCODER.encode(_NotifFrame(KVXFER_PROTOCOL_VERSION, done, signature))
+
+
+def decode_notif(raw: bytes, *, peer: str = _UNKNOWN_PEER,
+                 hmac_key: bytes | None = None) -> ReadDone:
+    """Decode a notification strictly; anything else raises a :class:`ProtocolError`.
+
+    With ``hmac_key`` an unsigned or badly signed one raises :class:`BadSignature`."""
     body = _check_version(raw, "notification", peer)
     frame = _decode(_NotifFrame, body, "notification", peer)
     assert isinstance(frame, _NotifFrame)
+    if hmac_key is not None:
+        want = _sign(hmac_key, _notif_signed_bytes(frame.version, frame.done))
+        if frame.signature is None or not hmac.compare_digest(want, frame.signature):
+            raise BadSignature(frame.signature, peer=peer)
     return frame.done
+
+
+# -- replays --------------------------------------------------------------------------------
+
+NONCE_BYTES = 16
+
+
+class ReplayGuard:
+    """Refuses signed messages that are stale or whose nonce was seen (thread-safe).
+
+    Nonces are remembered for ``2 * max_age`` seconds (a message is accepted up to
+    ``max_age`` early or late), at most ``max_nonces`` of them; only messages whose
+    signature verified are recorded, so only key holders can fill it.
+    """
+
+    def __init__(self, max_age: float = MAX_MESSAGE_AGE_S, *, remember: bool = True,
+                 max_nonces: int = 1_000_000) -> None:
+        self.max_age, self._remember, self._max = max_age, remember, max_nonces
+        self._seen: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+        self._next_purge = 0.0
+
+    def check(self, nonce: bytes, timestamp: float, *, peer: str,
+              now: float | None = None) -> None:
+        """Raise :class:`ReplayedMessage` unless the message is fresh; record its nonce."""
+        now = time.time() if now is None else now
+        if not abs(now - timestamp) <= self.max_age:
+            raise ReplayedMessage(f"its timestamp is {now - timestamp:+.1f} s from this side's "
+                                  f"clock, more than {self.max_age:g} s", peer=peer)
+        if not self._remember:
+            return
+        if len(nonce) != NONCE_BYTES:
+            raise ReplayedMessage(f"its nonce has {len(nonce)} bytes, not {NONCE_BYTES}",
+                                  peer=peer)
+        with self._lock:
+            if now >= self._next_purge or len(self._seen) >= self._max:
+                self._purge(now)
+            if nonce in self._seen:
+                raise ReplayedMessage("its nonce was seen already", peer=peer)
+            if len(self._seen) >= self._max:
+                raise ReplayedMessage("too many recent messages to remember", peer=peer)
+            self._seen[nonce] = now + 2 * self.max_age
+
+    def _purge(self, now: float) -> None:
+        self._seen = {n: until for n, until in self._seen.items() if until > now}
+        self._next_purge = now + self.max_age
+
+
+_FRESHNESS = ReplayGuard(remember=False)  # a caller without a guard still refuses stale ones

@@ -40,7 +40,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -123,6 +123,8 @@ class Settings:
     lease_ttl: float = 120.0
     read_lanes: int = 2
     served_model_names: tuple[str, ...] = ()
+    # the side channel's shared key (kvxfer.kv_key); None: unauthenticated, loopback only
+    kv_key: bytes | None = field(default=None, repr=False)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer KEY" when set
     kv_read_timeout: float = 10.0  # decode: bound on a KV load's handshake and on its READ
 
@@ -153,7 +155,7 @@ class Sidecar:
                                       layout=self.engine.layout.name, tp=self.engine.tp)
         self.connector = KVConnector(
             self.engine, settings.role, self.metrics, engine_id=self.engine_id,
-            side_channel_host=settings.side_channel_host,
+            hmac_key=settings.kv_key, side_channel_host=settings.side_channel_host,
             side_channel_port=settings.side_channel_port, lease_ttl=settings.lease_ttl,
             failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
             kv_read_timeout=settings.kv_read_timeout)
@@ -598,6 +600,13 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
             signal.signal(sig, interrupt)
         side = Sidecar(settings)
         log.info("kvxfer serve: %s", side.describe(port))
+        if settings.kv_key is None and settings.role != "both":
+            log.warning("kvxfer serve: no --kv-key-file: the KV side channel, NIXL "
+                        "notifications and lease tickets are unauthenticated; anyone who "
+                        "reaches %s may read, free or overwrite leased KV. Use this only on "
+                        "loopback or a network you trust completely",
+                        settings.side_channel_host if settings.role == "prefill"
+                        else "this decode's HTTP port")
         if settings.api_key is None:
             log.warning("kvxfer serve: no --api-key: anyone who reaches %s:%d may use this "
                         "sidecar's HTTP API", settings.host, port)

@@ -75,6 +75,7 @@ from kvxfer.protocol import (
     encode_notif,
 )
 from kvxfer.regions import RegionPlan, plan_regions
+from kvxfer.tickets import TICKET_KEY, LeaseClaims
 from kvxfer.topology import notify_plan, read_plan
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ class RemoteParams:
     remote_block_ids: tuple[int, ...]
     remote_request_id: str
     tp_size: int
+    # Optional for vLLM compatibility; a kvxfer decode refuses a lease without an expiry.
+    remote_num_tokens: int | None = None
+    lease_expires_at: float | None = None
+    lease_ticket: str | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteParams:
@@ -139,8 +144,29 @@ class RemoteParams:
         if len(set(ids)) != len(ids):
             raise ValueError("kv_transfer_params.remote_block_ids repeats a block id; each "
                              "block of a prompt is a different block")
+        tokens, expires = params.get("remote_num_tokens"), params.get("lease_expires_at")
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)):
+            raise ValueError(f"kv_transfer_params.remote_num_tokens must be int, got {tokens!r}")
+        if expires is not None and (not isinstance(expires, int | float)
+                                    or isinstance(expires, bool)):
+            raise ValueError(f"kv_transfer_params.lease_expires_at must be a number of "
+                             f"seconds since the epoch, got {expires!r}")
+        ticket = params.get(TICKET_KEY)
+        if ticket is not None and not isinstance(ticket, str):
+            raise ValueError(f"kv_transfer_params.{TICKET_KEY} must be str, got {ticket!r}")
         return cls(params["remote_engine_id"], params["remote_host"], port, tuple(ids),
-                   params["remote_request_id"], tp)
+                   params["remote_request_id"], tp, tokens,
+                   None if expires is None else float(expires), ticket)
+
+    def claims(self) -> LeaseClaims:
+        """What the lease ticket must bind; ValueError when the params lack an expiry."""
+        if self.lease_expires_at is None:
+            raise ValueError("kv_transfer_params.lease_expires_at is missing: a decode only "
+                             "reads a lease whose end it knows")
+        return LeaseClaims(self.remote_engine_id, self.remote_host, self.remote_port,
+                           self.remote_request_id, self.remote_block_ids,
+                           -1 if self.remote_num_tokens is None else self.remote_num_tokens,
+                           self.tp_size, self.lease_expires_at)
 
     @property
     def address(self) -> str:
@@ -238,6 +264,7 @@ class TransferWorker:
         self.total_kv_heads = total_kv_heads
         self.handshake_timeout, self.handshake_retries = handshake_timeout, handshake_retries
         self.read_timeout = read_timeout
+        self._key = hmac_key  # signs and verifies "done" notifications
         self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
         self._agent = NixlAgent(f"{engine_id}-rank{rank}")
         self.read_lanes = read_lanes
@@ -354,6 +381,16 @@ class TransferWorker:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
+
+    def renew(self, request_id: str, ttl: float) -> bool:
+        """Extend lease ``request_id`` to ``ttl`` seconds from now (never shorten it);
+        False when it is not held. Thread-safe (the listener's thread calls it)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.expires = max(lease.expires, time.monotonic() + ttl)
+            return True
 
     def holds_lease(self, request_id: str) -> bool:
         """Whether lease ``request_id`` is held (thread-safe)."""
@@ -483,7 +520,7 @@ class TransferWorker:
                             ok=True)
             try:
                 transfer = self._agent.read(peer.agents[rank_descs.remote_rank], rank_descs.local,
-                                            rank_descs.remote, encode_notif(note))
+                                            rank_descs.remote, encode_notif(note, self._key))
             except Exception as exc:
                 self._fail(job, f"prefill {peer.engine_id} rank {rank_descs.remote_rank} at "
                                 f"{peer.address}: READ could not be posted: {exc}", notify=True)
@@ -563,7 +600,7 @@ class TransferWorker:
             note = ReadDone(job.remote.remote_request_id, self.engine_id, self.rank,
                             peer.expected_readers[rank], ok=ok)
             try:
-                self._agent.send_notif(peer.agents[rank], encode_notif(note))
+                self._agent.send_notif(peer.agents[rank], encode_notif(note, self._key))
             except Exception as exc:
                 sent = False
                 log.info("could not notify prefill %s rank %d: %s", peer.engine_id, rank, exc)
@@ -696,9 +733,9 @@ class TransferWorker:
         for sender, messages in self._agent.get_notifs().items():
             for raw in messages:
                 try:
-                    note = decode_notif(raw)
-                except ProtocolError as exc:
-                    log.warning("ignoring a malformed notification from %s: %s", sender, exc)
+                    note = decode_notif(raw, peer=f"agent {sender!r}", hmac_key=self._key)
+                except ProtocolError as exc:  # a forged "done" must not end a lease
+                    log.warning("ignoring a notification: %s", exc)
                     continue
                 with self._lock:
                     lease = self._leases.get(note.request_id)

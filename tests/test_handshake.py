@@ -245,9 +245,21 @@ def test_bad_signature_is_refused(case: str, ctx: zmq.Context[Any],
     assert envelope.sender is None, "an unauthenticated peer is not told the model"
     reply = refusal(answer, key=KEY)
     assert reply.code is ErrorCode.BAD_SIGNATURE
-    assert ("unsigned" if case == "unsigned" else "does not verify") in reply.message
+    assert reply.message == "authentication failed", "nothing else is told"
+    assert RANKS[0].agent_blob not in answer[0], "no NIXL metadata without the key"
     with HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
         assert keyed.fetch(HOST, keyed_listener.port, [0]).ranks == (RANKS[0],)
+
+
+def test_a_replayed_signed_request_is_refused(ctx: zmq.Context[Any],
+                                              keyed_listener: HandshakeListener) -> None:
+    raw = request(hmac_key=KEY)
+    first = exchange(ctx, keyed_listener.address, [raw])
+    assert first is not None and RANKS[0].agent_blob in first[0]
+    again = exchange(ctx, keyed_listener.address, [raw])
+    assert again is not None and RANKS[0].agent_blob not in again[0]
+    reply = refusal(again, key=KEY)
+    assert (reply.code, reply.message) == (ErrorCode.BAD_SIGNATURE, "authentication failed")
 
 
 def test_oversized_message_drops_the_peer_and_listener_keeps_serving(
@@ -334,7 +346,7 @@ def test_client_refused_for_an_unknown_rank(client: HandshakeClient,
 
 def test_unsigned_client_is_refused_by_a_keyed_listener(
         client: HandshakeClient, keyed_listener: HandshakeListener) -> None:
-    with pytest.raises(PeerRefused, match="unsigned message") as info:
+    with pytest.raises(PeerRefused, match="authentication failed") as info:
         client.fetch(HOST, keyed_listener.port, [0], timeout=ANSWER_S)
     assert info.value.code is ErrorCode.BAD_SIGNATURE
 
@@ -416,8 +428,8 @@ BAD_REPLIES: dict[str, tuple[list[bytes], type[HandshakeError], str]] = {
                      "holds ranks [0] but ranks [0, 1] were requested"),
     "two-frames": (_response(*RANKS) * 2, MalformedMessage, "2 frames, expected 1"),
     "garbage": ([b"\xde\xad\xbe\xef"], BadMagic, r"b'\xde\xad\xbe\xef'"),
-    "version": ([MAGIC + msgspec.msgpack.encode({"version": 3})], VersionMismatch,
-                f"speaks kvxfer protocol 3, this side speaks {KVXFER_PROTOCOL_VERSION}"),
+    "version": ([MAGIC + msgspec.msgpack.encode({"version": 99})], VersionMismatch,
+                f"speaks kvxfer protocol 99, this side speaks {KVXFER_PROTOCOL_VERSION}"),
     "a-request": ([request(MetadataRequest("x", (0,)))], MalformedMessage,
                   "expected a metadata_response, found a metadata_request"),
     "inconsistent-tp": (_forged_response(tp_size=4), MalformedMessage,
@@ -787,3 +799,36 @@ def test_listener_in_another_process(remote: tuple[int, tuple[AgentMetadata, ...
 
 if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
     serve_until_stdin_closes()
+
+
+# -- renewals --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_renewal_is_answered_with_the_ttl(held: bool) -> None:
+    calls: list[tuple[str, str]] = []
+
+    def on_renew(lease_id: str, requester: str) -> float | None:
+        calls.append((lease_id, requester))
+        return 0.5 if held else None
+
+    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+                           hmac_key=KEY, on_renew=on_renew) as served, \
+            HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
+        ack = keyed.renew(HOST, served.port, HELD, timeout=ANSWER_S)
+    assert (ack.lease_id, ack.found, ack.expires_in) == (HELD, held, 0.5 if held else 0.0)
+    assert calls == [(HELD, "decode-b")]
+
+
+def test_an_unauthenticated_renewal_is_refused() -> None:
+    calls: list[str] = []
+
+    def on_renew(lease_id: str, _requester: str) -> float | None:
+        calls.append(lease_id)
+        return 0.5
+
+    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+                           hmac_key=KEY, on_renew=on_renew) as served, \
+            HandshakeClient("decode-b", COMPAT) as unsigned, \
+            pytest.raises(PeerRefused, match="authentication failed"):
+        unsigned.renew(HOST, served.port, HELD, timeout=ANSWER_S)
+    assert calls == []

@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RUFF_PATHS = ("kvxfer", "proxy", "tests")
 MYPY_FILES = ("kvxfer/layout.py", "kvxfer/regions.py", "kvxfer/topology.py",
-              "kvxfer/descriptors.py", "kvxfer/protocol.py")
+              "kvxfer/descriptors.py", "kvxfer/protocol.py", "kvxfer/tickets.py",
+              "kvxfer/leases.py", "kvxfer/kv_key.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

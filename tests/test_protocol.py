@@ -38,6 +38,8 @@ from kvxfer.protocol import (
     ReadDone,
     ReleaseAck,
     ReleaseLease,
+    RenewAck,
+    RenewLease,
     VersionMismatch,
     check_response,
     compat_diff,
@@ -78,10 +80,12 @@ RESPONSE = MetadataResponse("prefill-a", 2, (meta(1), meta(0)))
 REQUEST = MetadataRequest("decode-b", (1, 0))
 RELEASE = ReleaseLease("req-7@3", "decode-b", "the decode refused the request: max_tokens")
 ACK = ReleaseAck("req-7@3", found=True)
-MESSAGES = [REQUEST, RESPONSE, RELEASE, ACK, ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
+MESSAGES = [REQUEST, RESPONSE, RELEASE, ACK, RenewLease("req-7@3", "decode-b"),
+            RenewAck("req-7@3", True, 0.5), ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
 KIND_NAMES: dict[type[Any], str] = {
     MetadataRequest: "metadata_request", MetadataResponse: "metadata_response",
-    ReleaseLease: "release", ReleaseAck: "release_ack", ErrorReply: "error_reply"}
+    ReleaseLease: "release", ReleaseAck: "release_ack", RenewLease: "renew",
+    RenewAck: "renew_ack", ErrorReply: "error_reply"}
 
 
 def builtins(obj: Any) -> Any:
@@ -448,8 +452,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 2): a change here changes the wire, so it needs a version bump.
-    assert HASH == "d396b9176b01b144f3d8f98db60290f07a7c787ace0ac4c7184560415026c094"
+    # Pinned (protocol 3): a change here changes the wire, so it needs a version bump.
+    assert HASH == "17e44386fa324d844cd1e4db2a4fcf9b3ea11623d8fdeb6a6223cef24bb3c99f"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -472,13 +476,14 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 2
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 3
 
 
 # -- releases: no hash check, every other check -----------------------------------------------
 
 def test_release_kinds_are_the_hash_free_ones() -> None:
-    assert {MessageKind.RELEASE, MessageKind.RELEASE_ACK} == HASH_FREE_KINDS
+    assert {MessageKind.RELEASE, MessageKind.RELEASE_ACK, MessageKind.RENEW,
+            MessageKind.RENEW_ACK} == HASH_FREE_KINDS
 
 
 @pytest.mark.parametrize("message", [RELEASE, ACK], ids=lambda m: type(m).__name__)

@@ -175,10 +175,8 @@ def test_a_release_of_a_lease_not_held_changes_nothing(rig: dict[str, Sidecar]) 
     params = lease(prefill, COMPLETIONS, body, start)
     held = prefill.health()
     lease_id = params["remote_request_id"]
-    request_id, serial = lease_id.rsplit("@", 1)
-    strangers = ["no-such-lease", request_id, f"{request_id}@{int(serial) + 1}",
-                 f"{lease_id}@1", lease_id.upper() if lease_id.upper() != lease_id
-                 else f"x{lease_id}"]
+    strangers = ["no-such-lease", lease_id[:-1], f"{lease_id}@1", f"x{lease_id}",
+                 lease_id.upper() if lease_id.upper() != lease_id else f"{lease_id}x"]
     with HandshakeClient("decode-stranger", compat_of_another_model()) as client:
         for stranger in strangers:
             assert client.release(HOST, params["remote_port"], stranger, "wrong id") is False, \
@@ -222,7 +220,8 @@ class Recorder:
 
     def params(self, lease_id: str, num_tokens: int) -> RemoteParams:
         return RemoteParams("prefill-recorder", HOST, self.listener.port,
-                            tuple(range(-(-num_tokens // 16))), lease_id, 1)
+                            tuple(range(-(-num_tokens // 16))), lease_id, 1, num_tokens,
+                            time.time() + 60)
 
     def wait_for(self, count: int) -> list[tuple[str, str, str]]:
         for _ in range(500):
@@ -321,7 +320,8 @@ def test_a_dead_prefill_does_not_hold_up_the_connector(
     with socket.socket() as probe:  # a port that was free a moment ago
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
-    dead = RemoteParams("prefill-gone", HOST, port, (0, 1), "lease-gone@1", 1)
+    dead = RemoteParams("prefill-gone", HOST, port, (0, 1), "lease-gone@1", 1, 20,
+                        time.time() + 60)
     releaser = connector.releaser
     assert releaser is not None
     with caplog.at_level(logging.WARNING, logger="kvxfer.handshake"):

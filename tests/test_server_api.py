@@ -404,7 +404,8 @@ def test_disaggregated_chat_and_stream_match_single_instance(trio: dict[str, Sid
     body = {"messages": MESSAGES, "max_completion_tokens": 6, "logprobs": True, **GREEDY}
     want = ok(both.post(CHAT, body))["choices"][0]
     first, second = disaggregated(prefill, decode, CHAT, body, request_id="chat-1")
-    assert first.json()["kv_transfer_params"]["remote_request_id"].startswith("chat-1@")
+    lease_id = first.json()["kv_transfer_params"]["remote_request_id"]
+    assert "chat-1" not in lease_id and len(lease_id) >= 22, "a random, unguessable lease id"
     got = ok(second)["choices"][0]
     assert got["message"] == want["message"]
     for a, b in zip(got["logprobs"]["content"], want["logprobs"]["content"], strict=True):

@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode: longest handshake with a prefill (all attempts "
                              "together), and longest READ of one request's KV; then the "
                              "read fails (recompute or 502, by policy) (default 10)")
+    parser.add_argument("--kv-key-file", default=None, metavar="PATH",
+                        help="prefill and decode: the key shared by every instance that "
+                             "exchanges KV (at least 16 bytes, mode 600); it signs the side "
+                             "channel, NIXL notifications and lease tickets (default "
+                             "$KVXFER_KV_KEY_FILE, else none: unauthenticated, for loopback)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients may ask for (default: the model's name)")
 
@@ -109,13 +114,20 @@ def run(args: argparse.Namespace) -> int:
         api_key = load_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
     except ApiKeyError as exc:
         return _fail(str(exc))
+    from kvxfer.kv_key import KvKeyError, key_file_from, load_kv_key
+
+    key_file = key_file_from(args.kv_key_file)
+    try:
+        kv_key = None if key_file is None else load_kv_key(key_file)
+    except KvKeyError as exc:
+        return _fail(str(exc))
     settings = Settings(
         role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port, tp=args.tp,
         kv_cache_layout=args.kv_cache_layout, block_size=args.block_size,
         num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
-        lease_ttl=args.lease_ttl, read_lanes=args.read_lanes,
+        lease_ttl=args.lease_ttl, read_lanes=args.read_lanes, kv_key=kv_key,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout)
     try:

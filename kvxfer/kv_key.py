@@ -1,0 +1,62 @@
+"""The shared key of the KV side channel: read from a file, checked at start-up.
+
+Every prefill and decode instance that exchange KV caches share one key (``kvxfer
+serve --kv-key-file PATH`` or ``$KVXFER_KV_KEY_FILE``). It signs every
+side-channel message, every NIXL notification and every lease ticket
+(HMAC-SHA256). The key is the file's content with surrounding whitespace removed,
+at least :data:`MIN_KEY_BYTES` bytes; make one with
+``python3 -c "import secrets; print(secrets.token_hex(32))" > kv.key; chmod 600 kv.key``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+KV_KEY_ENV = "KVXFER_KV_KEY_FILE"
+MIN_KEY_BYTES = 16
+MAX_KEY_BYTES = 4096
+
+
+class KvKeyError(ValueError):
+    """The key file cannot be used; the message names the file and what to do."""
+
+
+def load_kv_key(path: str | os.PathLike[str]) -> bytes:
+    """The key in ``path``; :class:`KvKeyError` when it is missing, unreadable, readable
+    by group or others (POSIX), empty or shorter than :data:`MIN_KEY_BYTES` bytes."""
+    where = Path(path)
+    try:
+        info = where.stat()
+    except OSError as exc:
+        raise KvKeyError(f"kv key file {str(where)!r} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise KvKeyError(f"kv key file {str(where)!r} is not a regular file")
+    if sys.platform != "win32" and info.st_mode & 0o077:
+        raise KvKeyError(f"kv key file {str(where)!r} is accessible by group or others "
+                         f"(mode {stat.S_IMODE(info.st_mode):04o}); run chmod 600 on it")
+    if info.st_size > MAX_KEY_BYTES:
+        raise KvKeyError(f"kv key file {str(where)!r} has {info.st_size} bytes, at most "
+                         f"{MAX_KEY_BYTES} are expected")
+    try:
+        key = where.read_bytes().strip()
+    except OSError as exc:
+        raise KvKeyError(f"kv key file {str(where)!r} cannot be read: "
+                         f"{exc.strerror or exc}") from None
+    if not key:
+        raise KvKeyError(f"kv key file {str(where)!r} is empty")
+    if len(key) < MIN_KEY_BYTES:
+        raise KvKeyError(f"kv key file {str(where)!r} holds {len(key)} bytes, at least "
+                         f"{MIN_KEY_BYTES} are needed (e.g. 64 hex digits from "
+                         f"secrets.token_hex(32))")
+    return key
+
+
+def key_file_from(arg: str | None) -> str | None:
+    """The key file to use: ``arg`` (the flag), else ``$KVXFER_KV_KEY_FILE``, else None."""
+    if arg:
+        return arg
+    return os.environ.get(KV_KEY_ENV) or None

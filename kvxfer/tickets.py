@@ -1,0 +1,77 @@
+"""Lease tickets: the signature a prefill puts on the ``kv_transfer_params`` it hands out.
+
+Pure: the standard library and msgspec, no I/O.
+
+A prefill that leases a prompt's blocks answers with vLLM's ``kv_transfer_params``
+keys plus ``lease_ticket``, an HMAC-SHA256 with the instances' shared key over
+the :class:`LeaseClaims` those keys state: engine id, side-channel host and port,
+lease id (``remote_request_id``), block ids, token count, TP size and expiry
+(``lease_expires_at``, seconds since the epoch on the prefill's clock). A decode
+recomputes the HMAC from the keys it was given and refuses the request unless it
+matches, so a client can neither forge params for another request's blocks nor
+alter a real ticket (other blocks, tokens, engine, host or port, a later expiry).
+The ticket does not stop a replay of unaltered params: the decode remembers the
+leases it consumed (:mod:`kvxfer.leases`).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+import msgspec
+
+TICKET_KEY = "lease_ticket"
+"""The ``kv_transfer_params`` key that carries the ticket (not one of vLLM's keys)."""
+
+TICKET_PREFIX = "kvxt1."
+"""Ticket format version: the prefix, then the URL-safe base64 of the 32-byte HMAC."""
+
+_DOMAIN = b"kvxfer lease ticket v1"  # keeps a ticket MAC apart from side-channel MACs
+
+
+class TicketError(ValueError):
+    """A ticket is missing, malformed or does not verify; the message says which."""
+
+
+@dataclass(frozen=True)
+class LeaseClaims:
+    """What a ticket binds: the lease a decode may read, and until when."""
+
+    engine_id: str
+    host: str
+    port: int
+    lease_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    tp_size: int
+    expires_at: float
+
+    def signed_bytes(self) -> bytes:
+        return _DOMAIN + msgspec.msgpack.encode(
+            (self.engine_id, self.host, self.port, self.lease_id, list(self.block_ids),
+             self.num_tokens, self.tp_size, float(self.expires_at)))
+
+
+def sign_ticket(key: bytes, claims: LeaseClaims) -> str:
+    """The ``lease_ticket`` value for ``claims``."""
+    mac = hmac.new(key, claims.signed_bytes(), hashlib.sha256).digest()
+    return TICKET_PREFIX + base64.urlsafe_b64encode(mac).decode("ascii").rstrip("=")
+
+
+def verify_ticket(key: bytes, claims: LeaseClaims, ticket: object) -> None:
+    """Raise :class:`TicketError` unless ``ticket`` is ``sign_ticket(key, claims)``
+    (compared in constant time)."""
+    if ticket is None:
+        raise TicketError(f"kv_transfer_params.{TICKET_KEY} is missing: this instance "
+                          f"only reads leases whose params a prefill with its key signed")
+    if not isinstance(ticket, str) or not ticket.startswith(TICKET_PREFIX):
+        raise TicketError(f"kv_transfer_params.{TICKET_KEY} is not a kvxfer lease ticket "
+                          f"(expected a string starting with {TICKET_PREFIX!r})")
+    want = sign_ticket(key, claims)
+    if not hmac.compare_digest(want.encode("ascii"), ticket.encode("utf-8", "replace")):
+        raise TicketError(f"kv_transfer_params.{TICKET_KEY} does not verify: the params were "
+                          f"altered, or not issued by a prefill that shares this instance's "
+                          f"key")

@@ -1,0 +1,383 @@
+"""Trust, with real processes: sidecars sharing a kv key refuse forged, altered, expired
+and replayed leases, forged releases and "done" notifications and unauthenticated
+metadata requests; a decode that waits renews its lease; no block leaks.
+
+Every sidecar is a real ``kvxfer serve`` process (``tests/sidecars.py``) with
+``--kv-key-file``; the attacker is this test process, speaking real ZMQ and real
+NIXL. Each test ends with every sidecar's blocks free.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from sidecars import Sidecar, SidecarGroup, Spec, prefill_body
+
+from kvxfer.handshake import HandshakeClient, PeerRefused
+from kvxfer.protocol import (
+    AUTH_FAILED,
+    BadSignature,
+    CompatInfo,
+    ErrorCode,
+    ErrorReply,
+    MetadataRequest,
+    MetadataResponse,
+    ReadDone,
+    decode_envelope,
+    decode_payload,
+    encode_message,
+    encode_notif,
+)
+from kvxfer.tickets import LeaseClaims, sign_ticket
+from proxy.contract import decode_request, parse_prefill_answer
+
+COMPLETIONS = "/v1/completions"
+HOST = "127.0.0.1"
+BODY: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+SMALL_BLOCKS = 8  # the waiting decode: 128 tokens of cache
+# Any CompatInfo will do for an attacker: the listener checks the key before the hash.
+STRANGER = CompatInfo(model="x", dtype="float32", cache_dtype="float32", head_size=8,
+                      total_kv_heads=1, num_layers=1)
+
+
+def write_key(path: Path) -> Path:
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_key(tmp_path_factory.mktemp("key") / "kv.key")
+
+
+@pytest.fixture(scope="module")
+def key(key_file: Path) -> bytes:
+    return key_file.read_bytes().strip()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[dict[str, Sidecar]]:
+    other_key = write_key(tmp_path_factory.mktemp("other") / "kv.key")
+    keyed = ("--kv-key-file", str(key_file))
+    with SidecarGroup(tmp_path_factory.mktemp("trust")) as group:
+        names = ["prefill", "short", "decode", "small", "wrong"]
+        started = group.start([
+            Spec("prefill", extra=keyed),
+            Spec("prefill", num_blocks=16, extra=(*keyed, "--lease-ttl", "0.5")),
+            Spec("decode", policy="fail", extra=keyed),
+            Spec("decode", policy="fail", num_blocks=SMALL_BLOCKS, extra=keyed),
+            Spec("decode", policy="fail", extra=("--kv-key-file", str(other_key))),
+        ])
+        yield dict(zip(names, started, strict=True))
+
+
+def idle(health: dict[str, Any]) -> bool:
+    return bool(health["used_blocks"] == 0 and health["leases"] == 0)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(rig: dict[str, Sidecar]) -> Iterator[None]:
+    """0 leaked blocks on every sidecar after each test."""
+    yield
+    for sidecar in rig.values():
+        sidecar.wait_for("every block free and no lease held", idle, timeout=20)
+
+
+def lease(prefill: Sidecar, prompt: str) -> dict[str, Any]:
+    """Prefill ``prompt`` as the proxy does; the params of the lease it now holds."""
+    answer = prefill.post(COMPLETIONS, prefill_body({**BODY, "prompt": prompt}))
+    assert answer.status_code == 200, answer.text
+    return parse_prefill_answer(answer.content, prefill.url)
+
+
+def decode(sidecar: Sidecar, prompt: str, params: dict[str, Any]) -> httpx.Response:
+    return sidecar.post(COMPLETIONS, decode_request({**BODY, "prompt": prompt}, params))
+
+
+def reference(prefill: Sidecar, prompt: str) -> dict[str, Any]:
+    """The single-instance answer (a prefill serves plain requests itself)."""
+    answer = prefill.post(COMPLETIONS, {**BODY, "prompt": prompt})
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json()["choices"][0])
+
+
+def same(answer: httpx.Response, want: dict[str, Any]) -> bool:
+    assert answer.status_code == 200, answer.text
+    got = answer.json()["choices"][0]
+    return bool(got["text"] == want["text"]
+                and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+                and all(abs(a - b) < 1e-4 for a, b in zip(
+                    got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"],
+                    strict=True)))
+
+
+def refused(answer: httpx.Response, named: str) -> None:
+    assert answer.status_code == 400, answer.text
+    assert named in answer.json()["error"]["message"], answer.text
+
+
+def still_held(prefill: Sidecar, params: dict[str, Any]) -> None:
+    """The prefill still holds the lease and its blocks (checked after a barrier request,
+    which is answered only after the loop took every queued release)."""
+    barrier = prefill.post(COMPLETIONS, {"prompt": "barrier", "max_tokens": 1})
+    assert barrier.status_code == 200, barrier.text
+    health = prefill.health()
+    assert health["leases"] == 1, health
+    assert health["used_blocks"] == len(params["remote_block_ids"]), health
+
+
+# -- forged and altered reads ----------------------------------------------------------------
+
+def test_a_forged_read_is_refused_and_the_victim_answer_is_unchanged(
+        rig: dict[str, Sidecar]) -> None:
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt = "the victim's prompt about a secret plan"
+    want = reference(prefill, prompt)
+    victim = lease(prefill, prompt)
+    forged = {k: v for k, v in victim.items() if k != "lease_ticket"}
+    forged["remote_request_id"] = "made-up-request@1"
+    refused(decode(dec, prompt, forged), "lease_ticket is missing")
+    refused(decode(dec, prompt, {**forged, "lease_ticket": victim["lease_ticket"]}),
+            "does not verify")
+    still_held(prefill, victim)
+    assert same(decode(dec, prompt, victim), want)
+
+
+ALTERATIONS: dict[str, Any] = {
+    "block ids": lambda p: {"remote_block_ids": [b + 1 for b in p["remote_block_ids"]]},
+    "token count": lambda p: {"remote_num_tokens": p["remote_num_tokens"] + 1},
+    "engine": lambda p: {"remote_engine_id": "prefill-000000000000"},
+    "port": lambda p: {"remote_port": p["remote_port"] + 1},
+    "host": lambda p: {"remote_host": "localhost"},
+    "later expiry": lambda p: {"lease_expires_at": p["lease_expires_at"] + 3600},
+}
+
+
+def test_an_altered_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt = "a prompt whose params someone alters"
+    want = reference(prefill, prompt)
+    victim = lease(prefill, prompt)
+    for name, change in ALTERATIONS.items():
+        answer = decode(dec, prompt, {**victim, **change(victim)})
+        assert answer.status_code == 400, f"{name}: {answer.text}"
+        message = answer.json()["error"]["message"]
+        assert "does not verify" in message or "remote_num_tokens" in message, (name, message)
+    still_held(prefill, victim)
+    assert same(decode(dec, prompt, victim), want)
+
+
+def test_a_replayed_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt = "a prompt read once and replayed"
+    want = reference(prefill, prompt)
+    params = lease(prefill, prompt)
+    assert same(decode(dec, prompt, params), want)
+    prefill.wait_for("the lease released", idle)
+    other_prompt = "someone else's prompt, in the blocks a replay would read"
+    other_want = reference(prefill, other_prompt)
+    other = lease(prefill, other_prompt)
+    refused(decode(dec, prompt, params), "already used")
+    refused(decode(dec, prompt, params), "already used")
+    still_held(prefill, other)
+    assert same(decode(dec, other_prompt, other), other_want)
+
+
+def test_an_expired_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
+    short, dec = rig["short"], rig["decode"]
+    prompt = "a prompt whose lease ran out"
+    params = lease(short, prompt)
+    short.wait_for("the 0.5 s lease expired", idle, timeout=10)
+    refused(decode(dec, prompt, params), "in the past")
+    fresh = lease(short, prompt)
+    refused(decode(dec, prompt, {**fresh, "lease_expires_at": 0}), "in the past")
+    short.wait_for("the lease expired", idle, timeout=10)
+
+
+def test_a_decode_with_another_key_refuses_the_ticket(rig: dict[str, Sidecar],
+                                                      key: bytes) -> None:
+    prefill, wrong, dec = rig["prefill"], rig["wrong"], rig["decode"]
+    prompt = "a prompt the wrong decode must not read"
+    want = reference(prefill, prompt)
+    params = lease(prefill, prompt)
+    refused(decode(wrong, prompt, params), "does not verify")
+    still_held(prefill, params)  # and it did not release it either
+    assert same(decode(dec, prompt, params), want)
+
+
+# -- the side channel ------------------------------------------------------------------------
+
+def raw_exchange(port: int, raw: bytes, timeout: float = 5.0) -> bytes:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{HOST}:{port}")
+        sock.send(raw)
+        assert sock.poll(int(timeout * 1000)), "the listener did not answer"
+        [reply] = sock.recv_multipart()
+        return reply
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("attacker_key", [None, b"guess" * 8], ids=["unsigned", "wrong-key"])
+def test_an_unauthenticated_metadata_request_gets_nothing_usable(
+        rig: dict[str, Sidecar], attacker_key: bytes | None) -> None:
+    prefill = rig["prefill"]
+    port = prefill.health()["side_channel_port"]
+    request = encode_message(MetadataRequest("attacker", (0,)), compat=STRANGER,
+                             hmac_key=attacker_key)
+    reply = raw_exchange(port, request)
+    envelope = decode_envelope(reply, expected_hash=None, peer="prefill")
+    assert envelope.sender is None, "the model is not told"
+    answer = decode_payload(envelope, ErrorReply)
+    assert (answer.code, answer.message) == (ErrorCode.BAD_SIGNATURE, AUTH_FAILED)
+    assert b"UCX" not in reply and len(reply) < 300, "no NIXL agent blob in the answer"
+
+
+def test_a_wrong_key_handshake_is_refused(rig: dict[str, Sidecar]) -> None:
+    port = rig["prefill"].health()["side_channel_port"]
+    with HandshakeClient("attacker", STRANGER, hmac_key=b"guess" * 8) as attacker, \
+            pytest.raises(BadSignature):  # refused, and the refusal is not signed for us
+        attacker.fetch(HOST, port, [0], timeout=5.0, retries=0)
+
+
+@pytest.mark.parametrize("attacker_key", [None, b"guess" * 8], ids=["unsigned", "wrong-key"])
+def test_a_forged_release_is_refused_and_the_victim_answer_is_unchanged(
+        rig: dict[str, Sidecar], attacker_key: bytes | None) -> None:
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt = f"a victim whose lease someone releases ({attacker_key is None})"
+    want = reference(prefill, prompt)
+    victim = lease(prefill, prompt)
+    with HandshakeClient("attacker", STRANGER, hmac_key=attacker_key) as attacker, \
+            pytest.raises((PeerRefused, BadSignature)) as info:
+        attacker.release(HOST, victim["remote_port"], victim["remote_request_id"], "forged")
+    if isinstance(info.value, PeerRefused):
+        assert info.value.reason == AUTH_FAILED
+    still_held(prefill, victim)
+    assert same(decode(dec, prompt, victim), want)
+
+
+def test_a_forged_done_notification_is_ignored(rig: dict[str, Sidecar], key: bytes) -> None:
+    """The attacker has the prefill's agent metadata (the side channel is not encrypted,
+    so assume it was sniffed); its unsigned and wrongly signed "done" notifications
+    reach the prefill, which ignores them."""
+    from kvxfer.nixl_agent import NixlAgent
+
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt = "a victim whose lease someone says is done"
+    want = reference(prefill, prompt)
+    victim = lease(prefill, prompt)
+    blob = _sniffed_blob(key, victim["remote_port"])
+    before = prefill.log_path.read_text(errors="replace").count("ignoring a notification")
+    with NixlAgent(f"attacker-{os.getpid()}") as agent:
+        name = agent.add_remote(blob)
+        agent.connect(name)
+        for attacker_key in (None, b"guess" * 8):
+            for reader in range(2):
+                done = ReadDone(victim["remote_request_id"], "decode-attacker", reader, 1, True)
+                agent.send_notif(name, encode_notif(done, attacker_key))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            agent.progress()
+            text = prefill.log_path.read_text(errors="replace")
+            if text.count("ignoring a notification") >= before + 4:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the forged notifications never reached the prefill")
+    still_held(prefill, victim)
+    assert same(decode(dec, prompt, victim), want)
+
+
+def _sniffed_blob(key: bytes, port: int) -> bytes:
+    """Rank 0's NIXL agent blob, fetched with the key (what an observer of a real
+    handshake sees): a first request learns the prefill's CompatInfo from the hash
+    mismatch it is refused with, a second one gets the metadata."""
+    request = encode_message(MetadataRequest("sniffed", (0,)), compat=STRANGER, hmac_key=key)
+    envelope = decode_envelope(raw_exchange(port, request), expected_hash=None,
+                               peer="prefill", hmac_key=key)
+    assert envelope.sender is not None, "a key holder is told the model"
+    real = encode_message(MetadataRequest("sniffed", (0,)), compat=envelope.sender,
+                          hmac_key=key)
+    envelope = decode_envelope(raw_exchange(port, real), expected_hash=None, peer="prefill",
+                               hmac_key=key)
+    return decode_payload(envelope, MetadataResponse).ranks[0].agent_blob
+
+
+# -- renewal ---------------------------------------------------------------------------------
+
+def test_a_waiting_decode_renews_its_lease_and_answers_right(rig: dict[str, Sidecar],
+                                                             key: bytes) -> None:
+    """A 0.5 s lease; the decode has no free blocks for 2 s (a filler request holds 7 of
+    its 8 blocks, stuck in a handshake with a side channel this test answers late)
+    while other prompts churn the prefill's cache. The decode renews, reads intact
+    blocks, and answers exactly as a single instance does."""
+    short, small = rig["short"], rig["small"]
+    prompt = "a prompt that waits for decode blocks longer than its lease"
+    want = reference(short, prompt)
+    expired = short.metric("kvxfer_kv_leases_released_total", reason="expired")
+    done = short.metric("kvxfer_kv_leases_released_total", reason="done")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    hole = ctx.socket(zmq.ROUTER)
+    hole.setsockopt(zmq.LINGER, 0)
+    port = hole.bind_to_random_port(f"tcp://{HOST}")
+    try:
+        filler = _filler_params(key, port)
+        results: dict[str, httpx.Response] = {}
+        threads = [threading.Thread(target=lambda: results.__setitem__("filler", small.post(
+            COMPLETIONS, {**BODY, "prompt": list(range(1, 101)), "max_tokens": 1,
+                          "kv_transfer_params": filler})))]
+        threads[0].start()
+        assert hole.poll(20_000), "the filler's handshake never came"
+        identity, _request = hole.recv_multipart()
+        small.wait_for("the filler holds 7 blocks", lambda h: h["used_blocks"] == 7)
+        params = lease(short, prompt)
+        threads.append(threading.Thread(target=lambda: results.__setitem__(
+            "victim", decode(small, prompt, params))))
+        threads[1].start()
+        started, i = time.monotonic(), 0
+        while time.monotonic() - started < 2.0:  # four lease TTLs, the prefill's blocks reused
+            churn = short.post(COMPLETIONS, {"prompt": f"churn {i} " * 20, "max_tokens": 1})
+            assert churn.status_code == 200, churn.text
+            i += 1
+        assert "victim" not in results, "the decode did not wait"
+        identities = [identity]
+        while hole.poll(0):  # a retry of the handshake, if the first attempt timed out
+            identities.append(hole.recv_multipart()[0])
+        for each in identities:
+            hole.send_multipart([each, b"not a kvxfer answer"])  # the filler fails: 502
+        for thread in threads:
+            thread.join(30)
+    finally:
+        hole.close()
+        ctx.term()
+    assert results["filler"].status_code == 502, results["filler"].text
+    assert same(results["victim"], want)
+    assert short.metric("kvxfer_kv_leases_released_total", reason="expired") == expired, \
+        "the lease was renewed, never expired"
+    assert short.metric("kvxfer_kv_leases_released_total", reason="done") == done + 1
+
+
+def _filler_params(key: bytes, port: int) -> dict[str, Any]:
+    """Signed params for a lease of a fake prefill (this test holds the key)."""
+    claims = LeaseClaims("prefill-fake00000000", HOST, port, secrets.token_urlsafe(16),
+                         tuple(range(7)), 100, 1, time.time() + 60)
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": claims.engine_id, "remote_host": HOST, "remote_port": port,
+            "remote_block_ids": list(claims.block_ids), "remote_request_id": claims.lease_id,
+            "remote_num_tokens": 100, "tp_size": 1, "lease_expires_at": claims.expires_at,
+            "lease_ticket": sign_ticket(key, claims)}
+
