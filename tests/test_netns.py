@@ -1,0 +1,396 @@
+"""More than one host, for real: prefill, decode and proxy each in a network namespace.
+
+Three namespaces stand for three machines. Each has one interface, ``kvx0``, with an
+address of its own on a private /24 that only these namespaces use; the interfaces
+meet on a bridge inside a fourth namespace (the "switch"), which also has one link
+to the namespace the test runs in, so the test talks to them as a client on the same
+network would. UCX is forced onto TCP over ``kvx0`` (``UCX_TLS=tcp``,
+``UCX_NET_DEVICES=kvx0``): no shared memory or cma between the "hosts".
+
+Checked:
+
+* the accuracy prompts through the proxy answer exactly (tokens and logprobs) what a
+  single ``both`` instance answers, with the KV read across the network; every block
+  is freed on both sides afterwards;
+* the prefill's link cut in the middle of a read (its egress slowed so that the read
+  takes seconds; ``ip link set kvx0 down`` once part of it has crossed): the client
+  gets an error within a deadline, the prefill frees the leased blocks at its lease
+  TTL, the decode frees its own, and once the link is back the same proxy and decode
+  serve the next request correctly.
+
+Needs root and ``ip netns`` (skipped elsewhere, saying which). Every namespace and
+link is removed at the end, also on failure; only processes started here are stopped,
+by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvxfer.worker import DEAD_PEER_S
+from tests.sidecars import READY_TIMEOUT_S, Launched, Sidecar, SidecarGroup, Spec
+
+ROOT = Path(__file__).resolve().parent.parent
+IFACE = "kvx0"                  # the one interface of every "host" namespace
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}
+LEASE_TTL_S = 3.0               # the prefill frees an unread lease this soon
+READ_TIMEOUT_S = 8.0            # the decode gives up a read this soon
+CUT_DEADLINE_S = READ_TIMEOUT_S + 7.0
+SLOW_RATE = "10mbit"            # the prefill's egress during the cut test: ~1.2 MB/s
+CUT_PROMPT_TOKENS = 1800        # kvxfer-tiny: 2 KiB of KV per token, ~3.6 MB, ~3 s slowed
+CMD_TIMEOUT_S = 20.0
+
+
+def _skip_reason() -> str | None:
+    if sys.platform != "linux":
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces and veth links (run as root, as CI does)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (`ip netns`, `tc`)"
+    probe = f"kvxprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                          timeout=CMD_TIMEOUT_S)
+    if made.returncode != 0:
+        return f"`ip netns add` does not work here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=CMD_TIMEOUT_S)
+    return None
+
+
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one command (``ip``, ``tc``) with a deadline; fails naming it."""
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def in_ns(ns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return sh("ip", "netns", "exec", ns, *argv, check=check)
+
+
+class Network:
+    """Namespaces joined by a bridge; :meth:`close` removes all of it (idempotent).
+
+    ``hosts`` maps a role to (namespace, address). Names carry this process's id, so
+    that two runs on one machine never touch each other's namespaces or links.
+    """
+
+    def __init__(self, roles: tuple[str, ...]) -> None:
+        self.tag = f"kvxt{os.getpid() % 100000}"
+        self.subnet = self._free_subnet()
+        self.switch = f"{self.tag}-sw"
+        self.uplink = f"{self.tag}h"           # the test's end, in our own namespace
+        self.namespaces: list[str] = []
+        self.hosts: dict[str, tuple[str, str]] = {}
+        try:
+            self._build(roles)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _free_subnet() -> str:
+        """A 10.213.N prefix no route of this machine uses."""
+        routes = sh("ip", "-4", "route", "show", "table", "all").stdout
+        choices = [n for n in range(16, 250) if f"10.213.{n}." not in routes]
+        assert choices, "every 10.213.N.0/24 is routed here already"
+        return f"10.213.{random.choice(choices)}"
+
+    def _add_ns(self, name: str) -> None:
+        sh("ip", "netns", "add", name)
+        self.namespaces.append(name)
+        in_ns(name, "ip", "link", "set", "lo", "up")
+
+    def _build(self, roles: tuple[str, ...]) -> None:
+        self._add_ns(self.switch)
+        in_ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        in_ns(self.switch, "ip", "link", "set", "br0", "up")
+        # our own end: address .1, the peer a port of the bridge
+        sh("ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "up0",
+           "netns", self.switch)
+        sh("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.uplink)
+        sh("ip", "link", "set", self.uplink, "up")
+        self._attach("up0")
+        for index, role in enumerate(roles, start=2):
+            ns, address = f"{self.tag}-{role}", f"{self.subnet}.{index}"
+            self._add_ns(ns)
+            port = f"p{index}"
+            sh("ip", "link", "add", IFACE, "netns", ns, "type", "veth", "peer", "name", port,
+               "netns", self.switch)
+            in_ns(ns, "ip", "addr", "add", f"{address}/24", "dev", IFACE)
+            in_ns(ns, "ip", "link", "set", IFACE, "up")
+            self._attach(port)
+            self.hosts[role] = (ns, address)
+
+    def _attach(self, port: str) -> None:
+        in_ns(self.switch, "ip", "link", "set", port, "master", "br0")
+        in_ns(self.switch, "ip", "link", "set", port, "up")
+
+    def ns(self, role: str) -> str:
+        return self.hosts[role][0]
+
+    def address(self, role: str) -> str:
+        return self.hosts[role][1]
+
+    def link(self, role: str, up: bool) -> None:
+        """Take ``role``'s interface down (the cable pulled) or up again."""
+        in_ns(self.ns(role), "ip", "link", "set", IFACE, "up" if up else "down")
+
+    def slow(self, role: str, rate: str | None) -> None:
+        """Limit ``role``'s egress to ``rate`` (token bucket), or remove the limit."""
+        if rate is None:
+            in_ns(self.ns(role), "tc", "qdisc", "del", "dev", IFACE, "root", check=False)
+        else:
+            in_ns(self.ns(role), "tc", "qdisc", "replace", "dev", IFACE, "root", "tbf",
+                  "rate", rate, "burst", "32kb", "latency", "2s")
+
+    def sent_bytes(self, role: str) -> int:
+        """Bytes ``role``'s egress qdisc has sent (``tc -s``)."""
+        out = in_ns(self.ns(role), "tc", "-s", "-j", "qdisc", "show", "dev", IFACE).stdout
+        return sum(int(q.get("bytes", 0)) for q in json.loads(out or "[]"))
+
+    def close(self) -> None:
+        if sh("ip", "link", "show", self.uplink, check=False).returncode == 0:
+            sh("ip", "link", "del", self.uplink, check=False)
+        for ns in reversed(self.namespaces):
+            sh("ip", "netns", "del", ns, check=False)
+        self.namespaces.clear()
+
+
+@dataclass(frozen=True)
+class NsSpec(Spec):
+    """A sidecar launched inside a namespace (``ip netns exec`` execs it: same PID)."""
+
+    netns: str = ""
+
+    def argv(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *super().argv()]
+
+
+def at(launched: Launched, address: str) -> None:
+    """Point ``launched``'s client at ``address``: it printed its wildcard bind."""
+    launched.url = f"http://{address}:{launched.port}"
+
+
+def health_inside(network: Network, role: str, sidecar: Sidecar) -> dict[str, Any]:
+    """/health asked from inside ``role``'s namespace, over its loopback (works while
+    its link is down)."""
+    code = ("import sys, urllib.request; print(urllib.request.urlopen("
+            f"'http://127.0.0.1:{sidecar.port}/health', timeout=5).read().decode())")
+    out = in_ns(network.ns(role), sys.executable, "-c", code).stdout
+    return dict(json.loads(out))
+
+
+@dataclass
+class Rig:
+    network: Network
+    reference: Sidecar
+    prefills: dict[str, Sidecar]   # by role (namespace) name
+    decode: Sidecar
+    proxy: Launched
+
+
+PREFILLS = ("prefill", "prefill2")
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    network = Network((*PREFILLS, "decode", "proxy"))
+    log_dir = tmp_path_factory.mktemp("netns")
+    proxy: Launched | None = None
+    try:
+        with SidecarGroup(log_dir, env=UCX_ENV) as group:
+            host = ("--host", "0.0.0.0")
+            reference, *prefills, decode = group.start([
+                Spec("both"),
+                *(NsSpec("prefill", netns=network.ns(role), extra=(
+                    *host, "--side-channel-host", network.address(role),
+                    "--lease-ttl", str(LEASE_TTL_S))) for role in PREFILLS),
+                NsSpec("decode", netns=network.ns("decode"), policy="fail", extra=(
+                    *host, "--kv-read-timeout", str(READ_TIMEOUT_S))),
+            ])
+            for role, sidecar in zip(PREFILLS, prefills, strict=True):
+                at(sidecar, network.address(role))
+            at(decode, network.address("decode"))
+            proxy = Launched("proxy", [
+                "ip", "netns", "exec", network.ns("proxy"), sys.executable, "-m", "proxy",
+                "--host", "0.0.0.0", "--port", "0", "--health-interval", "0.5",
+                "--connect-timeout", "2",
+                "--prefiller-hosts", *(network.address(role) for role in PREFILLS),
+                "--prefiller-ports", *(str(s.port) for s in prefills),
+                "--decoder-hosts", network.address("decode"),
+                "--decoder-ports", str(decode.port)], log_dir)
+            proxy.wait_ready(time.monotonic() + READY_TIMEOUT_S)
+            at(proxy, network.address("proxy"))
+            yield Rig(network, reference, dict(zip(PREFILLS, prefills, strict=True)), decode,
+                      proxy)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        network.close()  # after every process inside it has stopped
+
+
+def instances(proxy: Launched) -> dict[str, bool]:
+    """{url: healthy} as the proxy's /health reports its instances."""
+    body = proxy.get("/health", timeout=5.0).json()
+    return {i["url"]: bool(i["healthy"]) for i in body["instances"]}
+
+
+def wait_instances(proxy: Launched, what: str, check: Any, timeout: float = 20.0) -> None:
+    """Until ``check(instances(proxy))`` holds."""
+    deadline = time.monotonic() + timeout
+    seen: dict[str, bool] = {}
+    while time.monotonic() < deadline:
+        try:
+            seen = instances(proxy)
+            if check(seen):
+                return
+        except (httpx.TransportError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"proxy: {what} not within {timeout} s; instances {seen}\n"
+                         f"{proxy.log_tail(10)}")
+
+
+def all_healthy(seen: dict[str, bool]) -> bool:
+    return len(seen) == len(PREFILLS) + 1 and all(seen.values())
+
+
+def completion(target: Launched, prompt: str, max_tokens: int) -> dict[str, Any]:
+    response = target.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                               "temperature": 0, "logprobs": 1})
+    assert response.status_code == 200, f"{target.name}: {response.status_code} {response.text}"
+    return dict(response.json()["choices"][0])
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], prompt: str) -> None:
+    assert got["text"] == want["text"], f"{prompt!r}: tokens differ"
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"], prompt
+    for a, b in zip(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"],
+                    strict=True):
+        assert abs(a - b) <= 1e-4, f"{prompt!r}: logprob {a} vs {b}"
+
+
+def assert_serves(rig: Rig, prompts: list[str], max_tokens: int = 16) -> None:
+    """Each prompt through the proxy answers what the reference answers."""
+    for prompt in prompts:
+        want = completion(rig.reference, prompt, max_tokens)
+        assert_same(completion(rig.proxy, prompt, max_tokens), want, prompt)
+
+
+def transfers(sidecar: Sidecar, outcome: str) -> float:
+    return sidecar.metric("kvxfer_kv_transfers_total", outcome=outcome)
+
+
+def done_leases(sidecar: Sidecar) -> float:
+    return sidecar.metric("kvxfer_kv_leases_released_total", reason="done")
+
+
+def test_accuracy_prompts_across_namespaces(rig: Rig) -> None:
+    data = json.loads((ROOT / "scripts" / "accuracy_prompts.json").read_text())
+    prompts, max_tokens = data["prompts"][:4], int(data["max_tokens"])
+    wait_instances(rig.proxy, "every instance healthy", all_healthy)
+    reads = transfers(rig.decode, "ok")
+    done = {role: done_leases(s) for role, s in rig.prefills.items()}
+    assert_serves(rig, prompts, max_tokens)
+    assert transfers(rig.decode, "ok") == reads + len(prompts), "not every answer read KV"
+    assert rig.decode.metric("kvxfer_kv_transfer_bytes_total") > 0
+    for role, sidecar in rig.prefills.items():  # round robin: each prefill served some
+        assert done_leases(sidecar) > done[role], f"{role} served no read"
+        sidecar.wait_for("all blocks free", lambda h: h["used_blocks"] == 0 and
+                         h["leases"] == 0, timeout=10)
+    rig.decode.wait_for("all blocks free", lambda h: h["used_blocks"] == 0, timeout=10)
+
+
+def test_link_cut_mid_read(rig: Rig) -> None:
+    network, decode = rig.network, rig.decode
+    wait_instances(rig.proxy, "every instance healthy", all_healthy)
+    prompt = ("The prefill host drops off the network while its KV is read. " * 40)
+    prompt = prompt[:CUT_PROMPT_TOKENS]
+    failed_before = transfers(decode, "failed")
+    for role in PREFILLS:
+        network.slow(role, SLOW_RATE)
+    result: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            response = rig.proxy.post("/v1/completions", {
+                "prompt": prompt, "max_tokens": 4, "temperature": 0}, timeout=60.0)
+            result["status"], result["body"] = response.status_code, response.text
+        except httpx.HTTPError as exc:
+            result["status"], result["body"] = None, repr(exc)
+        result["ended"] = time.monotonic()
+
+    cut = ""
+    try:
+        client = threading.Thread(target=ask, daemon=True)
+        client.start()
+        # the read is under way once a prefill holds the lease and bytes stream out of it
+        deadline = time.monotonic() + 30
+        while not cut:
+            assert time.monotonic() < deadline, "no prefill leased the request's blocks"
+            cut = next((r for r, s in rig.prefills.items() if s.health()["leases"]), "")
+            time.sleep(0.02)
+        prefill = rig.prefills[cut]
+        expired_before = prefill.metric("kvxfer_kv_leases_released_total", reason="expired")
+        before = network.sent_bytes(cut)
+        while (sent := network.sent_bytes(cut) - before) < 256 * 1024:
+            assert time.monotonic() < deadline, f"only {sent} bytes left {cut}"
+            time.sleep(0.02)
+        cut_at = time.monotonic()
+        network.link(cut, up=False)
+        client.join(CUT_DEADLINE_S + 5)
+        assert not client.is_alive(), f"no answer {CUT_DEADLINE_S + 5} s after the cut"
+        failed_at = result["ended"]
+        assert failed_at - cut_at <= CUT_DEADLINE_S, result
+        assert result["status"] == 502, result
+        assert "decode" in result["body"], result["body"]
+        assert transfers(decode, "failed") == failed_before + 1
+        # both sides free the request's blocks: the decode at once, the prefill (cut
+        # off, told nothing) when its lease expires; asked over its own loopback
+        decode.wait_for("blocks freed", lambda h: h["used_blocks"] == 0, timeout=10)
+        deadline = time.monotonic() + LEASE_TTL_S + 10
+        while (inside := health_inside(network, cut, prefill))["used_blocks"]:
+            assert time.monotonic() < deadline, f"{cut} still holds blocks: {inside}"
+            time.sleep(0.2)
+        assert inside["leases"] == 0, inside
+        # the survivors serve on: the proxy drops the cut-off prefill from rotation
+        # and the decode reads from the other one
+        for role in PREFILLS:
+            network.slow(role, None)
+        wait_instances(rig.proxy, f"{cut} out of rotation",
+                       lambda seen: seen.get(prefill.url) is False, timeout=15)
+        assert_serves(rig, ["A", "1, 1, 2, 3, 5, 8, 13,", "The quick brown fox"])
+    finally:
+        if cut:
+            network.link(cut, up=True)
+        for role in PREFILLS:
+            network.slow(role, None)
+    # back on the network: after the decode's fail-fast pause for a peer whose read
+    # failed, the cut prefill serves again too
+    wait_instances(rig.proxy, f"{cut} back in rotation", all_healthy, timeout=20)
+    time.sleep(max(0.0, failed_at + DEAD_PEER_S + 0.5 - time.monotonic()))
+    assert prefill.metric("kvxfer_kv_leases_released_total", reason="expired") \
+        == expired_before + 1
+    done = done_leases(prefill)
+    assert_serves(rig, ["A", "B", "C", "D"], max_tokens=4)
+    assert done_leases(prefill) > done, f"{cut} took no request after it came back"
