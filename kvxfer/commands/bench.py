@@ -12,7 +12,7 @@ import importlib
 
 HELP = "run a benchmark and print numbers (table, or JSON with --json)"
 
-BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl", "transfer", "serve")
+BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl", "transfer", "serve", "trust")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,198 @@
+"""``kvxfer bench trust``: what signing costs a decode, signed and unsigned in one run.
+
+Starts two prefill/decode pairs of ``kvxfer serve`` processes on loopback, one
+with a temporary ``--kv-key-file`` (0600, removed on exit) and one without, and
+measures the decode's time to first token for a ``--prompt-tokens`` prompt: from
+sending the decode request (streamed, with the prefill's ``kv_transfer_params``)
+to its first token. That covers the lease ticket check, the signed READ
+notification and, once per pair (a warm-up request, not counted), the signed
+handshake. Rounds alternate signed and unsigned so that drift on a busy machine
+hits both alike; the figures are medians, and the ratio is the median of the
+per-round ratios (``--control`` runs both pairs unsigned: the noise floor). It
+also times the pure signing
+primitives (a ticket, a side-channel message, a notification) in microseconds.
+Nothing is asserted; the target is a ratio under 1.02.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from kvxfer.bench.serve import BenchError, _post, _prompt, _wait_ready
+
+HELP = "decode time to first token with the kv key (signing) on vs off, in one run"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-tokens", type=int, default=1000,
+                        help="prompt length (default 1000)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="measured requests per side (default 20)")
+    parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
+    parser.add_argument("--num-blocks", type=int, default=512,
+                        help="KV cache blocks per sidecar (default 512)")
+    parser.add_argument("--control", action="store_true",
+                        help="A/A run: the 'signed' pair gets no key either, so the ratio "
+                             "shows the noise floor between two pairs on this machine")
+
+
+@contextmanager
+def _sidecar(role: str, args: argparse.Namespace, key_file: str | None) -> Iterator[str]:
+    argv = [sys.executable, "-m", "kvxfer.cli", "--log-level", "ERROR", "serve", "--role",
+            role, "--model", args.model, "--port", "0", "--num-blocks", str(args.num_blocks),
+            "--kv-load-failure-policy", "fail"]
+    if key_file is not None:
+        argv += ["--kv-key-file", key_file]
+    env = {k: v for k, v in os.environ.items() if k != "KVXFER_KV_KEY_FILE"}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    try:
+        yield _wait_ready(process, f"{role} sidecar ({'signed' if key_file else 'unsigned'})")
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(20)
+
+
+@contextmanager
+def temporary_key_file() -> Iterator[str]:
+    """A fresh random key in a 0600 file, removed on exit."""
+    fd, path = tempfile.mkstemp(prefix="kvxfer-kv-", suffix=".key")
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secrets.token_hex(32).encode())
+        os.close(fd)
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def _ttft(client: Any, pair: dict[str, str], prompt: list[int]) -> float:
+    """Seconds from sending the decode request to its first streamed token."""
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    answer = _post(client, f"{pair['prefill']}/v1/completions",
+                   {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    start = time.perf_counter()
+    with client.stream("POST", f"{pair['decode']}/v1/completions",
+                       json={**body, "stream": True,
+                             "kv_transfer_params": answer["kv_transfer_params"]}) as response:
+        if response.status_code != 200:
+            raise BenchError(f"the decode answered {response.status_code}: "
+                             f"{response.read()[:300]!r}")
+        first = None
+        for line in response.iter_lines():  # to the end: the request finishes
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - start
+    if first is None:
+        raise BenchError("the decode streamed no token")
+    return first
+
+
+def _primitives() -> dict[str, float]:
+    """Microseconds per call of each signing step (and its unsigned counterpart)."""
+    from kvxfer.protocol import (
+        CompatInfo,
+        MetadataRequest,
+        ReadDone,
+        ReplayGuard,
+        compat_hash,
+        decode_envelope,
+        decode_notif,
+        encode_message,
+        encode_notif,
+    )
+    from kvxfer.tickets import LeaseClaims, sign_ticket, verify_ticket
+
+    key = secrets.token_bytes(32)
+    compat = CompatInfo("m", "float32", "float32", 64, 8, 32)
+    claims = LeaseClaims("prefill-0123456789ab", "127.0.0.1", 5600, secrets.token_urlsafe(16),
+                         tuple(range(63)), 1000, 1, time.time() + 120)
+    ticket = sign_ticket(key, claims)
+    done = ReadDone(claims.lease_id, "decode-0123456789ab", 0, 1, True)
+    request = MetadataRequest("decode-0123456789ab", (0,))
+    digest, guard = compat_hash(compat), ReplayGuard()
+
+    def per_call(work: Any, n: int = 2000) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            work()
+        return 1e6 * (time.perf_counter() - start) / n
+
+    return {
+        "ticket_sign_us": per_call(lambda: sign_ticket(key, claims)),
+        "ticket_verify_us": per_call(lambda: verify_ticket(key, claims, ticket)),
+        "message_unsigned_round_trip_us": per_call(lambda: decode_envelope(
+            encode_message(request, compat=compat), expected_hash=digest, peer="p")),
+        "message_signed_round_trip_us": per_call(lambda: decode_envelope(
+            encode_message(request, compat=compat, hmac_key=key), expected_hash=digest,
+            peer="p", hmac_key=key, replay=guard)),
+        "notif_unsigned_round_trip_us": per_call(lambda: decode_notif(encode_notif(done))),
+        "notif_signed_round_trip_us": per_call(
+            lambda: decode_notif(encode_notif(done, key), hmac_key=key)),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if min(args.prompt_tokens, args.repeats) < 1:
+        print("--prompt-tokens and --repeats must be >= 1", file=sys.stderr)
+        return 2
+    prompt = _prompt(args.prompt_tokens)
+    times: dict[str, list[float]] = {"signed": [], "unsigned": []}
+    try:
+        with ExitStack() as stack:
+            key_file = stack.enter_context(temporary_key_file())
+            pairs = {side: {role: stack.enter_context(_sidecar(role, args, key))
+                            for role in ("prefill", "decode")}
+                     for side, key in (("signed", None if args.control else key_file),
+                                       ("unsigned", None))}
+            client = stack.enter_context(httpx.Client(timeout=600, trust_env=False))
+            for pair in pairs.values():  # warm-up: handshake and NIXL connection
+                _ttft(client, pair, prompt)
+            for i in range(args.repeats):
+                order = ("signed", "unsigned") if i % 2 == 0 else ("unsigned", "signed")
+                for side in order:
+                    try:
+                        times[side].append(_ttft(client, pairs[side], prompt))
+                    except BenchError as exc:
+                        raise BenchError(f"{side} pair, request {i}: {exc}") from None
+    except BenchError as exc:
+        print(f"kvxfer bench trust: {exc}", file=sys.stderr)
+        return 1
+    signed, unsigned = (statistics.median(times[s]) for s in ("signed", "unsigned"))
+    ratio = statistics.median(a / b for a, b in zip(times["signed"], times["unsigned"],
+                                                    strict=True))
+    result = {"config": {"model": args.model, "prompt_tokens": args.prompt_tokens,
+                         "repeats": args.repeats, "control": args.control},
+              "decode_ttft_ms_signed": 1000 * signed, "decode_ttft_ms_unsigned": 1000 * unsigned,
+              "ratio_signed_to_unsigned": ratio, "primitives": _primitives()}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"kvxfer bench trust (model={args.model}, prompt_tokens={args.prompt_tokens}, "
+          f"repeats={args.repeats}{', control: both unsigned' if args.control else ''}, "
+          f"medians)")
+    print(f"  decode time to first token, unsigned  {1000 * unsigned:10.2f} ms")
+    print(f"  decode time to first token, signed    {1000 * signed:10.2f} ms")
+    print(f"  ratio signed / unsigned (per round)   {ratio:10.4f}  (target < 1.02)")
+    for name, value in result["primitives"].items():
+        print(f"  {name:<36} {value:10.2f}")
+    return 0
