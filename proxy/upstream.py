@@ -7,7 +7,8 @@ client request. This module turns every way a call can fail into one exception:
 - :class:`Unreachable`: no connection could be opened, so nothing was sent and
   the caller may safely try another instance of the role;
 - :class:`~proxy.errors.UpstreamRejected`: the instance answered 4xx (passed
-  through to the client unchanged);
+  through to the client unchanged), except a 401: the proxy's own key was
+  refused, a 502 that says to set ``--upstream-api-key``;
 - :class:`~proxy.errors.ProxyError` 502 (5xx, broken connection) or 504
   (timeout), its message naming the stage ("prefill" / "decode") and the URL.
 
@@ -219,6 +220,12 @@ class Upstream:
     def _rejection(self, instance: Instance, answer: Answer) -> Exception:
         """What reports a non-2xx answer: a 4xx passes through, anything else is a 502."""
         status = answer.status
+        if status == 401:  # the proxy, not the client, authenticates to the sidecars
+            self._error(instance, "unauthorized", "answered HTTP 401: the proxy's key is "
+                                                  "missing or wrong")
+            return bad_gateway(f"{instance.role} instance {instance.url} refused the proxy "
+                               f"(HTTP 401): give the proxy the sidecars' key with "
+                               f"--upstream-api-key")
         if 400 <= status < 500:
             self._error(instance, "rejected", None)
             return UpstreamRejected(status, answer.content, answer.content_type,

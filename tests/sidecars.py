@@ -286,19 +286,21 @@ class ProxyProcess(Launched):
     flags (``--health-interval`` ...). ``api_key`` is the proxy's own ``--api-key``
     (its client does not send it by default: tests choose per call, :attr:`auth`
     is the header); the sidecars' key, when they have one, is passed as
-    ``--upstream-api-key`` (through the environment, as a deployment would).
+    ``--upstream-api-key`` (through the environment, as a deployment would)
+    unless ``pass_key`` is false.
     Output goes to a log file whose tail is shown when the proxy fails to start.
     Call :meth:`stop`.
     """
 
     def __init__(self, log_dir: Path, prefills: Sequence[Sidecar], decodes: Sequence[Sidecar],
-                 extra: Sequence[str] = (), api_key: str | None = None) -> None:
+                 extra: Sequence[str] = (), api_key: str | None = None,
+                 pass_key: bool = True) -> None:
         self.prefill_urls = [s.url for s in prefills]
         self.decode_urls = [s.url for s in decodes]
         self.auth = bearer(api_key)
         upstream = {s.spec.api_key for s in [*prefills, *decodes]} - {None}
         assert len(upstream) <= 1, "the sidecars behind one proxy share one key"
-        env = {"KVXFER_API_KEY": upstream.pop()} if upstream else None
+        env = {"KVXFER_API_KEY": upstream.pop()} if upstream and pass_key else None
         key = ["--api-key", api_key] if api_key is not None else []
         super().__init__("proxy", [
             sys.executable, "-m", "proxy", "--port", "0",

@@ -72,6 +72,7 @@ class Fleet:
     mismatched: ProxyProcess
     spare_decode: Sidecar  # the only decode of ``lonely``; a test kills it
     lonely: ProxyProcess
+    keyless: ProxyProcess  # prefills[0] and decodes[0], without the sidecars' key
 
     @property
     def workers(self) -> list[Sidecar]:
@@ -98,9 +99,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             proxy = ProxyProcess(log_dir, prefills, decodes, extra, api_key=client_key)
             stack.callback(proxy.stop)
             proxies.append(proxy)
-        start_proxies(proxies)
+        keyless = ProxyProcess(log_dir, [p0], [d0], ("--health-interval", "3600"),
+                               pass_key=False)
+        stack.callback(keyless.stop)
+        start_proxies([*proxies, keyless])
         proxy, keyed, mismatched, lonely = proxies
-        yield Fleet(both, [p0, p1], [d0, d1], other, proxy, keyed, mismatched, spare, lonely)
+        yield Fleet(both, [p0, p1], [d0, d1], other, proxy, keyed, mismatched, spare, lonely,
+                    keyless)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -388,6 +393,19 @@ def test_a_sidecar_refuses_every_route_without_its_key(fleet: Fleet,
             assert (error["type"], error["code"]) == ("authentication_error", 401), error
             assert SIDECAR_KEY not in response.text
     assert completion_calls(fleet.workers) == calls, "a refused call reached a handler"
+
+
+def test_a_proxy_without_the_sidecars_key_says_so(fleet: Fleet) -> None:
+    """The sidecars' 401 is the proxy's misconfiguration, not the client's: a 502 that
+    names the flag, and nothing is prefilled."""
+    calls = completion_calls(fleet.workers)
+    response = fleet.keyless.post(COMPLETIONS, BODIES[COMPLETIONS])
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["type"] == "upstream_error" and "--upstream-api-key" in error["message"], error
+    assert f"prefill instance {fleet.prefills[0].url} refused the proxy" in error["message"]
+    assert completion_calls(fleet.workers) == calls
+    assert fleet.keyless.health()["status"] == "ok", "a 401 does not mark the instance down"
 
 
 def lease(prefill: Sidecar, body: dict[str, Any]) -> dict[str, Any]:
