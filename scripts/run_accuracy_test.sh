@@ -24,7 +24,8 @@
 #
 # HTTP keys are on, as in a deployment: a random one for the sidecars ($KVXFER_API_KEY,
 # which the proxy also reads as its --upstream-api-key) and one for the proxy's clients
-# ($KVXFER_PROXY_API_KEY); `kvxfer accuracy` sends them.
+# ($KVXFER_PROXY_API_KEY); `kvxfer accuracy` sends them. The KV key is on too: a random
+# one in a temporary 0600 file ($KVXFER_KV_KEY_FILE), removed on exit.
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -59,6 +60,9 @@ unset KVXFER_KV_CACHE_LAYOUT
 new_key() { "$PYTHON" -c 'import secrets; print("sk-" + secrets.token_urlsafe(24))'; }
 KVXFER_API_KEY="$(new_key)"; KVXFER_PROXY_API_KEY="$(new_key)"
 export KVXFER_API_KEY KVXFER_PROXY_API_KEY
+KVXFER_KV_KEY_FILE="$(mktemp "${TMPDIR:-/tmp}/kvxfer-kv.XXXXXX")"  # mode 0600
+"$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' >"$KVXFER_KV_KEY_FILE"
+export KVXFER_KV_KEY_FILE
 
 LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvxfer-accuracy.XXXXXX")"
 PIDS=()
@@ -72,6 +76,7 @@ cleanup() {
     kill -KILL "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
   done
+  rm -f "$KVXFER_KV_KEY_FILE"
   if [[ "$STATUS" -eq 0 && -z "${KEEP_LOGS:-}" ]]; then
     rm -rf "$LOG_DIR"
   else

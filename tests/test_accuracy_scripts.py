@@ -97,6 +97,7 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     assert f"{cases}/{cases} match" in result.stdout, result.stdout
     assert result.stdout.rstrip().endswith("accuracy: PASS")
     assert not list(tmp_path.glob("kvxfer-accuracy.*")), "a passing run keeps no logs"
+    assert not list(tmp_path.glob("kvxfer-kv.*")), "the temporary KV key file is removed"
 
 
 def test_sweep_prints_one_line_per_configuration(tmp_path: Path) -> None:
@@ -204,6 +205,7 @@ def test_demo_shows_a_disaggregated_request_end_to_end(tmp_path: Path) -> None:
     assert "stopping the sidecars and the proxy" in out
     assert re.search(r"curl -s http://\S+ -H 'Authorization: Bearer sk-\S+'", out), out
     assert not list(tmp_path.glob("kvxfer-demo.*")), "a demo that ran through keeps no logs"
+    assert not list(tmp_path.glob("kvxfer-demo-kv.*")), "the temporary KV key file is removed"
 
 
 def test_demo_on_a_busy_port_says_which_and_what_to_do() -> None:

@@ -82,6 +82,14 @@ class Proc:
     log: Path
 
 
+def _new_kv_key_file() -> Path:
+    """A random KV key in a new file of mode 0600 (mkstemp's); Deployment.stop removes it."""
+    fd, path = tempfile.mkstemp(prefix="kvxfer-demo-kv.", suffix=".key")
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32))
+    return Path(path)
+
+
 @dataclass
 class Deployment:
     procs: list[Proc] = field(default_factory=list)
@@ -89,11 +97,13 @@ class Deployment:
     # HTTP keys: the sidecars' (which the proxy passes on) and the proxy's clients'
     sidecar_key: str = field(default_factory=lambda: f"sk-{secrets.token_urlsafe(24)}")
     proxy_key: str = field(default_factory=lambda: f"sk-{secrets.token_urlsafe(24)}")
+    kv_key_file: Path = field(default_factory=_new_kv_key_file)  # signs the side channel
 
     @property
     def env(self) -> dict[str, str]:
         return {**os.environ, "KVXFER_API_KEY": self.sidecar_key,
-                "KVXFER_PROXY_API_KEY": self.proxy_key}
+                "KVXFER_PROXY_API_KEY": self.proxy_key,
+                "KVXFER_KV_KEY_FILE": str(self.kv_key_file)}
 
     def start(self, name: str, argv: list[str]) -> Proc:
         """Launch ``argv``; its URL is known once it printed its ready line."""
@@ -116,6 +126,7 @@ class Deployment:
             if proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()
+        self.kv_key_file.unlink(missing_ok=True)
 
 
 def _port(proc: Proc) -> str:
