@@ -1,7 +1,7 @@
 """A dead or frozen prefill costs a client a bounded wait, and every block comes back.
 
 Real processes: prefills, a decode (policy ``fail``, ``--kv-read-timeout 2``) and a
-proxy (``--prefill-timeout 3``), all with HTTP keys. A prefill is frozen with
+proxy (``--prefill-timeout 3``), all with HTTP keys and a shared KV key. A prefill is frozen with
 SIGSTOP (and thawed with SIGCONT) or killed; only processes this module started
 are signalled, by PID. Each wait is bounded; a thaw happens in ``finally``.
 
@@ -11,13 +11,18 @@ are signalled, by PID. Each wait is bounded; a thaw happens in ``finally``.
   3 x 5 s of handshake attempts), the decode's blocks free at once, the
   prefill's lease ends after the thaw;
 * frozen prefill behind the proxy: 504 within the prefill timeout (was the
-  600 s request timeout), and after the thaw the prefill holds nothing.
+  600 s request timeout), and after the thaw the prefill holds nothing;
+* no port scanning through a decode, even for a caller with its HTTP key: params
+  naming any other address lack a valid lease ticket, are refused with a 400 at
+  once, and the decode never connects there.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,13 +63,17 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     log_dir = tmp_path_factory.mktemp("slow-failure")
-    ttl = ("--lease-ttl", str(LEASE_TTL_S))
+    kv_key = log_dir / "kv.key"
+    kv_key.write_text(secrets.token_hex(32))
+    kv_key.chmod(0o600)
+    ttl = ("--lease-ttl", str(LEASE_TTL_S), "--kv-key-file", str(kv_key))
     with SidecarGroup(log_dir) as group:
         prefill, frozen, doomed, decode = group.start([
             Spec("prefill", api_key=KEY, extra=ttl), Spec("prefill", api_key=KEY, extra=ttl),
             Spec("prefill", api_key=KEY, extra=ttl),
             Spec("decode", policy="fail", api_key=KEY,
-                 extra=("--kv-read-timeout", str(KV_READ_TIMEOUT_S)))])
+                 extra=("--kv-read-timeout", str(KV_READ_TIMEOUT_S), "--kv-key-file",
+                        str(kv_key)))])
         proxy = ProxyProcess(log_dir, [prefill], [decode],
                              ("--prefill-timeout", str(PREFILL_TIMEOUT_S),
                               "--health-interval", "3600"))
@@ -146,3 +155,23 @@ def test_a_frozen_prefill_behind_the_proxy_is_a_504_within_the_prefill_timeout(
     # and the next request goes through
     answer = rig.proxy.post(COMPLETIONS, BODY)
     assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("ticket", ["none", "forged", "another lease's"])
+def test_the_decode_is_no_port_scanner(rig: Rig, ticket: str) -> None:
+    with socket.socket() as target:
+        target.bind(("127.0.0.1", 0))
+        target.listen(8)
+        target.settimeout(1.0)
+        params = {**lease(rig.prefill), "remote_port": target.getsockname()[1]}
+        if ticket == "none":
+            params.pop("lease_ticket", None)
+        elif ticket == "forged":
+            params["lease_ticket"] = "v1." + secrets.token_urlsafe(32)
+        seconds, response = timed_decode(rig.decode, params)
+        assert response.status_code == 400, response.text
+        assert seconds < 1.0, f"refused after {seconds:.1f} s"
+        with pytest.raises(TimeoutError):
+            target.accept()
+    # the real lease, untouched by the refused call, ends at its TTL at the latest
+    rig.prefill.wait_for("the lease ended", idle, timeout=LEASE_TTL_S + 10)
