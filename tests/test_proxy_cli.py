@@ -54,7 +54,8 @@ def test_help_lists_the_flags() -> None:
     for flag in ("--host", "--port", "--prefiller-hosts", "--prefiller-ports", "--decoder-hosts",
                  "--decoder-ports", "--policy", "least_outstanding", "--api-key",
                  "KVXFER_PROXY_API_KEY", "--connect-timeout", "--request-timeout",
-                 "--health-interval"):
+                 "--health-interval", "--api-key-file", "--upstream-api-key",
+                 "--upstream-api-key-file", "KVXFER_API_KEY", "--prefill-timeout"):
         assert flag in done.stdout
 
 
@@ -64,6 +65,9 @@ def test_help_lists_the_flags() -> None:
     (["--prefiller-hosts", "a", "b", "c", "--prefiller-ports", "7"],
      "got 3 --prefiller-hosts (a b c) for 1 --prefiller-ports (7)"),
     (["--request-timeout", "0"], "--request-timeout must be positive, got 0.0"),
+    (["--prefill-timeout", "-1"], "--prefill-timeout must be positive, got -1.0"),
+    (["--upstream-api-key", " "], "--upstream-api-key is empty"),
+    (["--api-key-file", "no/such/key"], "cannot read --api-key-file no/such/key"),
     (["--policy", "random"], "invalid choice: 'random'")])
 def test_bad_flags_exit_2_naming_the_value(args: list[str], says: str) -> None:
     done = run("-m", "proxy", *args)
