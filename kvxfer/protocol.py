@@ -6,7 +6,8 @@ these bytes over ZMQ; ``kvxfer.worker`` sends notifications through NIXL.
 A handshake message on the wire is ``MAGIC`` followed by the msgpack map of an
 :class:`Envelope`, whose ``payload`` is the msgpack map of one message
 (:class:`MetadataRequest`, :class:`MetadataResponse`, :class:`ReleaseLease`,
-:class:`ReleaseAck` or :class:`ErrorReply`). Decoding is two-phase and strict:
+:class:`ReleaseAck`, :class:`RenewLease`, :class:`RenewAck` or :class:`ErrorReply`).
+Decoding is two-phase and strict:
 :func:`decode_envelope` checks the magic, the protocol version, the envelope's
 shape, the signature and the compatibility hash before anything else is looked
 at; :func:`decode_payload` then decodes the inner message into its declared
@@ -19,6 +20,12 @@ A release carries no KV metadata, so its compatibility hash is not checked
 (:data:`HASH_FREE_KINDS`): a decode of another model, whose handshake was
 refused for that very reason, must still be able to release. Magic, version,
 shape and signature are checked as for every message.
+
+With a shared key every envelope and notification is signed (HMAC-SHA256,
+compared in constant time); a signed envelope also carries a timestamp and a
+random nonce, and a receiver refuses stale or repeated ones (:class:`ReplayGuard`)
+as :class:`ReplayedMessage`, a :class:`BadSignature`. A renewal (a decode still
+waiting to read a lease asks the prefill to keep it) is hash-free like a release.
 
 Every decoding failure raises a :class:`ProtocolError` subclass whose message
 names the peer and what was expected and found, so a receiver can log it,

@@ -39,7 +39,10 @@ split across the worker's agent and the lanes, each copied by its own thread
 while the worker thread waits for all of them (so every agent is still used by
 one thread at a time). "Done" is then sent only after every part has landed.
 Everything a peer sends (metadata, block ids, notifications) is validated before
-use; a bad value fails that request only.
+use; a bad value fails that request only. With ``hmac_key`` every "done"
+notification is signed, and one that does not verify is ignored (logged), so
+nobody without the key can end a lease; leases are also ``renew``ed from the
+listener's thread when a waiting decode asks.
 """
 
 from __future__ import annotations

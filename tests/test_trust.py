@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from sidecars import Sidecar, SidecarGroup, Spec, prefill_body
+from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
 from kvxfer.handshake import HandshakeClient, PeerRefused
 from kvxfer.protocol import (
@@ -381,3 +383,41 @@ def _filler_params(key: bytes, port: int) -> dict[str, Any]:
             "remote_num_tokens": 100, "tp_size": 1, "lease_expires_at": claims.expires_at,
             "lease_ticket": sign_ticket(key, claims)}
 
+
+
+# -- start-up ----------------------------------------------------------------------------------
+
+def serve_with_key_file(path: Path, env: dict[str, str] | None = None
+                        ) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "kvxfer.cli", "serve", "--role", "prefill", "--port", "0"]
+    if not env:
+        argv += ["--kv-key-file", str(path)]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, check=False)
+
+
+@pytest.mark.parametrize("case, content, mode, named", [
+    ("missing", None, 0o600, "cannot be read"),
+    ("empty", b"\n", 0o600, "is empty"),
+    ("short", b"abc", 0o600, "at least 16"),
+    ("world-readable", b"k" * 32, 0o644, "chmod 600"),
+])
+def test_a_bad_key_file_stops_serve_at_start_up(tmp_path: Path, case: str,
+                                                content: bytes | None, mode: int,
+                                                named: str) -> None:
+    path = tmp_path / "kv.key"
+    if content is not None:
+        path.write_bytes(content)
+        path.chmod(mode)
+    for env in (None, {"KVXFER_KV_KEY_FILE": str(path)}):
+        done = serve_with_key_file(path, env)
+        assert done.returncode == 2, (case, done.stdout, done.stderr)
+        assert "kvxfer serve: error: kv key file" in done.stderr and named in done.stderr, \
+            (case, done.stderr)
+
+
+def test_without_a_key_the_side_channel_warns_at_start_up(tmp_path: Path) -> None:
+    with SidecarGroup(tmp_path) as group:
+        [prefill] = group.start([Spec("prefill")])
+        log = prefill.log_path.read_text(errors="replace")
+    assert "no --kv-key-file" in log and "unauthenticated" in log, log
