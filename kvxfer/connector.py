@@ -30,10 +30,15 @@ Prefill role (who calls what):
 Decode role:
 
 * the loop calls :meth:`add_remote` with already validated
-  :class:`~kvxfer.worker.RemoteParams`. When the engine has no free blocks for
+  :class:`~kvxfer.worker.RemoteParams`. It first claims the lease
+  (:class:`~kvxfer.leases.LeaseBook`: not expired, ticket valid with the key,
+  never claimed before) or refuses it. When the engine has no free blocks for
   the prompt the request waits here, first come first served, and is admitted
-  by a later :meth:`poll`. Admitted: ``engine.add_request(..., remote_kv=True)``
-  parks it, then every rank starts its READ into ``engine.block_ids[:n]``;
+  by a later :meth:`poll`; while it waits, :meth:`poll` renews its lease over
+  the side channel before it runs out (``RenewLease``, from the renewer thread).
+  Admitted: ``engine.add_request(..., remote_kv=True)`` parks it, then every
+  rank starts its READ into ``engine.block_ids[:n]`` (unless the lease ended
+  meanwhile: then nothing is read and the request fails as a failed read);
 * :meth:`poll` collects every rank's results; when all ranks ended it calls
   ``engine.finish_kv_load``: ok, or on any failure recompute (policy
   ``recompute``) or fail the request (policy ``fail``; :meth:`take_transfer_error`
