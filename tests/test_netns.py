@@ -1,26 +1,29 @@
-"""More than one host, for real: prefill, decode and proxy each in a network namespace.
+"""More than one host, for real: prefills, a decode and the proxy in network namespaces.
 
-Three namespaces stand for three machines. Each has one interface, ``kvx0``, with an
-address of its own on a private /24 that only these namespaces use; the interfaces
-meet on a bridge inside a fourth namespace (the "switch"), which also has one link
-to the namespace the test runs in, so the test talks to them as a client on the same
-network would. UCX is forced onto TCP over ``kvx0`` (``UCX_TLS=tcp``,
-``UCX_NET_DEVICES=kvx0``): no shared memory or cma between the "hosts".
+Each namespace stands for a machine: two prefills, a decode and the proxy. Each has one
+interface, ``kvx0``, with an address of its own on a private /24 that only these
+namespaces use; the interfaces meet on a bridge inside one more namespace (the
+"switch"), which also has one link to the namespace the test runs in, so the test
+talks to them as a client on the same network would. UCX is forced onto TCP over
+``kvx0`` (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=kvx0``): no shared memory or cma between the
+"hosts". The single-instance reference (``both``) runs in the test's own namespace.
 
 Checked:
 
-* the accuracy prompts through the proxy answer exactly (tokens and logprobs) what a
-  single ``both`` instance answers, with the KV read across the network; every block
-  is freed on both sides afterwards;
-* the prefill's link cut in the middle of a read (its egress slowed so that the read
-  takes seconds; ``ip link set kvx0 down`` once part of it has crossed): the client
-  gets an error within a deadline, the prefill frees the leased blocks at its lease
-  TTL, the decode frees its own, and once the link is back the same proxy and decode
-  serve the next request correctly.
+* the accuracy prompts through the proxy (kvxfer-tiny) answer exactly (tokens and
+  logprobs) what the reference answers, with the KV read across the network from both
+  prefills; every block is freed on every side afterwards;
+* a prefill's link cut in the middle of a read (egress slowed so that the read takes
+  seconds; ``ip link set kvx0 down`` once part of it has crossed): the client gets a 502
+  within a deadline, the decode frees its blocks at once and the prefill at its lease
+  TTL, the proxy takes the cut-off prefill out of rotation and the decode serves from
+  the other one; once the link is back, the first prefill serves again;
+* SmolLM2 once: a prefill and a decode in two namespaces answer a chat question exactly
+  as one instance does.
 
-Needs root and ``ip netns`` (skipped elsewhere, saying which). Every namespace and
-link is removed at the end, also on failure; only processes started here are stopped,
-by PID.
+Needs root and ``ip netns`` (skipped elsewhere, saying which). Every namespace and link
+is removed at the end, also on failure; only processes started here are stopped, by
+PID.
 """
 
 from __future__ import annotations
@@ -42,7 +45,14 @@ import httpx
 import pytest
 
 from kvxfer.worker import DEAD_PEER_S
-from tests.sidecars import READY_TIMEOUT_S, Launched, Sidecar, SidecarGroup, Spec
+from tests.sidecars import (
+    READY_TIMEOUT_S,
+    Launched,
+    Sidecar,
+    SidecarGroup,
+    Spec,
+    disaggregated,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 IFACE = "kvx0"                  # the one interface of every "host" namespace
@@ -53,6 +63,7 @@ CUT_DEADLINE_S = READ_TIMEOUT_S + 7.0
 SLOW_RATE = "10mbit"            # the prefill's egress during the cut test: ~1.2 MB/s
 CUT_PROMPT_TOKENS = 1800        # kvxfer-tiny: 2 KiB of KV per token, ~3.6 MB, ~3 s slowed
 CMD_TIMEOUT_S = 20.0
+REAL_MODEL = "smollm2-135m-instruct"
 
 
 def _skip_reason() -> str | None:
@@ -213,8 +224,16 @@ PREFILLS = ("prefill", "prefill2")
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    network = Network((*PREFILLS, "decode", "proxy"))
+def network() -> Iterator[Network]:
+    made = Network((*PREFILLS, "decode", "proxy"))
+    try:
+        yield made
+    finally:
+        made.close()  # the fixtures using it stopped their processes first
+
+
+@pytest.fixture(scope="module")
+def rig(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     log_dir = tmp_path_factory.mktemp("netns")
     proxy: Launched | None = None
     try:
@@ -246,7 +265,6 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     finally:
         if proxy is not None:
             proxy.stop()
-        network.close()  # after every process inside it has stopped
 
 
 def instances(proxy: Launched) -> dict[str, bool]:
@@ -394,3 +412,35 @@ def test_link_cut_mid_read(rig: Rig) -> None:
     done = done_leases(prefill)
     assert_serves(rig, ["A", "B", "C", "D"], max_tokens=4)
     assert done_leases(prefill) > done, f"{cut} took no request after it came back"
+
+
+def test_real_model_across_namespaces(network: Network, tmp_path: Path) -> None:
+    """SmolLM2 once: a prefill and a decode in two namespaces answer a chat question
+    exactly as one instance does, driven the way the proxy drives them."""
+    host = ("--host", "0.0.0.0")
+    model = ("--model", REAL_MODEL, "--num-blocks", "64")
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0, "logprobs": True}
+    with SidecarGroup(tmp_path, env=UCX_ENV) as group:
+        reference, prefill, decode = group.start([
+            Spec("both", extra=model),
+            NsSpec("prefill", netns=network.ns("prefill2"), extra=(
+                *host, *model, "--side-channel-host", network.address("prefill2"))),
+            NsSpec("decode", netns=network.ns("decode"), policy="fail",
+                   extra=(*host, *model)),
+        ])
+        at(prefill, network.address("prefill2"))
+        at(decode, network.address("decode"))
+        want = reference.post("/v1/chat/completions", body)
+        assert want.status_code == 200, want.text
+        _, got = disaggregated(prefill, decode, "/v1/chat/completions", body)
+        assert got.status_code == 200, got.text
+        answer, expected = got.json()["choices"][0], want.json()["choices"][0]
+        assert answer["message"]["content"] == expected["message"]["content"]
+        assert "Paris" in answer["message"]["content"]
+        pairs = zip(answer["logprobs"]["content"], expected["logprobs"]["content"], strict=True)
+        for a, b in pairs:
+            assert a["token"] == b["token"] and abs(a["logprob"] - b["logprob"]) <= 1e-4
+        assert transfers(decode, "ok") == 1
+        prefill.wait_for("all blocks free", lambda h: h["used_blocks"] == 0, timeout=10)
+        decode.wait_for("all blocks free", lambda h: h["used_blocks"] == 0, timeout=10)
