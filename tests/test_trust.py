@@ -353,9 +353,11 @@ def test_a_waiting_decode_renews_its_lease_and_answers_right(rig: dict[str, Side
         threads[1].start()
         started, i = time.monotonic(), 0
         while time.monotonic() - started < 2.0:  # four lease TTLs, the prefill's blocks reused
-            churn = short.post(COMPLETIONS, {"prompt": f"churn {i} " * 20, "max_tokens": 1})
+            # 3 blocks each: with the victim's lease they fit the prefill's 16 at once
+            churn = short.post(COMPLETIONS, {"prompt": f"churn {i % 10} " * 6, "max_tokens": 1})
             assert churn.status_code == 200, churn.text
             i += 1
+            time.sleep(0.02)
         assert "victim" not in results, "the decode did not wait"
         identities = [identity]
         while hole.poll(0):  # a retry of the handshake, if the first attempt timed out
