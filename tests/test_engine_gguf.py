@@ -15,13 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGUFWriter
-
-from kvxfer.cli import main as cli_main
-from kvxfer.engine import LLMEngine, SamplingParams, init_weights, save_checkpoint, tiny_config
-from kvxfer.engine import model_cache as cache
-from kvxfer.engine.gguf import GGUFError, load_gguf, unpermute_rotary_rows
-from kvxfer.engine.models import MODELS, ModelNotFound, PackagedGGUF, load_model
-from tests.gguf_files import (
+from gguf_files import (
     BROKEN_CASES,
     add_byte_tokenizer,
     expected_weights,
@@ -29,6 +23,12 @@ from tests.gguf_files import (
     write_broken_gguf,
     write_llama_gguf,
 )
+
+from kvxfer.cli import main as cli_main
+from kvxfer.engine import LLMEngine, SamplingParams, init_weights, save_checkpoint, tiny_config
+from kvxfer.engine import model_cache as cache
+from kvxfer.engine.gguf import GGUFError, load_gguf, unpermute_rotary_rows
+from kvxfer.engine.models import MODELS, ModelNotFound, PackagedGGUF, load_model
 
 CONFIG = tiny_config()
 SEED = 5

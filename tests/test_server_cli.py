@@ -89,8 +89,9 @@ def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> 
 ])
 def test_a_broken_gguf_fails_at_start_up_naming_the_file_and_reason(
         tmp_path: Path, case: str, reason: str) -> None:
+    from gguf_files import write_broken_gguf
+
     from kvxfer.engine import init_weights, tiny_config
-    from tests.gguf_files import write_broken_gguf
 
     path = write_broken_gguf(tmp_path, tiny_config(), init_weights(tiny_config(), 0), case)
     done = subprocess.run([*SERVE, "--port", str(free_port()), "--model", str(path)], cwd=ROOT,
