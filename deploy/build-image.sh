@@ -5,6 +5,7 @@
 #
 #   deploy/build-image.sh              # base image, build, smoke tests
 #   SMOKE=0 deploy/build-image.sh      # build only
+#   COMPOSE_UP=0 deploy/build-image.sh # validate compose.yaml, do not run it
 #
 # Steps:
 #   1. tools: docker (Debian's docker.io) and debootstrap, installed with apt when
@@ -19,12 +20,13 @@
 #   4. smoke (SMOKE=1): a `both` sidecar answers a completion; then a prefill, a decode
 #      and the proxy on a user-defined network answer one request end to end, with the
 #      KV read over the network (UCX over TCP) and the same text as the `both`; the
-#      compose file is validated (and run, with COMPOSE_UP=1) when docker-compose exists.
+#      compose file is validated and run (COMPOSE_UP=1, the default), with docker-compose
+#      from Debian when no compose tool is there.
 # Every container, network and helper process it starts is removed on exit, also on
 # failure or Ctrl-C.
 #
 # Environment: IMAGE (kvxfer:dev), BASE_IMAGE (kvxfer-base:bookworm), DEBIAN_SUITE
-# (bookworm), DEBIAN_MIRROR (http://deb.debian.org/debian), SMOKE (1), COMPOSE_UP (0),
+# (bookworm), DEBIAN_MIRROR (http://deb.debian.org/debian), SMOKE (1), COMPOSE_UP (1),
 # SMOKE_TIMEOUT (180 s per wait), DOCKER (a docker CLI that builds with BuildKit).
 set -euo pipefail
 
@@ -34,7 +36,7 @@ DEBIAN_SUITE=${DEBIAN_SUITE:-bookworm}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 BASE_IMAGE=${BASE_IMAGE:-kvxfer-base:${DEBIAN_SUITE}}
 SMOKE=${SMOKE:-1}
-COMPOSE_UP=${COMPOSE_UP:-0}
+COMPOSE_UP=${COMPOSE_UP:-1}
 SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-180}
 RUN_ID="kvxfer-smoke-$$"
 WORK=$(mktemp -d)
@@ -70,7 +72,11 @@ trap 'exit 130' INT TERM
 need_apt=()
 command -v debootstrap >/dev/null || need_apt+=(debootstrap)
 [ -x /usr/bin/dockerd ] || command -v dockerd >/dev/null || need_apt+=(docker.io)
-if [ ${#need_apt[@]} -gt 0 ] && ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+if [ "$SMOKE" = 1 ] && ! command -v docker-compose >/dev/null \
+        && ! docker compose version >/dev/null 2>&1; then
+    need_apt+=(docker-compose)
+fi
+if [ ${#need_apt[@]} -gt 0 ]; then
     [ "$(id -u)" = 0 ] || die "install ${need_apt[*]} (as root: apt-get install ${need_apt[*]})"
     say "installing ${need_apt[*]}"
     apt-get update -qq
