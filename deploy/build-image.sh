@@ -18,8 +18,9 @@
 #      runs on the host network), pip's CA bundle as the build secret `pip_cert`.
 #      Nothing of it is written into the repository or the image.
 #   4. smoke (SMOKE=1): a `both` sidecar answers a completion; then a prefill, a decode
-#      and the proxy on a user-defined network answer one request end to end, with the
-#      KV read over the network (UCX over TCP) and the same text as the `both`; the
+#      and the proxy on a user-defined network, with HTTP and side-channel keys as the
+#      Kubernetes manifests pass them, answer one request end to end, with the KV read
+#      over the network (UCX over TCP) and the same text as the `both`; the
 #      compose file is validated and run (COMPOSE_UP=1, the default), with docker-compose
 #      from Debian when no compose tool is there.
 # Every container, network and helper process it starts is removed on exit, also on
@@ -214,20 +215,27 @@ started=$SECONDS
 # one host's process and IPC namespaces).
 ucx=(-e UCX_TLS=tcp -e UCX_NET_DEVICES=eth0)
 
-run() {  # run NAME [COMMAND...]: a detached container of $IMAGE on the smoke network
-    local name=$1; shift
+run() {  # run NAME [DOCKER-OPTIONS... --] [COMMAND...]: a detached container of $IMAGE
+    local name=$1 options=()
+    shift
+    if [[ " $* " == *" -- "* ]]; then
+        while [ "$1" != "--" ]; do options+=("$1"); shift; done
+        shift
+    fi
     "$DOCKER" run -d --label "kvxfer.smoke=$RUN_ID" --name "$RUN_ID-$name" \
-        --network "$RUN_ID" "${ucx[@]}" "$IMAGE" "$@" >/dev/null
+        --network "$RUN_ID" "${ucx[@]}" "${options[@]}" "$IMAGE" "$@" >/dev/null
 }
 
 # In a container: GET or POST (JSON) a URL, print the body; fail on a non-2xx answer.
-http() {
-    local container=$1 url=$2 body=${3:-}
-    "$DOCKER" exec "$container" python3 -c '
-import sys, urllib.request
-url, body = sys.argv[1], sys.argv[2]
-request = urllib.request.Request(url, data=body.encode() if body else None,
-                                 headers={"content-type": "application/json"})
+http() {  # http CONTAINER URL [BODY [KEY]]: the bearer KEY, when given, is sent
+    local container=$1 url=$2 body=${3:-} key=${4:-}
+    "$DOCKER" exec -e "SMOKE_KEY=$key" "$container" python3 -c '
+import os, sys, urllib.request
+url, body, key = sys.argv[1], sys.argv[2], os.environ["SMOKE_KEY"]
+headers = {"content-type": "application/json"}
+if key:
+    headers["authorization"] = "Bearer " + key
+request = urllib.request.Request(url, data=body.encode() if body else None, headers=headers)
 print(urllib.request.urlopen(request, timeout=60).read().decode())' "$url" "$body"
 }
 
@@ -255,20 +263,38 @@ wait_healthy "$RUN_ID-both"
 want=$(http "$RUN_ID-both" http://127.0.0.1:8000/v1/completions "$REQUEST" | text_of)
 say "both answered: ${want@Q}"
 
-say "smoke: prefill, decode and proxy on network $RUN_ID"
-run prefill kvxfer serve --role prefill --host 0.0.0.0 --port 8000 --side-channel-port 5600
-run decode kvxfer serve --role decode --host 0.0.0.0 --port 8000 --kv-load-failure-policy fail
-run proxy kvxfer-proxy --host 0.0.0.0 --port 8000 \
+say "smoke: prefill, decode and proxy on network $RUN_ID, with keys as deployed"
+# The keys the Kubernetes manifests pass: the sidecars' HTTP key ($KVXFER_API_KEY, which
+# the proxy also sends them), the clients' key ($KVXFER_PROXY_API_KEY) and the side-channel
+# key file ($KVXFER_KV_KEY_FILE: mode 600, owned by the image's user).
+new_key() { python3 -c 'import secrets; print(secrets.token_hex(32))'; }
+api_key=$(new_key); proxy_key=$(new_key)
+new_key > "$WORK/kv.key"
+uid=$("$DOCKER" run --rm --entrypoint id "$IMAGE" -u)
+chown "$uid" "$WORK/kv.key" && chmod 600 "$WORK/kv.key" \
+    || die "cannot hand the kv key file to uid $uid (run as root)"
+keys=(-e "KVXFER_API_KEY=$api_key" -e KVXFER_KV_KEY_FILE=/run/kvxfer/kv.key
+      -v "$WORK/kv.key:/run/kvxfer/kv.key:ro")
+run prefill "${keys[@]}" -- kvxfer serve --role prefill --host 0.0.0.0 --port 8000 \
+    --side-channel-port 5600
+run decode "${keys[@]}" -- kvxfer serve --role decode --host 0.0.0.0 --port 8000 \
+    --kv-load-failure-policy fail
+run proxy -e "KVXFER_API_KEY=$api_key" -e "KVXFER_PROXY_API_KEY=$proxy_key" -- \
+    kvxfer-proxy --host 0.0.0.0 --port 8000 \
     --prefiller-hosts "$RUN_ID-prefill" --prefiller-ports 8000 \
     --decoder-hosts "$RUN_ID-decode" --decoder-ports 8000 --health-interval 1
 for name in prefill decode proxy; do wait_healthy "$RUN_ID-$name"; done
-got=$(http "$RUN_ID-proxy" http://127.0.0.1:8000/v1/completions "$REQUEST" | text_of)
+if http "$RUN_ID-proxy" http://127.0.0.1:8000/v1/completions "$REQUEST" >/dev/null 2>&1; then
+    die "the proxy answered a request without its key"
+fi
+got=$(http "$RUN_ID-proxy" http://127.0.0.1:8000/v1/completions "$REQUEST" "$proxy_key" \
+    | text_of)
 say "proxy answered: ${got@Q}"
 [ "$got" = "$want" ] || die "the disaggregated answer differs from the both sidecar's"
-reads=$(http "$RUN_ID-decode" http://127.0.0.1:8000/metrics \
+reads=$(http "$RUN_ID-decode" http://127.0.0.1:8000/metrics "" "$api_key" \
     | sed -n 's/^kvxfer_kv_transfers_total{outcome="ok"} //p')
 [ "${reads%.*}" -ge 1 ] 2>/dev/null || die "the decode read no KV (kvxfer_kv_transfers_total ok=$reads)"
-say "decode read the KV over the network ($reads reads)"
+say "decode read the KV over the network, side channel signed ($reads reads)"
 
 COMPOSE=""
 if command -v docker-compose >/dev/null; then COMPOSE=docker-compose
