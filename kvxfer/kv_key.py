@@ -6,6 +6,12 @@ side-channel message, every NIXL notification and every lease ticket
 (HMAC-SHA256). The key is the file's content with surrounding whitespace removed,
 at least :data:`MIN_KEY_BYTES` bytes; make one with
 ``python3 -c "import secrets; print(secrets.token_hex(32))" > kv.key; chmod 600 kv.key``.
+
+Who may read it (:func:`mode_problem`): never others (world); never a group that
+may write it. Group *read* is accepted only when root owns the file: then an
+administrator chose that group on purpose, the way Kubernetes mounts a Secret
+(``root:<fsGroup>``, ``defaultMode: 0440``). A group-readable file a user owns
+is refused: that is the accidental ``chmod 640`` of a file in a shared group.
 """
 
 from __future__ import annotations
@@ -24,9 +30,22 @@ class KvKeyError(ValueError):
     """The key file cannot be used; the message names the file and what to do."""
 
 
+def mode_problem(mode: int, owner_uid: int) -> str | None:
+    """Why a key file with permission bits ``mode`` owned by ``owner_uid`` is unsafe
+    (None: it is safe): see the module docstring."""
+    bits = stat.S_IMODE(mode)
+    if bits & 0o007:
+        return "is accessible by others"
+    if bits & 0o030:
+        return "is writable or executable by its group"
+    if bits & 0o040 and owner_uid != 0:
+        return "is readable by its group but not owned by root"
+    return None
+
+
 def load_kv_key(path: str | os.PathLike[str]) -> bytes:
-    """The key in ``path``; :class:`KvKeyError` when it is missing, unreadable, readable
-    by group or others (POSIX), empty or shorter than :data:`MIN_KEY_BYTES` bytes."""
+    """The key in ``path``; :class:`KvKeyError` when it is missing, unreadable, unsafe
+    by :func:`mode_problem` (POSIX), empty or shorter than :data:`MIN_KEY_BYTES` bytes."""
     where = Path(path)
     try:
         info = where.stat()
@@ -35,9 +54,12 @@ def load_kv_key(path: str | os.PathLike[str]) -> bytes:
                          f"{exc.strerror or exc}") from None
     if not stat.S_ISREG(info.st_mode):
         raise KvKeyError(f"kv key file {str(where)!r} is not a regular file")
-    if sys.platform != "win32" and info.st_mode & 0o077:
-        raise KvKeyError(f"kv key file {str(where)!r} is accessible by group or others "
-                         f"(mode {stat.S_IMODE(info.st_mode):04o}); run chmod 600 on it")
+    problem = None if sys.platform == "win32" else mode_problem(info.st_mode, info.st_uid)
+    if problem is not None:
+        raise KvKeyError(f"kv key file {str(where)!r} {problem} (mode "
+                         f"{stat.S_IMODE(info.st_mode):04o}); run chmod 600 on it (only a "
+                         f"root-owned file may be group-readable, e.g. mode 0440 as "
+                         f"Kubernetes mounts a Secret with fsGroup)")
     if info.st_size > MAX_KEY_BYTES:
         raise KvKeyError(f"kv key file {str(where)!r} has {info.st_size} bytes, at most "
                          f"{MAX_KEY_BYTES} are expected")

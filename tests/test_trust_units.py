@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvxfer.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_key
+from kvxfer.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_key, mode_problem
 from kvxfer.leases import HeldLease, LeaseBook, LeaseRefused
 from kvxfer.protocol import (
     AUTH_FAILED,
@@ -260,12 +261,38 @@ def test_a_key_file_is_read_without_surrounding_whitespace(tmp_path: Path) -> No
 @pytest.mark.parametrize("content, mode, match", [
     (b"", 0o600, "is empty"), (b" \n", 0o600, "is empty"),
     (b"short", 0o600, f"at least {MIN_KEY_BYTES}"),
-    (b"a" * 64, 0o644, "chmod 600"), (b"a" * 64, 0o640, "chmod 600"),
+    (b"a" * 64, 0o644, "chmod 600"), (b"a" * 64, 0o604, "accessible by others"),
+    (b"a" * 64, 0o660, "writable or executable by its group"),
 ])
 def test_a_bad_key_file_is_refused(tmp_path: Path, content: bytes, mode: int,
                                    match: str) -> None:
     with pytest.raises(KvKeyError, match=match):
         load_kv_key(write_key(tmp_path, content, mode))
+
+
+@pytest.mark.parametrize("mode, uid, problem", [
+    (0o600, 1000, None), (0o400, 1000, None), (0o600, 0, None),
+    (0o440, 0, None), (0o640, 0, None),  # root chose the group (a Kubernetes Secret)
+    (0o640, 1000, "readable by its group but not owned by root"),
+    (0o440, 1000, "readable by its group but not owned by root"),
+    (0o444, 0, "accessible by others"), (0o604, 1000, "accessible by others"),
+    (0o660, 0, "writable or executable by its group"),
+    (0o610, 0, "writable or executable by its group"),
+])
+def test_who_may_read_a_key_file(mode: int, uid: int, problem: str | None) -> None:
+    found = mode_problem(stat.S_IFREG | mode, uid)
+    assert found == (None if problem is None else f"is {problem}")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="needs root to own a file as root and as another user")
+def test_a_root_owned_group_readable_key_file_is_accepted(tmp_path: Path) -> None:
+    path = write_key(tmp_path, b"a" * 64, 0o440)
+    os.chown(path, 0, 12345)  # root:<fsGroup>, as a Kubernetes Secret volume
+    assert load_kv_key(path) == b"a" * 64
+    os.chown(path, 65534, 12345)  # the same mode on a file a user owns: refused
+    with pytest.raises(KvKeyError, match="not owned by root"):
+        load_kv_key(path)
 
 
 def test_a_missing_key_file_is_refused(tmp_path: Path) -> None:
