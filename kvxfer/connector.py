@@ -171,7 +171,8 @@ class KVConnector:
 
     def __init__(self, engine: LLMEngine, role: str, metrics: SidecarMetrics, *,
                  engine_id: str | None = None, side_channel_host: str = "127.0.0.1",
-                 side_channel_port: int = 0, lease_ttl: float = 120.0,
+                 side_channel_port: int = 0, advertise_host: str | None = None,
+                 lease_ttl: float = 120.0,
                  failure_policy: str = "recompute", read_lanes: int = 2,
                  kv_read_timeout: float = 10.0, hmac_key: bytes | None = None) -> None:
         if role not in ROLES:
@@ -183,7 +184,9 @@ class KVConnector:
             raise ValueError(f"lease TTL must be a positive number of seconds, got {lease_ttl}")
         self.engine, self.role, self.metrics = engine, role, metrics
         self.engine_id = engine_id or new_engine_id(role)
-        self.side_channel_host = side_channel_host
+        self.side_channel_host = side_channel_host  # where the listener binds
+        # what decodes are told (remote_host, lease tickets): reachable, never a wildcard
+        self.advertise_host = advertise_host or side_channel_host
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
         self._key = hmac_key  # signs the side channel, notifications and lease tickets
         self.leases = LeaseBook(hmac_key)  # decode: which leases may still be read
@@ -331,11 +334,11 @@ class KVConnector:
         prompt_blocks = -(-num_prompt_tokens // self.engine.block_size)
         port = self.side_channel_port
         assert port is not None
-        claims = LeaseClaims(self.engine_id, self.side_channel_host, port, lease_id,
+        claims = LeaseClaims(self.engine_id, self.advertise_host, port, lease_id,
                              tuple(block_ids[:prompt_blocks]), num_prompt_tokens, self.engine.tp,
                              time.time() + self.lease_ttl)
         params = {"do_remote_decode": False, "do_remote_prefill": True,
-                  "remote_engine_id": self.engine_id, "remote_host": self.side_channel_host,
+                  "remote_engine_id": self.engine_id, "remote_host": self.advertise_host,
                   "remote_port": port, "remote_block_ids": list(claims.block_ids),
                   "remote_request_id": lease_id, "remote_num_tokens": num_prompt_tokens,
                   "tp_size": self.engine.tp, "lease_expires_at": claims.expires_at}

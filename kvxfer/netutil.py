@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 LISTEN_BACKLOG = 2048
+DRAINING_HEADER = "x-kvxfer-draining"
+"""Set on a sidecar's 503 while it drains: nothing was started, try another instance."""
 
 
 def listen_tcp(host: str, port: int) -> socket.socket:
@@ -24,3 +27,61 @@ def listen_tcp(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` means every address of the machine (nobody can dial it)."""
+    return host.strip() in WILDCARD_HOSTS
+
+
+def bare_host(host: str) -> str:
+    """``host`` without the brackets of an IPv6 literal (``[::1]`` -> ``::1``)."""
+    host = host.strip()
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+AUTO = "auto"
+"""``--advertise-host auto``: the address this machine's host name resolves to."""
+
+
+def own_address() -> str:
+    """The first non-loopback address ``gethostname()`` resolves to (in a container or
+    a Kubernetes pod: its own IP, which both write into ``/etc/hosts``)."""
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"--advertise-host auto: this host's name {name!r} does not "
+                         f"resolve ({exc}); give the address itself") from None
+    for info in infos:
+        address = str(info[4][0])
+        if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+            return address
+    raise ValueError(f"--advertise-host auto: this host's name {name!r} resolves only to "
+                     f"loopback addresses; give the address peers reach this instance at")
+
+
+def advertised_host(bind_host: str, advertise_host: str | None, what: str) -> str:
+    """The address peers are told to reach a listener bound on ``bind_host`` at.
+
+    ``advertise_host`` when given (``auto``: :func:`own_address`), else ``bind_host``
+    when it is a concrete address; a wildcard bind without an advertised host raises
+    ``ValueError`` (``what`` names the listener's flag in the message): peers cannot
+    dial ``0.0.0.0`` or ``::``.
+    """
+    if advertise_host is not None and advertise_host.strip():
+        chosen = own_address() if advertise_host.strip() == AUTO else bare_host(advertise_host)
+        if is_wildcard(chosen):
+            raise ValueError(f"--advertise-host {advertise_host!r} is a wildcard address; "
+                             f"give an address peers can reach (e.g. this machine's or "
+                             f"pod's IP)")
+        return chosen
+    if is_wildcard(bind_host):
+        raise ValueError(f"{what} {bind_host!r} binds every address, so peers cannot be "
+                         f"told which one reaches this instance: pass --advertise-host "
+                         f"ADDR (or set $KVXFER_ADVERTISE_HOST) with an address they can "
+                         f"reach, e.g. the pod IP")
+    return bare_host(bind_host)

@@ -15,7 +15,17 @@ takes effect when the read ended (see :mod:`kvxfer.connector`).
 Status codes: 400 bad input (OpenAI ``invalid_request_error``), 401 without
 the API key, 404 unknown model or route, 502 ``kv_transfer_error`` when a
 decode's KV read failed under policy ``fail``, 500 internal errors, 503 while
-shutting down.
+shutting down or draining.
+
+Draining (SIGTERM): the sidecar stops taking new completions (503 with the
+``x-kvxfer-draining`` header, which tells the proxy to try another instance;
+nothing was started, and a decode leaves the lease it was given for that other
+instance), ``/health`` says ``draining`` with a 503 (out of rotation for the proxy
+and for Kubernetes readiness), requests in flight finish and a prefill's leases
+are read or released. It exits once it holds nothing and no request came for
+:data:`DRAIN_QUIET_S` (so a proxy's pooled connections idle out first), or when
+``drain_timeout`` seconds have passed (held blocks are then freed as it closes),
+at most :data:`GRACEFUL_SHUTDOWN_S` later. A second SIGTERM, or SIGINT, stops at once.
 
 With an API key (``Settings.api_key``) every route answers 401 before its
 handler runs unless the request carries ``Authorization: Bearer KEY``
@@ -64,7 +74,7 @@ from kvxfer.engine_loop import (
     Submission,
 )
 from kvxfer.metrics import CONTENT_TYPE, SidecarMetrics
-from kvxfer.netutil import listen_tcp
+from kvxfer.netutil import DRAINING_HEADER, advertised_host, bare_host, listen_tcp
 from kvxfer.openai_api import (
     SSE_DONE,
     ChatRequest,
@@ -99,6 +109,9 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
 MAX_REQUEST_ID_CHARS = 200
 GRACEFUL_SHUTDOWN_S = 5
+# A draining sidecar exits only after this long without a new request: longer than the
+# proxy keeps an idle pooled connection (4 s), so none is reused as the socket closes.
+DRAIN_QUIET_S = 5.0
 JSON = "application/json"
 
 
@@ -127,6 +140,20 @@ class Settings:
     kv_key: bytes | None = field(default=None, repr=False)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer KEY" when set
     kv_read_timeout: float = 10.0  # decode: bound on a KV load's handshake and on its READ
+    # the address peers reach this instance at; None: the bind host (never a wildcard)
+    advertise_host: str | None = None
+    drain_timeout: float = 30.0  # after SIGTERM: longest wait for in-flight work and leases
+
+    def side_channel_advertised(self) -> str:
+        """The host decodes are told for this prefill's side channel (ValueError: a
+        wildcard bind without ``advertise_host``)."""
+        return advertised_host(self.side_channel_host, self.advertise_host,
+                               "--side-channel-host")
+
+    def http_advertised(self) -> str:
+        """The HTTP host for the ready line and /health (the bind host, a wildcard
+        included, when nothing else is known: nobody dials it from there)."""
+        return bare_host(self.advertise_host or self.host)
 
 
 class PortInUse(OSError):
@@ -144,6 +171,12 @@ class Sidecar:
         from kvxfer.engine import LLMEngine
 
         self.settings = settings
+        # checked first: a wildcard side channel without --advertise-host fails fast
+        self.side_channel_advertised = settings.side_channel_advertised() \
+            if settings.role == "prefill" else bare_host(settings.side_channel_host)
+        self.draining_since: float | None = None  # monotonic time of the SIGTERM
+        self.http_in_flight = 0  # completion requests being answered (streams included)
+        self.last_request = 0.0  # monotonic time the last completion request arrived
         self.engine: LLMEngine = LLMEngine.from_model_arg(
             settings.model, seed=settings.seed, tp=settings.tp, layout=settings.kv_cache_layout,
             block_size=settings.block_size, num_blocks=settings.num_blocks,
@@ -156,7 +189,8 @@ class Sidecar:
         self.connector = KVConnector(
             self.engine, settings.role, self.metrics, engine_id=self.engine_id,
             hmac_key=settings.kv_key, side_channel_host=settings.side_channel_host,
-            side_channel_port=settings.side_channel_port, lease_ttl=settings.lease_ttl,
+            side_channel_port=settings.side_channel_port,
+            advertise_host=self.side_channel_advertised, lease_ttl=settings.lease_ttl,
             failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
             kv_read_timeout=settings.kv_read_timeout)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
@@ -173,6 +207,36 @@ class Sidecar:
         self.loop.stop()
         self.connector.close()
 
+    @property
+    def draining(self) -> bool:
+        return self.draining_since is not None
+
+    def begin_drain(self) -> None:
+        """Stop taking new requests; :meth:`drained` says when to exit (idempotent)."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            log.info("kvxfer serve: draining (SIGTERM): no new requests; exiting when "
+                     "in-flight requests and leases are done, at most in %g s",
+                     self.settings.drain_timeout)
+
+    def drained(self) -> bool:
+        """Draining and done: nothing in flight, no lease held, no request for
+        :data:`DRAIN_QUIET_S`; or ``drain_timeout`` has passed."""
+        if self.draining_since is None:
+            return False
+        now, limit = time.monotonic(), self.settings.drain_timeout
+        if now - self.draining_since >= limit:
+            log.warning("kvxfer serve: drain timeout (%g s): exiting with %s", limit,
+                        self.loop.snapshot())
+            return True
+        snap = self.loop.snapshot()
+        busy = self.http_in_flight or snap.get("requests_in_flight") or snap.get("leases")
+        quiet = now - max(self.draining_since, self.last_request) >= min(DRAIN_QUIET_S, limit)
+        if not busy and quiet:
+            log.info("kvxfer serve: drained in %.1f s", now - self.draining_since)
+            return True
+        return False
+
     def describe(self, http_port: int) -> str:
         """The start-up line: role, model, layout, TP, ports, engine id."""
         side = self.connector.side_channel_port
@@ -180,15 +244,17 @@ class Sidecar:
                 f"(id {self.engine.model_id}) layout={self.engine.layout.name} "
                 f"tp={self.engine.tp} http={self.settings.host}:{http_port} side_channel="
                 f"{f'{self.settings.side_channel_host}:{side}' if side else 'none'} "
+                f"advertised={self.side_channel_advertised} "
                 f"engine_id={self.engine_id}")
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "role": self.settings.role, "engine_id": self.engine_id,
-                "pid": os.getpid(),
+        return {"status": "draining" if self.draining else "ok", "role": self.settings.role,
+                "engine_id": self.engine_id, "pid": os.getpid(),
                 "model": self.served_names[0], "layout": self.engine.layout.name,
                 "tp": self.engine.tp, "block_size": self.engine.block_size,
                 "max_model_len": self.engine.max_model_len,
-                "side_channel_host": self.settings.side_channel_host,
+                "side_channel_host": self.side_channel_advertised,
+                "http_host": self.settings.http_advertised(),
                 "side_channel_port": self.connector.side_channel_port,
                 "kv_load_failure_policy": self.settings.kv_load_failure_policy,
                 **self.loop.snapshot()}
@@ -220,7 +286,7 @@ def create_app(settings: Settings, sidecar: Sidecar | None = None) -> FastAPI:
     _install_error_handlers(app)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(_CountRequests, metrics=side.metrics)  # outermost: counts 401s too
+    app.add_middleware(_CountRequests, side=side)  # outermost: counts 401s too
     return app
 
 
@@ -265,14 +331,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 class _CountRequests:
-    """ASGI middleware: count requests by route (known routes, else "other") and status.
+    """ASGI middleware: count requests by route (known routes, else "other") and status,
+    and the completion requests in flight (what a drain waits for).
 
     Pure ASGI (no BaseHTTPMiddleware) so that handlers still see the client's
     disconnect through ``receive``.
     """
 
-    def __init__(self, app: ASGIApp, metrics: SidecarMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, side: Sidecar) -> None:
+        self.app, self.side, self.metrics = app, side, side.metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -286,9 +353,15 @@ class _CountRequests:
                 status = int(message["status"])
             await send(message)
 
+        completion = scope["path"] in (COMPLETIONS, CHAT)
+        if completion:
+            self.side.http_in_flight += 1
+            self.side.last_request = time.monotonic()
         try:
             await self.app(scope, receive, counting_send)
         finally:
+            if completion:
+                self.side.http_in_flight -= 1
             route = scope["path"] if scope["path"] in ROUTES else "other"
             self.metrics.http_requests.labels(route, str(status)).inc()
 
@@ -365,11 +438,15 @@ class _Handlers:
         """200 while the engine loop runs, else 503; details only with the API key."""
         loop = self.side.loop
         if not authenticated(request.scope):
+            if self.side.draining:
+                return _json({"status": "draining"}, 503, {DRAINING_HEADER: "1"})
             return _json({"status": "ok" if loop.running else "error"},
                          200 if loop.running else 503)
         if not loop.running:
             return _json({"status": "error", "role": self.side.settings.role,
                           "error": loop.error or "the engine loop is not running"}, 503)
+        if self.side.draining:
+            return _json(self.side.health(), 503, {DRAINING_HEADER: "1"})
         return _json(self.side.health())
 
     async def models(self) -> Response:
@@ -381,13 +458,24 @@ class _Handlers:
     async def metrics(self) -> Response:
         return Response(self.side.metrics.render(), media_type=CONTENT_TYPE)
 
+    def _refuse_draining(self) -> Response:
+        """503 for a new request while draining; the header tells a proxy that nothing
+        was started (a decode left the lease alone), so another instance may take it."""
+        return _error(OpenAIError(503, "this instance is draining (shutting down): send "
+                                       "the request to another instance",
+                                  "service_unavailable"), {DRAINING_HEADER: "1"})
+
     async def completions(self, request: Request) -> Response:
+        if self.side.draining:
+            return self._refuse_draining()
         raw = await request.body()
         prepared = self._prepare(raw, lambda: prepare_completion(
             decode_body(raw, CompletionRequest), self.side.info))
         return await self._answer(request, prepared)
 
     async def chat(self, request: Request) -> Response:
+        if self.side.draining:
+            return self._refuse_draining()
         raw = await request.body()
         prepared = self._prepare(raw, lambda: prepare_chat(decode_body(raw, ChatRequest),
                                                            self.side.info))
@@ -605,7 +693,7 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
                         "notifications and lease tickets are unauthenticated; anyone who "
                         "reaches %s may read, free or overwrite leased KV. Use this only on "
                         "loopback or a network you trust completely",
-                        settings.side_channel_host if settings.role == "prefill"
+                        side.side_channel_advertised if settings.role == "prefill"
                         else "this decode's HTTP port")
         if settings.api_key is None:
             log.warning("kvxfer serve: no --api-key: anyone who reaches %s:%d may use this "
@@ -613,8 +701,10 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
         app = create_app(settings, side)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        line = f"kvxfer serve ready: http://{settings.host}:{port} {side.describe(port)}"
-        server = _Server(config, lambda: (ready or _print_ready)(line))
+        http = settings.http_advertised()
+        http = f"[{http}]" if ":" in http else http
+        line = f"kvxfer serve ready: http://{http}:{port} {side.describe(port)}"
+        server = _Server(config, lambda: (ready or _print_ready)(line), side)
 
         def stop_server(_signum: int, _frame: FrameType | None) -> None:
             # Before uvicorn takes over the signals this makes it stop right after its
@@ -639,11 +729,24 @@ def _print_ready(line: str) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, announcing readiness once the socket accepts requests."""
+    """uvicorn's Server, announcing readiness once the socket accepts requests; the
+    first SIGTERM drains the sidecar (see the module docstring) instead of stopping."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
+                 side: Sidecar) -> None:
         super().__init__(config)
-        self.on_ready = on_ready
+        self.on_ready, self.side = on_ready, side
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.side.draining and not self.should_exit:
+            self.side.begin_drain()  # on_tick ends the server once drained
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self.side.drained()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

@@ -66,7 +66,7 @@ from kvxfer.descriptors import (
     build_requests_descriptors,
     plan_peer_reads,
 )
-from kvxfer.handshake import HandshakeClient, HandshakeError
+from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint
 from kvxfer.layout import CacheSpec, KVCacheLayout
 from kvxfer.nixl_agent import NixlAgent
 from kvxfer.protocol import (
@@ -173,7 +173,7 @@ class RemoteParams:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.remote_host}:{self.remote_port}"
+        return endpoint(self.remote_host, self.remote_port)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from kvxfer.api_key import ApiKeyError, load_key
-from proxy.config import POLICIES, ConfigError, ProxyConfig, instance_urls
+from proxy.config import POLICIES, ConfigError, ProxyConfig
+from proxy.discovery import split_hosts
 
 API_KEY_ENV = "KVXFER_PROXY_API_KEY"
 UPSTREAM_API_KEY_ENV = "KVXFER_API_KEY"  # what `kvxfer serve` reads its own key from
@@ -32,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, role, port in (("prefiller", "prefill", 8100), ("decoder", "decode", 8200)):
         parser.add_argument(f"--{flag}-hosts", f"--{flag}-host", nargs="+",
                             default=["127.0.0.1"], metavar="HOST",
-                            help=f"{role} instance hosts: one for all ports, or one per port "
-                                 f"(default 127.0.0.1)")
+                            help=f"{role} instance hosts: one for all ports, or one per port; "
+                                 f"an IP address, or a DNS name re-resolved every "
+                                 f"--resolve-interval, each of its addresses an instance "
+                                 f"(e.g. a Kubernetes headless Service) (default 127.0.0.1)")
         parser.add_argument(f"--{flag}-ports", f"--{flag}-port", nargs="+", type=int,
                             default=[port], metavar="PORT",
                             help=f"{role} instance HTTP ports (default {port})")
@@ -63,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "each next chunk of a stream (default 600)")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
                         help="pause between health checks of every instance (default 5)")
+    parser.add_argument("--resolve-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="pause between resolutions of instance names: new addresses "
+                             "join, vanished ones finish their requests and leave "
+                             "(default 5)")
+    parser.add_argument("--hosts-file", default=None, metavar="PATH",
+                        help="resolve instance names from this /etc/hosts-style file (read "
+                             "again every --resolve-interval) instead of DNS")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default info)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
@@ -77,9 +87,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                                 UPSTREAM_API_KEY_ENV, "--upstream-api-key")
     except ApiKeyError as exc:
         raise ConfigError(str(exc)) from None
+    prefill_urls, prefill_names = split_hosts(args.prefiller_hosts, args.prefiller_ports,
+                                              "prefiller")
+    decode_urls, decode_names = split_hosts(args.decoder_hosts, args.decoder_ports, "decoder")
     return ProxyConfig(
-        prefill_urls=instance_urls(args.prefiller_hosts, args.prefiller_ports, "prefiller"),
-        decode_urls=instance_urls(args.decoder_hosts, args.decoder_ports, "decoder"),
+        prefill_urls=prefill_urls, decode_urls=decode_urls, prefill_names=prefill_names,
+        decode_names=decode_names, resolve_interval=args.resolve_interval,
+        hosts_file=args.hosts_file,
         host=args.host, port=args.port, policy=args.policy, api_key=api_key,
         upstream_api_key=upstream_key, connect_timeout=args.connect_timeout,
         prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,

@@ -24,6 +24,7 @@ from kvxfer.api_key import authenticated
 from proxy.balancer import Balancer
 from proxy.config import ROLES, ProxyConfig
 from proxy.contract import CHAT_COMPLETIONS, COMPLETIONS, parse_client_body
+from proxy.discovery import Discovery, resolver_for
 from proxy.errors import CLIENT_CLOSED, ProxyError, UpstreamRejected, error_body
 from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics
@@ -49,6 +50,7 @@ class ProxyService:
         self.config = config
         self.balancer = Balancer(config)
         self.metrics = ProxyMetrics(self.balancer, ROUTES)
+        self.resolve = resolver_for(config.hosts_file)  # DNS names (proxy.discovery)
         self._router: PDRouter | None = None
 
     @property
@@ -62,15 +64,20 @@ class ProxyService:
         async with new_client(self.config) as session:
             checker = HealthChecker(self.balancer, session, self.config.health_interval,
                                     self.config.connect_timeout, upstream_auth(self.config))
+            discovery = Discovery(self.balancer, self.config, self.resolve)
+            await discovery.refresh()
             await checker.check_all()
             self._router = PDRouter(self.balancer, Upstream(session, self.config, self.metrics),
                                     self.metrics)
-            task = asyncio.create_task(checker.run())
+            tasks = [asyncio.create_task(checker.run())]
+            if discovery.active:
+                tasks.append(asyncio.create_task(discovery.run(checker.check)))
             try:
                 yield
             finally:
                 checker.stop()
-                await task
+                discovery.stop()
+                await asyncio.gather(*tasks)
                 self._router = None
 
     async def complete(self, request: Request, route: str) -> Response:

@@ -17,6 +17,7 @@ only when one cannot be reached (see :mod:`proxy.router`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,13 +25,17 @@ from typing import Any
 
 from proxy.config import ROLES, ProxyConfig
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Instance:
     """One upstream sidecar. Unhealthy until the first health check answers 200.
 
     ``last_error`` is the most recent failure seen, kept after the instance
-    recovers so that /health still shows what went wrong.
+    recovers so that /health still shows what went wrong. ``retired``: its name
+    no longer resolves to it; it takes no new request and is forgotten once its
+    calls in flight are done (:meth:`Balancer.set_members`).
     """
 
     url: str
@@ -38,10 +43,16 @@ class Instance:
     healthy: bool = False
     outstanding: int = 0
     last_error: str | None = None
+    retired: bool = False
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy and not self.retired
 
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
-                "outstanding": self.outstanding, "last_error": self.last_error}
+                "outstanding": self.outstanding, "last_error": self.last_error,
+                "retired": self.retired}
 
 
 class Balancer:
@@ -64,7 +75,7 @@ class Balancer:
 
         Each call advances the rotation by one. Empty when none is healthy.
         """
-        healthy = [i for i in self._instances[role] if i.healthy]
+        healthy = [i for i in self._instances[role] if i.in_rotation]
         if not healthy:
             return []
         start = self._turn[role] % len(healthy)
@@ -75,7 +86,30 @@ class Balancer:
         return ordered
 
     def has_healthy(self, role: str) -> bool:
-        return any(i.healthy for i in self._instances[role])
+        return any(i.in_rotation for i in self._instances[role])
+
+    def set_members(self, role: str, urls: list[str]) -> list[Instance]:
+        """Make ``urls`` the members of ``role``: add the new ones (unhealthy until
+        checked; returned), retire the others, forget retired ones with no call in
+        flight. Order: the current members first, then new ones as given."""
+        wanted = set(urls)
+        kept: list[Instance] = []
+        for instance in self._instances[role]:
+            if instance.url in wanted:
+                instance.retired = False
+            elif not instance.retired:
+                instance.retired = True
+                log.info("%s instance %s left (its name no longer resolves to it): no new "
+                         "requests, %d in flight finish", role, instance.url,
+                         instance.outstanding)
+            if not instance.retired or instance.outstanding:
+                kept.append(instance)
+        known = {i.url for i in kept}
+        joined = [Instance(url, role) for url in urls if url not in known]
+        for instance in joined:
+            log.info("%s instance %s joined", role, instance.url)
+        self._instances[role] = kept + joined
+        return joined
 
     @staticmethod
     def acquire(instance: Instance) -> None:

@@ -32,6 +32,9 @@ class ProxyConfig:
     ``request_timeout`` bounds a whole non-streamed decode answer, and for a
     streamed answer the wait for its headers and for each next chunk.
     ``health_interval`` is the pause between two rounds of ``GET /health``.
+    ``prefill_names``/``decode_names`` are (DNS name, port) pairs resolved again
+    every ``resolve_interval`` (:mod:`proxy.discovery`), through ``hosts_file``
+    instead of DNS when given.
     """
 
     prefill_urls: tuple[str, ...]
@@ -47,17 +50,21 @@ class ProxyConfig:
     health_interval: float = 5.0
     log_level: str = "info"
     access_log: bool = False
+    prefill_names: tuple[tuple[str, int], ...] = ()
+    decode_names: tuple[tuple[str, int], ...] = ()
+    resolve_interval: float = 5.0
+    hosts_file: str | None = None
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
-            if not urls:
+            if not urls and not self.names(role):
                 raise ConfigError(f"at least one {role} instance is needed, got none")
             if len(set(urls)) != len(urls):
                 raise ConfigError(f"{role} instances repeat: {', '.join(urls)}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
         for name in ("connect_timeout", "prefill_timeout", "request_timeout",
-                     "health_interval"):
+                     "health_interval", "resolve_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
@@ -69,6 +76,10 @@ class ProxyConfig:
     def urls(self, role: str) -> tuple[str, ...]:
         """Base URLs of the instances of ``role`` ("prefill" or "decode")."""
         return self.prefill_urls if role == "prefill" else self.decode_urls
+
+    def names(self, role: str) -> tuple[tuple[str, int], ...]:
+        """(DNS name, port) pairs whose addresses are instances of ``role``."""
+        return self.prefill_names if role == "prefill" else self.decode_names
 
 
 def base_url(host: str, port: int) -> str:

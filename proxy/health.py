@@ -13,6 +13,7 @@ import logging
 
 import aiohttp
 
+from kvxfer.netutil import DRAINING_HEADER
 from proxy.balancer import Balancer, Instance
 from proxy.upstream import failure_name
 
@@ -36,13 +37,15 @@ class HealthChecker:
         self._stop = asyncio.Event()
 
     async def check(self, instance: Instance) -> None:
-        """One ``GET /health``: 200 marks the instance up, anything else down."""
+        """One ``GET /health``: 200 marks the instance up, anything else (draining
+        included) down."""
         was_healthy = instance.healthy
         try:
             async with self.session.get(f"{instance.url}/health", headers=self.headers,
                                         timeout=self.timeout) as response:
                 await response.read()  # to the end, so the connection can be reused
                 status = response.status
+                draining = DRAINING_HEADER in response.headers
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             name = failure_name(exc)
             self.balancer.mark_down(instance, f"health check: {name}: {exc}" if str(exc)
@@ -50,6 +53,8 @@ class HealthChecker:
         else:
             if status == 200:
                 self.balancer.mark_up(instance)
+            elif status == 503 and draining:
+                self.balancer.mark_down(instance, "draining (GET /health: shutting down)")
             else:
                 self.balancer.mark_down(
                     instance, f"health check: GET /health answered HTTP {status}")

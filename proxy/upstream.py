@@ -5,7 +5,9 @@ aiohttp rather than httpx on this path: per call it costs a fraction of the CPU
 client request. This module turns every way a call can fail into one exception:
 
 - :class:`Unreachable`: no connection could be opened, so nothing was sent and
-  the caller may safely try another instance of the role;
+  the caller may safely try another instance of the role; :class:`Draining`
+  (a 503 with the ``x-kvxfer-draining`` header: the sidecar is shutting down
+  and started nothing) is one too;
 - :class:`~proxy.errors.UpstreamRejected`: the instance answered 4xx (passed
   through to the client unchanged), except a 401: the proxy's own key was
   refused, a 502 that says to set ``--upstream-api-key``;
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 
+from kvxfer.netutil import DRAINING_HEADER
 from proxy.balancer import Instance
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamRejected, bad_gateway, gateway_timeout
@@ -57,6 +60,14 @@ class Unreachable(Exception):
         super().__init__(f"{instance.role} instance {instance.url}: {reason}")
         self.instance = instance
         self.reason = reason
+
+
+class Draining(Unreachable):
+    """``instance`` is draining: it refused the call before starting anything."""
+
+
+def _draining(status: int, headers: Mapping[str, str]) -> bool:
+    return status == 503 and DRAINING_HEADER in headers
 
 
 @dataclass(frozen=True)
@@ -145,9 +156,12 @@ class Upstream:
                                             timeout=self._timeout(instance)) as response:
                 answer = Answer(response.status, _content_type(response),
                                 await response.read())
+                draining = _draining(response.status, response.headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise self.failure(instance, exc, self._limit(instance)) from exc
         self.observe(instance, start)
+        if draining:
+            raise self.draining(instance)
         if not 200 <= answer.status < 300:
             raise self._rejection(instance, answer)
         return answer
@@ -168,6 +182,9 @@ class Upstream:
             raise self.failure(instance, exc) from exc
         if 200 <= response.status < 300:
             return OpenStream(self, instance, response, start)
+        if _draining(response.status, response.headers):
+            response.release()
+            raise self.draining(instance)
         try:
             answer = Answer(response.status, _content_type(response), await response.read())
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -175,6 +192,11 @@ class Upstream:
         finally:
             response.release()  # back to the pool if read to the end, else closed
         raise self._rejection(instance, answer)
+
+    def draining(self, instance: Instance) -> Draining:
+        """What reports a draining instance's 503 (the caller tries the next one)."""
+        self._error(instance, "draining", "draining (answered 503: shutting down)")
+        return Draining(instance, "draining (shutting down)")
 
     def _timeout(self, instance: Instance) -> aiohttp.ClientTimeout:
         return self._prefill if instance.role == "prefill" else self._whole

@@ -145,12 +145,15 @@ class Launched:
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return self.client.get(f"{self.url}{path}", **kw)
 
-    def send_signal(self, sig: int = signal.SIGTERM) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
+    STOP_SIGNAL: int = signal.SIGTERM
 
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        """Signal the process, wait, kill it if it hangs; its exit code."""
+    def send_signal(self, sig: int | None = None) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(self.STOP_SIGNAL if sig is None else sig)
+
+    def stop(self, sig: int | None = None) -> int | None:
+        """Signal the process (default :attr:`STOP_SIGNAL`), wait, kill it if it hangs;
+        its exit code."""
         if self.process is None:
             return None
         self.send_signal(sig)
@@ -171,6 +174,9 @@ class Launched:
 
 class Sidecar(Launched):
     """A launched ``kvxfer serve`` process and a client for its HTTP API."""
+
+    # SIGTERM drains (several seconds); tests of draining send it explicitly
+    STOP_SIGNAL = signal.SIGINT
 
     def __init__(self, spec: Spec, log_dir: Path, env: dict[str, str] | None = None) -> None:
         super().__init__(spec.name, spec.argv(), log_dir, env, bearer(spec.api_key))

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -118,7 +119,7 @@ class Deployment:
     def stop(self) -> None:
         for proc in self.procs:
             if proc.popen.poll() is None:
-                proc.popen.terminate()
+                proc.popen.send_signal(signal.SIGINT)  # SIGTERM would drain first
         deadline = time.monotonic() + 10
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -24,10 +24,21 @@ roles:
 With --api-key (or --api-key-file, or $KVXFER_API_KEY) every route requires
 "Authorization: Bearer KEY"; /health without it says only ok / not ok.
 
-Prints "kvxfer serve ready: ..." on stdout once it accepts requests; stops
-cleanly on SIGINT or SIGTERM."""
+Addresses: --host and --side-channel-host are where the listeners bind; they may
+be 0.0.0.0 or :: (every address). --advertise-host is the address peers are told
+(the prefill's remote_host and lease tickets, /health, the ready line); it
+defaults to the bind host, and a prefill whose side channel binds a wildcard
+refuses to start without it ("auto": what this host's name resolves to, e.g. a
+container's or pod's IP). IPv6 literals work everywhere (--host ::1).
+
+Prints "kvxfer serve ready: ..." on stdout once it accepts requests. SIGTERM
+drains: new requests get 503 (health says draining), requests in flight and
+leases finish, then it exits (within --drain-timeout, plus a few seconds); a
+second SIGTERM or SIGINT stops at once."""
 
 API_KEY_ENV = "KVXFER_API_KEY"
+ADVERTISE_HOST_ENV = "KVXFER_ADVERTISE_HOST"
+SIDE_CHANNEL_HOST_ENV = "KVXFER_SIDE_CHANNEL_HOST"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000,
                         help="HTTP port (default 8000; 0 picks a free one)")
-    parser.add_argument("--side-channel-host", default="127.0.0.1",
-                        help="prefill: address of the handshake listener, also the "
-                             "remote_host decode instances are told (default 127.0.0.1)")
+    parser.add_argument("--side-channel-host",
+                        default=os.environ.get(SIDE_CHANNEL_HOST_ENV) or "127.0.0.1",
+                        help=f"prefill: address the handshake listener binds (0.0.0.0 or "
+                             f":: for every address, then --advertise-host is needed) "
+                             f"(default ${SIDE_CHANNEL_HOST_ENV}, else 127.0.0.1)")
+    parser.add_argument("--advertise-host", default=os.environ.get(ADVERTISE_HOST_ENV),
+                        metavar="HOST",
+                        help=f"the address peers reach this instance at: the remote_host "
+                             f"decodes are told, and what /health reports; 'auto' is the "
+                             f"address this host's name resolves to (default "
+                             f"${ADVERTISE_HOST_ENV}, else the bind host; required when the "
+                             f"prefill's side channel binds a wildcard)")
     parser.add_argument("--side-channel-port", type=int, default=0,
                         help="prefill: handshake listener port (default 0: a free port)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
@@ -86,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "exchanges KV (at least 16 bytes, mode 600); it signs the side "
                              "channel, NIXL notifications and lease tickets (default "
                              "$KVXFER_KV_KEY_FILE, else none: unauthenticated, for loopback)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="after SIGTERM: longest wait for requests in flight and leased "
+                             "blocks before exiting anyway (default 30)")
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model name(s) clients may ask for (default: the model's name)")
 
@@ -107,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
     if args.read_lanes < 1:
         return _fail(f"--read-lanes must be at least 1, got {args.read_lanes}")
+    if not args.drain_timeout > 0:
+        return _fail(f"--drain-timeout must be a positive number of seconds, got "
+                     f"{args.drain_timeout}")
     if not args.kv_read_timeout > 0:
         return _fail(f"--kv-read-timeout must be a positive number of seconds, got "
                      f"{args.kv_read_timeout}")
@@ -129,7 +155,13 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
         lease_ttl=args.lease_ttl, read_lanes=args.read_lanes, kv_key=kv_key,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
-        kv_read_timeout=args.kv_read_timeout)
+        kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
+        drain_timeout=args.drain_timeout)
+    if args.role == "prefill":
+        try:
+            settings.side_channel_advertised()  # before the model loads
+        except ValueError as exc:
+            return _fail(str(exc))
     try:
         serve(settings)
     except PortInUse as exc:
