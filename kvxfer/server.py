@@ -153,7 +153,9 @@ class Settings:
     def http_advertised(self) -> str:
         """The HTTP host for the ready line and /health (the bind host, a wildcard
         included, when nothing else is known: nobody dials it from there)."""
-        return bare_host(self.advertise_host or self.host)
+        if self.advertise_host:
+            return advertised_host(self.host, self.advertise_host, "--host")
+        return bare_host(self.host)
 
 
 class PortInUse(OSError):
@@ -174,6 +176,7 @@ class Sidecar:
         # checked first: a wildcard side channel without --advertise-host fails fast
         self.side_channel_advertised = settings.side_channel_advertised() \
             if settings.role == "prefill" else bare_host(settings.side_channel_host)
+        self.http_host = settings.http_advertised()
         self.draining_since: float | None = None  # monotonic time of the SIGTERM
         self.http_in_flight = 0  # completion requests being answered (streams included)
         self.last_request = 0.0  # monotonic time the last completion request arrived
@@ -254,7 +257,7 @@ class Sidecar:
                 "tp": self.engine.tp, "block_size": self.engine.block_size,
                 "max_model_len": self.engine.max_model_len,
                 "side_channel_host": self.side_channel_advertised,
-                "http_host": self.settings.http_advertised(),
+                "http_host": self.http_host,
                 "side_channel_port": self.connector.side_channel_port,
                 "kv_load_failure_policy": self.settings.kv_load_failure_policy,
                 **self.loop.snapshot()}
@@ -701,8 +704,7 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
         app = create_app(settings, side)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        http = settings.http_advertised()
-        http = f"[{http}]" if ":" in http else http
+        http = f"[{side.http_host}]" if ":" in side.http_host else side.http_host
         line = f"kvxfer serve ready: http://{http}:{port} {side.describe(port)}"
         server = _Server(config, lambda: (ready or _print_ready)(line), side)
 

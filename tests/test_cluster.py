@@ -7,6 +7,7 @@ be run here; the proxy's resolver is the same code path either way.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -274,3 +275,17 @@ def test_a_draining_prefill_refuses_new_work_and_frees_its_lease_in_time(
     assert prefill.process.wait(3 + 5 + 5) == 0
     assert time.monotonic() - signalled < 3 + 5 + 2
     assert "drain timeout" in prefill.log_tail(100)
+
+
+# -- the TCP benchmark ---------------------------------------------------------------------
+
+def test_bench_transfer_over_tcp_prints_both_paths_and_the_ratio() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "transfer",
+                           "--transport", "tcp", "--cases", "BLHNC:1:1", "--tokens", "64",
+                           "--repeats", "1", "--layers", "2", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = json.loads(done.stdout)["rows"]
+    assert row["default"]["gb_per_s"] > 0 and row["tcp"]["gb_per_s"] > 0
+    assert row["tcp_vs_default"] == round(row["tcp"]["gb_per_s"] / row["default"]["gb_per_s"],
+                                          3)

@@ -6,14 +6,22 @@ number includes descriptor building, posting, the NIXL READ and completion
 polling. Two ceilings are measured in the same run for the same byte count:
 one large single-descriptor NIXL READ from the same prefill process, and a
 single-thread memcpy inside this process.
+
+``--transport tcp`` runs the cases twice in one run: with UCX's default
+transports (cma for the READ on one host) and with ``UCX_TLS=tcp`` (what crosses
+machines without RDMA, here over loopback TCP: both processes start again with
+it), and prints the TCP/default ratio per case.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 HELP = "time KV transfers between a prefill and a decode process for each layout and TP pair"
@@ -22,6 +30,7 @@ CASES = (("LBHNC", 1, 1), ("LBNHC", 1, 1), ("BLHNC", 1, 1), ("BLNHC", 1, 1), ("B
          ("LBHNC", 1, 2), ("BLHNC", 1, 2), ("BHLNC", 1, 2),
          ("LBHNC", 2, 1), ("BLHNC", 2, 1), ("BHLNC", 2, 1))
 COALESCING = ("BLHNC", "BLNHC", "BHLNC")
+TCP_CASES = "LBHNC:1:1,BLHNC:1:1"  # --transport tcp without --cases: bounded (TCP is slow)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-lanes", type=int, default=2, metavar="N",
                         help="decode copy threads per instance, shared by its TP ranks (default "
                              "2, as kvxfer serve; 1 for a single posting thread)")
-    parser.add_argument("--cases", default="all",
-                        help="comma-separated LAYOUT:PTP:DTP entries, e.g. BLHNC:1:2 (default all)")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated LAYOUT:PTP:DTP entries, e.g. BLHNC:1:2 (default "
+                             f"all; with --transport tcp {TCP_CASES})")
+    parser.add_argument("--transport", choices=["default", "tcp"], default="default",
+                        help="default: UCX's own choice (cma on one host); tcp: also every "
+                             "case with UCX_TLS=tcp, the ratio printed beside (default "
+                             "default)")
 
 
 def _parse_cases(text: str) -> list[tuple[str, int, int]]:
@@ -154,17 +168,42 @@ def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
             "meets_target": gbps / (nbytes / read_s / 1e9) >= target}
 
 
-def run(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _ucx_tls(value: str | None) -> Iterator[None]:
+    """``UCX_TLS=value`` (None: unchanged) for agents made inside, this process's and
+    the prefill process's (spawned inside, it inherits the environment)."""
+    before = os.environ.get("UCX_TLS")
+    if value is not None:
+        os.environ["UCX_TLS"] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = before
+
+
+def _rows(cases: list[tuple[str, int, int]], args: argparse.Namespace,
+          ucx_tls: str | None) -> list[dict[str, Any]]:
     from kvxfer.loopback import PrefillProcess
 
-    cases = _parse_cases(args.cases)
+    with _ucx_tls(ucx_tls):
+        prefill = PrefillProcess()
+        try:
+            return [_case(prefill, layout, p, d, args) for layout, p, d in cases]
+        finally:
+            prefill.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    tcp = args.transport == "tcp"
+    cases = _parse_cases(args.cases or (TCP_CASES if tcp else "all"))
     if args.read_lanes < 1:
         raise SystemExit(f"--read-lanes must be at least 1, got {args.read_lanes}")
-    prefill = PrefillProcess()
-    try:
-        rows = [_case(prefill, layout, p, d, args) for layout, p, d in cases]
-    finally:
-        prefill.close()
+    rows = _rows(cases, args, None)
+    if tcp:
+        return _print_tcp(rows, _rows(cases, args, "tcp"), args)
     if args.json:
         print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
                           "read_lanes": args.read_lanes, "rows": rows},
@@ -182,4 +221,28 @@ def run(args: argparse.Namespace) -> int:
               f"{r['ms_p90']:>7} {r['gb_per_s']:>6} {r['large_read_gb_per_s']:>6} "
               f"{r['memcpy_gb_per_s']:>6} {r['vs_large_read']:>6} "
               f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS'}")
+    return 0
+
+
+def _print_tcp(default: list[dict[str, Any]], tcp: list[dict[str, Any]],
+               args: argparse.Namespace) -> int:
+    """The same cases over UCX's default transports and over TCP, and their ratio."""
+    pairs = [{"layout": d["layout"], "prefill_tp": d["prefill_tp"],
+              "decode_tp": d["decode_tp"], "bytes": d["bytes"], "default": d, "tcp": t,
+              "tcp_vs_default": round(t["gb_per_s"] / d["gb_per_s"], 3)}
+             for d, t in zip(default, tcp, strict=True)]
+    if args.json:
+        print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
+                          "read_lanes": args.read_lanes, "path": "loopback", "rows": pairs},
+                         indent=2))
+        return 0
+    print(f"KV transfer of a {args.tokens}-token request, median of {args.repeats}: UCX's "
+          f"default transports (cma on one host) against UCX_TLS=tcp over loopback, same run")
+    print(f"{'layout':7} {'P->D':5} {'MiB':>5} {'ms':>8} {'GB/s':>6} {'tcp ms':>8} "
+          f"{'tcp GB/s':>8} {'tcp/default':>11}")
+    for r in pairs:
+        d, t = r["default"], r["tcp"]
+        print(f"{r['layout']:7} {r['prefill_tp']}->{r['decode_tp']:<2} "
+              f"{r['bytes'] / 2**20:>5.0f} {d['ms_median']:>8} {d['gb_per_s']:>6} "
+              f"{t['ms_median']:>8} {t['gb_per_s']:>8} {r['tcp_vs_default']:>11}")
     return 0
