@@ -53,11 +53,11 @@ RUN --mount=type=secret,id=pip_cert \
 FROM python AS runtime
 RUN useradd --create-home --uid 10001 --user-group kvxfer
 COPY --from=build /opt/kvxfer /opt/kvxfer
-COPY deploy/entrypoint.sh /usr/local/bin/kvxfer-entrypoint
 ENV PATH=/opt/kvxfer/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     KVXFER_CACHE_DIR=/home/kvxfer/.cache/kvxfer \
-    KVXFER_SIDE_CHANNEL_HOST=auto \
+    KVXFER_SIDE_CHANNEL_HOST=0.0.0.0 \
+    KVXFER_ADVERTISE_HOST=auto \
     KVXFER_HEALTH_PORT=8000
 USER kvxfer
 WORKDIR /home/kvxfer
@@ -67,5 +67,4 @@ RUN mkdir -p /home/kvxfer/.cache/kvxfer
 EXPOSE 8000 5600
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ['KVXFER_HEALTH_PORT'] + '/health', timeout=4)"]
-ENTRYPOINT ["kvxfer-entrypoint"]
 CMD ["kvxfer", "serve", "--host", "0.0.0.0", "--port", "8000", "--side-channel-port", "5600"]

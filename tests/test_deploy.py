@@ -26,11 +26,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from sidecars import ProxyProcess, SidecarGroup, Spec, start_proxies
 
 from kvxfer.cli import build_parser as kvxfer_parser
 from proxy.__main__ import build_parser as proxy_parser
 from proxy.__main__ import config_from_args
-from tests.sidecars import ProxyProcess, SidecarGroup, Spec, start_proxies
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -206,10 +206,12 @@ def test_ports_and_probes_agree_with_the_command_lines() -> None:
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         assert int(flag_value(container["args"], "--port")) == ports["http"], where
         assert flag_value(container["args"], "--host") == "0.0.0.0", where
+        if container["args"][:2] == ["kvxfer", "serve"]:  # peers are told the pod IP
+            assert flag_value(container["args"], "--advertise-host") == "$(POD_IP)", where
         if "--side-channel-port" in " ".join(container["args"]):
             side = int(flag_value(container["args"], "--side-channel-port"))
             assert side == ports["side-channel"], where
-            assert flag_value(container["args"], "--side-channel-host") == "$(POD_IP)"
+            assert flag_value(container["args"], "--side-channel-host") == "0.0.0.0"
         assert container["readinessProbe"]["httpGet"]["path"] == "/health", where
         probes = [container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")
                   if p in container]
@@ -239,16 +241,32 @@ def test_services_select_their_pods_and_name_their_ports() -> None:
             assert port["targetPort"] in names, (doc["metadata"]["name"], port)
 
 
-def test_the_proxy_lists_every_sidecar_pod() -> None:
+def test_the_proxy_discovers_the_sidecars_by_their_headless_services() -> None:
     proxy = by_name("Deployment", "kvxfer-proxy")["spec"]["template"]["spec"]["containers"][0]
     args = proxy["args"]
+    config = config_from_args(proxy_parser().parse_args(args[1:]))
     for flag, role in (("--prefiller", "prefill"), ("--decoder", "decode")):
         workload = by_name("StatefulSet", f"kvxfer-{role}")
-        replicas = workload["spec"]["replicas"]
-        pods = [f"kvxfer-{role}-{i}.{workload['spec']['serviceName']}" for i in range(replicas)]
-        assert flag_values(args, f"{flag}-hosts") == pods
+        service = f"{workload['spec']['serviceName']}.{workload['metadata']['namespace']}.svc"
+        assert flag_values(args, f"{flag}-hosts") == [service]
         port = workload["spec"]["template"]["spec"]["containers"][0]["ports"][0]
         assert flag_values(args, f"{flag}-ports") == [str(port["containerPort"])]
+        assert config.names(role) == ((service, port["containerPort"]),)
+        assert config.urls(role) == ()  # every instance comes from the name
+    assert config.resolve_interval <= 10
+
+
+def test_the_kv_key_is_mounted_from_the_secret_as_kvxfer_accepts_it() -> None:
+    """No copy step: the Secret's file is root:<fsGroup>, mode 0440, which the key
+    check accepts (a group-readable file owned by root); others may never read it."""
+    for name, pod in workloads():
+        secret = [v["secret"] for v in pod.get("volumes", []) if "secret" in v]
+        if not secret:
+            continue
+        assert "initContainers" not in pod, name
+        assert secret[0]["defaultMode"] == 0o440, name
+        assert pod["securityContext"]["fsGroup"], name
+        assert pod["securityContext"]["runAsUser"] != 0, name
 
 
 def test_keys_come_from_the_secret() -> None:
