@@ -9,8 +9,9 @@ Order of events for ``POST /v1/completions`` (and chat):
 3. pick a decode instance the same way and send the client's body plus those
    params; relay its answer (JSON, or SSE chunk by chunk) to the client.
 
-Only an instance that could not be *connected to* is skipped for the next
-one: then nothing reached it. Any later failure of the decode call (5xx,
+Only an instance that could not be *connected to*, or that answered 503
+``x-kvxfer-draining`` (shutting down; it started nothing), is skipped for the
+next one: then nothing was done there. Any later failure of the decode call (5xx,
 timeout, broken stream) is reported to the client, naming the prefill that
 holds the leased blocks, and not retried: the decode may have started reading
 them. The prefill frees its blocks when the decode reports the read done or
@@ -53,7 +54,7 @@ from proxy.fanout import (
 )
 from proxy.metrics import ProxyMetrics
 from proxy.relay import RelayResponse
-from proxy.upstream import Answer, OpenStream, Unreachable, Upstream
+from proxy.upstream import Answer, Draining, OpenStream, Unreachable, Upstream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -218,10 +219,11 @@ class PDRouter:
         for instance in self.balancer.candidates(role):
             try:
                 return instance, await call(instance)
-            except Unreachable as exc:
+            except Unreachable as exc:  # a Draining instance too: nothing was started
                 self.balancer.mark_down(instance, exc.reason)
-                log.warning("%s instance %s is unreachable (%s); marked down, trying the next",
-                            role, instance.url, exc.reason)
+                log.warning("%s instance %s is %s; marked down, trying the next", role,
+                            instance.url, exc.reason if isinstance(exc, Draining)
+                            else f"unreachable ({exc.reason})")
         raise self._unavailable(role)
 
 
