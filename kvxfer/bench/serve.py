@@ -27,11 +27,12 @@ import logging
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import IO, Any
 
 HELP = "prefill/decode throughput and KV transfer time of the reference engine, via sidecars"
 
@@ -66,32 +67,44 @@ def sidecar(role: str, model: str, tp: int, args: argparse.Namespace) -> Iterato
     """A ``kvxfer serve`` process; yields its base URL, terminates it on exit."""
     argv = [sys.executable, "-m", "kvxfer.cli", "--log-level", "WARNING", "serve",
             "--role", role, "--model", model, "--port", "0", "--tp", str(tp),
-            "--kv-cache-layout",
-            args.kv_cache_layout, "--num-blocks", str(args.num_blocks),
+            "--kv-cache-layout", args.kv_cache_layout, "--num-blocks", str(args.num_blocks),
             "--kv-load-failure-policy", "fail"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-    try:
-        yield _wait_ready(process, f"{role} sidecar ({model}, TP {tp})")
-    finally:
-        process.terminate()
+    with launched(argv, f"{role} sidecar ({model}, TP {tp})") as url:
+        yield url
+
+
+@contextmanager
+def launched(argv: list[str], what: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``argv`` (a ``kvxfer serve``) with its output in a temporary log file, so that
+    nothing can block on a full pipe; yield its URL from the ready line, stop it on exit."""
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                   env=env)
         try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(20)
+            yield _wait_ready(process, log, what)
+        finally:
+            process.terminate()
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(20)
 
 
-def _wait_ready(process: subprocess.Popen[str], what: str) -> str:
-    assert process.stdout is not None and process.stderr is not None
+def _wait_ready(process: subprocess.Popen[str], log: IO[str], what: str) -> str:
     deadline = time.monotonic() + START_TIMEOUT_S
-    for line in process.stdout:  # ends when the process exits
-        if line.startswith(READY_PREFIX):
-            return line[len(READY_PREFIX):].split()[0]
-        if time.monotonic() > deadline:
+    while time.monotonic() < deadline:
+        log.seek(0)
+        output = log.read()
+        for line in output.splitlines():
+            if line.startswith(READY_PREFIX):
+                return line[len(READY_PREFIX):].split()[0]
+        if process.poll() is not None:
             break
+        time.sleep(0.1)
     process.kill()
-    tail = process.stderr.read().strip().splitlines()[-3:]
+    log.seek(0)
+    tail = log.read().strip().splitlines()[-3:]
     raise BenchError(f"the {what} did not become ready (exit code {process.poll()}): "
                      + " / ".join(tail))
 
@@ -210,16 +223,24 @@ def _prefill(client: Any, urls: dict[str, str], args: argparse.Namespace) -> flo
 
 def _stream_rate(client: Any, url: str, tokens: int) -> tuple[int, float]:
     """(tokens after the first, seconds they took) of one streamed greedy answer."""
+    # logprobs: one chunk per token, even while a token's text is held back (half a
+    # UTF-8 character, or text that could still become a stop string).
     body = {"prompt": "Decode speed", "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "logprobs": 0}
     first = last = 0.0
     count = 0
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise BenchError(f"{url} answered {response.status_code}: "
+                             f"{response.read()[:300]!r}")
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 last = time.perf_counter()
                 first = first or last
                 count += 1
+    if count < 2:
+        raise BenchError(f"{url} streamed {count} chunk(s) for {tokens} tokens: nothing to "
+                         f"time a decode rate on (use --decode-tokens 4 or more)")
     return count - 1, last - first
 
 

@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from kvxfer.bench.serve import BenchError, _post, _prompt, _wait_ready
+from kvxfer.bench.serve import BenchError, _post, _prompt, launched
 
 HELP = "decode time to first token with the kv key (signing) on vs off, in one run"
 
@@ -55,17 +54,9 @@ def _sidecar(role: str, args: argparse.Namespace, key_file: str | None) -> Itera
     if key_file is not None:
         argv += ["--kv-key-file", key_file]
     env = {k: v for k, v in os.environ.items() if k != "KVXFER_KV_KEY_FILE"}
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
-    try:
-        yield _wait_ready(process, f"{role} sidecar ({'signed' if key_file else 'unsigned'})")
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(20)
+    with launched(argv, f"{role} sidecar ({'signed' if key_file else 'unsigned'})",
+                  env) as url:
+        yield url
 
 
 @contextmanager
