@@ -206,7 +206,8 @@ def test_second_load_reads_the_cache_and_a_new_file_replaces_the_entry(
     path = write_llama_gguf(tmp_path / "m.gguf", CONFIG, weights)
     entry = cache.gguf_checkpoint(path)
     assert entry.parent == cache.cache_dir() / "gguf" and entry.name.startswith("m-")
-    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors",
+                                                       cache.SOURCE_FILE]
     real = cache.convert_gguf
 
     def no_conversion(*args: object) -> None:
@@ -226,6 +227,19 @@ def test_second_load_reads_the_cache_and_a_new_file_replaces_the_entry(
     served = load_model(str(path)).state_dict
     assert served is not None
     assert torch.equal(served["model.norm.weight"], other["model.norm.weight"])
+
+
+def test_a_file_of_the_same_name_elsewhere_keeps_its_entry(
+        tmp_path: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Two folders' model.gguf (or two versions of kvxfer sharing a cache) must not delete
+    each other's entries on every load."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_llama_gguf(tmp_path / "a" / "m.gguf", CONFIG, weights)
+    second = write_llama_gguf(tmp_path / "b" / "m.gguf", CONFIG, init_weights(CONFIG, 9))
+    entries = [cache.gguf_checkpoint(first), cache.gguf_checkpoint(second)]
+    assert entries[0] != entries[1] and all(e.is_dir() for e in entries)
+    assert cache.gguf_checkpoint(first) == entries[0]
 
 
 def test_the_key_covers_the_converter_code(tmp_path: Path, weights: dict[str, torch.Tensor],

@@ -38,6 +38,7 @@ _CONVERTER_MODULES = ("kvxfer.engine.gguf", "kvxfer.engine.gguf_tokenizer",
                       "kvxfer.engine.checkpoint", __name__)
 _SAMPLE_BYTES = 1 << 20
 _KEY_CHARS = 24
+SOURCE_FILE = "source.txt"  # the resolved path of the GGUF an entry was converted from
 # A temporary directory this old belongs to a conversion that died; it is removed.
 _STALE_SECONDS = 3600
 
@@ -97,8 +98,10 @@ def gguf_checkpoint(gguf_path: str | Path) -> Path:
     except OSError as exc:
         raise ModelCacheError(f"cannot write the model cache {entry.parent}: {exc}; set "
                               f"KVXFER_CACHE_DIR to a writable directory") from None
+    source = str(Path(gguf_path).resolve())
     try:
         convert_gguf(gguf_path, building)
+        (building / SOURCE_FILE).write_text(source + "\n")
         try:
             building.rename(entry)
         except OSError:
@@ -108,7 +111,7 @@ def gguf_checkpoint(gguf_path: str | Path) -> Path:
         raise ModelCacheError(f"cannot write the model cache entry {entry}: {exc}") from None
     finally:
         shutil.rmtree(building, ignore_errors=True)
-    _remove_other_versions(entry, Path(gguf_path).stem)
+    _remove_other_versions(entry, Path(gguf_path).stem, source)
     return entry
 
 
@@ -128,12 +131,22 @@ def convert_gguf(gguf_path: str | Path, directory: Path) -> None:
             json.dumps(tokenizer_config(file), indent=2, ensure_ascii=False) + "\n")
 
 
-def _remove_other_versions(entry: Path, stem: str) -> None:
-    """Delete entries of the same file name with another key: an older file or converter.
-    (A process still reading one keeps its open files; entries are never rewritten.)"""
+def _remove_other_versions(entry: Path, stem: str, source: str) -> None:
+    """Delete entries converted from the same file path with another key: an older
+    version of that file, or an older converter. Entries of other files that share the
+    name (another folder's ``model.gguf``) are kept. (A process still reading one keeps
+    its open files; entries are never rewritten.)"""
     pattern = re.compile(re.escape(stem) + f"-[0-9a-f]{{{_KEY_CHARS}}}")
     for other in entry.parent.iterdir():
-        if other != entry and pattern.fullmatch(other.name):
+        if other == entry or not pattern.fullmatch(other.name):
+            continue
+        try:
+            same_source = (other / SOURCE_FILE).read_text().strip() == source
+        except FileNotFoundError:  # written before entries named their source
+            same_source = True
+        except OSError:
+            continue
+        if same_source:
             shutil.rmtree(other, ignore_errors=True)
 
 
