@@ -43,9 +43,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from kvxfer.worker import DEAD_PEER_S
-from tests.sidecars import (
+from sidecars import (
     READY_TIMEOUT_S,
     Launched,
     Sidecar,
@@ -53,6 +51,8 @@ from tests.sidecars import (
     Spec,
     disaggregated,
 )
+
+from kvxfer.worker import DEAD_PEER_S
 
 ROOT = Path(__file__).resolve().parent.parent
 IFACE = "kvx0"                  # the one interface of every "host" namespace
@@ -82,8 +82,12 @@ def _skip_reason() -> str | None:
     return None
 
 
-SKIP = _skip_reason()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.fixture(scope="module", autouse=True)
+def _needs_namespaces() -> None:
+    """Probe once, when the first test of this file runs (not while collecting)."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
