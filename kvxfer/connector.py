@@ -18,8 +18,12 @@ Prefill role (who calls what):
   rank leases the request's blocks (readers announced by the decode side,
   ``ttl`` = ``lease_ttl`` seconds) and the answer's ``kv_transfer_params`` are
   returned;
+* a decode claims a lease before reading it and renews it while it waits
+  (``RenewLease``): the listener's thread grants the claim to the first decode
+  engine only, renews only for it, never past ``lease_max_age`` after :meth:`hold`;
 * a decode that will not read a lease says so over the side channel (a
-  ``ReleaseLease``); the listener's thread queues it, and the next :meth:`poll`
+  ``ReleaseLease``; ignored from another engine than the claimer); the listener's
+  thread queues it, and the next :meth:`poll`
   ends that lease on every rank (``worker.end_lease``). An id that is not a
   held lease (ended already, or never handed out) changes nothing;
 * :meth:`poll` collects released leases; once *every* rank released a request
@@ -30,12 +34,15 @@ Prefill role (who calls what):
 Decode role:
 
 * the loop calls :meth:`add_remote` with already validated
-  :class:`~kvxfer.worker.RemoteParams`. It first claims the lease
+  :class:`~kvxfer.worker.RemoteParams`. It first checks the lease
   (:class:`~kvxfer.leases.LeaseBook`: not expired, ticket valid with the key,
-  never claimed before) or refuses it. When the engine has no free blocks for
-  the prompt the request waits here, first come first served, and is admitted
-  by a later :meth:`poll`; while it waits, :meth:`poll` renews its lease over
-  the side channel before it runs out (``RenewLease``, from the renewer thread).
+  never claimed here before) or refuses it, then claims it at the prefill
+  (``RenewLease(claim=True)``, from the renewer thread); a later :meth:`poll`
+  admits it once the claim was granted, or rejects it (400) when it was refused:
+  the prefill grants a lease to one decode engine only. When the engine has no
+  free blocks for the prompt the request waits here, first come first served;
+  while it waits or reads, :meth:`poll` renews its lease over the side channel
+  before it runs out, and a READ starts only with enough of the lease left.
   Admitted: ``engine.add_request(..., remote_kv=True)`` parks it, then every
   rank starts its READ into ``engine.block_ids[:n]`` (unless the lease ended
   meanwhile: then nothing is read and the request fails as a failed read);
@@ -155,6 +162,7 @@ class _Read:
     aborted: bool = False
     unnotified: set[int] = field(default_factory=set)  # failed ranks the prefill never heard of
     done_unsent: set[int] = field(default_factory=set)  # read ranks whose "done" was not sent
+    lease: HeldLease | None = None  # renewed until the read resolves
 
 
 @dataclass
@@ -172,7 +180,7 @@ class KVConnector:
     def __init__(self, engine: LLMEngine, role: str, metrics: SidecarMetrics, *,
                  engine_id: str | None = None, side_channel_host: str = "127.0.0.1",
                  side_channel_port: int = 0, advertise_host: str | None = None,
-                 lease_ttl: float = 120.0,
+                 lease_ttl: float = 120.0, lease_max_age: float | None = None,
                  failure_policy: str = "recompute", read_lanes: int = 2,
                  kv_read_timeout: float = 10.0, hmac_key: bytes | None = None) -> None:
         if role not in ROLES:
@@ -182,14 +190,19 @@ class KVConnector:
                              f"{', '.join(FAILURE_POLICIES)}, got {failure_policy!r}")
         if not lease_ttl > 0:
             raise ValueError(f"lease TTL must be a positive number of seconds, got {lease_ttl}")
+        lease_max_age = 4 * lease_ttl if lease_max_age is None else lease_max_age
+        if not lease_max_age >= lease_ttl:
+            raise ValueError(f"the maximum lease age ({lease_max_age} s) must be at least the "
+                             f"lease TTL ({lease_ttl} s)")
         self.engine, self.role, self.metrics = engine, role, metrics
         self.engine_id = engine_id or new_engine_id(role)
         self.side_channel_host = side_channel_host  # where the listener binds
         # what decodes are told (remote_host, lease tickets): reachable, never a wildcard
         self.advertise_host = advertise_host or side_channel_host
         self.lease_ttl, self.failure_policy = lease_ttl, failure_policy
+        self.lease_max_age = lease_max_age  # prefill: no renewal past this; decode: no ticket
         self._key = hmac_key  # signs the side channel, notifications and lease tickets
-        self.leases = LeaseBook(hmac_key)  # decode: which leases may still be read
+        self.leases = LeaseBook(hmac_key, max_age=lease_max_age)  # decode: leases to read
         self.renewer: ReleaseSender | None = None  # decode: renews leases of waiting requests
         # decode: (request id, ack or None, monotonic time sent, why not) from the renewer
         self._renewals: queue.SimpleQueue[tuple[str, RenewAck | None, float, str]] = \
@@ -272,6 +285,12 @@ class KVConnector:
         return bool(self._reads)
 
     @property
+    def claiming(self) -> bool:
+        """Claims on their way to a prefill: poll about as often as when :attr:`busy`,
+        so that a claim costs one side-channel round trip, not a poll interval."""
+        return any(not p.lease.claimed for p in self._pending)
+
+    @property
     def waiting(self) -> bool:
         """Leases held or requests waiting for blocks: poll now and then."""
         return bool(self._leases or self._pending)
@@ -318,6 +337,7 @@ class KVConnector:
         ``lease_ticket`` signs what the params say (:mod:`kvxfer.tickets`).
         """
         lease_id = secrets.token_urlsafe(16)
+        expires_at = time.time() + self.lease_ttl  # before hold: never later than enforced
         holding: set[int] = set()
         try:
             for rank, worker in enumerate(self.workers):
@@ -336,7 +356,7 @@ class KVConnector:
         assert port is not None
         claims = LeaseClaims(self.engine_id, self.advertise_host, port, lease_id,
                              tuple(block_ids[:prompt_blocks]), num_prompt_tokens, self.engine.tp,
-                             time.time() + self.lease_ttl)
+                             expires_at)
         params = {"do_remote_decode": False, "do_remote_prefill": True,
                   "remote_engine_id": self.engine_id, "remote_host": self.advertise_host,
                   "remote_port": port, "remote_block_ids": list(claims.block_ids),
@@ -353,17 +373,25 @@ class KVConnector:
     def _on_release(self, lease_id: str, requester: str, reason: str) -> bool:
         """Listener thread: queue a side-channel release for :meth:`poll`; whether the
         lease is held right now (the ack's ``found``; reading worker state is safe)."""
+        if not all(worker.may_end(lease_id, requester) for worker in self.workers):
+            log.warning("decode %s released lease %s, which another decode claimed: ignored",
+                        requester, lease_id)
+            return False
         self._releases.put((lease_id, requester, reason))
         return any(worker.holds_lease(lease_id) for worker in self.workers)
 
-    def _on_renew(self, lease_id: str, requester: str) -> float | None:
-        """Listener thread: extend a held lease by ``lease_ttl`` on every rank holding it
-        (worker leases are thread-safe); the TTL granted, or None when none holds it."""
-        renewed = [worker.renew(lease_id, self.lease_ttl) for worker in self.workers]
-        if not any(renewed):
-            return None
-        log.debug("decode %s renewed lease %s for %g s", requester, lease_id, self.lease_ttl)
-        return self.lease_ttl
+    def _on_renew(self, lease_id: str, requester: str, claim: bool) -> float | str:
+        """Listener thread: claim (``claim``) or extend a held lease by ``lease_ttl`` on
+        every rank (worker leases are thread-safe; see ``TransferWorker.renew``): the
+        seconds it has left, or why any rank refused (ended, another claimer, too old)."""
+        answers = [worker.renew(lease_id, self.lease_ttl, requester, claim=claim,
+                                max_age=self.lease_max_age) for worker in self.workers]
+        refused = [a for a in answers if isinstance(a, str)]
+        if refused:
+            return refused[0]
+        log.debug("decode %s %s lease %s", requester, "claimed" if claim else "renewed",
+                  lease_id)
+        return min(a for a in answers if not isinstance(a, str))
 
     def _take_releases(self) -> None:
         """End the leases decode instances released, on every rank still holding them;
@@ -410,26 +438,36 @@ class KVConnector:
         altered or already used lease raises :class:`~kvxfer.leases.LeaseRefused` (a
         ValueError) and nothing is read or released (it may be another request's).
 
+        Then the prefill is asked to grant this decode the lease (a claim, sent from
+        the renewer thread); the request waits until it is granted, and a refused
+        claim comes back through :meth:`poll` as ``rejected`` (nothing read or
+        released: the lease may be another decode's).
+
         ``siblings``: (request id, params) of further samples of the same prompt,
         started from this request's KV once it is read (see the module docstring).
-        Raises ValueError (engine validation) when it can be admitted at once and is
-        invalid, or whatever else admitting it raised (its lease released, it waits no
-        more); later admission failures come back through :meth:`poll`
-        (``rejected``: invalid, ``failed``: anything else), one entry per member.
+        Raises ValueError (engine validation) at once when it is invalid (its lease
+        released); admission failures come back through :meth:`poll` (``rejected``:
+        invalid, ``failed``: anything else), one entry per member.
         """
         lease = self.leases.claim(remote.claims(), remote.lease_ticket)  # before any READ
-        self._pending.append(_Pending(request_id, prompt, params, remote, lease,
-                                      list(siblings or [])))
-        if len(self._pending) == 1:
-            self._admit(raise_errors=True)
+        item = _Pending(request_id, prompt, params, remote, lease, list(siblings or []))
+        try:  # an invalid request is refused at once, before the prefill is asked
+            for member_id, member_params in [(request_id, params), *item.siblings]:
+                self.engine.check_request(member_id, prompt, member_params)
+        except ValueError as exc:
+            self._drop_unadmitted(item, exc, None)
+            raise
+        self._pending.append(item)
+        self._send_renewal(request_id, remote, lease, claim=True)  # the prefill's say
 
-    def _admit(self, *, raise_errors: bool = False,
-               events: ConnectorEvents | None = None) -> None:
+    def _admit(self, events: ConnectorEvents) -> None:
         """Admit waiting decode requests in arrival order while their blocks fit."""
         from kvxfer.engine import NoFreeBlocks
 
         while self._pending:
             item = self._pending[0]
+            if not self._may_start(item.lease):
+                return  # claim or renewal on its way (strict FCFS)
             blocks = -(-len(item.prompt) // self.engine.block_size) * len(item.ids)
             if item.siblings and blocks > self.engine.num_free_blocks:
                 return  # the whole group at once, or it waits (strict FCFS)
@@ -440,11 +478,37 @@ class KVConnector:
             except Exception as exc:  # refused (ValueError) or a bug: this request only
                 self._pending.popleft()
                 self._drop_unadmitted(item, exc, events)
-                if raise_errors:
-                    raise
                 continue
             self._pending.popleft()
             self._start_read(item)
+
+    def _may_start(self, lease: HeldLease) -> bool:
+        """Whether a request may be parked and read now: claimed with enough of the lease
+        left for its READ, or ended (lost, past its deadline: ``_start_read`` fails it
+        unread). Otherwise it waits for its claim or renewal."""
+        now = time.monotonic()
+        if not lease.claimed:
+            return False
+        return (lease.readable_for(now, self.kv_read_timeout) or lease.lost is not None
+                or now >= lease.deadline)
+
+    def _drop_unclaimed(self, events: ConnectorEvents) -> None:
+        """Refuse waiting requests whose claim the prefill refused, or that could not claim
+        their lease before it ended: nothing read, nothing released (the lease may be
+        another decode's), a 400 for every member."""
+        now = time.monotonic()
+        for item in [p for p in self._pending if not p.lease.claimed]:
+            why = item.lease.lost
+            if why is None and now >= item.lease.deadline:
+                why = "the lease ended before the prefill answered its claim"
+            if why is None:
+                continue
+            self._pending.remove(item)
+            message = (f"lease {item.remote.remote_request_id} of prefill "
+                       f"{item.remote.remote_engine_id} was not read: the prefill refused "
+                       f"this decode's claim: {why}")
+            log.warning("request %s: %s", item.request_id, message)
+            events.rejected.update(dict.fromkeys(item.ids, message))
 
     def _drop_unadmitted(self, item: _Pending, exc: Exception,
                          events: ConnectorEvents | None) -> None:
@@ -479,7 +543,7 @@ class KVConnector:
         count = len(item.remote.remote_block_ids)
         local = self.engine.block_ids(item.request_id)[:count]
         read = _Read(item.remote, set(range(len(self.workers))),
-                     [sid for sid, _ in item.siblings])
+                     [sid for sid, _ in item.siblings], lease=item.lease)
         self._reads[item.request_id] = read
         ended = item.lease.why_unusable(time.monotonic())
         if ended is not None:  # its blocks may hold another prompt's KV now: never read
@@ -522,6 +586,7 @@ class KVConnector:
     def _resolve(self, request_id: str) -> None:
         """Every rank ended its READ: hand the request back to the engine."""
         read = self._reads.pop(request_id)
+        self._check_lease_outlived(read)
         if read.unnotified:  # some prefill rank still waits for a reader that gave up
             why = "; ".join(read.failures[rank] for rank in sorted(read.unnotified))
             self._release(read.remote, f"the decode's KV read failed: {why}")
@@ -559,6 +624,18 @@ class KVConnector:
         for member in group:
             self._transfer_errors[member] = message
             self.engine.finish_kv_load(member, ok=False, recompute=False, reason=message)
+
+    @staticmethod
+    def _check_lease_outlived(read: _Read) -> None:
+        """A READ that ended after its lease could (the prefill may have reused the blocks
+        while it ran) counts as failed on every rank, whatever NIXL said."""
+        lease, now = read.lease, time.monotonic()
+        if lease is None or read.failures or now < lease.deadline:
+            return  # a refused renewal alone proves nothing: our own "done" may end it first
+        read.failures[0] = (f"lease {read.remote.remote_request_id} was read, but its KV is "
+                            f"not used: the lease ended {now - lease.deadline:.3f} s before "
+                            f"the read did")
+        read.stats.clear()
 
     def _release_unsent_done(self, read: _Read) -> None:
         """The KV was read but some prefill rank was not told "done": count it and release
@@ -618,39 +695,53 @@ class KVConnector:
         return self._release(remote, reason)
 
     def _renew_waiting(self) -> None:
-        """Renew the leases of requests still waiting for blocks before they expire."""
-        renewer = self.renewer
-        if renewer is None:
-            return
+        """Claim the leases of new requests, and renew those of requests waiting for blocks
+        or reading before they expire (a failed claim is retried until the deadline)."""
         now = time.monotonic()
-        for item in self._pending:
-            if item.lease.needs_renewal(now):
-                item.lease.renewing = True
+        held = [(p.request_id, p.remote, p.lease) for p in self._pending]
+        held += [(rid, r.remote, r.lease) for rid, r in self._reads.items() if r.lease]
+        for request_id, remote, lease in held:
+            if lease.needs_claim() or lease.needs_renewal(now):
+                self._send_renewal(request_id, remote, lease, claim=not lease.claimed)
 
-                def done(ack: RenewAck | None, sent_at: float, why: str,
-                         request_id: str = item.request_id) -> None:
-                    self._renewals.put((request_id, ack, sent_at, why))
+    def _send_renewal(self, request_id: str, remote: RemoteParams, lease: HeldLease, *,
+                      claim: bool) -> None:
+        """Queue a claim or renewal of ``lease`` on the renewer thread (never the loop's)."""
+        renewer = self.renewer
+        if renewer is None or lease.renewing:
+            return
+        lease.renewing = True
 
-                if not renewer.submit_renew(item.remote.remote_host, item.remote.remote_port,
-                                            item.remote.remote_request_id, done):
-                    item.lease.renewing = False
+        def done(ack: RenewAck | None, sent_at: float, why: str) -> None:
+            self._renewals.put((request_id, ack, sent_at, why))
+
+        if not renewer.submit_renew(remote.remote_host, remote.remote_port,
+                                    remote.remote_request_id, done, claim=claim):
+            lease.renewing = False
 
     def _take_renewals(self) -> None:
-        """Apply renewal answers to the waiting requests they were sent for."""
+        """Apply claim and renewal answers to the requests they were sent for."""
         while True:
             try:
                 request_id, ack, sent_at, why = self._renewals.get_nowait()
             except queue.Empty:
                 return
-            item = next((p for p in self._pending if p.request_id == request_id), None)
-            if item is None:
-                continue  # admitted or dropped meanwhile
+            lease = self._held_lease(request_id)
+            if lease is None:
+                continue  # ended meanwhile
             if ack is not None and ack.found:
-                item.lease.renewed(sent_at, ack.expires_in)
+                lease.renewed(sent_at, ack.expires_in, claim=not lease.claimed)
                 continue
-            item.lease.renewing = False  # a failed attempt is retried until the deadline
-            if ack is not None:  # the prefill says it ended: never read it
-                item.lease.lost = f"the prefill no longer holds it ({why})"
+            lease.renewing = False  # a failed attempt is retried until the deadline
+            if ack is not None:  # the prefill refused: never read it
+                lease.lost = f"the prefill no longer holds it for this decode ({why})"
+
+    def _held_lease(self, request_id: str) -> HeldLease | None:
+        item = next((p for p in self._pending if p.request_id == request_id), None)
+        if item is not None:
+            return item.lease
+        read = self._reads.get(request_id)
+        return None if read is None else read.lease
 
     def _release(self, remote: RemoteParams, reason: str) -> bool:
         releaser = self.releaser  # read once: close() may clear it from another thread
@@ -668,7 +759,8 @@ class KVConnector:
         self._poll_leases(events)
         self._poll_reads()
         self._take_renewals()
-        self._admit(events=events)
+        self._drop_unclaimed(events)
+        self._admit(events)
         self._renew_waiting()
         self.metrics.leases_held.set(len(self._leases))
         return events

@@ -264,7 +264,7 @@ class EngineLoop:
                                                       "admitting the request")
 
     def _pause(self) -> float:
-        if self.connector.busy:
+        if self.connector.busy or self.connector.claiming:
             return READ_POLL_S
         if self.engine.has_work():
             return BLOCKED_POLL_S

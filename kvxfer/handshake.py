@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 import zmq
@@ -129,10 +130,10 @@ class HandshakeListener:
     thread for each :class:`ReleaseLease` and returns whether the lease is held
     (the :class:`ReleaseAck` says so); it must only hand the release over to the
     thread that owns the leases. Without it releases are refused as
-    ``unavailable``. ``on_renew(lease_id, requester_engine_id)`` extends a held
-    lease and returns its new TTL in seconds, or None when it is not held (the
-    :class:`RenewAck` says so). All must not block for long: requests are served
-    one at a time.
+    ``unavailable``. ``on_renew(lease_id, requester_engine_id, claim)`` claims
+    (``claim``) or extends a held lease and returns the seconds it now has left,
+    or why not (a str; None: it is not held), which the :class:`RenewAck` says.
+    All must not block for long: requests are served one at a time.
 
     With ``hmac_key`` every request must be signed with it and fresh (timestamp
     and nonce, see :class:`~kvxfer.protocol.ReplayGuard`); an unauthenticated peer
@@ -146,7 +147,8 @@ class HandshakeListener:
                  hmac_key: bytes | None = None,
                  on_request: Callable[[str], None] | None = None,
                  on_release: Callable[[str, str, str], bool] | None = None,
-                 on_renew: Callable[[str, str], float | None] | None = None) -> None:
+                 on_renew: Callable[[str, str, bool], float | str | None] | None = None
+                 ) -> None:
         self.engine_id = engine_id
         self.host = host
         self._compat, self._hash = compat, compat_hash(compat)
@@ -333,16 +335,19 @@ class HandshakeListener:
         if self._on_renew is None:
             return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} holds no leases")
         try:
-            ttl = self._on_renew(renew.lease_id, renew.requester_engine_id)
+            ttl = self._on_renew(renew.lease_id, renew.requester_engine_id, renew.claim)
         except Exception as exc:
             log.exception("handshake listener at %s: on_renew(%r) failed", self.address,
                           renew.lease_id)
             return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} could not "
                                                      f"renew lease {renew.lease_id!r}: {exc}")
-        if ttl is None:
-            log.info("handshake listener at %s: %s (engine %s) renewed lease %s, which is not "
-                     "held", self.address, peer, renew.requester_engine_id, renew.lease_id)
-        return RenewAck(renew.lease_id, ttl is not None, 0.0 if ttl is None else float(ttl))
+        if ttl is None or isinstance(ttl, str):
+            why = ttl or "the prefill does not hold it"
+            log.info("handshake listener at %s: refused to %s (engine %s) %s lease %s: %s",
+                     self.address, peer, renew.requester_engine_id,
+                     "the claim of" if renew.claim else "the renewal of", renew.lease_id, why)
+            return RenewAck(renew.lease_id, False, 0.0, why[:MAX_RELEASE_REASON_CHARS])
+        return RenewAck(renew.lease_id, True, float(ttl))
 
 
 def _describe(identity: zmq.Frame) -> str:
@@ -449,18 +454,19 @@ class HandshakeClient:
         return self._parse_ack(frames, address, lease_id)
 
     def renew(self, host: str, port: int, lease_id: str, *,
-              timeout: float = RELEASE_TIMEOUT_S) -> RenewAck:
-        """Ask the prefill at ``host:port`` to keep lease ``lease_id`` for another TTL.
+              timeout: float = RELEASE_TIMEOUT_S, claim: bool = False) -> RenewAck:
+        """Ask the prefill at ``host:port`` to keep lease ``lease_id`` for another TTL
+        (with ``claim``: to claim it for this engine first, see :class:`RenewLease`).
 
         One attempt of at most ``timeout`` seconds; the ack says whether the lease was
-        still held and for how long it now lasts. Raises a :class:`HandshakeError`
-        naming the peer address on any failure.
+        still held (and claimed by this engine) and for how long it now lasts. Raises
+        a :class:`HandshakeError` naming the peer address on any failure.
         """
         if self._closed:
             raise RuntimeError("HandshakeClient is closed")
         address = endpoint(host, port)
-        request = encode_message(RenewLease(lease_id, self.engine_id), compat=self.compat,
-                                 hmac_key=self._key)
+        request = encode_message(RenewLease(lease_id, self.engine_id, claim),
+                                 compat=self.compat, hmac_key=self._key)
         frames = self._exchange(host, address, request, timeout)
         if frames is None:
             raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
@@ -549,6 +555,14 @@ def _connect_error(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
+@dataclass(frozen=True)
+class _Renewal:
+    """A queued renewal (or claim) and whom to tell how it went."""
+
+    done: Callable[[RenewAck | None, float, str], None]
+    claim: bool
+
+
 class ReleaseSender:
     """Decode side: sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
 
@@ -593,15 +607,16 @@ class ReleaseSender:
         return True
 
     def submit_renew(self, host: str, port: int, lease_id: str,
-                     done: Callable[[RenewAck | None, float, str], None]) -> bool:
-        """Queue one renewal (:meth:`HandshakeClient.renew`); ``done(ack, sent_at, why)``
-        is called on the sender's thread with the ack (None on failure), the monotonic
-        time it was sent and, unless renewed, why not. False (and no call) when closed
-        or the queue is full."""
+                     done: Callable[[RenewAck | None, float, str], None], *,
+                     claim: bool = False) -> bool:
+        """Queue one renewal or claim (:meth:`HandshakeClient.renew`); ``done(ack,
+        sent_at, why)`` is called on the sender's thread with the ack (None on failure),
+        the monotonic time it was sent and, unless renewed, why not. False (and no call)
+        when closed or the queue is full."""
         if self._closed:
             return False
         try:
-            self._queue.put_nowait((host, port, lease_id, done))
+            self._queue.put_nowait((host, port, lease_id, _Renewal(done, claim)))
         except queue.Full:
             self.dropped += 1
             return False
@@ -638,18 +653,18 @@ class ReleaseSender:
                 log.info("release of lease %s at %s dropped: shutting down", lease_id,
                          endpoint(host, port))
                 continue
-            if callable(reason):
+            if isinstance(reason, _Renewal):
                 self._send_renew(host, port, lease_id, reason)
             else:
                 self._send(host, port, lease_id, reason)
 
-    def _send_renew(self, host: str, port: int, lease_id: str,
-                    done: Callable[[RenewAck | None, float, str], None]) -> None:
-        sent_at = time.monotonic()
+    def _send_renew(self, host: str, port: int, lease_id: str, renewal: _Renewal) -> None:
+        sent_at, done = time.monotonic(), renewal.done
         try:
             ack: RenewAck | None = self._client.renew(host, port, lease_id,
-                                                      timeout=self._timeout)
-            why = "" if ack is not None and ack.found else "the prefill no longer holds it"
+                                                      timeout=self._timeout,
+                                                      claim=renewal.claim)
+            why = "" if ack.found else (ack.reason or "the prefill no longer holds it")
         except Exception as exc:  # the thread must survive anything
             ack, why = None, str(exc)
             log.warning("could not renew lease %s at %s: %s", lease_id, endpoint(host, port),

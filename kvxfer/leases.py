@@ -4,16 +4,23 @@ Pure: the standard library only, no I/O. :class:`LeaseBook` is owned by a decode
 instance's connector and called from its engine-loop thread (``claim`` also from
 HTTP handlers: it is thread-safe).
 
-* :meth:`LeaseBook.claim` is the check before a decode accepts a request's
+* :meth:`LeaseBook.claim` is the local check before a decode accepts a request's
   ``kv_transfer_params``, before any READ: the lease has not expired
-  (``lease_expires_at`` present and in the future), its ticket verifies with the
-  shared key when there is one (:mod:`kvxfer.tickets`), and it was not claimed
-  before. A claimed lease is remembered until its ticket's expiry (plus the
-  clock margin), after which a replay is refused as expired anyway, so a lease
-  is read at most once.
-* :class:`HeldLease` tracks a claimed lease while the decode still has to read
-  it: its deadline on the decode's monotonic clock, moved on by each renewal
-  (``RenewAck.expires_in``), and when to renew next.
+  (``lease_expires_at`` present, in the future and no further than the maximum
+  lease age), its ticket verifies with the shared key when there is one
+  (:mod:`kvxfer.tickets`), and this decode did not claim it before. A claimed
+  lease is remembered until its ticket's expiry (plus the clock margin), after
+  which a replay is refused as expired anyway; at most ``max_remembered`` are.
+* The prefill is the authority on who reads a lease: before its first READ the
+  decode claims the lease over the side channel (``RenewLease(claim=True)``), and
+  the prefill grants that to one decode engine only, so the same params sent to a
+  second decode, or to this one after a restart, are refused there.
+* :class:`HeldLease` tracks a lease while the decode still has to read it: whether
+  the prefill granted the claim, its deadline on the decode's monotonic clock (set
+  from the claim's ``RenewAck.expires_in``, moved on by each renewal), and when to
+  renew next. It is renewed while the request waits and while its READ is in
+  flight; a READ starts only with enough of the lease left (:meth:`HeldLease.
+  readable_for`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,11 @@ RENEW_FRACTION = 0.5
 """A waiting decode renews its lease once less than this share of its TTL is left."""
 
 READ_MARGIN_S = 0.1
-"""A READ starts only while at least min(this, a quarter of the TTL) of the lease is left."""
+"""A READ starts only while at least min(the read timeout + this, the renewal point)
+of the lease is left (:meth:`HeldLease.readable_for`); renewals go on while it runs."""
+
+MAX_REMEMBERED = 100_000
+"""How many consumed leases a :class:`LeaseBook` remembers at most; beyond, it refuses."""
 
 
 class LeaseRefused(ValueError):
@@ -52,6 +63,7 @@ class HeldLease:
     ttl: float
     renewing: bool = False
     lost: str | None = None  # why the lease can no longer be read (a renewal failed)
+    claimed: bool = False  # the prefill granted this decode's claim
 
     @classmethod
     def from_expiry(cls, expires_at: float, *, now_wall: float | None = None,
@@ -61,15 +73,30 @@ class HeldLease:
         left = max(0.0, expires_at - now_wall)
         return cls(deadline=now + left, ttl=left)
 
+    def needs_claim(self) -> bool:
+        return self.lost is None and not self.renewing and not self.claimed
+
     def needs_renewal(self, now: float) -> bool:
-        return (self.lost is None and not self.renewing
+        return (self.lost is None and not self.renewing and self.claimed
                 and self.deadline - now < self.ttl * RENEW_FRACTION)
 
-    def renewed(self, sent_at: float, expires_in: float) -> None:
-        """A renewal sent at ``sent_at`` (monotonic) was granted for ``expires_in`` s."""
+    def renewed(self, sent_at: float, expires_in: float, *, claim: bool = False) -> None:
+        """A renewal (``claim``: the claim) sent at ``sent_at`` (monotonic) was granted for
+        ``expires_in`` s. The claim's answer replaces the deadline taken from the ticket's
+        wall-clock expiry: it is measured on the prefill's clock as a duration, so clock
+        skew between the two sides does not matter (the delay only shortens it)."""
         self.renewing = False
-        self.deadline = max(self.deadline, sent_at + expires_in)
+        end = sent_at + expires_in
+        self.deadline = end if claim else max(self.deadline, end)
         self.ttl = expires_in
+        self.claimed = self.claimed or claim
+
+    def readable_for(self, now: float, read_timeout: float) -> bool:
+        """Whether a READ bounded by ``read_timeout`` may start now: claimed, not lost, and
+        enough of the lease left (else renew first; a lease too short for the whole
+        timeout needs only up to the renewal point, since renewals go on during it)."""
+        need = min(read_timeout + READ_MARGIN_S, self.ttl * RENEW_FRACTION)
+        return self.claimed and self.lost is None and self.deadline - now >= need
 
     def why_unusable(self, now: float) -> str | None:
         """None when a READ may start now, else why not."""
@@ -84,8 +111,9 @@ class HeldLease:
 class LeaseBook:
     """Decode side: which leases may be read (see the module docstring). Thread-safe."""
 
-    def __init__(self, key: bytes | None) -> None:
-        self._key = key
+    def __init__(self, key: bytes | None, *, max_age: float = math.inf,
+                 max_remembered: int = MAX_REMEMBERED) -> None:
+        self._key, self.max_age, self._max = key, max_age, max_remembered
         self._consumed: dict[tuple[str, str], float] = {}  # (engine, lease) -> forget at
         self._lock = threading.Lock()
         self._next_purge = 0.0
@@ -111,14 +139,20 @@ class LeaseBook:
                 verify_ticket(self._key, claims, ticket)
             except TicketError as exc:
                 raise LeaseRefused(str(exc)) from None
+        if expires - now > self.max_age + CLOCK_MARGIN_S:
+            raise LeaseRefused(f"kv_transfer_params.lease_expires_at is {expires - now:.0f} s "
+                               f"ahead, more than the maximum lease age of {self.max_age:g} s")
         lease = (claims.engine_id, claims.lease_id)
         with self._lock:
-            if now >= self._next_purge:
+            if now >= self._next_purge or len(self._consumed) >= self._max:
                 self._consumed = {k: t for k, t in self._consumed.items() if t > now}
                 self._next_purge = now + 1.0
             if lease in self._consumed:
                 raise LeaseRefused(f"lease {claims.lease_id!r} of prefill {claims.engine_id} "
                                    f"was already used by a request: a lease is read once")
+            if len(self._consumed) >= self._max:
+                raise LeaseRefused(f"this decode already remembers {self._max} unexpired "
+                                   f"leases it read: try again later")
             self._consumed[lease] = expires + CLOCK_MARGIN_S
         return HeldLease.from_expiry(expires, now_wall=now)
 

@@ -58,7 +58,9 @@ from kvxfer.regions import RegionPlan
 #   3: signed envelopes carry a timestamp and a random nonce (both signed) so that
 #      a receiver refuses replays; notifications carry an optional HMAC signature;
 #      message kinds "renew" (RenewLease) and "renew_ack" (RenewAck), hash-free.
-KVXFER_PROTOCOL_VERSION: int = 3
+#   4: RenewLease.claim (a decode claims a lease before its first READ; the prefill
+#      records the claimer and refuses every other engine) and RenewAck.reason.
+KVXFER_PROTOCOL_VERSION: int = 4
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
@@ -399,10 +401,17 @@ class ReleaseAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class RenewLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Decode → prefill: the decode will still read lease ``lease_id`` (it waits, e.g.
-    for free blocks); keep it for another lease TTL."""
+    for free blocks, or reads); keep it for another lease TTL.
+
+    With ``claim`` it is the decode's claim, sent once before its first READ: the
+    prefill grants it only to the first engine that claims a held lease, and
+    renews a lease only for its claimer, so params sent to a second decode (or to
+    a restarted one, which has a new engine id) are never read.
+    """
 
     lease_id: str
     requester_engine_id: str
+    claim: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.lease_id), "RenewLease.lease_id must not be empty")
@@ -416,14 +425,16 @@ class RenewLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RenewAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill → decode: the answer to a :class:`RenewLease`.
 
-    ``found`` is True when the lease was held and now lasts ``expires_in``
-    seconds from when the prefill answered; False when it had ended (the decode
-    must not read it).
+    ``found`` is True when the lease was held (and, for a claim or a renewal,
+    claimed by the requester) and now lasts ``expires_in`` seconds from when the
+    prefill answered; False when it had ended, was claimed by another engine or
+    reached its maximum age (the decode must not read it): ``reason`` says which.
     """
 
     lease_id: str
     found: bool
     expires_in: float
+    reason: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.lease_id), "RenewAck.lease_id must not be empty")

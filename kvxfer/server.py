@@ -134,6 +134,7 @@ class Settings:
     device: str = "cpu"
     kv_load_failure_policy: str = "recompute"
     lease_ttl: float = 120.0
+    lease_max_age: float | None = None  # None: 4 * lease_ttl
     read_lanes: int = 2
     served_model_names: tuple[str, ...] = ()
     # the side channel's shared key (kvxfer.kv_key); None: unauthenticated, loopback only
@@ -194,6 +195,7 @@ class Sidecar:
             hmac_key=settings.kv_key, side_channel_host=settings.side_channel_host,
             side_channel_port=settings.side_channel_port,
             advertise_host=self.side_channel_advertised, lease_ttl=settings.lease_ttl,
+            lease_max_age=settings.lease_max_age,
             failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
             kv_read_timeout=settings.kv_read_timeout)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)

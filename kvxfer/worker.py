@@ -41,14 +41,16 @@ one thread at a time). "Done" is then sent only after every part has landed.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only. With ``hmac_key`` every "done"
 notification is signed, and one that does not verify is ignored (logged), so
-nobody without the key can end a lease; leases are also ``renew``ed from the
-listener's thread when a waiting decode asks.
+nobody without the key can end a lease; leases are also claimed and ``renew``ed
+from the listener's thread when a decode asks (one claimer per lease, at most
+``max_age`` seconds in all).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -251,6 +253,8 @@ class _Lease:
     readers: int | None
     expires: float
     done_by: set[tuple[str, int]] = field(default_factory=set)
+    held_at: float = field(default_factory=time.monotonic)  # the maximum age counts from here
+    claimer: str | None = None  # the decode engine that claimed it (see renew)
 
 
 class TransferWorker:
@@ -385,15 +389,35 @@ class TransferWorker:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
 
-    def renew(self, request_id: str, ttl: float) -> bool:
-        """Extend lease ``request_id`` to ``ttl`` seconds from now (never shorten it);
-        False when it is not held. Thread-safe (the listener's thread calls it)."""
+    def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
+              max_age: float = math.inf) -> float | str:
+        """Extend lease ``request_id`` for decode ``requester`` to ``ttl`` seconds from now,
+        never past ``max_age`` seconds after :meth:`hold`, never shorter; the seconds it
+        now has left, or why not (a str). A claim (``claim``) is granted to the first
+        engine that claims the lease (and again to it: a retried claim); a renewal only
+        to its claimer. Thread-safe (the listener's thread calls it)."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                return False
-            lease.expires = max(lease.expires, time.monotonic() + ttl)
-            return True
+                return "the prefill no longer holds it (it ended, or was never handed out)"
+            if claim and lease.claimer is None:
+                lease.claimer = requester
+            if lease.claimer != requester:
+                return ("another decode claimed it first: a lease is read by one decode"
+                        if lease.claimer is not None else "it was renewed before it was claimed")
+            now = time.monotonic()
+            end = lease.held_at + max_age
+            if now >= end:
+                return f"it reached the maximum lease age of {max_age:g} s"
+            lease.expires = max(lease.expires, min(now + ttl, end))
+            return lease.expires - now
+
+    def may_end(self, request_id: str, requester: str) -> bool:
+        """Whether decode ``requester`` may release lease ``request_id``: nobody else
+        claimed it (thread-safe)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is None or lease.claimer in (None, requester)
 
     def holds_lease(self, request_id: str) -> bool:
         """Whether lease ``request_id`` is held (thread-safe)."""

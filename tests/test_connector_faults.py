@@ -76,11 +76,22 @@ def broken_admission(connector: KVConnector, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(connector.engine, "add_request", add_request)
 
 
+def failures(connector: KVConnector) -> dict[str, str]:
+    """Poll until some admission failed (after the lease's claim was granted)."""
+    for _ in range(1000):
+        failed = connector.poll().failed
+        if failed:
+            return failed
+        time.sleep(0.005)
+    raise AssertionError("no admission failed within 5 s")
+
+
 def test_an_admission_that_raises_fails_that_request_only(
         connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
     broken_admission(connector, monkeypatch, "broken")
-    with pytest.raises(RuntimeError, match="broke"):
-        connector.add_remote("broken", prompt(20), PARAMS, lease(recorder, "lease-broken", 20))
+    connector.add_remote("broken", prompt(20), PARAMS, lease(recorder, "lease-broken", 20))
+    failed = failures(connector)
+    assert list(failed) == ["broken"] and "broke" in failed["broken"]
     assert not connector.waiting, "the failed request still waits at the head of the queue"
     [(lease_id, _, reason)] = recorder.wait_for(1)
     assert lease_id == "lease-broken" and "could not admit" in reason
@@ -99,8 +110,8 @@ def test_a_waiting_request_whose_admission_raises_is_failed_by_poll(
     assert connector.poll().failed == {} and connector.waiting
     broken_admission(connector, monkeypatch, "broken")
     engine.abort("filler")  # blocks free: the head is admitted on the next poll
-    events = connector.poll()  # raised out of poll (and stopped the engine loop) before
-    assert list(events.failed) == ["broken"] and "RuntimeError" in events.failed["broken"]
+    failed = failures(connector)  # raised out of poll (and stopped the engine loop) before
+    assert list(failed) == ["broken"] and "RuntimeError" in failed["broken"]
     assert not connector.waiting, "the request behind it was admitted"
     poll_until(connector, lambda: connector.take_transfer_error("behind") is not None)
     assert ("lease-broken" in [c[0] for c in recorder.wait_for(2)])
@@ -147,13 +158,12 @@ def test_a_read_whose_done_was_not_sent_is_counted_and_released(
         connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker reports the request finished but "done" unsent to some prefill rank."""
     worker = connector.workers[0]
-    monkeypatch.setattr(worker, "start_read", lambda *args: None)
-    results = [PollResult(finished=["read"], stats={"read": ReadStats(64, 1, 0.001)},
-                          unnotified={"read"})]
+    results: list[PollResult] = []  # once the read started (after the claim)
+    monkeypatch.setattr(worker, "start_read", lambda *args: results.append(PollResult(
+        finished=["read"], stats={"read": ReadStats(64, 1, 0.001)}, unnotified={"read"})))
     monkeypatch.setattr(worker, "poll", lambda: results.pop() if results else PollResult())
     connector.add_remote("read", prompt(20), PARAMS, lease(recorder, "lease-read", 20))
-    connector.poll()
-    assert connector.metrics.done_unsent._value.get() == 1
+    poll_until(connector, lambda: connector.metrics.done_unsent._value.get() == 1)  # claimed
     [(lease_id, _, reason)] = recorder.wait_for(1)
     assert lease_id == "lease-read" and "could not notify" in reason
     assert connector.take_transfer_error("read") is None, "the read itself succeeded"

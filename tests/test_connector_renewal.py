@@ -1,9 +1,15 @@
-"""The decode connector renews the lease of a request waiting for blocks, in this process:
-a granted renewal keeps the lease readable past its first expiry; a refused one means
-the lease is never read (the request fails by policy, no handshake, no release).
+"""Claims and renewals, in this process.
 
-The prefill is a real side-channel listener (another model: a handshake would be
-refused) whose ``on_renew`` the test controls.
+The decode connector claims a lease before anything else and renews it while the
+request waits for blocks: a granted renewal keeps the lease readable past its first
+expiry; a refused one means the lease is never read (the request fails by policy, no
+handshake, no release); a refused or unanswered claim is a 400 for the request,
+nothing read, nothing released. There the prefill is a real side-channel listener
+(another model: a handshake would be refused) whose ``on_renew`` the test controls.
+
+The prefill connector (real workers and listener, no key) grants a lease's claim to
+one decode engine, renews it only for that one, never past the maximum lease age,
+and ignores a release from another engine.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ from test_release import compat_of_another_model
 
 from kvxfer.connector import KVConnector
 from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
-from kvxfer.handshake import HandshakeListener
+from kvxfer.handshake import HandshakeClient, HandshakeListener
 from kvxfer.metrics import SidecarMetrics
-from kvxfer.worker import RemoteParams
+from kvxfer.worker import PollResult, ReadStats, RemoteParams
 
 HOST = "127.0.0.1"
 TTL = 0.4
@@ -31,7 +37,9 @@ class Prefill:
 
     def __init__(self) -> None:
         self.ttl: float | None = TTL
+        self.claim_ttl: float | str = TTL
         self.renewals: list[str] = []
+        self.claims: list[str] = []
         self.releases: list[str] = []
         self.handshakes = 0
         self.listener = HandshakeListener(
@@ -43,7 +51,10 @@ class Prefill:
         self.handshakes += 1
         return []
 
-    def _on_renew(self, lease_id: str, _requester: str) -> float | None:
+    def _on_renew(self, lease_id: str, _requester: str, claim: bool) -> float | str | None:
+        if claim:
+            self.claims.append(lease_id)
+            return self.claim_ttl
         self.renewals.append(lease_id)
         return self.ttl
 
@@ -80,7 +91,8 @@ def wait_for_blocks(connector: KVConnector, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         connector.poll()
-        assert connector.waiting and not connector.busy, "it still waits for blocks"
+        assert connector.waiting and connector.engine.num_free_blocks == 1, \
+            "it still waits for blocks"
         time.sleep(0.01)
     connector.engine.abort("filler")
 
@@ -95,10 +107,21 @@ def error_after_admission(connector: KVConnector) -> str:
     raise AssertionError("the request did not end within 5 s")
 
 
+def rejection(connector: KVConnector) -> str:
+    for _ in range(1000):
+        events = connector.poll()
+        if "r" in events.rejected:
+            assert not connector.waiting and not connector.busy
+            return events.rejected["r"]
+        time.sleep(0.005)
+    raise AssertionError("the request was not refused within 5 s")
+
+
 def test_a_granted_renewal_keeps_the_lease_readable(connector: KVConnector,
                                                     prefill: Prefill) -> None:
     connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-kept"))
     wait_for_blocks(connector, 3 * TTL)
+    assert prefill.claims == ["lease-kept"], "claimed once, first"
     assert len(prefill.renewals) >= 3 and set(prefill.renewals) == {"lease-kept"}
     error = error_after_admission(connector)
     # it went on to read: the handshake ran (and was refused: another model)
@@ -108,19 +131,107 @@ def test_a_granted_renewal_keeps_the_lease_readable(connector: KVConnector,
 
 def test_a_refused_renewal_means_the_lease_is_never_read(connector: KVConnector,
                                                          prefill: Prefill) -> None:
-    prefill.ttl = None  # the prefill no longer holds it
+    prefill.ttl = None  # claimed, then the prefill no longer holds it
     connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-lost"))
     wait_for_blocks(connector, 2 * TTL)
+    assert prefill.claims == ["lease-lost"]
     assert prefill.renewals[:1] == ["lease-lost"]
     error = error_after_admission(connector)
     assert "was not read" in error and "no longer holds it" in error, error
     assert prefill.releases == [], "an ended lease is not released"
 
 
-def test_without_renewals_an_expired_lease_is_not_read(connector: KVConnector,
-                                                       prefill: Prefill) -> None:
-    prefill.listener.close()  # renewals fail: nobody answers
+def test_an_unanswered_claim_means_the_lease_is_never_read(connector: KVConnector,
+                                                            prefill: Prefill) -> None:
+    prefill.listener.close()  # claims fail: nobody answers
     connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-gone"))
-    wait_for_blocks(connector, 2 * TTL)
+    connector.engine.abort("filler")  # blocks are free: only the claim holds it back
+    error = rejection(connector)
+    assert "was not read" in error and "before the prefill answered its claim" in error, error
+    assert connector.engine.num_free_blocks == connector.engine.num_blocks, "never parked"
+
+
+def test_a_refused_claim_is_a_rejection_and_nothing_is_read(connector: KVConnector,
+                                                            prefill: Prefill) -> None:
+    prefill.claim_ttl = "another decode claimed it first: a lease is read by one decode"
+    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-taken"))
+    connector.engine.abort("filler")
+    error = rejection(connector)
+    assert "refused this decode's claim" in error and "another decode" in error, error
+    assert prefill.claims == ["lease-taken"] and prefill.renewals == []
+    assert prefill.handshakes == 0 and prefill.releases == [], "nothing read or released"
+    assert connector.engine.num_free_blocks == connector.engine.num_blocks
+
+
+# -- the prefill's side ------------------------------------------------------------------------
+
+@pytest.fixture
+def prefill_connector() -> Iterator[KVConnector]:
+    """A prefill connector leasing for TTL s, renewed at most until 3 TTL."""
+    engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
+    metrics = SidecarMetrics(role="prefill", engine_id="prefill-test", model="tiny",
+                             layout=engine.layout.name, tp=1)
+    made = KVConnector(engine, "prefill", metrics, lease_ttl=TTL, lease_max_age=3 * TTL)
+    yield made
+    made.close()
+
+
+def test_the_prefill_grants_one_claim_and_renews_only_for_its_claimer(
+        prefill_connector: KVConnector) -> None:
+    params = prefill_connector.hold("r", [0, 1], len(PROMPT))
+    port, lease = params["remote_port"], params["remote_request_id"]
+    compat = compat_of_another_model()
+    with HandshakeClient("decode-a", compat) as a, HandshakeClient("decode-b", compat) as b:
+        unclaimed = a.renew(HOST, port, lease)
+        assert not unclaimed.found and "before it was claimed" in unclaimed.reason
+        claimed = a.renew(HOST, port, lease, claim=True)
+        assert claimed.found and 0 < claimed.expires_in <= TTL
+        assert a.renew(HOST, port, lease, claim=True).found, "a retried claim"
+        for second in (b.renew(HOST, port, lease, claim=True), b.renew(HOST, port, lease)):
+            assert not second.found and "another decode claimed it" in second.reason
+        assert not b.release(HOST, port, lease, "not mine"), "only the claimer releases"
+        assert prefill_connector.workers[0].holds_lease(lease)
+        assert a.renew(HOST, port, lease).found
+
+
+def test_no_renewal_past_the_maximum_lease_age(prefill_connector: KVConnector) -> None:
+    held_at = time.monotonic()
+    params = prefill_connector.hold("r", [0, 1], len(PROMPT))
+    port, lease = params["remote_port"], params["remote_request_id"]
+    with HandshakeClient("decode-a", compat_of_another_model()) as a:
+        ack = a.renew(HOST, port, lease, claim=True)
+        while ack.found:
+            assert ack.expires_in <= held_at + 3 * TTL - time.monotonic() + 0.05
+            assert time.monotonic() - held_at < 3 * TTL + 0.2, "renewed past its maximum age"
+            time.sleep(0.02)
+            ack = a.renew(HOST, port, lease)
+    assert time.monotonic() - held_at > 3 * TTL - 0.1, "renewed until its maximum age"
+    assert "maximum lease age" in ack.reason or "no longer holds it" in ack.reason, ack
+
+
+def test_a_read_in_flight_is_renewed_and_not_used_once_its_lease_ended(
+        connector: KVConnector, prefill: Prefill, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The READ (a stand-in that the test ends) runs for longer than the lease TTL: the
+    decode renews the lease meanwhile; once renewals are refused and the lease ran out,
+    the READ's result is not used, though the worker says it finished."""
+    worker = connector.workers[0]
+    results: list[PollResult] = []
+    monkeypatch.setattr(worker, "start_read", lambda *_args: None)
+    monkeypatch.setattr(worker, "poll", lambda: results.pop() if results else PollResult())
+    connector.engine.abort("filler")
+    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-reading"))
+    poll_for(connector, 3 * TTL)
+    assert connector.busy, "the READ is still in flight"
+    assert len(prefill.renewals) >= 3, "renewed while it reads"
+    prefill.ttl = None  # the prefill ends it: no more renewals
+    poll_for(connector, 2 * TTL)
+    results.append(PollResult(finished=["r"], stats={"r": ReadStats(64, 1, 0.001)}))
     error = error_after_admission(connector)
-    assert "was not read" in error and "expired" in error, error
+    assert "its KV is not used" in error and "lease ended" in error, error
+
+
+def poll_for(connector: KVConnector, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        connector.poll()
+        time.sleep(0.01)

@@ -57,6 +57,16 @@ def settle(connector: KVConnector) -> list[RequestOutput]:
     return outputs
 
 
+def granted(connector: KVConnector) -> None:
+    """Poll until the prefill granted the claims (then the group is admitted if it fits)."""
+    for _ in range(1000):
+        connector.poll()
+        if not connector.claiming:
+            return
+        time.sleep(0.005)
+    raise AssertionError("a claim still unanswered after 5 s")
+
+
 def ended(outputs: list[RequestOutput]) -> dict[str, str | None]:
     return {o.request_id: o.finish_reason for o in outputs if o.finished}
 
@@ -64,6 +74,7 @@ def ended(outputs: list[RequestOutput]) -> dict[str, str | None]:
 def test_a_failed_read_fails_every_member_and_frees_all_blocks(
         connector: KVConnector, recorder: Recorder) -> None:
     connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+    granted(connector)
     assert connector.engine.num_used_blocks == 6, "every member parked with its own blocks"
     assert ended(settle(connector)) == {"s0": "error", "s1": "error", "s2": "error"}
     for member in ("s0", "s1", "s2"):
@@ -76,6 +87,7 @@ def test_a_failed_read_fails_every_member_and_frees_all_blocks(
 def test_aborting_the_first_member_while_reading_aborts_the_group(
         connector: KVConnector, recorder: Recorder) -> None:
     connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+    granted(connector)
     assert connector.busy, "the READ is in flight"
     assert connector.abort("s0") is AbortOutcome.DEFERRED
     assert ended(settle(connector)) == {"s0": "abort", "s1": "abort", "s2": "abort"}
@@ -85,6 +97,7 @@ def test_aborting_the_first_member_while_reading_aborts_the_group(
 def test_an_aborted_sibling_is_the_engines_to_end_while_the_read_goes_on(
         connector: KVConnector, recorder: Recorder) -> None:
     connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+    granted(connector)
     assert connector.abort("s1") is AbortOutcome.NOT_MINE
     assert connector.engine.abort("s1") is True  # what the engine loop does next
     assert ended(settle(connector)) == {"s1": "abort", "s0": "error", "s2": "error"}
@@ -97,7 +110,7 @@ def test_a_group_waits_for_blocks_for_all_of_it(connector: KVConnector,
     engine = connector.engine
     engine.add_request("filler", PROMPT * 3, PARAMS, remote_kv=True)  # 4 of 8 blocks
     connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
-    connector.poll()
+    granted(connector)
     assert connector.waiting and not connector.busy, "6 blocks needed, 4 free: it waits"
     assert engine.num_used_blocks == 4, "no member parked alone"
     assert connector.abort("s2") is AbortOutcome.DROPPED  # only that one leaves the group
@@ -114,6 +127,7 @@ def test_dropping_a_waiting_group_releases_its_lease_once(connector: KVConnector
     engine = connector.engine
     engine.add_request("filler", PROMPT * 3, PARAMS, remote_kv=True)
     connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+    granted(connector)
     assert connector.abort("s0") is AbortOutcome.DROPPED
     assert not connector.waiting
     assert [lease for lease, _, _ in recorder.wait_for(1)] == ["lease-s0@1"]

@@ -805,24 +805,27 @@ if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
 
 @pytest.mark.parametrize("held", [True, False])
 def test_a_renewal_is_answered_with_the_ttl(held: bool) -> None:
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, str, bool]] = []
 
-    def on_renew(lease_id: str, requester: str) -> float | None:
-        calls.append((lease_id, requester))
-        return 0.5 if held else None
+    def on_renew(lease_id: str, requester: str, claim: bool) -> float | str | None:
+        calls.append((lease_id, requester, claim))
+        return 0.5 if held else "another decode claimed it first"
 
     with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=KEY, on_renew=on_renew) as served, \
             HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
-        ack = keyed.renew(HOST, served.port, HELD, timeout=ANSWER_S)
+        ack = keyed.renew(HOST, served.port, HELD, timeout=ANSWER_S, claim=True)
+        renewal = keyed.renew(HOST, served.port, HELD, timeout=ANSWER_S)
     assert (ack.lease_id, ack.found, ack.expires_in) == (HELD, held, 0.5 if held else 0.0)
-    assert calls == [(HELD, "decode-b")]
+    assert ack.reason == ("" if held else "another decode claimed it first")
+    assert renewal.found is held
+    assert calls == [(HELD, "decode-b", True), (HELD, "decode-b", False)]
 
 
 def test_an_unauthenticated_renewal_is_refused() -> None:
     calls: list[str] = []
 
-    def on_renew(lease_id: str, _requester: str) -> float | None:
+    def on_renew(lease_id: str, _requester: str, _claim: bool) -> float | None:
         calls.append(lease_id)
         return 0.5
 

@@ -80,7 +80,7 @@ RESPONSE = MetadataResponse("prefill-a", 2, (meta(1), meta(0)))
 REQUEST = MetadataRequest("decode-b", (1, 0))
 RELEASE = ReleaseLease("req-7@3", "decode-b", "the decode refused the request: max_tokens")
 ACK = ReleaseAck("req-7@3", found=True)
-MESSAGES = [REQUEST, RESPONSE, RELEASE, ACK, RenewLease("req-7@3", "decode-b"),
+MESSAGES = [REQUEST, RESPONSE, RELEASE, ACK, RenewLease("req-7@3", "decode-b", claim=True),
             RenewAck("req-7@3", True, 0.5), ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
 KIND_NAMES: dict[type[Any], str] = {
     MetadataRequest: "metadata_request", MetadataResponse: "metadata_response",
@@ -452,8 +452,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 3): a change here changes the wire, so it needs a version bump.
-    assert HASH == "17e44386fa324d844cd1e4db2a4fcf9b3ea11623d8fdeb6a6223cef24bb3c99f"
+    # Pinned (protocol 4): a change here changes the wire, so it needs a version bump.
+    assert HASH == "b67907c695d2436f7e099fd279e5f8cb7dc5f0b7b295bc34d85f46c94ee6ad15"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -476,7 +476,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 3
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 4
 
 
 # -- releases: no hash check, every other check -----------------------------------------------

@@ -212,7 +212,8 @@ class Recorder:
         self.calls: list[tuple[str, str, str]] = []
         self.listener = HandshakeListener(
             HOST, engine_id="prefill-recorder", compat=compat_of_another_model(),
-            metadata=lambda: [], on_release=self._on_release).start()
+            metadata=lambda: [], on_release=self._on_release,
+            on_renew=lambda _lease, _requester, _claim: 60.0).start()  # claims granted
 
     def _on_release(self, lease_id: str, requester: str, reason: str) -> bool:
         self.calls.append((lease_id, requester, reason))
@@ -292,7 +293,7 @@ def test_connector_releases_a_request_aborted_while_waiting_for_blocks(
     engine = connector.engine
     engine.add_request("filler", prompt(100), PARAMS, remote_kv=True)  # 7 of 8 blocks
     connector.add_remote("waiting", prompt(40), PARAMS, recorder.params("lease-waiting@1", 40))
-    connector.poll()
+    poll_until(connector, lambda: not connector.busy)  # claimed
     assert connector.waiting and not connector.busy, "it waits for blocks, nothing is read"
     assert connector.abort("waiting") is AbortOutcome.DROPPED
     [(lease_id, _, reason)] = recorder.wait_for(1)

@@ -35,6 +35,8 @@ from kvxfer.protocol import (
     MetadataRequest,
     MetadataResponse,
     ReadDone,
+    RenewAck,
+    RenewLease,
     decode_envelope,
     decode_payload,
     encode_message,
@@ -76,7 +78,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[di
         names = ["prefill", "short", "decode", "small", "wrong"]
         started = group.start([
             Spec("prefill", extra=keyed),
-            Spec("prefill", num_blocks=16, extra=(*keyed, "--lease-ttl", "0.5")),
+            Spec("prefill", num_blocks=16,
+                 extra=(*keyed, "--lease-ttl", "0.5", "--lease-max-age", "10")),
             Spec("decode", policy="fail", extra=keyed),
             Spec("decode", policy="fail", num_blocks=SMALL_BLOCKS, extra=keyed),
             Spec("decode", policy="fail", extra=("--kv-key-file", str(other_key))),
@@ -194,6 +197,40 @@ def test_a_replayed_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
     refused(decode(dec, prompt, params), "already used")
     still_held(prefill, other)
     assert same(decode(dec, other_prompt, other), other_want)
+
+
+def test_params_replayed_to_a_second_decode_are_refused_there(rig: dict[str, Sidecar]) -> None:
+    """The params one decode read, sent to another decode (as to this one after a restart:
+    a new engine id) once the prefill freed their blocks for another lease: the prefill
+    refuses the second claim, nothing is read, the other lease's answer is unchanged."""
+    prefill, dec, second = rig["prefill"], rig["decode"], rig["small"]
+    prompt = "a prompt read by one decode and replayed to another"
+    want = reference(prefill, prompt)
+    params = lease(prefill, prompt)
+    assert same(decode(dec, prompt, params), want)
+    prefill.wait_for("the lease released", idle)
+    other_prompt = "someone else's prompt, in the blocks the second decode would read"
+    other_want = reference(prefill, other_prompt)
+    other = lease(prefill, other_prompt)
+    refused(decode(second, prompt, params), "refused this decode's claim")
+    still_held(prefill, other)
+    assert same(decode(dec, other_prompt, other), other_want)
+
+
+def test_a_lease_another_decode_claimed_is_not_read(rig: dict[str, Sidecar],
+                                                    key: bytes) -> None:
+    """Another decode (here: this test, with the key) claimed the lease first: this
+    decode's claim is refused, it neither reads nor releases, and only the claimer can
+    end the lease early."""
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt = "a prompt whose lease another decode claimed first"
+    params = lease(prefill, prompt)
+    port, lease_id = params["remote_port"], params["remote_request_id"]
+    with HandshakeClient("decode-first0000000", STRANGER, hmac_key=key) as first:
+        assert first.renew(HOST, port, lease_id, claim=True).found
+        refused(decode(dec, prompt, params), "another decode claimed it first")
+        still_held(prefill, params)
+        assert first.release(HOST, port, lease_id, "the claimer will not read it either")
 
 
 def test_an_expired_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
@@ -344,6 +381,7 @@ def test_a_waiting_decode_renews_its_lease_and_answers_right(rig: dict[str, Side
             COMPLETIONS, {**BODY, "prompt": list(range(1, 101)), "max_tokens": 1,
                           "kv_transfer_params": filler})))]
         threads[0].start()
+        _grant_claim(hole, key)
         assert hole.poll(20_000), "the filler's handshake never came"
         identity, _request = hole.recv_multipart()
         small.wait_for("the filler holds 7 blocks", lambda h: h["used_blocks"] == 7)
@@ -374,6 +412,17 @@ def test_a_waiting_decode_renews_its_lease_and_answers_right(rig: dict[str, Side
     assert short.metric("kvxfer_kv_leases_released_total", reason="expired") == expired, \
         "the lease was renewed, never expired"
     assert short.metric("kvxfer_kv_leases_released_total", reason="done") == done + 1
+
+
+def _grant_claim(hole: zmq.Socket[bytes], key: bytes) -> None:
+    """Answer the filler's claim of its fake lease as a prefill would: granted."""
+    assert hole.poll(20_000), "the filler's claim never came"
+    identity, request = hole.recv_multipart()
+    envelope = decode_envelope(request, expected_hash=None, peer="decode", hmac_key=key)
+    claim = decode_payload(envelope, RenewLease)
+    assert claim.claim, claim
+    hole.send_multipart([identity, encode_message(RenewAck(claim.lease_id, True, 60.0),
+                                                  compat=STRANGER, hmac_key=key)])
 
 
 def _filler_params(key: bytes, port: int) -> dict[str, Any]:

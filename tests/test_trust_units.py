@@ -217,6 +217,54 @@ def test_consumed_leases_are_forgotten_after_their_expiry() -> None:
     assert not book.was_claimed(CLAIMS.engine_id, CLAIMS.lease_id)
 
 
+@pytest.mark.parametrize("key", [None, KEY], ids=["no-key", "key"])
+@pytest.mark.parametrize("ahead", [1e300, 481.0 + 1.5])
+def test_a_lease_beyond_the_maximum_age_is_refused_and_not_remembered(
+        key: bytes | None, ahead: float) -> None:
+    book = LeaseBook(key, max_age=480.0)
+    claims = dataclasses.replace(CLAIMS, expires_at=NOW + ahead)
+    with pytest.raises(LeaseRefused, match="maximum lease age"):
+        book.claim(claims, sign_ticket(KEY, claims), now=NOW)
+    assert book.num_remembered == 0
+    book.claim(dataclasses.replace(CLAIMS, expires_at=NOW + 480), None if key is None else
+               sign_ticket(KEY, dataclasses.replace(CLAIMS, expires_at=NOW + 480)), now=NOW)
+
+
+def test_the_lease_book_remembers_a_bounded_number_of_leases() -> None:
+    book = LeaseBook(None, max_remembered=2)
+    for lease_id in ("a", "b"):
+        book.claim(dataclasses.replace(CLAIMS, lease_id=lease_id), None, now=NOW)
+    with pytest.raises(LeaseRefused, match="remembers 2"):
+        book.claim(dataclasses.replace(CLAIMS, lease_id="c"), None, now=NOW)
+    assert book.num_remembered == 2
+    book.claim(dataclasses.replace(CLAIMS, lease_id="c", expires_at=NOW + 200), None,
+               now=NOW + 62)  # the first two expired: forgotten, room again
+    assert book.num_remembered == 1
+
+
+def test_the_claim_answer_replaces_the_wall_clock_deadline() -> None:
+    """The ticket's expiry is 60 s on the prefill's clock, but this decode's clock runs
+    50 s ahead: the claim's answer (30 s left) is what counts, measured from its send."""
+    lease = HeldLease.from_expiry(NOW + 60, now_wall=NOW + 50, now=0.0)
+    assert lease.deadline == pytest.approx(10.0)
+    lease.renewed(1.0, 30.0, claim=True)
+    assert lease.claimed and lease.deadline == pytest.approx(31.0)
+
+
+def test_a_read_starts_only_with_enough_of_the_lease_left() -> None:
+    lease = HeldLease.from_expiry(NOW + 120, now_wall=NOW, now=0.0)
+    assert not lease.readable_for(0.0, 10.0), "not before the claim"
+    lease.renewed(0.0, 120.0, claim=True)
+    assert lease.readable_for(109.0, 10.0)
+    assert not lease.readable_for(110.0, 10.0), "less than the read timeout + margin left"
+    short = HeldLease.from_expiry(NOW + 0.5, now_wall=NOW, now=0.0)
+    short.renewed(0.0, 0.5, claim=True)
+    assert short.readable_for(0.2, 10.0) and not short.readable_for(0.3, 10.0), \
+        "a short lease needs what is left at its renewal point (renewed while it reads)"
+    short.lost = "refused"
+    assert not short.readable_for(0.0, 10.0)
+
+
 def test_params_without_an_expiry_have_no_claims() -> None:
     remote = RemoteParams("p", "127.0.0.1", 1, (1,), "l", 1)
     with pytest.raises(ValueError, match="lease_expires_at is missing"):
@@ -228,6 +276,9 @@ def test_params_without_an_expiry_have_no_claims() -> None:
 def test_a_held_lease_renews_at_half_its_ttl() -> None:
     lease = HeldLease.from_expiry(NOW + 0.5, now_wall=NOW, now=100.0)
     assert lease.deadline == pytest.approx(100.5)
+    assert lease.needs_claim() and not lease.needs_renewal(100.3), "claimed first"
+    lease.renewed(100.0, 0.5, claim=True)
+    assert not lease.needs_claim()
     assert not lease.needs_renewal(100.2)
     assert lease.needs_renewal(100.3)
     lease.renewing = True

@@ -83,8 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode: when a KV read fails, recompute the prompt locally or "
                              "fail the request with HTTP 502 (default recompute)")
     parser.add_argument("--lease-ttl", type=float, default=120.0,
-                        help="prefill: seconds leased blocks wait for their decode readers "
-                             "(default 120)")
+                        help="prefill: seconds leased blocks wait for their decode reader "
+                             "before they are freed; a decode that claimed the lease and "
+                             "still waits or reads renews it for as long again, up to "
+                             "--lease-max-age (default 120)")
+    parser.add_argument("--lease-max-age", type=float, default=None, metavar="SECONDS",
+                        help="prefill: no lease is renewed past this age, so its blocks are "
+                             "freed at the latest this long after the prefill; decode: "
+                             "params whose lease_expires_at is further ahead are refused "
+                             "(default 4 x --lease-ttl)")
     parser.add_argument("--read-lanes", type=int, default=2, metavar="N",
                         help="decode, KV in host memory: copy threads for large reads, each "
                              "with its own NIXL agent, shared by this instance's TP ranks "
@@ -128,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--side-channel-port {args.side_channel_port} is not a TCP port")
     if not args.lease_ttl > 0:
         return _fail(f"--lease-ttl must be a positive number of seconds, got {args.lease_ttl}")
+    if args.lease_max_age is not None and not args.lease_max_age >= args.lease_ttl:
+        return _fail(f"--lease-max-age must be at least --lease-ttl ({args.lease_ttl} s), got "
+                     f"{args.lease_max_age}")
     if args.read_lanes < 1:
         return _fail(f"--read-lanes must be at least 1, got {args.read_lanes}")
     if not args.drain_timeout > 0:
@@ -153,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_layout=args.kv_cache_layout, block_size=args.block_size,
         num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
-        lease_ttl=args.lease_ttl, read_lanes=args.read_lanes, kv_key=kv_key,
+        lease_ttl=args.lease_ttl, lease_max_age=args.lease_max_age,
+        read_lanes=args.read_lanes, kv_key=kv_key,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
         drain_timeout=args.drain_timeout)

@@ -154,6 +154,12 @@ class LLMEngine:
                 self.scheduler.add(request)
             self._requests[request_id] = request
 
+    def check_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                      params: SamplingParams) -> None:
+        """Raise ValueError as :meth:`add_request` would for invalid input; changes nothing."""
+        with self._lock:
+            self._check_request(request_id, prompt_token_ids, params)
+
     def _check_request(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
