@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -186,8 +187,17 @@ class LoopbackInstance:
 
 # -- a prefill process driven over a pipe ---------------------------------------------------
 
-def _serve(conn: Connection) -> None:
-    """Child process: run prefill instances on command until told to exit."""
+def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
+           ucx_devices: str | None = None) -> None:
+    """Child process: run prefill instances on command until told to exit (inside
+    network namespace ``netns`` when given, listening on ``host``; its NIXL agents on
+    ``ucx_devices``, ``UCX_NET_DEVICES``, when given)."""
+    if netns is not None:
+        from kvxfer.bench.netns import enter
+
+        enter(netns)  # the main thread, before any socket or NIXL agent exists
+    if ucx_devices is not None:
+        os.environ["UCX_NET_DEVICES"] = ucx_devices
     instances: dict[str, LoopbackInstance] = {}
     try:
         while True:
@@ -198,7 +208,7 @@ def _serve(conn: Connection) -> None:
                     return
                 if op == "create":
                     inst = LoopbackInstance.create("prefill", CacheConfig(**args["cfg"]),
-                                                   fill=args.get("fill", "pattern"))
+                                                   fill=args.get("fill", "pattern"), host=host)
                     instances[inst.engine_id] = inst
                     conn.send(("ok", {"engine_id": inst.engine_id, "port": inst.port}))
                 elif op == "hold":
@@ -220,12 +230,16 @@ def _serve(conn: Connection) -> None:
 
 
 class PrefillProcess:
-    """A separate OS process hosting loopback prefill instances."""
+    """A separate OS process hosting loopback prefill instances (in network namespace
+    ``netns``, its listeners on ``host``, when given: see :mod:`kvxfer.bench.netns`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, netns: str | None = None, host: str = "127.0.0.1",
+                 ucx_devices: str | None = None) -> None:
         ctx = mp.get_context("spawn")
+        self.host = host
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, netns, host, ucx_devices),
+                                   daemon=True)
         self.process.start()
         child.close()
 

@@ -9,8 +9,11 @@ single-thread memcpy inside this process.
 
 ``--transport tcp`` runs the cases twice in one run: with UCX's default
 transports (cma for the READ on one host) and with ``UCX_TLS=tcp`` (what crosses
-machines without RDMA, here over loopback TCP: both processes start again with
-it), and prints the TCP/default ratio per case.
+machines without RDMA: both processes start again with it), and prints the
+TCP/default ratio per case. As root the TCP run crosses a network stack: the
+prefill in one network namespace, the decode (this command again, under ``ip
+netns exec``) in another, joined by a veth pair (:mod:`kvxfer.bench.netns`);
+elsewhere, or with ``--path loopback``, it is TCP over 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="default: UCX's own choice (cma on one host); tcp: also every "
                              "case with UCX_TLS=tcp, the ratio printed beside (default "
                              "default)")
+    parser.add_argument("--path", choices=["auto", "loopback"], default="auto",
+                        help="--transport tcp: auto runs prefill and decode in two network "
+                             "namespaces joined by a veth pair when root (else loopback); "
+                             "loopback stays on 127.0.0.1 (default auto)")
+    # internal: the decode half of a namespace run, started by the command itself
+    parser.add_argument("--prefill-netns", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-host", default="127.0.0.1", help=argparse.SUPPRESS)
 
 
 def _parse_cases(text: str) -> list[tuple[str, int, int]]:
@@ -77,7 +89,7 @@ def _memcpy_seconds(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _large_read_seconds(port: int, cfg: Any, nbytes: int, repeats: int) -> float:
+def _large_read_seconds(host: str, port: int, cfg: Any, nbytes: int, repeats: int) -> float:
     """One NIXL READ of ``nbytes`` from the start of prefill rank 0's cache."""
     import numpy as np
     import torch
@@ -87,7 +99,7 @@ def _large_read_seconds(port: int, cfg: Any, nbytes: int, repeats: int) -> float
     from kvxfer.regions import MemoryRegion
 
     client = HandshakeClient("bench-ceiling", cfg.compat())
-    meta = client.fetch("127.0.0.1", port, [0]).ranks[0]
+    meta = client.fetch(host, port, [0]).ranks[0]
     client.close()
     mem = meta.plan.memory[0]
     size = min(nbytes, mem.nbytes)
@@ -133,7 +145,7 @@ def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
             rids = rng.choice(capacity, blocks, replace=False).tolist()
             lids = rng.choice(capacity, blocks, replace=False).tolist()
             prefill.hold(remote["engine_id"], rid, rids, ttl=60)
-            params = {"remote_engine_id": remote["engine_id"], "remote_host": "127.0.0.1",
+            params = {"remote_engine_id": remote["engine_id"], "remote_host": prefill.host,
                       "remote_port": remote["port"], "remote_block_ids": rids,
                       "remote_request_id": rid, "tp_size": prefill_tp}
             start = time.perf_counter()
@@ -153,7 +165,7 @@ def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
     median = statistics.median(walls)
     p90 = sorted(walls)[max(0, round(0.9 * len(walls)) - 1)]
     # Ceilings right after the case, on the same processes, so machine noise hits both.
-    read_s = _large_read_seconds(remote["port"], pcfg, nbytes, args.repeats)
+    read_s = _large_read_seconds(prefill.host, remote["port"], pcfg, nbytes, args.repeats)
     copy_s = _memcpy_seconds(nbytes, args.repeats)
     gbps = nbytes / median / 1e9
     target = 0.9 if layout in COALESCING else 0.75
@@ -189,7 +201,8 @@ def _rows(cases: list[tuple[str, int, int]], args: argparse.Namespace,
     from kvxfer.loopback import PrefillProcess
 
     with _ucx_tls(ucx_tls):
-        prefill = PrefillProcess()
+        prefill = PrefillProcess() if args.prefill_netns is None else PrefillProcess(
+            args.prefill_netns, args.prefill_host, ucx_devices=_netns().DEVICE)
         try:
             return [_case(prefill, layout, p, d, args) for layout, p, d in cases]
         finally:
@@ -203,7 +216,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--read-lanes must be at least 1, got {args.read_lanes}")
     rows = _rows(cases, args, None)
     if tcp:
-        return _print_tcp(rows, _rows(cases, args, "tcp"), args)
+        why = "--path loopback" if args.path == "loopback" else _netns().why_not()
+        if why is None:
+            return _print_tcp(rows, _rows_across(cases, args), args, "veth")
+        return _print_tcp(rows, _rows(cases, args, "tcp"), args, f"loopback, {why}")
     if args.json:
         print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
                           "read_lanes": args.read_lanes, "rows": rows},
@@ -224,8 +240,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _netns() -> Any:
+    from kvxfer.bench import netns
+
+    return netns
+
+
+def _rows_across(cases: list[tuple[str, int, int]], args: argparse.Namespace
+                 ) -> list[dict[str, Any]]:
+    """The cases over UCX_TLS=tcp with prefill and decode in two namespaces."""
+    netns = _netns()
+    entries = ",".join(f"{layout}:{p}:{d}" for layout, p, d in cases)
+    with netns.VethPair() as pair:
+        argv = ["ip", "netns", "exec", pair.decode, sys.executable, "-m", "kvxfer.cli",
+                "bench", "transfer", "--json", "--cases", entries, "--tokens",
+                str(args.tokens), "--repeats", str(args.repeats), "--read-lanes",
+                str(args.read_lanes), "--layers", str(args.layers), "--kv-heads",
+                str(args.kv_heads), "--head-size", str(args.head_size), "--block-size",
+                str(args.block_size), "--dtype", args.dtype, "--prefill-netns", pair.prefill,
+                "--prefill-host", pair.inside]
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.DEVICE}
+        done = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True,
+                              timeout=60 + 30 * len(cases) * (args.repeats + 1), check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the decode side in namespace {pair.decode} failed "
+                         f"(exit {done.returncode}); its output is above")
+    return list(json.loads(done.stdout)["rows"])
+
+
 def _print_tcp(default: list[dict[str, Any]], tcp: list[dict[str, Any]],
-               args: argparse.Namespace) -> int:
+               args: argparse.Namespace, path: str) -> int:
     """The same cases over UCX's default transports and over TCP, and their ratio."""
     pairs = [{"layout": d["layout"], "prefill_tp": d["prefill_tp"],
               "decode_tp": d["decode_tp"], "bytes": d["bytes"], "default": d, "tcp": t,
@@ -233,11 +277,13 @@ def _print_tcp(default: list[dict[str, Any]], tcp: list[dict[str, Any]],
              for d, t in zip(default, tcp, strict=True)]
     if args.json:
         print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
-                          "read_lanes": args.read_lanes, "path": "loopback", "rows": pairs},
+                          "read_lanes": args.read_lanes, "tcp_path": path, "rows": pairs},
                          indent=2))
         return 0
+    where = "between two network namespaces over a veth pair" if path == "veth" \
+        else f"over 127.0.0.1 ({path})"
     print(f"KV transfer of a {args.tokens}-token request, median of {args.repeats}: UCX's "
-          f"default transports (cma on one host) against UCX_TLS=tcp over loopback, same run")
+          f"default transports (cma on one host) against UCX_TLS=tcp {where}, same run")
     print(f"{'layout':7} {'P->D':5} {'MiB':>5} {'ms':>8} {'GB/s':>6} {'tcp ms':>8} "
           f"{'tcp GB/s':>8} {'tcp/default':>11}")
     for r in pairs:
