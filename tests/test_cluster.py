@@ -113,6 +113,22 @@ def test_ipv6_loopback_end_to_end(group: SidecarGroup) -> None:
     assert second.status_code == 200, second.text
     want = single.post("/v1/completions", BODY).json()["choices"][0]["text"]
     assert second.json()["choices"][0]["text"] == want
+    proxy = Launched("proxy", [
+        sys.executable, "-m", "proxy", "--host", "::1", "--port", "0",
+        "--prefiller-hosts", "::1", "--prefiller-ports", str(prefill.port),
+        "--decoder-hosts", "::1", "--decoder-ports", str(decode.port),
+        "--health-interval", "0.5"], group.log_dir)
+    try:
+        proxy.wait_ready(time.monotonic() + 60)
+        assert proxy.url.startswith("http://[::1]:"), proxy.url
+        wait_until("the proxy sees both", lambda: httpx.get(
+            f"{proxy.url}/health", timeout=5, trust_env=False).status_code == 200)
+        through = httpx.post(f"{proxy.url}/v1/completions", json=BODY, timeout=60,
+                             trust_env=False)
+        assert through.status_code == 200, through.text
+        assert through.json()["choices"][0]["text"] == want
+    finally:
+        proxy.stop()
 
 
 # -- membership: pure parts -----------------------------------------------------------------
