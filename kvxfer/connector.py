@@ -487,22 +487,16 @@ class KVConnector:
         left for its READ, or ended (lost, past its deadline: ``_start_read`` fails it
         unread). Otherwise it waits for its claim or renewal."""
         now = time.monotonic()
-        if not lease.claimed:
-            return False
+        if not lease.claimed:  # unanswered: failed unread by policy, as a failed read
+            return lease.lost is not None
         return (lease.readable_for(now, self.kv_read_timeout) or lease.lost is not None
                 or now >= lease.deadline)
 
     def _drop_unclaimed(self, events: ConnectorEvents) -> None:
-        """Refuse waiting requests whose claim the prefill refused, or that could not claim
-        their lease before it ended: nothing read, nothing released (the lease may be
-        another decode's), a 400 for every member."""
-        now = time.monotonic()
-        for item in [p for p in self._pending if not p.lease.claimed]:
+        """Refuse waiting requests whose claim the prefill refused: nothing read, nothing
+        released (the lease may be another decode's), a 400 for every member."""
+        for item in [p for p in self._pending if p.lease.refused]:
             why = item.lease.lost
-            if why is None and now >= item.lease.deadline:
-                why = "the lease ended before the prefill answered its claim"
-            if why is None:
-                continue
             self._pending.remove(item)
             message = (f"lease {item.remote.remote_request_id} of prefill "
                        f"{item.remote.remote_engine_id} was not read: the prefill refused "
@@ -732,9 +726,12 @@ class KVConnector:
             if ack is not None and ack.found:
                 lease.renewed(sent_at, ack.expires_in, claim=not lease.claimed)
                 continue
-            lease.renewing = False  # a failed attempt is retried until the deadline
+            lease.renewing = False  # a failed renewal is retried until the deadline
             if ack is not None:  # the prefill refused: never read it
                 lease.lost = f"the prefill no longer holds it for this decode ({why})"
+                lease.refused = not lease.claimed
+            elif not lease.claimed:  # not retried: a dead or frozen prefill costs ~1 s
+                lease.lost = f"the prefill did not answer this decode's claim: {why}"
 
     def _held_lease(self, request_id: str) -> HeldLease | None:
         item = next((p for p in self._pending if p.request_id == request_id), None)

@@ -80,6 +80,7 @@ BACKOFF_S = 0.05              # first pause between attempts; doubles, capped at
 MAX_BACKOFF_S = 0.5
 JOIN_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 0.5         # the TCP probe that explains a timeout
+PROBE_AFTER_S = 0.05          # a renewal unanswered this long: probe whether anyone listens
 RELEASE_TIMEOUT_S = 1.0       # one release attempt; a lost release only costs the lease TTL
 RELEASE_QUEUE = 1024          # releases waiting to be sent; more are dropped (and logged)
 RELEASE_DRAIN_S = 1.0         # how long ReleaseSender.close() keeps sending what is queued
@@ -460,14 +461,16 @@ class HandshakeClient:
 
         One attempt of at most ``timeout`` seconds; the ack says whether the lease was
         still held (and claimed by this engine) and for how long it now lasts. Raises
-        a :class:`HandshakeError` naming the peer address on any failure.
+        a :class:`HandshakeError` naming the peer address on any failure; without an
+        answer within :data:`PROBE_AFTER_S`, a refused TCP connect is reported at once
+        (:class:`PeerUnreachable`), so a dead prefill costs no full timeout.
         """
         if self._closed:
             raise RuntimeError("HandshakeClient is closed")
         address = endpoint(host, port)
         request = encode_message(RenewLease(lease_id, self.engine_id, claim),
                                  compat=self.compat, hmac_key=self._key)
-        frames = self._exchange(host, address, request, timeout)
+        frames = self._exchange(host, address, request, timeout, probe_port=port)
         if frames is None:
             raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
                                    f"{lease_id!r} within {timeout:g} s", peer=address)
@@ -497,9 +500,13 @@ class HandshakeClient:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def _exchange(self, host: str, address: str, request: bytes,
-                  timeout: float) -> list[bytes] | None:
-        """One attempt on a fresh DEALER: the reply frames, or None after ``timeout``."""
+    def _exchange(self, host: str, address: str, request: bytes, timeout: float, *,
+                  probe_port: int | None = None) -> list[bytes] | None:
+        """One attempt on a fresh DEALER: the reply frames, or None after ``timeout``.
+
+        With ``probe_port``, no answer within :data:`PROBE_AFTER_S` is explained by a TCP
+        connect, and one that is refused raises :class:`PeerUnreachable` (free when the
+        peer answers, unlike a probe before every request)."""
         sock = _new_socket(self._ctx, zmq.DEALER, host, MAX_RESPONSE_BYTES)
         try:
             try:
@@ -508,7 +515,18 @@ class HandshakeClient:
             except zmq.ZMQError as exc:
                 raise HandshakeError(f"cannot send a handshake request to {address}: {exc}",
                                      peer=address) from exc
-            if not sock.poll(max(1, round(timeout * 1000)), zmq.POLLIN):
+            wait_ms = max(1, round(timeout * 1000))
+            if probe_port is not None and wait_ms > PROBE_AFTER_S * 1000:
+                early = round(PROBE_AFTER_S * 1000)
+                if sock.poll(early, zmq.POLLIN):
+                    return sock.recv_multipart()
+                wait_ms -= early
+                why_not = _connect_error(host, probe_port, PROBE_TIMEOUT_S)
+                if why_not is not None and "timed out" not in why_not:
+                    raise PeerUnreachable(f"cannot connect to {address}: {why_not}",
+                                          peer=address, expected="a listening side channel",
+                                          found=why_not)
+            if not sock.poll(wait_ms, zmq.POLLIN):
                 return None
             return sock.recv_multipart()
         finally:

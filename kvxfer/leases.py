@@ -64,6 +64,7 @@ class HeldLease:
     renewing: bool = False
     lost: str | None = None  # why the lease can no longer be read (a renewal failed)
     claimed: bool = False  # the prefill granted this decode's claim
+    refused: bool = False  # the prefill refused the claim (another decode's, or ended)
 
     @classmethod
     def from_expiry(cls, expires_at: float, *, now_wall: float | None = None,

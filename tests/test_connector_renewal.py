@@ -3,8 +3,9 @@
 The decode connector claims a lease before anything else and renews it while the
 request waits for blocks: a granted renewal keeps the lease readable past its first
 expiry; a refused one means the lease is never read (the request fails by policy, no
-handshake, no release); a refused or unanswered claim is a 400 for the request,
-nothing read, nothing released. There the prefill is a real side-channel listener
+handshake, no release); a refused claim is a 400 for the request,
+nothing read, nothing released (an unanswered one fails the request by policy, as a
+failed read). There the prefill is a real side-channel listener
 (another model: a handshake would be refused) whose ``on_renew`` the test controls.
 
 The prefill connector (real workers and listener, no key) grants a lease's claim to
@@ -143,12 +144,15 @@ def test_a_refused_renewal_means_the_lease_is_never_read(connector: KVConnector,
 
 def test_an_unanswered_claim_means_the_lease_is_never_read(connector: KVConnector,
                                                             prefill: Prefill) -> None:
-    prefill.listener.close()  # claims fail: nobody answers
+    prefill.listener.close()  # claims fail: nobody listens
+    started = time.monotonic()
     connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-gone"))
     connector.engine.abort("filler")  # blocks are free: only the claim holds it back
-    error = rejection(connector)
-    assert "was not read" in error and "before the prefill answered its claim" in error, error
-    assert connector.engine.num_free_blocks == connector.engine.num_blocks, "never parked"
+    error = error_after_admission(connector)  # failed by policy, as a failed read
+    assert time.monotonic() - started < 1.0, "a refused connection is reported at once"
+    assert "was not read" in error and "did not answer this decode's claim" in error, error
+    assert "cannot connect" in error, error
+    assert connector.engine.num_free_blocks == connector.engine.num_blocks
 
 
 def test_a_refused_claim_is_a_rejection_and_nothing_is_read(connector: KVConnector,

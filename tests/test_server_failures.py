@@ -25,6 +25,8 @@ import pytest
 import zmq
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, free_port, prefill_body
 
+from kvxfer.protocol import CompatInfo, RenewAck, encode_message
+
 BODY = {"max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": True}
 PROMPTS = [f"request number {i}: " + "abcdefgh" * (i + 1) for i in range(8)]
 COMPLETIONS = "/v1/completions"
@@ -207,6 +209,10 @@ def test_prefill_killed_after_answering(rig: dict[str, Sidecar], short_lease: Si
         decode.wait_for("every block free", all_blocks_free)
 
 
+STALLING = CompatInfo(model="stalling", dtype="float32", cache_dtype="float32", head_size=8,
+                      total_kv_heads=1, num_layers=1)  # a renewal's hash is not checked
+
+
 def test_abort_during_a_read_waits_for_the_read(rig: dict[str, Sidecar]) -> None:
     """A peer that accepts the handshake but answers only when told keeps the read
     in flight for as long as the test wants (a real ZMQ socket, a stalling peer)."""
@@ -235,6 +241,10 @@ def test_abort_during_a_read_waits_for_the_read(rig: dict[str, Sidecar]) -> None
     thread = threading.Thread(target=send)
     try:
         thread.start()
+        assert router.poll(20_000), "the decode never claimed the lease"
+        claimer, _claim = router.recv_multipart()
+        router.send_multipart([claimer, encode_message(RenewAck("stalled", True, 60.0),
+                                                       compat=STALLING)])  # granted
         assert router.poll(20_000), "the decode never asked for the peer's metadata"
         identity, *_ = router.recv_multipart()
         decode.wait_for("the request parked on its blocks",
