@@ -110,9 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "read fails (recompute or 502, by policy) (default 10)")
     parser.add_argument("--kv-key-file", default=None, metavar="PATH",
                         help="prefill and decode: the key shared by every instance that "
-                             "exchanges KV (at least 16 bytes, mode 600); it signs the side "
-                             "channel, NIXL notifications and lease tickets (default "
-                             "$KVXFER_KV_KEY_FILE, else none: unauthenticated, for loopback)")
+                             "exchanges KV (at least 16 bytes; mode 600, or 440 owned by "
+                             "root); it signs the side channel, NIXL notifications and "
+                             "lease tickets (default $KVXFER_KV_KEY_FILE, else none: "
+                             "unauthenticated, for loopback)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="after SIGTERM: longest wait for requests in flight and leased "
                              "blocks before exiting anyway (default 30)")
