@@ -2,12 +2,21 @@
 
 Tests marked ``cuda`` run wherever ``torch.cuda.is_available()`` is true and are
 skipped only where it is false.
+
+Fixtures of the in-process connector tests: ``connector``, a decode connector over an
+8-block kvxfer-tiny engine (128 tokens), policy fail; ``recorder``, a handshake listener
+that records the releases it gets (``test_release.Recorder``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+
+from kvxfer.connector import KVConnector
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -17,3 +26,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def connector() -> Iterator[KVConnector]:
+    from kvxfer.engine import LLMEngine, tiny_config
+    from kvxfer.metrics import SidecarMetrics
+
+    engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
+    metrics = SidecarMetrics(role="decode", engine_id="decode-test", model="tiny",
+                             layout=engine.layout.name, tp=1)
+    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def recorder() -> Iterator[Any]:
+    from test_release import Recorder
+
+    made = Recorder()
+    yield made
+    made.listener.close()

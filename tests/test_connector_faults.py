@@ -25,32 +25,12 @@ import pytest
 from test_release import Recorder, poll_until, prompt
 
 from kvxfer.connector import KVConnector
-from kvxfer.engine import LLMEngine, SamplingParams
+from kvxfer.engine import SamplingParams
 from kvxfer.engine_loop import EngineLoop, Sink, Submission
 from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess
-from kvxfer.metrics import SidecarMetrics
 from kvxfer.worker import PollResult, ReadStats, RemoteParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    made = Recorder()
-    yield made
-    made.listener.close()
-
-
-@pytest.fixture
-def connector() -> Iterator[KVConnector]:
-    """A decode connector over an 8-block engine (128 tokens), policy fail."""
-    engine = LLMEngine.from_model_arg("kvxfer-tiny", seed=0, tp=1, layout=None, block_size=16,
-                                      num_blocks=8, dtype="float32", device="cpu")
-    metrics = SidecarMetrics(role="decode", engine_id="decode-faults", model="tiny",
-                             layout=engine.layout.name, tp=1)
-    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
-    yield made
-    made.close()
 
 
 def lease(recorder: Recorder, lease_id: str, tokens: int) -> RemoteParams:

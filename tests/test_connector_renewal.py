@@ -76,15 +76,10 @@ def prefill() -> Iterator[Prefill]:
 
 
 @pytest.fixture
-def connector() -> Iterator[KVConnector]:
-    """A decode connector over an 8-block engine, policy fail, whose blocks a filler holds."""
-    engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
-    metrics = SidecarMetrics(role="decode", engine_id="decode-test", model="tiny",
-                             layout=engine.layout.name, tp=1)
-    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
-    engine.add_request("filler", [1] * 100, PARAMS, remote_kv=True)  # 7 of 8 blocks
-    yield made
-    made.close()
+def connector(connector: KVConnector) -> KVConnector:
+    """The shared decode connector (8 blocks), 7 of whose blocks a filler holds."""
+    connector.engine.add_request("filler", [1] * 100, PARAMS, remote_kv=True)
+    return connector
 
 
 def wait_for_blocks(connector: KVConnector, seconds: float) -> None:

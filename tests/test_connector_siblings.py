@@ -10,36 +10,15 @@ every member.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
-import pytest
 from test_release import Recorder
 
 from kvxfer.connector import AbortOutcome, KVConnector
-from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams, tiny_config
-from kvxfer.metrics import SidecarMetrics
+from kvxfer.engine import RequestOutput, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = [(7 * i) % 200 + 1 for i in range(20)]  # 2 blocks of 16
 SIBLINGS = [("s1", PARAMS), ("s2", PARAMS)]
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    made = Recorder()
-    yield made
-    made.listener.close()
-
-
-@pytest.fixture
-def connector() -> Iterator[KVConnector]:
-    """A decode connector over an 8-block engine, policy fail."""
-    engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
-    metrics = SidecarMetrics(role="decode", engine_id="decode-test", model="tiny",
-                             layout=engine.layout.name, tp=1)
-    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
-    yield made
-    made.close()
 
 
 def settle(connector: KVConnector) -> list[RequestOutput]:

@@ -31,9 +31,8 @@ import pytest
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, prefill_body
 
 from kvxfer.connector import AbortOutcome, KVConnector
-from kvxfer.engine import LLMEngine, SamplingParams
+from kvxfer.engine import SamplingParams
 from kvxfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.metrics import SidecarMetrics
 from kvxfer.protocol import CompatInfo
 from kvxfer.worker import RemoteParams
 from proxy.contract import decode_request, parse_prefill_answer
@@ -230,25 +229,6 @@ class Recorder:
                 return self.calls
             time.sleep(0.01)
         raise AssertionError(f"{count} releases expected within 5 s, got {self.calls}")
-
-
-@pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    made = Recorder()
-    yield made
-    made.listener.close()
-
-
-@pytest.fixture
-def connector() -> Iterator[KVConnector]:
-    """A decode connector over an 8-block engine (128 tokens), policy fail."""
-    engine = LLMEngine.from_model_arg("kvxfer-tiny", seed=0, tp=1, layout=None, block_size=16,
-                                      num_blocks=8, dtype="float32", device="cpu")
-    metrics = SidecarMetrics(role="decode", engine_id="decode-test", model="tiny",
-                             layout=engine.layout.name, tp=1)
-    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
-    yield made
-    made.close()
 
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
