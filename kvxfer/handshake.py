@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 import zmq
 
@@ -71,6 +72,7 @@ __all__ = ["HandshakeClient", "HandshakeError", "HandshakeListener", "HandshakeT
            "PeerRefused", "ReleaseSender"]
 
 log = logging.getLogger(__name__)
+_Ack = TypeVar("_Ack", ReleaseAck, RenewAck)
 
 POLL_INTERVAL_S = 0.05        # how long close() may wait for the serving thread to notice
 MAX_BATCH = 64                # requests served per wake-up, so close() stays prompt under load
@@ -452,7 +454,7 @@ class HandshakeClient:
                                    f"{lease_id!r} within {timeout:g} s", peer=address,
                                    expected=f"an answer within {timeout:g} s",
                                    found="no answer")
-        return self._parse_ack(frames, address, lease_id)
+        return self._parse_ack(frames, address, lease_id, ReleaseAck, "release").found
 
     def renew(self, host: str, port: int, lease_id: str, *,
               timeout: float = RELEASE_TIMEOUT_S, claim: bool = False) -> RenewAck:
@@ -474,18 +476,7 @@ class HandshakeClient:
         if frames is None:
             raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
                                    f"{lease_id!r} within {timeout:g} s", peer=address)
-        if len(frames) != 1:
-            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address)
-        envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
-                                   hmac_key=self._key, replay=self._replay)
-        if envelope.kind is MessageKind.ERROR_REPLY:
-            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
-                              what=f"the renewal of lease {lease_id!r}")
-        ack = decode_payload(envelope, RenewAck, peer=address)
-        if ack.lease_id != lease_id:
-            raise MalformedMessage("renew ack", f"it acknowledges lease {ack.lease_id!r}, not "
-                                                f"{lease_id!r}", peer=address)
-        return ack
+        return self._parse_ack(frames, address, lease_id, RenewAck, "renewal")
 
     def close(self) -> None:
         """Release the ZMQ context (idempotent)."""
@@ -545,7 +536,10 @@ class HandshakeClient:
         response = decode_payload(envelope, MetadataResponse, peer=address)
         return check_response(response, ranks, peer=address)
 
-    def _parse_ack(self, frames: list[bytes], address: str, lease_id: str) -> bool:
+    def _parse_ack(self, frames: list[bytes], address: str, lease_id: str,
+                   kind: type[_Ack], what: str) -> _Ack:
+        """The ``kind`` ack of lease ``lease_id`` in a reply; a refusal or anything else
+        raises, naming ``what`` ("release", "renewal") and the peer."""
         if len(frames) != 1:
             raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
                                    expected=1, found=len(frames))
@@ -553,13 +547,13 @@ class HandshakeClient:
                                    hmac_key=self._key, replay=self._replay)
         if envelope.kind is MessageKind.ERROR_REPLY:
             raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
-                              what=f"the release of lease {lease_id!r}")
-        ack = decode_payload(envelope, ReleaseAck, peer=address)
+                              what=f"the {what} of lease {lease_id!r}")
+        ack = decode_payload(envelope, kind, peer=address)
         if ack.lease_id != lease_id:
-            raise MalformedMessage("release ack", f"it acknowledges lease {ack.lease_id!r}, "
+            raise MalformedMessage(f"{what} ack", f"it acknowledges lease {ack.lease_id!r}, "
                                                   f"not {lease_id!r}", peer=address,
                                    expected=lease_id, found=ack.lease_id)
-        return ack.found
+        return ack
 
 
 def _connect_error(host: str, port: int, timeout: float) -> str | None:
@@ -679,10 +673,10 @@ class ReleaseSender:
     def _send_renew(self, host: str, port: int, lease_id: str, renewal: _Renewal) -> None:
         sent_at, done = time.monotonic(), renewal.done
         try:
-            ack: RenewAck | None = self._client.renew(host, port, lease_id,
-                                                      timeout=self._timeout,
-                                                      claim=renewal.claim)
-            why = "" if ack.found else (ack.reason or "the prefill no longer holds it")
+            got = self._client.renew(host, port, lease_id, timeout=self._timeout,
+                                     claim=renewal.claim)
+            ack: RenewAck | None = got
+            why = "" if got.found else (got.reason or "the prefill no longer holds it")
         except Exception as exc:  # the thread must survive anything
             ack, why = None, str(exc)
             log.warning("could not renew lease %s at %s: %s", lease_id, endpoint(host, port),
