@@ -60,7 +60,16 @@ from kvxfer.regions import RegionPlan
 #      message kinds "renew" (RenewLease) and "renew_ack" (RenewAck), hash-free.
 #   4: RenewLease.claim (a decode claims a lease before its first READ; the prefill
 #      records the claimer and refuses every other engine) and RenewAck.reason.
-KVXFER_PROTOCOL_VERSION: int = 4
+#   5: CompatInfo.kv_packing (how K and V share a head's block: per token, as the
+#      reference engine keeps them, or per head tile, as vLLM's CPU backend does).
+KVXFER_PROTOCOL_VERSION: int = 5
+
+KV_PACKINGS = ("token", "tile")
+"""How K and V of one head share a block's ``[N, C]`` bytes: ``token``, every token
+row holds its K then its V (``[N, 2, D]``, the reference engine); ``tile``, all K
+rows then all V rows (``[2, N, D]``, vLLM's CPU attention backend). Whole blocks and
+head slices move the same way in both, but their bytes mean different things, so
+the two sides must agree."""
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
@@ -248,11 +257,14 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_size: int
     total_kv_heads: int
     num_layers: int
+    kv_packing: str = "token"  # one of KV_PACKINGS
     protocol_version: int = KVXFER_PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "cache_dtype"):
             _require(bool(getattr(self, name)), f"CompatInfo.{name} must not be empty")
+        _require(self.kv_packing in KV_PACKINGS, f"CompatInfo.kv_packing must be one of "
+                                                 f"{KV_PACKINGS}, got {self.kv_packing!r}")
         for name in ("head_size", "total_kv_heads", "num_layers", "protocol_version"):
             value = getattr(self, name)
             _require(value > 0, f"CompatInfo.{name} must be positive, got {value}")

@@ -283,6 +283,7 @@ class TransferWorker:
         self._jobs: queue.Queue[_Read] = queue.Queue()
         self._inflight: list[_Read] = []
         self._results = PollResult()
+        self._results_ready = threading.Event()  # set when a read finished or failed
         self._leases: dict[str, _Lease] = {}
         self._handshaking: dict[str, list[_Read]] = {}
         self._handshakes: queue.Queue[tuple[RemoteParams, _Handshake | str]] = queue.Queue()
@@ -365,7 +366,14 @@ class TransferWorker:
         """Reads finished or failed since the last call (thread-safe)."""
         with self._lock:
             out, self._results = self._results, PollResult()
+            self._results_ready.clear()
         return out
+
+    def wait_for_results(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until some read finished or failed since the last
+        :meth:`poll`; whether one did. For a caller with nothing better to do meanwhile:
+        a thread that only polls in a loop takes CPU from the one copying."""
+        return self._results_ready.wait(timeout)
 
     def forget_peer(self, engine_id: str) -> None:
         """Drop a cached handshake or failure: the next read with that engine handshakes again."""
@@ -657,6 +665,7 @@ class TransferWorker:
                         self._results.unnotified.add(job.request_id)
                     self._results.stats[job.request_id] = ReadStats(
                         job.num_bytes, job.descriptors, now - job.started, job.lanes)
+                self._results_ready.set()
             elif any(s.startswith("ERR") for s in states) or now - job.started > self.read_timeout:
                 reason = next((s for s in states if s.startswith("ERR")),
                               f"READ still in progress after {self.read_timeout:.0f} s")
@@ -688,6 +697,7 @@ class TransferWorker:
             self._results.failed[job.request_id] = reason
             if not told:
                 self._results.unnotified.add(job.request_id)
+        self._results_ready.set()
 
     def _fetch_peer(self, remote: RemoteParams) -> _Handshake:
         """Handshake with ``remote``'s engine and plan the reads (pool thread, no NIXL)."""

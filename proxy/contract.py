@@ -34,6 +34,10 @@ class RemotePrefillParams(msgspec.Struct, frozen=True):
 
     Decoding into this type validates the prefill's answer; the proxy forwards
     the object exactly as received (fields added later by the sidecars pass too).
+    Both kvxfer's sidecars and vLLM's connectors answer it: kvxfer names the
+    lease's end ``lease_expires_at``, vLLM's NixlConnector
+    ``remote_blocks_expiry_time``; either, both or neither may be present, since
+    the proxy only relays them (the decode checks its own kind).
     """
 
     do_remote_prefill: bool
@@ -46,7 +50,9 @@ class RemotePrefillParams(msgspec.Struct, frozen=True):
     remote_request_id: str
     remote_num_tokens: int
     tp_size: int
-    lease_expires_at: float  # seconds since the epoch, the prefill's clock
+    # Seconds since the epoch, the prefill's clock: kvxfer's and vLLM's names.
+    lease_expires_at: float | None = None
+    remote_blocks_expiry_time: float | None = None
 
 
 def json_type(value: object) -> str:

@@ -1,0 +1,163 @@
+"""The scheduler-side half of ``KvxferConnector`` (pure: no vLLM, no I/O).
+
+vLLM calls the scheduler side from its engine-core process; :class:`SchedulerSide`
+holds what it decides, and ``kvxfer.vllm.connector`` feeds it plain values taken
+from vLLM's objects. Who calls what, and when:
+
+Prefill (a request whose ``kv_transfer_params`` say ``do_remote_decode``):
+
+* :meth:`after_alloc` notes the request; it is computed like any other.
+* :meth:`build_plan`, in the step whose forward computes the prompt's last token,
+  adds a :class:`~kvxfer.vllm.plan.Hold`: a fresh lease id (128 random bits) over
+  the prompt's blocks, with its expiry. The worker holds the lease right after
+  that forward, so the lease exists before anyone can learn its id.
+* :meth:`finished` (vLLM's ``request_finished``, after that step) returns
+  ``(True, kv_transfer_params)``: vLLM keeps the blocks until the worker reports
+  the request in ``finished_sending`` (every reader said "done", a release came,
+  or the lease expired). A request that ended otherwise (aborted, or finished
+  before its prompt was computed) frees its blocks at once, and a lease held for
+  it is dropped in the next plan: its params were never handed out.
+
+Decode (``do_remote_prefill``):
+
+* :meth:`matched_tokens` claims the prompt's tokens beyond the local prefix-cache
+  hit, loaded asynchronously (vLLM parks the request until the load ends).
+* :meth:`after_alloc` turns the allocation into a :class:`~kvxfer.vllm.plan.Load`:
+  the unhashed (not prefix-cached) blocks are read, from the remote block at the
+  same position. Once per request: the params are marked handled.
+* :meth:`finished` of a request that never got to its load (aborted while
+  waiting) queues a Load without blocks: the worker releases the lease.
+
+Validation of the params themselves (types, ticket, lease) is the worker's: it
+reports a bad load as failed, and vLLM's ``kv_load_failure_policy`` decides.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.tickets import TICKET_KEY, LeaseClaims, sign_ticket
+from kvxfer.vllm.plan import Hold, Load, StepPlan
+from kvxfer.vllm.settings import ConnectorSettings
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One block of an allocation: its id, and whether it came from the prefix cache."""
+
+    block_id: int
+    cached: bool
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int,
+                 tp_size: int, key: bytes | None = None) -> None:
+        self.settings, self.engine_id = settings, engine_id
+        self.block_size, self.tp_size = block_size, tp_size
+        self._key = key
+        self.side_channel_port: int | None = settings.side_channel_port or None
+        self._producing: dict[str, int] = {}  # prefill request -> prompt tokens
+        self._holds: dict[str, Hold] = {}     # prefill request -> lease sent to the worker
+        self._plan = StepPlan()
+
+    # -- both -------------------------------------------------------------------------------
+    def set_side_channel_port(self, port: int) -> None:
+        """The port the worker's listener bound (vLLM's handshake-metadata path)."""
+        self.side_channel_port = port
+
+    def build_plan(self, scheduled: Mapping[str, tuple[int, int]],
+                   block_ids: Callable[[str], Sequence[int]],
+                   now: float | None = None) -> StepPlan:
+        """This step's plan. ``scheduled`` maps each request scheduled now to (tokens
+        computed before this step, tokens scheduled in it); ``block_ids(request)`` is
+        its current allocation (first KV cache group)."""
+        now = time.time() if now is None else now
+        for request_id, prompt_tokens in list(self._producing.items()):
+            before, count = scheduled.get(request_id, (0, 0))
+            if count == 0 or before + count < prompt_tokens:
+                continue  # not scheduled, or a chunk short of the prompt's end
+            del self._producing[request_id]
+            blocks = tuple(block_ids(request_id))[:-(-prompt_tokens // self.block_size)]
+            hold = Hold(request_id, secrets.token_urlsafe(16), blocks, prompt_tokens,
+                        now + self.settings.lease_ttl)
+            self._holds[request_id] = hold
+            self._plan.holds.append(hold)
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    # -- decode -----------------------------------------------------------------------------
+    @staticmethod
+    def matched_tokens(params: Mapping[str, Any] | None, num_prompt_tokens: int,
+                       num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens to load beyond the local hit, asynchronously; (0, False) for none."""
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        remote = params.get("remote_num_tokens")
+        tokens = num_prompt_tokens
+        if isinstance(remote, int) and not isinstance(remote, bool) and remote > 0:
+            tokens = min(remote, num_prompt_tokens)
+        count = tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request_id: str, params: dict[str, Any] | None,
+                    num_prompt_tokens: int, blocks: Sequence[BlockRef],
+                    num_external_tokens: int) -> None:
+        """vLLM allocated ``blocks`` (first group) for the request; mutates ``params``."""
+        if not params:
+            return
+        if params.get("do_remote_decode"):
+            self._producing[request_id] = num_prompt_tokens
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one load per request, however often called
+        if num_external_tokens <= 0:  # nothing to read (a full local hit): free the lease
+            self._plan.loads.append(Load(request_id, dict(params), ()))
+            return
+        cached = sum(1 for b in blocks if b.cached)
+        local = tuple(b.block_id for b in blocks if not b.cached)
+        # The blocks covering the loaded tokens; vLLM may have allocated more (lookahead).
+        needed = -(-(cached * self.block_size + num_external_tokens) // self.block_size)
+        self._plan.loads.append(Load(request_id, dict(params), local[:needed - cached], cached))
+
+    # -- both: the end of a request ---------------------------------------------------------
+    def finished(self, request_id: str, params: dict[str, Any] | None, completed: bool,
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: whether vLLM must keep the blocks, and the params
+        of the answer. ``completed``: it finished normally (length or stop)."""
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # a decode that never reached its load
+            params["do_remote_prefill"] = False
+            self._plan.loads.append(Load(request_id, dict(params), ()))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        self._producing.pop(request_id, None)
+        hold = self._holds.pop(request_id, None)
+        if hold is None:
+            return False, None  # its prompt was never computed: nothing to hand out
+        if not completed or self.side_channel_port is None:
+            self._plan.drop_leases.append(hold.lease_id)
+            return False, None
+        return True, self._params(hold)
+
+    def _params(self, hold: Hold) -> dict[str, Any]:
+        assert self.side_channel_port is not None
+        tokens = hold.num_tokens
+        claims = LeaseClaims(self.engine_id, self.settings.host_for_peers,
+                             self.side_channel_port, hold.lease_id, hold.block_ids, tokens,
+                             self.tp_size, hold.expires_at)
+        params: dict[str, Any] = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": self.engine_id, "remote_host": claims.host,
+            "remote_port": claims.port, "remote_block_ids": list(hold.block_ids),
+            "remote_request_id": hold.lease_id, "remote_num_tokens": tokens,
+            "tp_size": self.tp_size, "lease_expires_at": hold.expires_at}
+        if self._key is not None:
+            params[TICKET_KEY] = sign_ticket(self._key, claims)
+        return params

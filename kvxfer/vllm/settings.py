@@ -1,0 +1,95 @@
+"""``KvxferConnector``'s settings, read from vLLM's ``kv_connector_extra_config`` (pure).
+
+Every key is optional::
+
+    {"side_channel_host": "127.0.0.1",  # where the prefill's handshake listener binds
+     "side_channel_port": 0,            # 0: a free port, told to the scheduler at start-up
+     "advertise_host": null,            # what decodes are told to dial (default: the bind host)
+     "lease_ttl": 120, "lease_max_age": null,   # seconds; max age defaults to 4 x ttl
+     "kv_read_timeout": 10, "handshake_timeout": 5,
+     "read_wait": 0.05,                 # a step waits this long for a claim or READ in flight
+     "read_lanes": 1,                   # copy threads of a decode's READ (host memory)
+     "kv_key_file": null,               # the shared KV key: signs side channel and tickets
+     "model_id": null}                  # what peers must share (default: the served name)
+
+A bad value raises :class:`SettingsError` naming the key, at vLLM's start-up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A ``kv_connector_extra_config`` value KvxferConnector cannot use; names the key."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    advertise_host: str | None = None
+    lease_ttl: float = 120.0
+    lease_max_age: float | None = None
+    kv_read_timeout: float = 10.0
+    handshake_timeout: float = 5.0
+    # vLLM steps a decode in a busy loop while a request waits for its KV; a step that
+    # polled and returned at once would take the core from the thread copying it (NIXL's
+    # cma copies on the reader's CPU). A step with a claim or READ in flight instead
+    # waits for it up to this long (0: never), as a synchronous READ would block it.
+    read_wait: float = 0.05
+    # Copy threads of a READ. vLLM binds a CPU worker to its cores (one, here): lanes on
+    # one core only take turns, so 1 unless the worker may use more cores.
+    read_lanes: int = 1
+    kv_key_file: str | None = None
+    model_id: str | None = None
+
+    @property
+    def max_age(self) -> float:
+        return 4 * self.lease_ttl if self.lease_max_age is None else self.lease_max_age
+
+    @property
+    def host_for_peers(self) -> str:
+        return self.advertise_host or self.side_channel_host
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Validate the kvxfer keys of ``extra`` (other connectors' keys are left alone)."""
+        extra = dict(extra or {})
+        values = {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
+        for name in ("side_channel_host", "advertise_host", "kv_key_file", "model_id"):
+            value = values.get(name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SettingsError(f"kv_connector_extra_config.{name} must be a non-empty "
+                                    f"string, got {value!r}")
+        for name in ("side_channel_port", "read_lanes"):
+            value = values.get(name, getattr(cls, name))
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SettingsError(f"kv_connector_extra_config.{name} must be an integer, "
+                                    f"got {value!r}")
+        if not 0 <= values.get("side_channel_port", 0) < 65536:
+            raise SettingsError(f"kv_connector_extra_config.side_channel_port must be a TCP "
+                                f"port (0 for any free one), got {values['side_channel_port']}")
+        if values.get("read_lanes", 1) < 1:
+            raise SettingsError(f"kv_connector_extra_config.read_lanes must be at least 1, got "
+                                f"{values['read_lanes']}")
+        for name in ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout",
+                     "read_wait"):
+            value = values.get(name)
+            if value is None:
+                continue
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value) or value < 0
+                    or (value == 0 and name != "read_wait")):
+                least = "zero or more" if name == "read_wait" else "a positive number of"
+                raise SettingsError(f"kv_connector_extra_config.{name} must be {least} "
+                                    f"seconds, got {value!r}")
+            values[name] = float(value)
+        settings = cls(**values)
+        if settings.max_age < settings.lease_ttl:
+            raise SettingsError(f"kv_connector_extra_config.lease_max_age ({settings.max_age:g} "
+                                f"s) must be at least lease_ttl ({settings.lease_ttl:g} s)")
+        return settings
