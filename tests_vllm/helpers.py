@@ -1,0 +1,90 @@
+"""Calls the tier's tests make: through kvxfer-proxy or straight to one vLLM instance."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sidecars import Launched
+
+from kvxfer.bench.vllm import SERVED_NAME, VllmServer
+
+TIMEOUT = httpx.Timeout(120.0)
+
+
+@contextmanager
+def proxy_for(prefill: VllmServer, decode: VllmServer, log_dir: Path,
+              extra: Sequence[str] = ()) -> Iterator[str]:
+    """A real kvxfer-proxy process in front of one prefill and one decode; its URL."""
+    proxy = Launched("proxy", [
+        sys.executable, "-m", "proxy", "--port", "0",
+        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill.port),
+        "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode.port), *extra], log_dir)
+    try:
+        proxy.wait_ready(time.monotonic() + 60)
+        deadline = time.monotonic() + 30  # its first health round marks both up
+        while httpx.get(f"{proxy.url}/health").status_code != 200:
+            assert time.monotonic() < deadline, f"proxy not healthy:\n{proxy.log_tail()}"
+            time.sleep(0.2)
+        yield proxy.url
+    finally:
+        proxy.stop()
+
+
+def completion(url: str, body: dict[str, Any], path: str = "/v1/completions"
+               ) -> dict[str, Any]:
+    """A non-streamed call; the JSON answer (200 required)."""
+    answer = httpx.post(f"{url}{path}", json={"model": SERVED_NAME, **body}, timeout=TIMEOUT)
+    assert answer.status_code == 200, f"{url}{path}: {answer.status_code} {answer.text}"
+    return dict(answer.json())
+
+
+def streamed(url: str, body: dict[str, Any], path: str = "/v1/completions") -> list[Any]:
+    """A streamed call's data events, in order (200 and a final [DONE] required)."""
+    events: list[Any] = []
+    with httpx.stream("POST", f"{url}{path}", timeout=TIMEOUT,
+                      json={"model": SERVED_NAME, **body, "stream": True}) as answer:
+        assert answer.status_code == 200, f"{url}{path}: {answer.status_code} {answer.read()!r}"
+        for line in answer.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+    assert events and events[-1] == "data: [DONE]"[6:], "stream did not end with [DONE]"
+    return events[:-1]
+
+
+def streamed_text(events: list[Any], chat: bool) -> str:
+    parts = []
+    for event in events:
+        for choice in event.get("choices", []):
+            parts.append((choice.get("delta", {}).get("content") or "") if chat
+                         else choice.get("text", ""))
+    return "".join(parts)
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples at ``url`` (0 when absent)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
+    """Every block back in the free pool and no request left: nothing leaked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = metric(server.url, "vllm:kv_cache_usage_perc")
+        running = metric(server.url, "vllm:num_requests_running") + \
+            metric(server.url, "vllm:num_requests_waiting")
+        if usage == 0 and running == 0:
+            return
+        assert time.monotonic() < deadline, (f"{server.name} still holds KV blocks "
+                                             f"(usage {usage}) or requests ({running})")
+        time.sleep(0.5)

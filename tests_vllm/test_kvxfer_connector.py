@@ -1,0 +1,79 @@
+"""KvxferConnector in real vLLM: a prefill and a decode with it, through kvxfer-proxy,
+answer as one vLLM instance (tokens and log-probabilities), leak nothing, and refuse a
+lease read twice."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import completion, metric, proxy_for, streamed, streamed_text, wait_idle
+
+from kvxfer.bench.vllm import SERVED_NAME, VllmServer, prefill, prompt_ids
+
+BLOCK_BYTES = 30 * 3 * 128 * 128 * 4  # one block of all 30 layers, float32
+
+
+@pytest.fixture(scope="module")
+def proxy(kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path) -> Iterator[str]:
+    with proxy_for(*kvxfer_pair, log_dir) as url:
+        yield url
+
+
+@pytest.mark.parametrize("tokens", [100, 500, 1500])
+def test_prompts_match_one_instance(kvxfer_pair: tuple[VllmServer, VllmServer], proxy: str,
+                                    tokens: int) -> None:
+    pre, decode = kvxfer_pair
+    body = {"prompt": prompt_ids(tokens, tokens), "max_tokens": 8, "temperature": 0,
+            "logprobs": 1}
+    alone = completion(pre.url, body)["choices"][0]
+    reads = metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count")
+    moved = metric(decode.url, "vllm:kvxfer_bytes_transferred_sum")
+    got = completion(proxy, body)["choices"][0]
+    assert got["text"] == alone["text"]
+    assert got["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+    worst = max(abs(a - b) for a, b in zip(got["logprobs"]["token_logprobs"],
+                                           alone["logprobs"]["token_logprobs"], strict=True))
+    assert worst <= 1e-4, f"log-probabilities differ by up to {worst}"
+    assert metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count") == reads + 1
+    assert metric(decode.url, "vllm:kvxfer_bytes_transferred_sum") - moved == \
+        math.ceil(tokens / 128) * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_streams_through_the_proxy(kvxfer_pair: tuple[VllmServer, VllmServer], proxy: str,
+                                   chat: bool) -> None:
+    pre, _ = kvxfer_pair
+    question = f"({chat}) What is the capital of France? Say it in a sentence."
+    path, body = (("/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": question}]}) if chat
+                  else ("/v1/completions", {"prompt": question}))
+    body.update(max_tokens=16, temperature=0)
+    alone = completion(pre.url, body, path)["choices"][0]
+    expected = alone["message"]["content"] if chat else alone["text"]
+    assert streamed_text(streamed(proxy, body, path), chat) == expected
+    assert expected.strip()
+
+
+def test_a_lease_is_read_once(kvxfer_pair: tuple[VllmServer, VllmServer]) -> None:
+    pre, decode = kvxfer_pair
+    prompt = prompt_ids(300, 7)
+    params = prefill(pre.url, prompt)
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": params}
+    first = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60)
+    assert first.status_code == 200 and first.json()["choices"][0]["finish_reason"] == "length"
+    failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
+    replay = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60)
+    # vLLM's kv_load_failure_policy "fail": the replayed request ends in an error
+    assert replay.status_code != 200 or replay.json()["choices"][0]["finish_reason"] != "length"
+    assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
+
+
+def test_nothing_left_behind(kvxfer_pair: tuple[VllmServer, VllmServer], proxy: str) -> None:
+    completion(proxy, {"prompt": "Counting: one, two,", "max_tokens": 4, "temperature": 0})
+    for server in kvxfer_pair:
+        wait_idle(server)

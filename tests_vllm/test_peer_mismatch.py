@@ -1,0 +1,49 @@
+"""A vLLM decode with KvxferConnector that meets a prefill it cannot read from (another
+model, another way of packing K and V) fails the request by its policy with an error
+naming the peer and the field; nothing hangs and neither side keeps blocks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import metric, wait_idle
+from sidecars import Spec, prefill_body, sidecars
+
+from kvxfer.bench.vllm import SERVED_NAME, VllmServer
+
+
+@pytest.mark.parametrize(("model", "fields"), [
+    ("kvxfer-tiny", ("model", "kv_packing")),
+    ("smollm2-135m-instruct", ("kv_packing",)),
+])
+def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmServer],
+                                          log_dir: Path, model: str,
+                                          fields: tuple[str, ...]) -> None:
+    _, decode = kvxfer_pair
+    spec = Spec(role="prefill", block_size=128, num_blocks=16,
+                extra=("--model", model, "--dtype", "float32"))
+    with sidecars(log_dir / f"sidecar-{model}", [spec]) as (sidecar,):
+        answer = sidecar.post("/v1/completions",
+                              prefill_body({"prompt": "The capital of France is",
+                                            "max_tokens": 1}))
+        assert answer.status_code == 200, answer.text
+        params = answer.json()["kv_transfer_params"]
+        failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
+        started = time.monotonic()
+        reply = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
+            "model": SERVED_NAME, "prompt": "The capital of France is", "max_tokens": 4,
+            "temperature": 0, "kv_transfer_params": params})
+        assert time.monotonic() - started < 30, "the failed load hung the request"
+        assert reply.status_code != 200 or \
+            reply.json()["choices"][0]["finish_reason"] != "length", reply.text
+        assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
+        log = decode.log_path.read_text(errors="replace")
+        line = next(ln for ln in reversed(log.splitlines()) if params["remote_engine_id"] in ln)
+        for name in fields:
+            assert name in line, f"the decode's error does not name {name!r}: {line}"
+        sidecar.wait_for("its lease released and blocks freed",
+                         lambda h: h["leases"] == 0 and h["used_blocks"] == 0)
+    wait_idle(decode)
