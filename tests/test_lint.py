@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUFF_PATHS = ("kvxfer", "proxy", "tests")
+RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py")
 MYPY_FILES = ("kvxfer/layout.py", "kvxfer/regions.py", "kvxfer/topology.py",
               "kvxfer/descriptors.py", "kvxfer/protocol.py", "kvxfer/tickets.py",
-              "kvxfer/leases.py", "kvxfer/kv_key.py")
+              "kvxfer/leases.py", "kvxfer/kv_key.py", "kvxfer/vllm/settings.py",
+              "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

@@ -70,7 +70,7 @@ def streamed_text(events: list[Any], chat: bool) -> str:
 def metric(url: str, name: str) -> float:
     """The sum of a Prometheus metric's samples at ``url`` (0 when absent)."""
     total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total

@@ -50,7 +50,7 @@ def test_streams_through_the_proxy(kvxfer_pair: tuple[VllmServer, VllmServer], p
     question = f"({chat}) What is the capital of France? Say it in a sentence."
     path, body = (("/v1/chat/completions",
                    {"messages": [{"role": "user", "content": question}]}) if chat
-                  else ("/v1/completions", {"prompt": question}))
+                  else ("/v1/completions", {"prompt": f"Q: {question}\nA: The capital"}))
     body.update(max_tokens=16, temperature=0)
     alone = completion(pre.url, body, path)["choices"][0]
     expected = alone["message"]["content"] if chat else alone["text"]

@@ -25,7 +25,9 @@ def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmSer
     _, decode = kvxfer_pair
     spec = Spec(role="prefill", block_size=128, num_blocks=16,
                 extra=("--model", model, "--dtype", "float32"))
-    with sidecars(log_dir / f"sidecar-{model}", [spec]) as (sidecar,):
+    sidecar_logs = log_dir / f"sidecar-{model}"
+    sidecar_logs.mkdir(exist_ok=True)
+    with sidecars(sidecar_logs, [spec]) as (sidecar,):
         answer = sidecar.post("/v1/completions",
                               prefill_body({"prompt": "The capital of France is",
                                             "max_tokens": 1}))

@@ -232,7 +232,8 @@ def transfer_counters(url: str) -> dict[str, float]:
     import httpx
 
     out = {"xfer_time_seconds": 0.0, "bytes_transferred": 0.0, "num_descriptors": 0.0}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+    # generous: on a small machine a spinning NixlConnector worker starves the API server
+    for line in httpx.get(f"{url}/metrics", timeout=120).text.splitlines():
         match = _METRIC.match(line)
         if match:
             out[match.group(2)] += float(match.group(3))

@@ -6,6 +6,17 @@ loads it; see :mod:`kvxfer.vllm.connector` for what it supports and
 :mod:`kvxfer.vllm.settings` for its ``kv_connector_extra_config`` keys.
 """
 
-from kvxfer.vllm.connector import KvxferConnector
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["KvxferConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first access (vLLM's loader does getattr(module, "KvxferConnector")),
+    # so the pure submodules (settings, scheduler, plan) import without vLLM.
+    if name == "KvxferConnector":
+        return importlib.import_module("kvxfer.vllm.connector").KvxferConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
