@@ -61,8 +61,10 @@ class ConnectorSettings:
         extra = dict(extra or {})
         values = {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
         for name in ("side_channel_host", "advertise_host", "kv_key_file", "model_id"):
-            value = values.get(name)
-            if value is not None and (not isinstance(value, str) or not value):
+            if name not in values or (values[name] is None and name != "side_channel_host"):
+                continue  # absent, or null for an optional key
+            value = values[name]
+            if not isinstance(value, str) or not value:
                 raise SettingsError(f"kv_connector_extra_config.{name} must be a non-empty "
                                     f"string, got {value!r}")
         for name in ("side_channel_port", "read_lanes"):
@@ -78,9 +80,9 @@ class ConnectorSettings:
                                 f"{values['read_lanes']}")
         for name in ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout",
                      "read_wait"):
-            value = values.get(name)
-            if value is None:
-                continue
+            if name not in values or (values[name] is None and name == "lease_max_age"):
+                continue  # absent, or null for the optional max age
+            value = values[name]
             if (isinstance(value, bool) or not isinstance(value, int | float)
                     or not math.isfinite(value) or value < 0
                     or (value == 0 and name != "read_wait")):

@@ -1,0 +1,433 @@
+"""KvxferConnector's pure parts (no vLLM): its settings, its scheduler side, and the
+contracts around them (the proxy relaying vLLM's ``kv_transfer_params``, the handshake
+refusing peers whose K/V packing differs)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from test_handshake import ANSWER_S, COMPAT, HOST, RANKS
+
+from kvxfer.handshake import HandshakeClient, HandshakeListener
+from kvxfer.protocol import HashMismatch
+from kvxfer.tickets import TICKET_KEY, LeaseClaims, TicketError, verify_ticket
+from kvxfer.vllm.plan import Hold, Load, StepPlan
+from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
+from kvxfer.vllm.settings import ConnectorSettings, SettingsError
+from proxy.contract import parse_prefill_answer
+from proxy.errors import ProxyError
+
+URL = "http://127.0.0.1:9"
+ENGINE = "prefill-engine"
+BLOCK = 16
+TTL = 30.0
+NOW = 1_000.0
+KEY = b"k" * 32
+PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}  # what the proxy sends
+
+
+# -- the package ------------------------------------------------------------------------------
+
+def test_the_package_loads_the_connector_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's loader does ``getattr(import_module("kvxfer.vllm"), "KvxferConnector")``; the
+    pure submodules above imported without vLLM (it is not installed here)."""
+    fake = types.ModuleType("kvxfer.vllm.connector")
+    fake.KvxferConnector = type("KvxferConnector", (), {})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvxfer.vllm.connector", fake)
+    package = importlib.import_module("kvxfer.vllm")
+    assert getattr(package, "KvxferConnector") is fake.KvxferConnector  # noqa: B009
+    with pytest.raises(AttributeError, match="has no attribute 'Connector'"):
+        getattr(package, "Connector")  # noqa: B009
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+GOOD: dict[str, Any] = {
+    "side_channel_host": "0.0.0.0", "side_channel_port": 5600, "advertise_host": "10.0.0.2",
+    "lease_ttl": 30, "lease_max_age": 600.5, "kv_read_timeout": 2.5, "handshake_timeout": 1,
+    "read_wait": 0.2, "read_lanes": 4, "kv_key_file": "/etc/kvxfer/kv.key",
+    "model_id": "llama-3-8b"}
+SECONDS = ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout", "read_wait")
+
+
+def test_settings_defaults() -> None:
+    settings = ConnectorSettings.from_extra_config(None)
+    assert settings == ConnectorSettings.from_extra_config({}) == ConnectorSettings(
+        side_channel_host="127.0.0.1", side_channel_port=0, advertise_host=None,
+        lease_ttl=120.0, lease_max_age=None, kv_read_timeout=10.0, handshake_timeout=5.0,
+        read_wait=0.05, read_lanes=1, kv_key_file=None, model_id=None)
+    assert settings.max_age == 480.0
+    assert settings.host_for_peers == "127.0.0.1"
+
+
+@pytest.mark.parametrize(("key", "value"), GOOD.items())
+def test_settings_accept_each_key(key: str, value: Any) -> None:
+    settings = ConnectorSettings.from_extra_config({key: value})
+    assert getattr(settings, key) == value
+    if key in SECONDS:
+        assert type(getattr(settings, key)) is float
+    others = {name: getattr(settings, name) for name in GOOD if name != key}
+    assert others == {name: getattr(ConnectorSettings(), name) for name in GOOD if name != key}
+
+
+def test_settings_accept_every_key_together() -> None:
+    settings = ConnectorSettings.from_extra_config(GOOD)
+    assert {name: getattr(settings, name) for name in GOOD} == GOOD
+    assert settings.max_age == 600.5
+    assert settings.host_for_peers == "10.0.0.2"
+
+
+@pytest.mark.parametrize(("extra", "max_age"), [
+    ({"read_wait": 0}, 480.0),  # 0: a step never waits
+    ({"lease_max_age": None}, 480.0),
+    ({"lease_ttl": 10, "lease_max_age": 10}, 10.0),  # equal to the ttl is enough
+    ({"lease_ttl": 10}, 40.0),
+])
+def test_settings_edge_values(extra: dict[str, Any], max_age: float) -> None:
+    settings = ConnectorSettings.from_extra_config(extra)
+    assert settings.max_age == max_age
+    if "read_wait" in extra:
+        assert settings.read_wait == 0.0
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    *[(key, bad) for key in ("side_channel_host", "advertise_host", "kv_key_file", "model_id")
+      for bad in ("", 5, ["h"])],
+    ("side_channel_host", None),  # not optional
+    *[("side_channel_port", bad) for bad in (-1, 65536, "5600", 5600.0, True, None)],
+    *[("read_lanes", bad) for bad in (0, -2, 1.5, "2", True, None)],
+    *[(key, bad) for key in SECONDS
+      for bad in (-1, -0.5, math.inf, -math.inf, math.nan, "10", [1], True, False)],
+    *[(key, 0) for key in SECONDS if key != "read_wait"],
+    *[(key, None) for key in SECONDS if key != "lease_max_age"],  # only the max age is optional
+])
+def test_settings_refuse_bad_values_naming_the_key(key: str, value: Any) -> None:
+    with pytest.raises(SettingsError, match=re.escape(f"kv_connector_extra_config.{key} ")):
+        ConnectorSettings.from_extra_config({key: value})
+
+
+@pytest.mark.parametrize("extra", [
+    {"lease_ttl": 60, "lease_max_age": 59.9},
+    {"lease_max_age": 100},  # below the default ttl (120 s)
+])
+def test_settings_refuse_a_max_age_below_the_ttl(extra: dict[str, Any]) -> None:
+    with pytest.raises(SettingsError, match=re.escape(
+            "kv_connector_extra_config.lease_max_age (") + r".* must be at least lease_ttl"):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_settings_ignore_other_connectors_keys() -> None:
+    extra = {"backends": ["UCX"], "enforce_handshake_compat": "yes", "lease_ttl": 7,
+             "side_channel_prt": object()}
+    assert ConnectorSettings.from_extra_config(extra) == ConnectorSettings(lease_ttl=7.0)
+
+
+# -- scheduler: helpers -----------------------------------------------------------------------
+
+def scheduler(key: bytes | None = None, port: int | None = 7100, tp_size: int = 2,
+              **extra: Any) -> SchedulerSide:
+    settings = ConnectorSettings.from_extra_config(
+        {"side_channel_host": "10.0.0.1", "lease_ttl": TTL, **extra})
+    side = SchedulerSide(settings, ENGINE, BLOCK, tp_size, key)
+    if port is not None:
+        side.set_side_channel_port(port)
+    return side
+
+
+def blocks_of(allocations: dict[str, list[int]]) -> Any:
+    return lambda request_id: allocations[request_id]
+
+
+def refs(ids: list[int], cached: int) -> list[BlockRef]:
+    return [BlockRef(block_id, i < cached) for i, block_id in enumerate(ids)]
+
+
+def prefill(side: SchedulerSide, request_id: str = "p1", prompt: int = 40,
+            block_ids: list[int] | None = None) -> tuple[Hold, dict[str, Any]]:
+    """A prefill request computed in one step: its Hold and its (mutable) params."""
+    params = dict(PREFILL)
+    ids = [7, 3, 9, 11, 12] if block_ids is None else block_ids
+    side.after_alloc(request_id, params, prompt, refs(ids, 0), 0)
+    plan = side.build_plan({request_id: (0, prompt)}, blocks_of({request_id: ids}), now=NOW)
+    assert len(plan.holds) == 1
+    return plan.holds[0], params
+
+
+def claims_of(params: dict[str, Any]) -> LeaseClaims:
+    return LeaseClaims(params["remote_engine_id"], params["remote_host"],
+                       params["remote_port"], params["remote_request_id"],
+                       tuple(params["remote_block_ids"]), params["remote_num_tokens"],
+                       params["tp_size"], params["lease_expires_at"])
+
+
+def answer(params: dict[str, Any]) -> bytes:
+    """A prefill's HTTP answer carrying ``params`` (as the OpenAI server encodes it)."""
+    return msgspec.json.encode({"choices": [{"text": "x"}], "kv_transfer_params": params})
+
+
+# -- scheduler: matched tokens (decode) -------------------------------------------------------
+
+@pytest.mark.parametrize(("params", "prompt", "computed", "expected"), [
+    (None, 100, 0, (0, False)),
+    ({}, 100, 0, (0, False)),
+    (PREFILL, 100, 0, (0, False)),
+    ({"do_remote_prefill": False, "remote_num_tokens": 100}, 100, 0, (0, False)),
+    ({"do_remote_prefill": True}, 100, 0, (100, True)),
+    ({"do_remote_prefill": True}, 100, 32, (68, True)),
+    ({"do_remote_prefill": True, "remote_num_tokens": 100}, 100, 16, (84, True)),
+    ({"do_remote_prefill": True, "remote_num_tokens": 40}, 100, 16, (24, True)),  # capped
+    ({"do_remote_prefill": True, "remote_num_tokens": 500}, 100, 16, (84, True)),
+    *[({"do_remote_prefill": True, "remote_num_tokens": bad}, 100, 16, (84, True))
+      for bad in (True, False, "40", 40.0, None, [40], 0, -5)],  # ignored
+    ({"do_remote_prefill": True, "remote_num_tokens": 16}, 100, 16, (0, False)),
+    ({"do_remote_prefill": True, "remote_num_tokens": 10}, 100, 16, (0, False)),
+    ({"do_remote_prefill": True}, 100, 100, (0, False)),
+])
+def test_matched_tokens(params: dict[str, Any] | None, prompt: int, computed: int,
+                        expected: tuple[int, bool]) -> None:
+    assert SchedulerSide.matched_tokens(params, prompt, computed) == expected
+
+
+# -- scheduler: prefill -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 40)],
+    [(0, 16), (16, 16), (32, 8)],
+    [(0, 39), (39, 1)],
+    [(0, 32), None, (32, 8)],  # None: a step that does not schedule the request
+])
+def test_prefill_holds_once_the_chunk_reaching_the_prompt_end_is_scheduled(
+        chunks: list[tuple[int, int] | None]) -> None:
+    side = scheduler()
+    ids = {"p1": [7, 3, 9, 11, 12], "other": [1]}  # more blocks than the prompt's 3
+    side.after_alloc("p1", dict(PREFILL), 40, refs(ids["p1"], 0), 0)
+    for step, chunk in enumerate(chunks[:-1]):
+        scheduled = {"other": (step, 1)} if chunk is None else {"p1": chunk, "other": (step, 1)}
+        assert side.build_plan(scheduled, blocks_of(ids), now=NOW) == StepPlan()
+    last = chunks[-1]
+    assert last is not None
+    plan = side.build_plan({"p1": last}, blocks_of(ids), now=NOW + 1)
+    assert plan.loads == [] and plan.drop_leases == []
+    [hold] = plan.holds
+    assert hold == Hold("p1", hold.lease_id, (7, 3, 9), 40, NOW + 1 + TTL)
+    assert len(hold.lease_id) >= 16
+    # Later steps (the request's own decode token, and after) hold nothing more.
+    assert not side.build_plan({"p1": (40, 1)}, blocks_of(ids), now=NOW + 2)
+    assert not side.build_plan({"p1": (41, 1)}, blocks_of(ids), now=NOW + 3)
+
+
+@pytest.mark.parametrize(("prompt", "kept"), [(1, 1), (16, 1), (17, 2), (48, 3), (49, 4)])
+def test_prefill_hold_covers_ceil_prompt_over_block_size(prompt: int, kept: int) -> None:
+    hold, _ = prefill(scheduler(), prompt=prompt, block_ids=[20, 21, 22, 23, 24, 25])
+    assert hold.block_ids == (20, 21, 22, 23, 24, 25)[:kept]
+    assert hold.num_tokens == prompt
+
+
+def test_two_prefills_get_different_lease_ids() -> None:
+    side = scheduler()
+    ids = {"a": [1, 2, 3], "b": [4, 5, 6]}
+    for request_id in ids:
+        side.after_alloc(request_id, dict(PREFILL), 40, refs(ids[request_id], 0), 0)
+    plan = side.build_plan({"a": (0, 40), "b": (0, 40)}, blocks_of(ids), now=NOW)
+    assert {hold.request_id: hold.block_ids for hold in plan.holds} == {
+        "a": (1, 2, 3), "b": (4, 5, 6)}
+    assert plan.holds[0].lease_id != plan.holds[1].lease_id
+    assert all(len(hold.lease_id) >= 16 for hold in plan.holds)
+
+
+@pytest.mark.parametrize(("extra", "port", "host", "remote_port"), [
+    ({}, 7100, "10.0.0.1", 7100),  # the bind host, the port the worker's listener bound
+    ({"advertise_host": "prefill-0.svc"}, 7100, "prefill-0.svc", 7100),
+    ({"side_channel_port": 5601}, None, "10.0.0.1", 5601),  # a fixed port: known at once
+])
+def test_prefill_finished_hands_out_the_lease(extra: dict[str, Any], port: int | None,
+                                              host: str, remote_port: int) -> None:
+    side = scheduler(port=port, **extra)
+    hold, params = prefill(side)
+    keep, handed = side.finished("p1", params, completed=True)
+    assert keep is True
+    assert handed == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": ENGINE,
+        "remote_host": host, "remote_port": remote_port, "remote_block_ids": [7, 3, 9],
+        "remote_request_id": hold.lease_id, "remote_num_tokens": 40, "tp_size": 2,
+        "lease_expires_at": NOW + TTL}
+    # The proxy accepts it and forwards it unchanged: both ends of the contract agree.
+    assert parse_prefill_answer(answer(handed), URL) == handed
+    assert not side.build_plan({}, blocks_of({}), now=NOW)  # nothing dropped
+
+
+def test_prefill_finished_with_a_key_signs_a_ticket() -> None:
+    side = scheduler(key=KEY)
+    hold, params = prefill(side)
+    keep, handed = side.finished("p1", params, completed=True)
+    assert keep is True and handed is not None
+    assert handed["remote_request_id"] == hold.lease_id
+    ticket = handed[TICKET_KEY]
+    verify_ticket(KEY, claims_of(handed), ticket)
+    with pytest.raises(TicketError, match="does not verify"):
+        verify_ticket(b"another key", claims_of(handed), ticket)
+    with pytest.raises(TicketError, match="does not verify"):  # an altered block list
+        verify_ticket(KEY, claims_of({**handed, "remote_block_ids": [7, 3, 10]}), ticket)
+    relayed = parse_prefill_answer(answer(handed), URL)
+    assert relayed == handed
+    verify_ticket(KEY, claims_of(relayed), relayed[TICKET_KEY])  # survives the JSON trip
+
+
+def test_prefill_aborted_after_its_hold_drops_the_lease_once() -> None:
+    side = scheduler()
+    hold, params = prefill(side)
+    assert side.finished("p1", params, completed=False) == (False, None)
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan(drop_leases=[hold.lease_id])
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan()
+    assert side.finished("p1", params, completed=True) == (False, None)  # nothing left
+
+
+def test_prefill_without_a_side_channel_port_drops_the_lease() -> None:
+    side = scheduler(port=None)
+    hold, params = prefill(side)
+    assert side.finished("p1", params, completed=True) == (False, None)
+    assert side.build_plan({}, blocks_of({}), now=NOW).drop_leases == [hold.lease_id]
+
+
+@pytest.mark.parametrize("completed", [True, False])
+def test_prefill_finished_before_its_prompt_was_computed(completed: bool) -> None:
+    side = scheduler()
+    params = dict(PREFILL)
+    ids = {"p1": [7, 3, 9]}
+    side.after_alloc("p1", params, 40, refs(ids["p1"], 0), 0)
+    assert side.build_plan({"p1": (0, 16)}, blocks_of(ids), now=NOW) == StepPlan()
+    assert side.finished("p1", params, completed=completed) == (False, None)
+    assert side.build_plan({}, blocks_of(ids), now=NOW) == StepPlan()  # nothing to drop
+    # Forgotten: a stray later chunk holds nothing.
+    assert side.build_plan({"p1": (16, 24)}, blocks_of(ids), now=NOW) == StepPlan()
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_decode": False},
+                                    {"do_remote_prefill": False, "do_remote_decode": False}])
+def test_requests_without_a_transfer_are_left_alone(params: dict[str, Any] | None) -> None:
+    side = scheduler()
+    side.after_alloc("r", params, 40, refs([1, 2, 3], 0), 40)
+    assert side.build_plan({"r": (0, 40)}, blocks_of({"r": [1, 2, 3]}), now=NOW) == StepPlan()
+    assert side.finished("r", params, completed=True) == (False, None)
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan()
+
+
+# -- scheduler: decode ------------------------------------------------------------------------
+
+def decode_params(remote_num_tokens: int = 40) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": ENGINE,
+            "remote_host": "10.0.0.1", "remote_port": 7100,
+            "remote_block_ids": [30, 31, 32], "remote_request_id": "lease-0123456789abcdef",
+            "remote_num_tokens": remote_num_tokens, "tp_size": 2,
+            "lease_expires_at": NOW + TTL}
+
+
+@pytest.mark.parametrize(("cached", "remote_tokens", "local"), [
+    (0, 40, (5, 6, 8)),
+    (1, 40, (6, 8)),      # the first block is a local prefix-cache hit
+    (2, 40, (8,)),
+    (0, 20, (5, 6)),      # the prefill computed fewer tokens than the prompt holds
+    (1, 33, (6, 8)),
+])
+def test_decode_load_skips_cached_blocks_and_trims_to_the_external_tokens(
+        cached: int, remote_tokens: int, local: tuple[int, ...]) -> None:
+    side = scheduler()
+    params = decode_params(remote_tokens)
+    external, asynchronous = SchedulerSide.matched_tokens(params, 40, cached * BLOCK)
+    assert asynchronous and external == remote_tokens - cached * BLOCK
+    side.after_alloc("d1", params, 40, refs([5, 6, 8, 2, 4], cached), external)
+    assert params["do_remote_prefill"] is False  # handled: once per request
+    plan = side.build_plan({"d1": (cached * BLOCK, 0)}, blocks_of({}), now=NOW)
+    assert plan.holds == [] and plan.drop_leases == []
+    [load] = plan.loads
+    assert load == Load("d1", {**decode_params(remote_tokens), "do_remote_prefill": False},
+                        local, cached)
+    assert load.params is not params
+    # vLLM calls after_alloc again (the request is rescheduled once its KV arrived).
+    side.after_alloc("d1", params, 40, refs([5, 6, 8, 2, 4], cached), external)
+    assert side.build_plan({"d1": (40, 1)}, blocks_of({}), now=NOW) == StepPlan()
+    assert side.finished("d1", params, completed=True) == (False, None)
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan()
+
+
+def test_decode_with_nothing_to_read_only_releases_the_lease() -> None:
+    side = scheduler()
+    params = decode_params()
+    side.after_alloc("d1", params, 40, refs([5, 6, 8], 2), 0)
+    assert params["do_remote_prefill"] is False
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan(loads=[
+        Load("d1", {**decode_params(), "do_remote_prefill": False}, ())])
+
+
+def test_decode_finished_before_its_load_releases_the_lease() -> None:
+    side = scheduler()
+    params = decode_params()
+    assert side.finished("d1", params, completed=False) == (False, None)
+    assert params["do_remote_prefill"] is False
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan(loads=[
+        Load("d1", {**decode_params(), "do_remote_prefill": False}, ())])
+    assert side.finished("d1", params, completed=False) == (False, None)
+    assert side.build_plan({}, blocks_of({}), now=NOW) == StepPlan()  # released once
+
+
+# -- the proxy relays vLLM NixlConnector's params -------------------------------------------
+
+VLLM_ANSWER: dict[str, Any] = {  # captured from vLLM 0.32
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]],
+    "remote_engine_id": "2da672d8-5f47-4c84-8a79-5cccbafbe92f",
+    "remote_request_id": "cmpl-82e4771eadf3362e-0-a081f893", "remote_host": "127.0.0.1",
+    "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 5,
+    "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+    "remote_prefill_cached_tokens": 0}
+
+
+@pytest.mark.parametrize("expiry", [None, 1.7e9, 1700000000])
+def test_nixl_connector_answer_is_forwarded_unchanged(expiry: float | None) -> None:
+    sent = {**VLLM_ANSWER, "remote_blocks_expiry_time": expiry}
+    relayed = parse_prefill_answer(answer(sent), URL)
+    assert relayed == sent
+    assert list(relayed) == list(sent)  # every key, in its order
+
+
+@pytest.mark.parametrize("field", ["remote_blocks_expiry_time", "lease_expires_at"])
+@pytest.mark.parametrize("value", ["soon", [1], {"at": 1}, True])
+def test_a_non_number_expiry_is_a_bad_gateway_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ProxyError) as caught:
+        parse_prefill_answer(answer({**VLLM_ANSWER, field: value}), URL)
+    assert caught.value.status == 502
+    assert f"prefill instance {URL} answered invalid kv_transfer_params" in caught.value.message
+    assert f"at `$.{field}`" in caught.value.message
+
+
+# -- the handshake refuses a peer whose K/V packing differs ----------------------------------
+
+@pytest.fixture
+def listener(request: pytest.FixtureRequest) -> Iterator[HandshakeListener]:
+    compat = msgspec.structs.replace(COMPAT, kv_packing=request.param)
+    with HandshakeListener(HOST, engine_id="prefill-a", compat=compat,
+                           metadata=lambda: RANKS) as served:
+        yield served
+
+
+@pytest.mark.parametrize(("listener", "here"), [("token", "tile"), ("tile", "token")],
+                         indirect=["listener"])
+def test_a_kv_packing_mismatch_fails_naming_the_field_and_the_peer(
+        listener: HandshakeListener, here: str) -> None:
+    peer = "tile" if here == "token" else "token"
+    compat = msgspec.structs.replace(COMPAT, kv_packing=here)
+    with HandshakeClient("decode-b", compat) as client, \
+            pytest.raises(HashMismatch) as info:
+        client.fetch(HOST, listener.port, [0], timeout=ANSWER_S, retries=0)
+    message = str(info.value)
+    assert f"peer {listener.address} is not compatible" in message
+    assert f"differing: kv_packing: peer {peer!r}, here {here!r}" in message
+    assert info.value.differing is not None
+    assert [diff.field for diff in info.value.differing] == ["kv_packing"]
