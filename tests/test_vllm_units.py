@@ -431,3 +431,20 @@ def test_a_kv_packing_mismatch_fails_naming_the_field_and_the_peer(
     assert f"differing: kv_packing: peer {peer!r}, here {here!r}" in message
     assert info.value.differing is not None
     assert [diff.field for diff in info.value.differing] == ["kv_packing"]
+
+
+def test_huge_integer_seconds_are_refused() -> None:
+    with pytest.raises(SettingsError, match=r"kv_connector_extra_config\.lease_ttl"):
+        ConnectorSettings.from_extra_config({"lease_ttl": 10**400})
+
+
+def test_a_prefill_computed_again_drops_its_earlier_lease() -> None:
+    """vLLM may preempt a prefill after its Hold and compute it again: the first lease's
+    blocks were freed, so it must end at once rather than at expiry."""
+    side = SchedulerSide(ConnectorSettings(), "engine-p", 16, 1)
+    side.after_alloc("r", {"do_remote_decode": True}, 20, [], 0)
+    first = side.build_plan({"r": (0, 20)}, lambda _: [1, 2], now=100.0).holds[0]
+    side.after_alloc("r", {"do_remote_decode": True}, 20, [], 0)
+    plan = side.build_plan({"r": (0, 20)}, lambda _: [3, 4], now=101.0)
+    assert plan.drop_leases == [first.lease_id]
+    assert [h.block_ids for h in plan.holds] == [(3, 4)]

@@ -1,6 +1,7 @@
 """A vLLM decode with KvxferConnector that meets a prefill it cannot read from (another
 model, another way of packing K and V) fails the request by its policy with an error
-naming the peer and the field; nothing hangs and neither side keeps blocks."""
+naming the peer and the field; nothing hangs and neither side keeps blocks. Another block
+size is a vLLM prefill with ``--block-size 64`` (the decode has vLLM's CPU default, 128)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 from helpers import metric, wait_idle
 from sidecars import Spec, prefill_body, sidecars
 
-from kvxfer.bench.vllm import SERVED_NAME, VllmServer
+from kvxfer.bench.vllm import (
+    SERVED_NAME,
+    VllmServer,
+    kv_transfer_config,
+    model_directory,
+    prefill,
+    prompt_ids,
+)
 
 
 @pytest.mark.parametrize(("model", "fields"), [
@@ -49,3 +57,31 @@ def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmSer
         sidecar.wait_for("its lease released and blocks freed",
                          lambda h: h["leases"] == 0 and h["used_blocks"] == 0)
     wait_idle(decode)
+
+
+def test_prefill_of_another_block_size_fails_cleanly(
+        kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path) -> None:
+    _, decode = kvxfer_pair
+    config = kv_transfer_config("kvxfer", {"model_id": "smollm2-135m-instruct"})
+    other = VllmServer("kvxfer-prefill-block64", vllm_python, model_directory(), config, 0,
+                       log_dir, block_size=64)
+    try:
+        other.start()
+        prompt = prompt_ids(200, 3)
+        params = prefill(other.url, prompt)
+        failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
+        started = time.monotonic()
+        reply = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
+            "model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": params})
+        assert time.monotonic() - started < 30, "the failed load hung the request"
+        assert reply.status_code != 200 or \
+            reply.json()["choices"][0]["finish_reason"] != "length", reply.text
+        assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
+        log = decode.log_path.read_text(errors="replace")
+        line = next(ln for ln in reversed(log.splitlines()) if params["remote_engine_id"] in ln)
+        assert "block size 128 != prefill block size 64" in line, line
+        wait_idle(other)  # the decode released the lease: the prefill freed its blocks
+        wait_idle(decode)
+    finally:
+        other.stop()

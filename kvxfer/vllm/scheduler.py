@@ -84,6 +84,9 @@ class SchedulerSide:
             blocks = tuple(block_ids(request_id))[:-(-prompt_tokens // self.block_size)]
             hold = Hold(request_id, secrets.token_urlsafe(16), blocks, prompt_tokens,
                         now + self.settings.lease_ttl)
+            earlier = self._holds.get(request_id)
+            if earlier is not None:  # preempted and computed again: its old lease is void
+                self._plan.drop_leases.append(earlier.lease_id)
             self._holds[request_id] = hold
             self._plan.holds.append(hold)
         plan, self._plan = self._plan, StepPlan()

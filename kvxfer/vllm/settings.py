@@ -82,16 +82,25 @@ class ConnectorSettings:
                      "read_wait"):
             if name not in values or (values[name] is None and name == "lease_max_age"):
                 continue  # absent, or null for the optional max age
-            value = values[name]
-            if (isinstance(value, bool) or not isinstance(value, int | float)
-                    or not math.isfinite(value) or value < 0
-                    or (value == 0 and name != "read_wait")):
+            seconds = _finite(values[name])
+            if seconds is None or seconds < 0 or (seconds == 0 and name != "read_wait"):
                 least = "zero or more" if name == "read_wait" else "a positive number of"
                 raise SettingsError(f"kv_connector_extra_config.{name} must be {least} "
-                                    f"seconds, got {value!r}")
-            values[name] = float(value)
+                                    f"seconds, got {values[name]!r}")
+            values[name] = seconds
         settings = cls(**values)
         if settings.max_age < settings.lease_ttl:
             raise SettingsError(f"kv_connector_extra_config.lease_max_age ({settings.max_age:g} "
                                 f"s) must be at least lease_ttl ({settings.lease_ttl:g} s)")
         return settings
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or None (not a number, a bool, inf, nan, too large)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
+    return number if math.isfinite(number) else None
