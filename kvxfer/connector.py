@@ -122,7 +122,7 @@ def compat_info(engine: LLMEngine) -> CompatInfo:
     return CompatInfo(model=engine.model_id, dtype=dtype_name(engine.dtype),
                       cache_dtype=dtype_name(engine.dtype), head_size=config.head_dim,
                       total_kv_heads=config.num_key_value_heads,
-                      num_layers=config.num_hidden_layers)
+                      num_layers=config.num_hidden_layers, kv_packing=engine.kv_packing)
 
 
 @dataclass

@@ -144,6 +144,7 @@ class Settings:
     # the address peers reach this instance at; None: the bind host (never a wildcard)
     advertise_host: str | None = None
     drain_timeout: float = 30.0  # after SIGTERM: longest wait for in-flight work and leases
+    kv_packing: str = "token"  # how K and V share a head's block (engine/attention.py)
 
     def side_channel_advertised(self) -> str:
         """The host decodes are told for this prefill's side channel (ValueError: a
@@ -184,7 +185,7 @@ class Sidecar:
         self.engine: LLMEngine = LLMEngine.from_model_arg(
             settings.model, seed=settings.seed, tp=settings.tp, layout=settings.kv_cache_layout,
             block_size=settings.block_size, num_blocks=settings.num_blocks,
-            dtype=settings.dtype, device=settings.device)
+            dtype=settings.dtype, device=settings.device, kv_packing=settings.kv_packing)
         self.served_names = settings.served_model_names or (self.engine.model_name,)
         self.engine_id = new_engine_id(settings.role)
         self.metrics = SidecarMetrics(role=settings.role, engine_id=self.engine_id,

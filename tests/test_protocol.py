@@ -452,13 +452,13 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 4): a change here changes the wire, so it needs a version bump.
-    assert HASH == "b67907c695d2436f7e099fd279e5f8cb7dc5f0b7b295bc34d85f46c94ee6ad15"
+    # Pinned (protocol 5): a change here changes the wire, so it needs a version bump.
+    assert HASH == "511750e3619e8f25a6fbd755bb606b9163349c96865a31ce44fc254afe8a00c1"
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("model", "llama-3-70b"), ("dtype", "float16"), ("cache_dtype", "fp8_e4m3"),
-    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32),
+    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32), ("kv_packing", "tile"),
     ("protocol_version", KVXFER_PROTOCOL_VERSION + 1),
 ])
 def test_every_field_changes_the_hash(field: str, value: object) -> None:
@@ -476,7 +476,13 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 4
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 5
+
+
+def test_kv_packing_is_token_or_tile() -> None:
+    assert COMPAT.kv_packing == "token"
+    with pytest.raises(ValueError, match="kv_packing must be one of"):
+        msgspec.structs.replace(COMPAT, kv_packing="rows")
 
 
 # -- releases: no hash check, every other check -----------------------------------------------

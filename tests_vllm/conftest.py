@@ -18,6 +18,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from helpers import smollm2_id
+
 from kvxfer.bench.vllm import VLLM_PYTHON_ENV, VllmServer, vllm_pair
 
 
@@ -43,7 +45,7 @@ def nixl_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, Vll
 
 @pytest.fixture(scope="module")
 def kvxfer_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    # the model id of kvxfer's own name for it: a sidecar of it then differs in kv_packing only
-    with vllm_pair("kvxfer", vllm_python, log_dir,
-                   extra={"model_id": "smollm2-135m-instruct"}) as pair:
+    # kvxfer's reference engine's id of the same checkpoint, so that one of its sidecars
+    # is a compatible peer (with --kv-packing tile) or differs in kv_packing only
+    with vllm_pair("kvxfer", vllm_python, log_dir, extra={"model_id": smollm2_id()}) as pair:
         yield pair

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from sidecars import Launched
@@ -18,8 +19,27 @@ from kvxfer.bench.vllm import SERVED_NAME, VllmServer
 TIMEOUT = httpx.Timeout(120.0)
 
 
+class Served(Protocol):
+    """A server the proxy can front: a vLLM instance or a kvxfer sidecar."""
+
+    @property
+    def port(self) -> int: ...
+
+
+@functools.cache
+def smollm2_id() -> str:
+    """kvxfer's reference-engine id (config and weights fingerprint) of SmolLM2: what a
+    vLLM instance must call the model (``model_id``) to be a sidecar's compatible peer."""
+    from kvxfer.engine.models import load_model
+    from kvxfer.engine.weights import fingerprint
+
+    loaded = load_model("smollm2-135m-instruct")
+    assert loaded.state_dict is not None
+    return fingerprint(loaded.config, loaded.state_dict)
+
+
 @contextmanager
-def proxy_for(prefill: VllmServer, decode: VllmServer, log_dir: Path,
+def proxy_for(prefill: Served, decode: Served, log_dir: Path,
               extra: Sequence[str] = ()) -> Iterator[str]:
     """A real kvxfer-proxy process in front of one prefill and one decode; its URL."""
     proxy = Launched("proxy", [

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -74,12 +75,15 @@ def sidecar(role: str, model: str, tp: int, args: argparse.Namespace) -> Iterato
 
 
 @contextmanager
-def launched(argv: list[str], what: str, env: dict[str, str] | None = None) -> Iterator[str]:
+def launched(argv: list[str], what: str, env: dict[str, str] | None = None,
+             cpu: int | None = None) -> Iterator[str]:
     """Run ``argv`` (a ``kvxfer serve``) with its output in a temporary log file, so that
-    nothing can block on a full pipe; yield its URL from the ready line, stop it on exit."""
+    nothing can block on a full pipe; yield its URL from the ready line, stop it on exit.
+    ``cpu``: bind the process (all its threads) to that CPU, set before it starts."""
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                   env=env)
+                                   env=env, preexec_fn=pin)
         try:
             yield _wait_ready(process, log, what)
         finally:

@@ -8,7 +8,9 @@ to its first token. That covers the lease ticket check, the signed READ
 notification and, once per pair (a warm-up request, not counted), the signed
 handshake. Rounds alternate signed and unsigned so that drift on a busy machine
 hits both alike; the figures are medians, and the ratio is the median of the
-per-round ratios (``--control`` runs both pairs unsigned: the noise floor). It
+per-round ratios (``--control`` runs both pairs unsigned: the noise floor). Both
+prefills are bound to one CPU and both decodes to another (``--no-pin``: not), so
+that CPU placement cannot favour one pair. It
 also times the pure signing
 primitives (a ticket, a side-channel message, a notification) in microseconds.
 Nothing is asserted; the target is a ratio under 1.02.
@@ -41,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
     parser.add_argument("--num-blocks", type=int, default=512,
                         help="KV cache blocks per sidecar (default 512)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not bind the prefills to CPU 0 and the decodes to CPU 1 "
+                             "(by default both pairs get the same placement, so that it "
+                             "cannot favour one)")
     parser.add_argument("--control", action="store_true",
                         help="A/A run: the 'signed' pair gets no key either, so the ratio "
                              "shows the noise floor between two pairs on this machine")
@@ -54,8 +60,11 @@ def _sidecar(role: str, args: argparse.Namespace, key_file: str | None) -> Itera
     if key_file is not None:
         argv += ["--kv-key-file", key_file]
     env = {k: v for k, v in os.environ.items() if k != "KVXFER_KV_KEY_FILE"}
+    cpu = None
+    if args.pin and len(os.sched_getaffinity(0)) >= 2:
+        cpu = sorted(os.sched_getaffinity(0))[0 if role == "prefill" else 1]
     with launched(argv, f"{role} sidecar ({'signed' if key_file else 'unsigned'})",
-                  env) as url:
+                  env, cpu) as url:
         yield url
 
 
@@ -172,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     ratio = statistics.median(a / b for a, b in zip(times["signed"], times["unsigned"],
                                                     strict=True))
     result = {"config": {"model": args.model, "prompt_tokens": args.prompt_tokens,
-                         "repeats": args.repeats, "control": args.control},
+                         "repeats": args.repeats, "control": args.control, "pinned": args.pin},
               "decode_ttft_ms_signed": 1000 * signed, "decode_ttft_ms_unsigned": 1000 * unsigned,
               "ratio_signed_to_unsigned": ratio, "primitives": _primitives()}
     if args.json:

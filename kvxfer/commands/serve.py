@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache layout: LBHNC, LBNHC, BLHNC, BLNHC, BHLNC (aliases HND, "
                              "NHD) (default $KVXFER_KV_CACHE_LAYOUT, else LBHNC)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
+    parser.add_argument("--kv-packing", choices=["token", "tile"], default="token",
+                        help="how K and V share a head's block: token (each token's K then its "
+                             "V) or tile (all K rows then all V rows, as vLLM's CPU backend "
+                             "keeps them: a vLLM decode with KvxferConnector can read such a "
+                             "prefill) (default token)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (256)")
     parser.add_argument("--model", default="kvxfer-tiny",
                         help="a model name from `kvxfer models` (kvxfer-tiny, the seeded "
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         read_lanes=args.read_lanes, kv_key=kv_key,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
-        drain_timeout=args.drain_timeout)
+        drain_timeout=args.drain_timeout, kv_packing=args.kv_packing)
     if args.role == "prefill":
         try:
             settings.side_channel_advertised()  # before the model loads

@@ -1,11 +1,14 @@
 """Paged attention over one layer's logical ``[B, H, N, C]`` KV cache view.
 
 The cache is touched only through that view: token position ``p`` of a sequence
-lives in block ``block_table[p // N]`` at row ``p % N``; ``C`` packs K
-(``[..., :head_dim]``) then V (``[..., head_dim:]``). Layouts differ only in the
-view's strides, and everything read from the cache is copied into one canonical
-contiguous tensor before any arithmetic, so every layout gives bit-identical
-results.
+lives in block ``block_table[p // N]`` at row ``p % N``. How K and V share a head's
+block is the packing (``kv_packing``): ``token`` (the default), ``C`` packs each
+token's K (``[..., :head_dim]``) then its V (``[..., head_dim:]``); ``tile``, as
+vLLM's CPU backend keeps it, a head's ``N x C`` block holds all K rows then all V
+rows (``[2, N, head_dim]``), which needs that block contiguous (heads outside
+tokens). Layouts differ only in the view's strides, and everything read from the
+cache is copied into one canonical contiguous tensor before any arithmetic, so
+every layout and packing gives bit-identical results.
 """
 
 from __future__ import annotations
@@ -13,34 +16,59 @@ from __future__ import annotations
 import torch
 
 
+def kv_views(cache: torch.Tensor, packing: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and the V parts of a ``[B, H, N, C]`` cache view, each ``[B, H, N, D]``."""
+    head_dim = cache.shape[3] // 2
+    if packing == "token":
+        return cache[..., :head_dim], cache[..., head_dim:]
+    if packing != "tile":
+        raise ValueError(f"kv_packing must be 'token' or 'tile', got {packing!r}")
+    blocks, heads, block_size, content = cache.shape
+    if block_size > 1 and (cache.stride(3) != 1 or cache.stride(2) != content):
+        raise ValueError("kv_packing 'tile' needs each head's block contiguous: a layout with "
+                         "heads outside tokens (LBHNC, BLHNC, BHLNC)")
+    tiles = cache.as_strided((blocks, heads, 2, block_size, head_dim),
+                             (cache.stride(0), cache.stride(1), block_size * head_dim,
+                              head_dim, 1), cache.storage_offset())
+    return tiles[:, :, 0], tiles[:, :, 1]
+
+
 def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,
-             key: torch.Tensor, value: torch.Tensor) -> None:
+             key: torch.Tensor, value: torch.Tensor, packing: str = "token") -> None:
     """Store K/V ``[T, H, D]`` of positions ``[start, start + T)`` into their slots."""
-    block_size, head_dim = cache.shape[2], key.shape[-1]
+    block_size = cache.shape[2]
     positions = torch.arange(start, start + key.shape[0], device=cache.device)
     blocks = block_table[positions // block_size]
     rows = positions % block_size
+    keys, values = kv_views(cache, packing)
     # Two index tensors around a slice: the indexed result is [T, H, D], like key.
-    cache[blocks, :, rows, :head_dim] = key
-    cache[blocks, :, rows, head_dim:] = value
+    keys[blocks, :, rows] = key
+    values[blocks, :, rows] = value
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, end: int
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, end: int, packing: str = "token"
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[H, end, D]`` of positions ``[0, end)``, as canonical contiguous copies."""
-    block_size = cache.shape[2]
-    used = block_table[: -(-end // block_size)]
-    pages = cache.index_select(0, used)  # [b, H, N, C]; strides may follow the layout
+    used = block_table[: -(-end // cache.shape[2])]
+    if packing == "token":  # one gather of K and V together, split after the copy
+        packed = _gathered(cache, used, end)
+        head_dim = packed.shape[-1] // 2
+        return packed[..., :head_dim], packed[..., head_dim:]
+    keys, values = kv_views(cache, packing)
+    return _gathered(keys, used, end), _gathered(values, used, end)
+
+
+def _gathered(part: torch.Tensor, used: torch.Tensor, end: int) -> torch.Tensor:
+    """Positions ``[0, end)`` of ``part`` (``[B, H, N, X]``) as a contiguous ``[H, end, X]``."""
+    pages = part.index_select(0, used)  # [b, H, N, X]; strides may follow the layout
     heads = pages.shape[1]
-    packed = pages.permute(1, 0, 2, 3).reshape(heads, -1, pages.shape[3])[:, :end]
-    packed = packed.contiguous()  # the same memory order whatever the cache layout
-    head_dim = packed.shape[-1] // 2
-    return packed[..., :head_dim], packed[..., head_dim:]
+    flat = pages.permute(1, 0, 2, 3).reshape(heads, -1, pages.shape[3])[:, :end]
+    return flat.contiguous()  # the same memory order whatever the layout and packing
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     cache: torch.Tensor, block_table: torch.Tensor, start: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, packing: str = "token") -> torch.Tensor:
     """Causal attention of ``T`` new tokens at positions ``[start, start + T)``.
 
     ``query`` is ``[T, Hq, D]``; ``key``/``value`` are ``[T, Hkv, D]`` and are written
@@ -59,8 +87,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if cache.shape[1] != num_kv_heads or cache.shape[3] != 2 * head_dim:
         raise ValueError(f"cache view {list(cache.shape)} does not hold {num_kv_heads} heads "
                          f"of K+V with head_dim {head_dim}")
-    write_kv(cache, block_table, start, key, value)
-    keys, values = gather_kv(cache, block_table, end)
+    write_kv(cache, block_table, start, key, value, packing)
+    keys, values = gather_kv(cache, block_table, end, packing)
     group = num_q_heads // num_kv_heads
     # [T, Hq, D] -> [Hkv, group * T, D]: each KV head with the query heads it serves.
     q = query.reshape(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)

@@ -69,18 +69,27 @@ class LLMEngine:
                  seed: int = 0, tp: int = 1, layout: str | KVCacheLayout | None = None,
                  block_size: int = 16, num_blocks: int = 256,
                  dtype: torch.dtype | str = torch.float32, device: str = "cpu",
-                 tokenizer: Tokenizer | None = None, model_name: str = TINY_MODEL) -> None:
+                 tokenizer: Tokenizer | None = None, model_name: str = TINY_MODEL,
+                 kv_packing: str = "token") -> None:
         check_tp(config, tp)
         self.config, self.tp, self.model_name = config, tp, model_name
         self.dtype = parse_dtype(dtype)
         self.layout = default_layout(layout)
+        if kv_packing not in ("token", "tile"):
+            raise ValueError(f"kv_packing must be 'token' or 'tile', got {kv_packing!r}")
+        if kv_packing == "tile" and not self.layout.heads_outside_tokens:
+            raise ValueError(f"kv_packing 'tile' keeps a head's K rows before its V rows in "
+                             f"each block, which needs heads outside tokens; layout "
+                             f"{self.layout.name} has them inside (use LBHNC, BLHNC or BHLNC)")
+        self.kv_packing = kv_packing
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         if self.tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's "
                              f"vocab_size is {config.vocab_size}")
         weights = state_dict if state_dict is not None else init_weights(config, seed)
         self.model_id = fingerprint(config, weights)
-        self.model = Transformer(config, weights, tp=tp, dtype=self.dtype, device=device)
+        self.model = Transformer(config, weights, tp=tp, dtype=self.dtype, device=device,
+                                 kv_packing=kv_packing)
         self.allocator = BlockAllocator(num_blocks)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_buffers: list[torch.Tensor] = []

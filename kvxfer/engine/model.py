@@ -124,8 +124,9 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
                  tp: int = 1, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", kv_packing: str = "token") -> None:
         check_tp(config, tp)
+        self.kv_packing = kv_packing  # how K and V share a head's block (attention.py)
         try:
             check_tensor_shapes({n: (tuple(t.shape), "state_dict") for n, t in state_dict.items()},
                                 config, "the given state_dict")
@@ -234,7 +235,8 @@ class Transformer:
         for seg in segments:
             rows = slice(offset, offset + seg.num_tokens)
             out[rows] = paged_attention(q[rows], k[rows], v[rows], cache,
-                                        seg.block_tables[rank_index], seg.start, scale)
+                                        seg.block_tables[rank_index], seg.start, scale,
+                                        self.kv_packing)
             offset += seg.num_tokens
         return F.linear(out.reshape(-1, num_q * dim), weights.o_proj)
 

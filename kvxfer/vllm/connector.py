@@ -48,7 +48,7 @@ from kvxfer.protocol import CompatInfo
 from kvxfer.vllm.plan import StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.vllm.transfers import WorkerSide
+from kvxfer.vllm.transfers import StepResult, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -176,6 +176,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._settings = _settings(vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._step: StepResult | None = None  # worker: the last poll, until vLLM takes it
+        self._load_errors: set[int] = set()
         self._producing: dict[str, Request] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
@@ -227,17 +229,18 @@ class KvxferConnector(KVConnectorBase_V1):
                                                                  set[str] | None]:
         assert self._worker is not None
         result = self._worker.poll(finished_req_ids)
-        self._load_errors = result.error_blocks
-        self._stats = result
+        self._load_errors |= result.error_blocks
+        self._step = result
         return result.sending or None, result.recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = getattr(self, "_load_errors", set()), set()
+        """Blocks of loads that failed since the last call; vLLM asks right after
+        ``get_finished`` in the same step, as its contract requires."""
+        errors, self._load_errors = self._load_errors, set()
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        result = getattr(self, "_stats", None)
-        self._stats = None
+        result, self._step = self._step, None
         if result is None or not (result.reads or result.failures):
             return None
         return KvxferStats(data={
