@@ -61,15 +61,19 @@ from kvxfer.regions import RegionPlan
 #   4: RenewLease.claim (a decode claims a lease before its first READ; the prefill
 #      records the claimer and refuses every other engine) and RenewAck.reason.
 #   5: CompatInfo.kv_packing (how K and V share a head's block: per token, as the
-#      reference engine keeps them, or per head tile, as vLLM's CPU backend does).
+#      reference engine keeps them, or as vLLM's CPU attention kernels store them).
 KVXFER_PROTOCOL_VERSION: int = 5
 
-KV_PACKINGS = ("token", "tile")
-"""How K and V of one head share a block's ``[N, C]`` bytes: ``token``, every token
-row holds its K then its V (``[N, 2, D]``, the reference engine); ``tile``, all K
-rows then all V rows (``[2, N, D]``, vLLM's CPU attention backend). Whole blocks and
-head slices move the same way in both, but their bytes mean different things, so
-the two sides must agree."""
+TOKEN_PACKING = "token"
+VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
+VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
+"""How K and V of one head share a block's ``N x C`` bytes (``CompatInfo.kv_packing``).
+``token``: every token's row holds its K then its V (``[N, 2, D]``, the reference
+engine's default). ``vllm-cpu-<isa>``: as vLLM's CPU attention backend stores them
+with that instruction set; for ``vec`` (float32) K transposed (``[D, N]``: dimension
+``d`` of token ``t`` at ``d * N + t``), then V by rows (``[N, D]``). Whole blocks and
+head slices move the same way whatever the packing, but the bytes mean different
+things, so the two sides must agree."""
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
@@ -257,14 +261,17 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_size: int
     total_kv_heads: int
     num_layers: int
-    kv_packing: str = "token"  # one of KV_PACKINGS
+    kv_packing: str = TOKEN_PACKING  # see TOKEN_PACKING
     protocol_version: int = KVXFER_PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "cache_dtype"):
             _require(bool(getattr(self, name)), f"CompatInfo.{name} must not be empty")
-        _require(self.kv_packing in KV_PACKINGS, f"CompatInfo.kv_packing must be one of "
-                                                 f"{KV_PACKINGS}, got {self.kv_packing!r}")
+        _require(self.kv_packing == TOKEN_PACKING or (
+            self.kv_packing.startswith(VLLM_CPU_PACKING_PREFIX)
+            and len(self.kv_packing) > len(VLLM_CPU_PACKING_PREFIX)),
+            f"CompatInfo.kv_packing must be {TOKEN_PACKING!r} or "
+            f"'{VLLM_CPU_PACKING_PREFIX}<isa>', got {self.kv_packing!r}")
         for name in ("head_size", "total_kv_heads", "num_layers", "protocol_version"):
             value = getattr(self, name)
             _require(value > 0, f"CompatInfo.{name} must be positive, got {value}")

@@ -458,7 +458,7 @@ def test_hash_is_stable() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("model", "llama-3-70b"), ("dtype", "float16"), ("cache_dtype", "fp8_e4m3"),
-    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32), ("kv_packing", "tile"),
+    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32), ("kv_packing", "vllm-cpu-vec"),
     ("protocol_version", KVXFER_PROTOCOL_VERSION + 1),
 ])
 def test_every_field_changes_the_hash(field: str, value: object) -> None:
@@ -479,10 +479,12 @@ def test_protocol_version_defaults_to_the_current_one() -> None:
     assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 5
 
 
-def test_kv_packing_is_token_or_tile() -> None:
+@pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])
+def test_kv_packing_is_token_or_a_vllm_cpu_isa(packing: str) -> None:
     assert COMPAT.kv_packing == "token"
-    with pytest.raises(ValueError, match="kv_packing must be one of"):
-        msgspec.structs.replace(COMPAT, kv_packing="rows")
+    assert msgspec.structs.replace(COMPAT, kv_packing="vllm-cpu-amx").kv_packing == "vllm-cpu-amx"
+    with pytest.raises(ValueError, match="kv_packing must be 'token' or 'vllm-cpu-<isa>'"):
+        msgspec.structs.replace(COMPAT, kv_packing=packing)
 
 
 # -- releases: no hash check, every other check -----------------------------------------------

@@ -417,11 +417,12 @@ def listener(request: pytest.FixtureRequest) -> Iterator[HandshakeListener]:
         yield served
 
 
-@pytest.mark.parametrize(("listener", "here"), [("token", "tile"), ("tile", "token")],
+@pytest.mark.parametrize(("listener", "here"),
+                         [("token", "vllm-cpu-vec"), ("vllm-cpu-vec", "token")],
                          indirect=["listener"])
 def test_a_kv_packing_mismatch_fails_naming_the_field_and_the_peer(
         listener: HandshakeListener, here: str) -> None:
-    peer = "tile" if here == "token" else "token"
+    peer = "vllm-cpu-vec" if here == "token" else "token"
     compat = msgspec.structs.replace(COMPAT, kv_packing=here)
     with HandshakeClient("decode-b", compat) as client, \
             pytest.raises(HashMismatch) as info:

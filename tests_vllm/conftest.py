@@ -46,6 +46,6 @@ def nixl_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, Vll
 @pytest.fixture(scope="module")
 def kvxfer_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
     # kvxfer's reference engine's id of the same checkpoint, so that one of its sidecars
-    # is a compatible peer (with --kv-packing tile) or differs in kv_packing only
+    # is a compatible peer (with --kv-packing vllm-cpu-vec) or differs in kv_packing only
     with vllm_pair("kvxfer", vllm_python, log_dir, extra={"model_id": smollm2_id()}) as pair:
         yield pair

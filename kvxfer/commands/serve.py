@@ -68,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache layout: LBHNC, LBNHC, BLHNC, BLNHC, BHLNC (aliases HND, "
                              "NHD) (default $KVXFER_KV_CACHE_LAYOUT, else LBHNC)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
-    parser.add_argument("--kv-packing", choices=["token", "tile"], default="token",
+    parser.add_argument("--kv-packing", choices=["token", "vllm-cpu-vec"], default="token",
                         help="how K and V share a head's block: token (each token's K then its "
-                             "V) or tile (all K rows then all V rows, as vLLM's CPU backend "
-                             "keeps them: a vLLM decode with KvxferConnector can read such a "
-                             "prefill) (default token)")
+                             "V) or vllm-cpu-vec (K transposed, then V, as vLLM's CPU backend "
+                             "stores float32 caches: a vLLM decode with KvxferConnector can "
+                             "read such a prefill) (default token)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (256)")
     parser.add_argument("--model", default="kvxfer-tiny",
                         help="a model name from `kvxfer models` (kvxfer-tiny, the seeded "

@@ -3,17 +3,20 @@
 The cache is touched only through that view: token position ``p`` of a sequence
 lives in block ``block_table[p // N]`` at row ``p % N``. How K and V share a head's
 block is the packing (``kv_packing``): ``token`` (the default), ``C`` packs each
-token's K (``[..., :head_dim]``) then its V (``[..., head_dim:]``); ``tile``, as
-vLLM's CPU backend keeps it, a head's ``N x C`` block holds all K rows then all V
-rows (``[2, N, head_dim]``), which needs that block contiguous (heads outside
-tokens). Layouts differ only in the view's strides, and everything read from the
-cache is copied into one canonical contiguous tensor before any arithmetic, so
-every layout and packing gives bit-identical results.
+token's K (``[..., :head_dim]``) then its V (``[..., head_dim:]``); ``vllm-cpu-vec``,
+as vLLM's CPU attention kernels store float32 caches, a head's ``N x C`` block holds
+K transposed (``[head_dim, N]``) then V by rows (``[N, head_dim]``), which needs
+that block contiguous (heads outside tokens). Layouts differ only in the view's
+strides, and everything read from the cache is copied into one canonical contiguous
+tensor before any arithmetic, so every layout and packing gives bit-identical
+results.
 """
 
 from __future__ import annotations
 
 import torch
+
+PACKINGS = ("token", "vllm-cpu-vec")
 
 
 def kv_views(cache: torch.Tensor, packing: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,16 +24,17 @@ def kv_views(cache: torch.Tensor, packing: str = "token") -> tuple[torch.Tensor,
     head_dim = cache.shape[3] // 2
     if packing == "token":
         return cache[..., :head_dim], cache[..., head_dim:]
-    if packing != "tile":
-        raise ValueError(f"kv_packing must be 'token' or 'tile', got {packing!r}")
+    if packing != "vllm-cpu-vec":
+        raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
     blocks, heads, block_size, content = cache.shape
     if block_size > 1 and (cache.stride(3) != 1 or cache.stride(2) != content):
-        raise ValueError("kv_packing 'tile' needs each head's block contiguous: a layout with "
-                         "heads outside tokens (LBHNC, BLHNC, BHLNC)")
-    tiles = cache.as_strided((blocks, heads, 2, block_size, head_dim),
-                             (cache.stride(0), cache.stride(1), block_size * head_dim,
-                              head_dim, 1), cache.storage_offset())
-    return tiles[:, :, 0], tiles[:, :, 1]
+        raise ValueError("kv_packing 'vllm-cpu-vec' needs each head's block contiguous: a "
+                         "layout with heads outside tokens (LBHNC, BLHNC, BHLNC)")
+    s_b, s_h, offset = cache.stride(0), cache.stride(1), cache.storage_offset()
+    size = (blocks, heads, block_size, head_dim)
+    keys = cache.as_strided(size, (s_b, s_h, 1, block_size), offset)  # [D, N] in memory
+    values = cache.as_strided(size, (s_b, s_h, head_dim, 1), offset + block_size * head_dim)
+    return keys, values
 
 
 def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvxfer.engine.attention import PACKINGS
 from kvxfer.engine.block_allocator import BlockAllocator
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.model import Segment, Transformer, check_tp
@@ -75,11 +76,12 @@ class LLMEngine:
         self.config, self.tp, self.model_name = config, tp, model_name
         self.dtype = parse_dtype(dtype)
         self.layout = default_layout(layout)
-        if kv_packing not in ("token", "tile"):
-            raise ValueError(f"kv_packing must be 'token' or 'tile', got {kv_packing!r}")
-        if kv_packing == "tile" and not self.layout.heads_outside_tokens:
-            raise ValueError(f"kv_packing 'tile' keeps a head's K rows before its V rows in "
-                             f"each block, which needs heads outside tokens; layout "
+        if kv_packing not in PACKINGS:
+            raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got "
+                             f"{kv_packing!r}")
+        if kv_packing != "token" and not self.layout.heads_outside_tokens:
+            raise ValueError(f"kv_packing {kv_packing!r} keeps each head's K and V as tiles of "
+                             f"a block, which needs heads outside tokens; layout "
                              f"{self.layout.name} has them inside (use LBHNC, BLHNC or BHLNC)")
         self.kv_packing = kv_packing
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()

@@ -17,8 +17,9 @@ the prefill's blocks with NIXL READs while vLLM keeps stepping; the prefill
 keeps a request's blocks until its reader said "done", a release arrived, or
 the lease expired. What it supports today: one TP rank per instance, no
 pipeline parallelism, and vLLM's CPU attention backend (a layer's cache is
-``[blocks, KV heads, block size, 2 x head size]``, K rows before V rows in each
-head's tile, all layers in one allocation), one KV cache group.
+``[blocks, KV heads, block size, 2 x head size]``, all layers in one allocation;
+inside a head's block K and V are stored as the backend's instruction set wants,
+``CompatInfo.kv_packing``), one KV cache group.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvxfer.kv_key import load_kv_key
 from kvxfer.layout import CacheSpec
-from kvxfer.protocol import CompatInfo
+from kvxfer.protocol import VLLM_CPU_PACKING_PREFIX, CompatInfo
 from kvxfer.vllm.plan import StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings
@@ -196,7 +197,9 @@ class KvxferConnector(KVConnectorBase_V1):
                             cache_dtype=dtype, head_size=model.get_head_size(),
                             total_kv_heads=model.get_total_num_kv_heads(),
                             num_layers=len({v.data_ptr() for v in views.values()}),
-                            kv_packing="tile")
+                            kv_packing=_cpu_packing(model.dtype, block_size,
+                                                    model.get_head_size(),
+                                                    self._vllm_config.cache_config.cache_dtype))
         self._worker = WorkerSide(self._settings, _engine_id(self._vllm_config), compat,
                                   rank=0, tp_size=1, total_kv_heads=heads,
                                   key=_key(self._settings))
@@ -315,6 +318,15 @@ class KvxferConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]
                            ) -> KVConnectorPromMetrics | None:
         return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _cpu_packing(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """How vLLM's CPU attention kernels store K and V here: they pick an instruction set
+    (``vec``, ``vec16``, ``amx``, ...) per dtype and machine, and each stores a head's
+    block its own way (``vec``: K transposed, then V), so peers must use the same one."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return f"{VLLM_CPU_PACKING_PREFIX}{_get_attn_isa(dtype, block_size, head_size, cache_dtype)}"
 
 
 def _served_name(vllm_config: VllmConfig) -> str:
