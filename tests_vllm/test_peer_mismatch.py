@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,23 @@ from kvxfer.bench.vllm import (
     prefill,
     prompt_ids,
 )
+
+
+def failed_load_line(decode: VllmServer, prompt: str | list[int],
+                     params: dict[str, Any]) -> str:
+    """Send ``params`` to the decode: the load must fail at once (policy "fail") and be
+    counted; the decode's log line about it, which names the prefill engine."""
+    failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
+    started = time.monotonic()
+    reply = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": params})
+    assert time.monotonic() - started < 30, "the failed load hung the request"
+    assert reply.status_code != 200 or \
+        reply.json()["choices"][0]["finish_reason"] != "length", reply.text
+    assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
+    log = decode.log_path.read_text(errors="replace")
+    return next(ln for ln in reversed(log.splitlines()) if params["remote_engine_id"] in ln)
 
 
 @pytest.mark.parametrize(("model", "fields"), [
@@ -41,17 +59,7 @@ def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmSer
                                             "max_tokens": 1}))
         assert answer.status_code == 200, answer.text
         params = answer.json()["kv_transfer_params"]
-        failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
-        started = time.monotonic()
-        reply = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
-            "model": SERVED_NAME, "prompt": "The capital of France is", "max_tokens": 4,
-            "temperature": 0, "kv_transfer_params": params})
-        assert time.monotonic() - started < 30, "the failed load hung the request"
-        assert reply.status_code != 200 or \
-            reply.json()["choices"][0]["finish_reason"] != "length", reply.text
-        assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
-        log = decode.log_path.read_text(errors="replace")
-        line = next(ln for ln in reversed(log.splitlines()) if params["remote_engine_id"] in ln)
+        line = failed_load_line(decode, "The capital of France is", params)
         for name in fields:
             assert name in line, f"the decode's error does not name {name!r}: {line}"
         sidecar.wait_for("its lease released and blocks freed",
@@ -68,18 +76,7 @@ def test_prefill_of_another_block_size_fails_cleanly(
     try:
         other.start()
         prompt = prompt_ids(200, 3)
-        params = prefill(other.url, prompt)
-        failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
-        started = time.monotonic()
-        reply = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
-            "model": SERVED_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "kv_transfer_params": params})
-        assert time.monotonic() - started < 30, "the failed load hung the request"
-        assert reply.status_code != 200 or \
-            reply.json()["choices"][0]["finish_reason"] != "length", reply.text
-        assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
-        log = decode.log_path.read_text(errors="replace")
-        line = next(ln for ln in reversed(log.splitlines()) if params["remote_engine_id"] in ln)
+        line = failed_load_line(decode, prompt, prefill(other.url, prompt))
         assert "block size 128 != prefill block size 64" in line, line
         wait_idle(other)  # the decode released the lease: the prefill freed its blocks
         wait_idle(decode)
@@ -90,8 +87,8 @@ def test_prefill_of_another_block_size_fails_cleanly(
 def test_a_kvxfer_sidecar_prefill_feeds_a_vllm_decode(
         kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path) -> None:
     """One protocol across two engines: kvxfer's reference engine keeping its cache as
-    vLLM's CPU backend does (``--kv-packing vllm-cpu-vec``, 128-token blocks, float32) prefills,
-    a vLLM decode with KvxferConnector reads it, and the answer is vLLM's own."""
+    vLLM's CPU backend does (``--kv-packing vllm-cpu-vec``, 128-token blocks, float32)
+    prefills, a vLLM decode with KvxferConnector reads it, and the answer is vLLM's own."""
     alone_server, decode = kvxfer_pair
     spec = Spec(role="prefill", block_size=128, num_blocks=16,
                 extra=("--model", "smollm2-135m-instruct", "--dtype", "float32",
