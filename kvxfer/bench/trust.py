@@ -7,8 +7,13 @@ sending the decode request (streamed, with the prefill's ``kv_transfer_params``)
 to its first token. That covers the lease ticket check, the signed READ
 notification and, once per pair (a warm-up request, not counted), the signed
 handshake. Rounds alternate signed and unsigned so that drift on a busy machine
-hits both alike; the figures are medians, and the ratio is the median of the
-per-round ratios (``--control`` runs both pairs unsigned: the noise floor). Both
+hits both alike. Which pair was started first turned out to matter more than
+signing (the pair started second was up to 1.5x faster, either way round), so the
+run is a crossover: ``--phases`` phases, each with freshly started pairs, the
+signed one started first on even phases and second on odd ones. A phase's ratio
+is the median of its per-round ratios; the result is the geometric mean over the
+phases, in which an order effect cancels. The figures are medians
+(``--control`` runs both pairs unsigned: the noise floor). Both
 prefills are bound to one CPU and both decodes to another (``--no-pin``: not), so
 that CPU placement cannot favour one pair. It
 also times the pure signing
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import statistics
@@ -47,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not bind the prefills to CPU 0 and the decodes to CPU 1 "
                              "(by default both pairs get the same placement, so that it "
                              "cannot favour one)")
+    parser.add_argument("--phases", type=int, default=4,
+                        help="crossover phases, each with freshly started pairs, the signed "
+                             "one started first on even phases (default 4; even)")
     parser.add_argument("--control", action="store_true",
                         help="A/A run: the 'signed' pair gets no key either, so the ratio "
                              "shows the noise floor between two pairs on this machine")
@@ -79,6 +88,29 @@ def temporary_key_file() -> Iterator[str]:
         yield path
     finally:
         os.unlink(path)
+
+
+def _phase(args: argparse.Namespace, prompt: list[int], key_file: str,
+           first: tuple[str, str]) -> dict[str, list[float]]:
+    """One phase: start both pairs (``first[0]``'s first), warm each up, then
+    ``--repeats`` rounds alternating which pair is asked first; TTFT seconds per side."""
+    import httpx
+
+    times: dict[str, list[float]] = {"signed": [], "unsigned": []}
+    with ExitStack() as stack:
+        keys = {"signed": None if args.control else key_file, "unsigned": None}
+        pairs = {side: {role: stack.enter_context(_sidecar(role, args, keys[side]))
+                        for role in ("prefill", "decode")} for side in first}
+        client = stack.enter_context(httpx.Client(timeout=600, trust_env=False))
+        for pair in pairs.values():  # warm-up: handshake and NIXL connection
+            _ttft(client, pair, prompt)
+        for i in range(args.repeats):
+            for side in first if i % 2 == 0 else first[::-1]:
+                try:
+                    times[side].append(_ttft(client, pairs[side], prompt))
+                except BenchError as exc:
+                    raise BenchError(f"{side} pair, request {i}: {exc}") from None
+    return times
 
 
 def _ttft(client: Any, pair: dict[str, str], prompt: list[int]) -> float:
@@ -149,41 +181,35 @@ def _primitives() -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    import httpx
-
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if min(args.prompt_tokens, args.repeats) < 1:
-        print("--prompt-tokens and --repeats must be >= 1", file=sys.stderr)
+    if min(args.prompt_tokens, args.repeats) < 1 or args.phases < 2 or args.phases % 2:
+        print("--prompt-tokens and --repeats must be >= 1 and --phases even, >= 2",
+              file=sys.stderr)
         return 2
     prompt = _prompt(args.prompt_tokens)
     times: dict[str, list[float]] = {"signed": [], "unsigned": []}
+    phase_ratios: list[float] = []
     try:
-        with ExitStack() as stack:
-            key_file = stack.enter_context(temporary_key_file())
-            pairs = {side: {role: stack.enter_context(_sidecar(role, args, key))
-                            for role in ("prefill", "decode")}
-                     for side, key in (("signed", None if args.control else key_file),
-                                       ("unsigned", None))}
-            client = stack.enter_context(httpx.Client(timeout=600, trust_env=False))
-            for pair in pairs.values():  # warm-up: handshake and NIXL connection
-                _ttft(client, pair, prompt)
-            for i in range(args.repeats):
-                order = ("signed", "unsigned") if i % 2 == 0 else ("unsigned", "signed")
-                for side in order:
-                    try:
-                        times[side].append(_ttft(client, pairs[side], prompt))
-                    except BenchError as exc:
-                        raise BenchError(f"{side} pair, request {i}: {exc}") from None
+        with temporary_key_file() as key_file:
+            for phase in range(args.phases):
+                # Crossover: which pair starts first alternates (see the module docstring).
+                first = ("signed", "unsigned") if phase % 2 == 0 else ("unsigned", "signed")
+                got = _phase(args, prompt, key_file, first)
+                phase_ratios.append(statistics.median(
+                    a / b for a, b in zip(got["signed"], got["unsigned"], strict=True)))
+                for side in times:
+                    times[side] += got[side]
     except BenchError as exc:
         print(f"kvxfer bench trust: {exc}", file=sys.stderr)
         return 1
     signed, unsigned = (statistics.median(times[s]) for s in ("signed", "unsigned"))
-    ratio = statistics.median(a / b for a, b in zip(times["signed"], times["unsigned"],
-                                                    strict=True))
+    ratio = math.exp(statistics.fmean(math.log(r) for r in phase_ratios))
     result = {"config": {"model": args.model, "prompt_tokens": args.prompt_tokens,
-                         "repeats": args.repeats, "control": args.control, "pinned": args.pin},
+                         "repeats": args.repeats, "phases": args.phases, "control": args.control,
+                         "pinned": args.pin},
               "decode_ttft_ms_signed": 1000 * signed, "decode_ttft_ms_unsigned": 1000 * unsigned,
-              "ratio_signed_to_unsigned": ratio, "primitives": _primitives()}
+              "ratio_signed_to_unsigned": ratio, "phase_ratios": phase_ratios,
+              "primitives": _primitives()}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -192,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
           f"medians)")
     print(f"  decode time to first token, unsigned  {1000 * unsigned:10.2f} ms")
     print(f"  decode time to first token, signed    {1000 * signed:10.2f} ms")
-    print(f"  ratio signed / unsigned (per round)   {ratio:10.4f}  (target < 1.02)")
+    print(f"  ratio signed / unsigned (crossover)   {ratio:10.4f}  (target < 1.02)")
+    print(f"  per phase (signed pair started first on even phases): "
+          f"{', '.join(f'{r:.4f}' for r in phase_ratios)}")
     for name, value in result["primitives"].items():
         print(f"  {name:<36} {value:10.2f}")
     return 0
