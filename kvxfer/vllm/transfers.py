@@ -135,7 +135,13 @@ class WorkerSide:
         holds, self._to_hold = self._to_hold, []
         for hold in holds:
             ttl = max(hold.expires_at - time.time(), 0.001)
-            self.worker.hold(hold.lease_id, hold.block_ids, readers=None, ttl=ttl)
+            try:
+                self.worker.hold(hold.lease_id, hold.block_ids, readers=None, ttl=ttl)
+            except ValueError as exc:  # never expected; the decode's claim is then refused
+                log.error("request %s: lease %s not held: %s", hold.request_id, hold.lease_id,
+                          exc)
+                self._ended.add(hold.request_id)  # vLLM frees its blocks once it finished
+                continue
             self._lease_request[hold.lease_id] = hold.request_id
 
     def poll(self, finished_req_ids: Iterable[str]) -> StepResult:
