@@ -183,16 +183,23 @@ def test_an_altered_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
     assert same(decode(dec, prompt, victim), want)
 
 
-def test_a_replayed_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
-    prefill, dec = rig["prefill"], rig["decode"]
-    prompt = "a prompt read once and replayed"
+def read_then_lease_another(prefill: Sidecar, dec: Sidecar, prompt: str, other_prompt: str
+                            ) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """``prompt``'s lease read (and released) by ``dec``, then another lease, likely in the
+    same blocks: (the used params, the new lease's params, its reference answer)."""
     want = reference(prefill, prompt)
     params = lease(prefill, prompt)
     assert same(decode(dec, prompt, params), want)
     prefill.wait_for("the lease released", idle)
-    other_prompt = "someone else's prompt, in the blocks a replay would read"
     other_want = reference(prefill, other_prompt)
-    other = lease(prefill, other_prompt)
+    return params, lease(prefill, other_prompt), other_want
+
+
+def test_a_replayed_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
+    prefill, dec = rig["prefill"], rig["decode"]
+    prompt, other_prompt = ("a prompt read once and replayed",
+                            "someone else's prompt, in the blocks a replay would read")
+    params, other, other_want = read_then_lease_another(prefill, dec, prompt, other_prompt)
     refused(decode(dec, prompt, params), "already used")
     refused(decode(dec, prompt, params), "already used")
     still_held(prefill, other)
@@ -204,14 +211,9 @@ def test_params_replayed_to_a_second_decode_are_refused_there(rig: dict[str, Sid
     a new engine id) once the prefill freed their blocks for another lease: the prefill
     refuses the second claim, nothing is read, the other lease's answer is unchanged."""
     prefill, dec, second = rig["prefill"], rig["decode"], rig["small"]
-    prompt = "a prompt read by one decode and replayed to another"
-    want = reference(prefill, prompt)
-    params = lease(prefill, prompt)
-    assert same(decode(dec, prompt, params), want)
-    prefill.wait_for("the lease released", idle)
-    other_prompt = "someone else's prompt, in the blocks the second decode would read"
-    other_want = reference(prefill, other_prompt)
-    other = lease(prefill, other_prompt)
+    prompt, other_prompt = ("a prompt read by one decode and replayed to another",
+                            "someone else's prompt, in the blocks the second decode would read")
+    params, other, other_want = read_then_lease_another(prefill, dec, prompt, other_prompt)
     refused(decode(second, prompt, params), "refused this decode's claim")
     still_held(prefill, other)
     assert same(decode(dec, other_prompt, other), other_want)

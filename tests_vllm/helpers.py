@@ -73,8 +73,8 @@ def streamed(url: str, body: dict[str, Any], path: str = "/v1/completions") -> l
         assert answer.status_code == 200, f"{url}{path}: {answer.status_code} {answer.read()!r}"
         for line in answer.iter_lines():
             if line.startswith("data: "):
-                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-    assert events and events[-1] == "data: [DONE]"[6:], "stream did not end with [DONE]"
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    assert events and events[-1] == "[DONE]", "stream did not end with [DONE]"
     return events[:-1]
 
 

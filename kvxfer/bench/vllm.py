@@ -300,7 +300,6 @@ def adjacent(block_ids: list[Any]) -> bool:
 class Case:
     name: str
     tokens: int
-    fragmented: bool = False
 
 
 def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, salt: int,
@@ -348,7 +347,7 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
         # ~182 blocks of 128 tokens in 1 GiB: 16 fillers of 12 blocks cycle it.
         for server in (pre, dec):
             cycle_cache(server.url, 50_000, args.fillers)
-        case = Case("1500 tokens, fragmented", 1500, fragmented=True)
+        case = Case("1500 tokens, fragmented", 1500)
         results[case.name] = measure_case(pre.url, dec.url, case, args.repeats, 90_000,
                                           args.decode_tokens)
     return results
