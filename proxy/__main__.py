@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "each next chunk of a stream (default 600)")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
                         help="pause between health checks of every instance (default 5)")
+    parser.add_argument("--health-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="longest wait for one instance's GET /health (default 5)")
+    parser.add_argument("--health-failures", type=int, default=2, metavar="N",
+                        help="health checks in a row without an answer within "
+                             "--health-timeout before a healthy instance takes no more "
+                             "requests (default 2; a busy instance may answer late once); "
+                             "a refused connection or an answer other than 200 takes it "
+                             "out at once")
     parser.add_argument("--resolve-interval", type=float, default=5.0, metavar="SECONDS",
                         help="pause between resolutions of instance names: new addresses "
                              "join, vanished ones finish their requests and leave "
@@ -97,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         host=args.host, port=args.port, policy=args.policy, api_key=api_key,
         upstream_api_key=upstream_key, connect_timeout=args.connect_timeout,
         prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
-        health_interval=args.health_interval, log_level=args.log_level,
+        health_interval=args.health_interval, health_timeout=args.health_timeout,
+        health_failures=args.health_failures, log_level=args.log_level,
         access_log=args.access_log)
 
 

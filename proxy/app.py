@@ -63,7 +63,8 @@ class ProxyService:
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         async with new_client(self.config) as session:
             checker = HealthChecker(self.balancer, session, self.config.health_interval,
-                                    self.config.connect_timeout, upstream_auth(self.config))
+                                    self.config.connect_timeout, upstream_auth(self.config),
+                                    self.config.health_timeout, self.config.health_failures)
             discovery = Discovery(self.balancer, self.config, self.resolve)
             await discovery.refresh()
             await checker.check_all()

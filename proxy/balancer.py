@@ -44,6 +44,7 @@ class Instance:
     outstanding: int = 0
     last_error: str | None = None
     retired: bool = False
+    missed_checks: int = 0  # health checks in a row that got no answer in time
 
     @property
     def in_rotation(self) -> bool:
@@ -134,7 +135,9 @@ class Balancer:
         """The instance cannot be reached: no request goes to it until a health check passes."""
         instance.healthy = False
         instance.last_error = reason
+        instance.missed_checks = 0
 
     @staticmethod
     def mark_up(instance: Instance) -> None:
         instance.healthy = True
+        instance.missed_checks = 0

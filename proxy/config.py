@@ -31,7 +31,10 @@ class ProxyConfig:
     ``request_timeout``);
     ``request_timeout`` bounds a whole non-streamed decode answer, and for a
     streamed answer the wait for its headers and for each next chunk.
-    ``health_interval`` is the pause between two rounds of ``GET /health``.
+    ``health_interval`` is the pause between two rounds of ``GET /health``;
+    ``health_timeout`` bounds one check, and ``health_failures`` checks in a row
+    without an answer take a healthy instance out of the rotation
+    (:mod:`proxy.health`).
     ``prefill_names``/``decode_names`` are (DNS name, port) pairs resolved again
     every ``resolve_interval`` (:mod:`proxy.discovery`), through ``hosts_file``
     instead of DNS when given.
@@ -48,6 +51,8 @@ class ProxyConfig:
     prefill_timeout: float = 30.0
     request_timeout: float = 600.0
     health_interval: float = 5.0
+    health_timeout: float = 5.0
+    health_failures: int = 2
     log_level: str = "info"
     access_log: bool = False
     prefill_names: tuple[tuple[str, int], ...] = ()
@@ -64,10 +69,13 @@ class ProxyConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
         for name in ("connect_timeout", "prefill_timeout", "request_timeout",
-                     "health_interval", "resolve_interval"):
+                     "health_interval", "health_timeout", "resolve_interval"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
+        if not self.health_failures >= 1:
+            raise ConfigError(f"--health-failures must be at least 1, got "
+                              f"{self.health_failures!r}")
         for flag, key in (("--api-key", self.api_key),
                           ("--upstream-api-key", self.upstream_api_key)):
             if key is not None and not key.strip():

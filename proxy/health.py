@@ -3,6 +3,12 @@
 It is the only thing that marks an instance healthy again after the request
 path marked it down. A round checks all instances concurrently; the app runs
 one round before it accepts requests, so /health is truthful from the start.
+
+A check that gets no answer within the timeout is ambiguous: the instance may
+be frozen, or only busy (a vLLM instance bound to one CPU core answers /health
+late while its engine steps). A healthy instance therefore leaves the rotation
+only after ``failures`` such checks in a row; a refused connection or an answer
+other than 200 takes it out at once, since the instance said so.
 """
 
 from __future__ import annotations
@@ -15,25 +21,22 @@ import aiohttp
 
 from kvxfer.netutil import DRAINING_HEADER
 from proxy.balancer import Balancer, Instance
-from proxy.upstream import failure_name
+from proxy.upstream import READ_TIMEOUT, failure_name
 
 log = logging.getLogger(__name__)
-
-# A sidecar's /health answers at once; a slow one is as good as down.
-HEALTH_TIMEOUT_S = 5.0
-
 
 class HealthChecker:
     """Checks the balancer's instances over the app's shared client until stopped."""
 
     def __init__(self, balancer: Balancer, session: aiohttp.ClientSession, interval: float,
-                 connect_timeout: float, headers: dict[str, str] | None = None) -> None:
+                 connect_timeout: float, headers: dict[str, str] | None = None,
+                 timeout: float = 5.0, failures: int = 2) -> None:
         self.balancer = balancer
         self.headers = headers or {}  # the sidecars' API key, when they have one
         self.session = session
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S,
-                                             sock_connect=connect_timeout)
+        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self.failures = failures  # unanswered checks in a row that take a healthy one out
         self._stop = asyncio.Event()
 
     async def check(self, instance: Instance) -> None:
@@ -48,8 +51,16 @@ class HealthChecker:
                 draining = DRAINING_HEADER in response.headers
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             name = failure_name(exc)
-            self.balancer.mark_down(instance, f"health check: {name}: {exc}" if str(exc)
-                                    else f"health check: {name}")
+            reason = f"health check: {name}: {exc}" if str(exc) else f"health check: {name}"
+            if name == READ_TIMEOUT and instance.healthy:
+                instance.missed_checks += 1
+                if instance.missed_checks < self.failures:
+                    instance.last_error = (f"{reason} ({instance.missed_checks} of "
+                                           f"{self.failures} in a row take it out)")
+                    log.info("%s instance %s: %s", instance.role, instance.url,
+                             instance.last_error)
+                    return
+            self.balancer.mark_down(instance, reason)
         else:
             if status == 200:
                 self.balancer.mark_up(instance)

@@ -43,6 +43,7 @@ class StubBehaviour:
     chunk. ``delay_s`` pauses before answering. ``break_after`` drops the
     connection after that many stream chunks. ``answer``, when given, is sent
     as the body of a 200 JSON answer instead of the contract's.
+    ``health_delay_s`` pauses before ``GET /health`` answers.
     """
 
     fail_status: int | None = None
@@ -52,6 +53,7 @@ class StubBehaviour:
     break_after: int | None = None
     answer: bytes | None = None
     healthy: bool = True
+    health_delay_s: float = 0.0
     max_wait_s: float = 30.0
 
 
@@ -116,6 +118,8 @@ class _Stub:
         self.engine_id = engine_id
 
     async def health(self, request: Request) -> Response:
+        if self.behaviour.health_delay_s:
+            await asyncio.sleep(self.behaviour.health_delay_s)
         ok = self.behaviour.healthy
         return _json({"status": "ok" if ok else "not ready"}, 200 if ok else 503)
 

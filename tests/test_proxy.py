@@ -3,11 +3,13 @@ server on its own loopback port (threads of this process), driven by an HTTP cli
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aiohttp
 import httpx
 import msgspec
 import pytest
@@ -15,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from stub_upstream import RefusingPort, ServerThread, Stub, wait_until
 
 from proxy.app import create_app
+from proxy.balancer import Balancer
 from proxy.config import ProxyConfig
+from proxy.health import HealthChecker
 from proxy.stub import Call
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -249,6 +253,45 @@ def test_health_checker_revives_an_instance(stubs: dict[str, list[Stub]],
         assert len(comeback.record.calls()) == 1
     finally:
         comeback.server.stop()
+
+
+def test_a_late_health_answer_takes_an_instance_out_only_when_repeated(
+        stubs: dict[str, list[Stub]]) -> None:
+    """A busy instance that answers /health late once stays in the rotation; the
+    ``failures``-th late answer in a row, a refused connection or a 503 takes it out."""
+    slow, sick = stubs["decode"]
+    refused = RefusingPort()
+    balancer = Balancer(ProxyConfig((stubs["prefill"][0].url,),
+                                    (slow.url, sick.url, refused.url)))
+    late, unwell, gone = balancer.instances("decode")
+    seen: list[tuple[bool, bool, bool]] = []
+
+    async def rounds() -> None:
+        async with aiohttp.ClientSession() as session:
+            checker = HealthChecker(balancer, session, 60.0, 1.0, timeout=0.2, failures=3)
+            await checker.check_all()  # the two stubs answer: up
+            gone.healthy = True  # as if it had been up before its process went away
+            seen.append((late.healthy, unwell.healthy, gone.healthy))
+            slow.behaviour.health_delay_s = 1.0
+            sick.behaviour.healthy = False
+            for _ in range(3):
+                await checker.check_all()
+                seen.append((late.healthy, unwell.healthy, gone.healthy))
+            slow.behaviour.health_delay_s = 0.0
+            await checker.check(late)  # answered in time: back, and the count starts over
+            slow.behaviour.health_delay_s = 1.0
+            await checker.check(late)
+            seen.append((late.healthy, unwell.healthy, gone.healthy))
+
+    try:
+        asyncio.run(rounds())
+    finally:
+        refused.close()
+    assert seen == [(True, True, True), (True, False, False), (True, False, False),
+                    (False, False, False), (True, False, False)]
+    assert "ReadTimeout (1 of 3 in a row take it out)" in (late.last_error or "")
+    assert unwell.last_error == "health check: GET /health answered HTTP 503"
+    assert "ConnectError" in (gone.last_error or "")
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -66,6 +66,7 @@ def test_help_lists_the_flags() -> None:
      "got 3 --prefiller-hosts (a b c) for 1 --prefiller-ports (7)"),
     (["--request-timeout", "0"], "--request-timeout must be positive, got 0.0"),
     (["--prefill-timeout", "-1"], "--prefill-timeout must be positive, got -1.0"),
+    (["--health-failures", "0"], "--health-failures must be at least 1, got 0"),
     (["--upstream-api-key", " "], "--upstream-api-key is empty"),
     (["--api-key-file", "no/such/key"], "cannot read --api-key-file no/such/key"),
     (["--policy", "random"], "invalid choice: 'random'")])

@@ -55,6 +55,8 @@ def test_mismatched_host_and_port_counts_are_refused() -> None:
     ({"request_timeout": 0.0}, "--request-timeout must be positive, got 0.0"),
     ({"connect_timeout": -1.0}, "--connect-timeout must be positive, got -1.0"),
     ({"health_interval": 0}, "--health-interval must be positive, got 0"),
+    ({"health_timeout": 0.0}, "--health-timeout must be positive, got 0.0"),
+    ({"health_failures": 0}, "--health-failures must be at least 1, got 0"),
     ({"api_key": ""}, "--api-key is empty"),
     ({"decode_urls": ()}, "at least one decode instance is needed"),
     ({"prefill_urls": ("http://p", "http://p")}, "prefill instances repeat: http://p, http://p"),

@@ -44,6 +44,9 @@ def proxy_for(prefill: Served, decode: Served, log_dir: Path,
     """A real kvxfer-proxy process in front of one prefill and one decode; its URL."""
     proxy = Launched("proxy", [
         sys.executable, "-m", "proxy", "--port", "0",
+        # a vLLM instance bound to one core answers /health late while it steps (once
+        # past 5 s in CI, which took the decode out for a request)
+        "--health-timeout", "15",
         "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill.port),
         "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode.port), *extra], log_dir)
     try:
