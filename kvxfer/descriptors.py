@@ -16,6 +16,14 @@ Building a request's lists:
 The result has exactly one descriptor per maximal run that is contiguous on
 both sides, so cross-layer coalescing and runs of consecutive block ids fall
 out of the same rule. Descriptor arrays are ``N x 3`` uint64: (addr, len, device).
+
+Block sizes may differ when one divides the other. Both sides are then seen
+at the smaller block size: a chunk of the larger-block side splits into
+``ratio`` sub-chunks (tokens ``[k * small, (k + 1) * small)`` are the ``k``-th
+``chunk_len / ratio`` bytes of the chunk, since tokens are the outer dim of a
+chunk in every layout), and its ``i``-th block pairs with the other side's blocks
+``i * ratio .. i * ratio + ratio - 1``. Step 3 then adds ``k * sub_len`` to each
+address; steps 2 and 4 are unchanged, so whole-block runs still merge.
 """
 
 from __future__ import annotations
@@ -136,10 +144,12 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
     if local.num_layers != remote.num_layers:
         raise IncompatibleLayoutError(
             f"decode has {local.num_layers} layers but prefill has {remote.num_layers}")
-    if local.block_size != remote.block_size:
+    small, large = sorted((local.block_size, remote.block_size))
+    if large % small:
         raise IncompatibleLayoutError(
-            f"decode block size {local.block_size} != prefill block size {remote.block_size}; "
-            f"run both sides with the same --block-size")
+            f"decode block size {local.block_size} and prefill block size "
+            f"{remote.block_size}: one must be a multiple of the other; run the sides with "
+            f"--block-size values that divide each other (or equal ones)")
     if local.separate_kv_head_groups != remote.separate_kv_head_groups:
         raise IncompatibleLayoutError(
             "one side keeps K and V in separate head groups and the other packs them; "
@@ -156,10 +166,11 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
             f"decode layout {local.layout} and prefill layout {remote.layout} order a block's "
             f"heads and tokens differently, which byte copies cannot reorder; use "
             f"{', '.join(SPLITTABLE_LAYOUTS)} on both sides (or LBNHC/BLNHC on both)")
-    if local.chunk_len != remote.chunk_len:
+    if local.chunk_len * remote.block_size != remote.chunk_len * local.block_size:
         raise IncompatibleLayoutError(
-            f"decode chunks are {local.chunk_len} bytes but prefill chunks are "
-            f"{remote.chunk_len}: head size, dtype or block size differ")
+            f"decode chunks are {local.chunk_len // local.block_size} bytes per token but "
+            f"prefill chunks are {remote.chunk_len // remote.block_size}: head size or dtype "
+            f"differ")
 
 
 @dataclass(frozen=True)
@@ -183,23 +194,93 @@ def validate_block_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
                        local_num_blocks: int, remote_num_blocks: int
                        ) -> tuple[IntArray, IntArray]:
     """Both id lists as int64 arrays, pairs sorted by local id; ValueError names a bad id."""
+    local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
+                                 remote_num_blocks, 1, 1)
+    order = np.argsort(local, kind="stable")
+    local, remote = local[order], remote[order]
+    _no_repeats(local)
+    return local, remote
+
+
+def _checked_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
+                 remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
+                 remote_num_blocks: int, local_ratio: int, remote_ratio: int
+                 ) -> tuple[IntArray, IntArray]:
+    """Both lists as int64 arrays, each id in range and the lengths consistent with the
+    ratios (the larger-block side has ``ceil(n / ratio)`` ids for ``n`` on the other)."""
     local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
     remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    if len(local) != len(remote):
-        raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+    if local_ratio == remote_ratio:
+        if len(local) != len(remote):
+            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
+    else:
+        coarse, fine, ratio = (local, remote, local_ratio) if local_ratio > 1 else \
+            (remote, local, remote_ratio)
+        if len(coarse) != -(-len(fine) // ratio):
+            raise ValueError(
+                f"{len(local)} local block ids but {len(remote)} remote block ids; with "
+                f"blocks {ratio}x larger on the {'local' if local_ratio > 1 else 'remote'} "
+                f"side, {len(fine)} blocks need {-(-len(fine) // ratio)} there")
     for side, ids, limit in (("local", local, local_num_blocks),
                              ("remote", remote, remote_num_blocks)):
         bad = np.flatnonzero((ids < 0) | (ids >= limit))
         if len(bad):
             raise ValueError(f"{side} block id {int(ids[bad[0]])} at position {int(bad[0])} is "
                              f"outside 0..{limit - 1}")
-    order = np.argsort(local, kind="stable")
-    local, remote = local[order], remote[order]
-    repeats = np.flatnonzero(local[1:] == local[:-1])
-    if len(repeats):
-        raise ValueError(f"local block id {int(local[repeats[0]])} repeats: a block would be "
-                         f"written twice")
     return local, remote
+
+
+def _no_repeats(sorted_local: IntArray, sub: IntArray | None = None) -> None:
+    same = sorted_local[1:] == sorted_local[:-1]
+    if sub is not None:
+        same &= sub[1:] == sub[:-1]
+    repeats = np.flatnonzero(same)
+    if len(repeats):
+        raise ValueError(f"local block id {int(sorted_local[repeats[0]])} repeats: a block "
+                         f"would be written twice")
+
+
+@dataclass(frozen=True)
+class BlockPairs:
+    """One request's blocks at the smaller block size, sorted by local (id, sub-block).
+
+    Position ``p`` reads sub-block ``remote_sub[p]`` of remote block
+    ``remote_ids[p]`` into sub-block ``local_sub[p]`` of local block
+    ``local_ids[p]``; sub-blocks are 0 on the side with the smaller blocks.
+    """
+
+    local_ids: IntArray
+    local_sub: IntArray | None
+    remote_ids: IntArray
+    remote_sub: IntArray | None
+
+
+def pair_blocks(local_block_ids: Sequence[int] | npt.ArrayLike,
+                remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
+                remote_num_blocks: int, local_ratio: int = 1, remote_ratio: int = 1
+                ) -> BlockPairs:
+    """Validate both lists and pair their blocks (see :class:`BlockPairs`); ``*_ratio``
+    is each side's block size over the smaller one (1 on that side)."""
+    if local_ratio == remote_ratio == 1:
+        local, remote = validate_block_ids(local_block_ids, remote_block_ids,
+                                           local_num_blocks, remote_num_blocks)
+        return BlockPairs(local, None, remote, None)
+    local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
+                                 remote_num_blocks, local_ratio, remote_ratio)
+    coarse, ratio = (local, local_ratio) if local_ratio > 1 else (remote, remote_ratio)
+    positions = np.arange(len(remote if local_ratio > 1 else local), dtype=np.int64)
+    expanded, sub = coarse[positions // ratio], positions % ratio
+    if local_ratio > 1:
+        local_ids, local_sub, remote_ids, remote_sub = expanded, sub, remote, None
+    else:
+        local_ids, local_sub, remote_ids, remote_sub = local, None, expanded, sub
+    order = np.lexsort((local_sub, local_ids)) if local_sub is not None else \
+        np.argsort(local_ids, kind="stable")
+    local_ids, remote_ids = local_ids[order], remote_ids[order]
+    local_sub = None if local_sub is None else local_sub[order]
+    remote_sub = None if remote_sub is None else remote_sub[order]
+    _no_repeats(local_ids, local_sub)
+    return BlockPairs(local_ids, local_sub, remote_ids, remote_sub)
 
 
 def _chunk_slices(local: SideGeometry, remote: SideGeometry,
@@ -277,21 +358,26 @@ class _FusedSlice:
         return cls(lb, rb, ls, rs, lm, rm, block_outer=block_step >= max(steps.values()),
                    chunk_len=chunk_len)
 
-    def addresses(self, local_ids: IntArray, remote_ids: IntArray
+    def addresses(self, pairs: BlockPairs, sub_len: int
                   ) -> tuple[npt.NDArray[np.int64], ...]:
-        """Flattened (local, remote, local mem, remote mem, length) per chunk of the request."""
+        """Flattened (local, remote, local mem, remote mem, length) per chunk of the request;
+        a sub-block ``k`` adds ``k * sub_len`` bytes on its side."""
         cells = len(self.local_base)
+        local_ids, remote_ids = pairs.local_ids, pairs.remote_ids
+        loff = 0 if pairs.local_sub is None else pairs.local_sub * sub_len
+        roff = 0 if pairs.remote_sub is None else pairs.remote_sub * sub_len
         if self.block_outer:
-            local = (local_ids[:, None] * self.local_stride[None] + self.local_base[None]).ravel()
-            remote = (remote_ids[:, None] * self.remote_stride[None]
-                      + self.remote_base[None]).ravel()
+            local = (local_ids[:, None] * self.local_stride[None] + self.local_base[None]
+                     + np.reshape(loff, (-1, 1))).ravel()
+            remote = (remote_ids[:, None] * self.remote_stride[None] + self.remote_base[None]
+                      + np.reshape(roff, (-1, 1))).ravel()
             lmem, rmem = np.tile(self.local_mem, len(local_ids)), \
                 np.tile(self.remote_mem, len(local_ids))
         else:
-            local = (self.local_base[:, None]
-                     + local_ids[None] * self.local_stride[:, None]).ravel()
-            remote = (self.remote_base[:, None]
-                      + remote_ids[None] * self.remote_stride[:, None]).ravel()
+            local = (self.local_base[:, None] + local_ids[None] * self.local_stride[:, None]
+                     + np.reshape(loff, (1, -1))).ravel()
+            remote = (self.remote_base[:, None] + remote_ids[None] * self.remote_stride[:, None]
+                      + np.reshape(roff, (1, -1))).ravel()
             lmem, rmem = np.repeat(self.local_mem, len(local_ids)), \
                 np.repeat(self.remote_mem, len(local_ids))
         lengths = np.full(cells * len(local_ids), self.chunk_len, dtype=np.int64)
@@ -341,9 +427,30 @@ class PeerReadPlan:
     remote: SideGeometry
     slices: tuple[_FusedSlice, ...]
 
-    def build(self, local_ids: IntArray, remote_ids: IntArray) -> RankDescriptors:
-        """Descriptors for one request; ids validated, ``local_ids`` sorted ascending."""
-        parts = [piece.addresses(local_ids, remote_ids) for piece in self.slices]
+    @property
+    def local_ratio(self) -> int:
+        """Local block size over the smaller of the two (1 when local blocks are smaller)."""
+        return self.local.block_size // min(self.local.block_size, self.remote.block_size)
+
+    @property
+    def remote_ratio(self) -> int:
+        return self.remote.block_size // min(self.local.block_size, self.remote.block_size)
+
+    @property
+    def sub_len(self) -> int:
+        """Bytes of one chunk at the smaller block size."""
+        return self.local.chunk_len // self.local_ratio
+
+    def pair(self, local_block_ids: npt.ArrayLike, remote_block_ids: npt.ArrayLike,
+             remote_num_blocks: int | None = None) -> BlockPairs:
+        """Validate and pair one request's block ids for :meth:`build`."""
+        return pair_blocks(local_block_ids, remote_block_ids, self.local.num_blocks,
+                           self.remote.num_blocks if remote_num_blocks is None
+                           else remote_num_blocks, self.local_ratio, self.remote_ratio)
+
+    def build(self, pairs: BlockPairs) -> RankDescriptors:
+        """Descriptors for one request's paired blocks (:meth:`pair`)."""
+        parts = [piece.addresses(pairs, self.sub_len) for piece in self.slices]
         local, remote, lmem, rmem, lengths = parts[0] if len(parts) == 1 else \
             (np.concatenate([p[i] for p in parts]) for i in range(5))
         return _merge_runs(local, remote, lmem, rmem, lengths, self.local, self.remote,
@@ -374,7 +481,9 @@ def plan_peer_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
             grids = [local.base[:, l0:l0 + count], remote.base[:, r0:r0 + count],
                      local.block_stride[:, l0:l0 + count], remote.block_stride[:, r0:r0 + count],
                      local.mem[:, l0:l0 + count], remote.mem[:, r0:r0 + count]]
-            fused.append(_FusedSlice.arrange(*_fuse(grids, local.chunk_len)))
+            sub_len = local.chunk_len * min(local.block_size, remote.block_size) \
+                // local.block_size
+            fused.append(_FusedSlice.arrange(*_fuse(grids, sub_len)))
         out.append(PeerReadPlan(rank, local, remote, tuple(fused)))
     return out
 
@@ -385,9 +494,8 @@ def build_requests_descriptors(peers: Sequence[PeerReadPlan], local_block_ids: n
     if not peers:
         return []
     remote_blocks = min(p.remote.num_blocks for p in peers)
-    lids, rids = validate_block_ids(local_block_ids, remote_block_ids,
-                                    peers[0].local.num_blocks, remote_blocks)
-    return [peer.build(lids, rids) for peer in peers]
+    pairs = peers[0].pair(local_block_ids, remote_block_ids, remote_blocks)
+    return [peer.build(pairs) for peer in peers]
 
 
 def build_read_descriptors(local: SideGeometry, remotes: dict[int, SideGeometry],

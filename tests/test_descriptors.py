@@ -138,6 +138,8 @@ def scenarios(draw: st.DrawFn) -> dict:
         "local_layout": draw(st.sampled_from(LAYOUTS)),
         "remote_layout": draw(st.sampled_from(LAYOUTS)),
         "block_size": draw(st.sampled_from([1, 2, 4])),
+        # the other side's blocks are ratio x larger (decode larger when positive)
+        "ratio": draw(st.sampled_from([1, 1, 1, 2, 3, -2, -3])),
         "head_size": draw(st.sampled_from([1, 2, 3])),
         "pad": draw(st.sampled_from([0, 0, 4, 16])),
         "groups": draw(st.booleans()),
@@ -150,12 +152,20 @@ def scenarios(draw: st.DrawFn) -> dict:
     }
 
 
-def spec_for(s: dict, tp: int) -> CacheSpec:
+def block_sizes(s: dict) -> tuple[int, int]:
+    """(decode, prefill) block sizes of a scenario."""
+    ratio = s.get("ratio", 1)
+    bigger = s["block_size"] * abs(ratio)
+    return (bigger, s["block_size"]) if ratio > 0 else (s["block_size"], bigger)
+
+
+def spec_for(s: dict, tp: int, block_size: int | None = None) -> CacheSpec:
     kv = heads_per_rank(tp, s["total"])
-    real = CacheSpec(s["block_size"], kv, s["head_size"], s["dtype"],
+    size = s["block_size"] if block_size is None else block_size
+    real = CacheSpec(size, kv, s["head_size"], s["dtype"],
                      separate_kv_head_groups=s["groups"]).real_page_size_bytes
     padded = real + s["pad"] if s["pad"] else None
-    return CacheSpec(s["block_size"], kv, s["head_size"], s["dtype"], padded, s["groups"])
+    return CacheSpec(size, kv, s["head_size"], s["dtype"], padded, s["groups"])
 
 
 def pick_ids(kind: str, count: int, limit: int, rng: np.random.Generator) -> np.ndarray:
@@ -168,23 +178,31 @@ def pick_ids(kind: str, count: int, limit: int, rng: np.random.Generator) -> np.
     return np.sort(ids) if kind == "sorted" else ids
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_descriptors_copy_exactly_the_planned_heads(s: dict) -> None:
+    """Any layout pair, TP pair and block-size pair (one a multiple of the other): the
+    descriptors copy exactly the planned heads of every token, as few as possible."""
     rng = np.random.default_rng(s["seed"])
-    local_spec, remote_spec = spec_for(s, s["local_tp"]), spec_for(s, s["remote_tp"])
+    local_bs, remote_bs = block_sizes(s)
+    local_spec = spec_for(s, s["local_tp"], local_bs)
+    remote_spec = spec_for(s, s["remote_tp"], remote_bs)
     storage = s["separate_storage"]
     local = make_rank(local_spec, s["local_layout"], s["local_blocks"], s["layers"],
                       storage and s["local_layout"].is_layer_compact, rng)
     plan = read_plan(s["local_rank"], s["local_tp"], s["remote_tp"], s["total"])
     remotes = {piece.remote_rank: make_rank(remote_spec, s["remote_layout"], s["remote_blocks"],
                                             s["layers"], False, rng) for piece in plan}
-    count = 1 if s["ids"] == "single" else int(rng.integers(1, min(s["local_blocks"],
-                                                                   s["remote_blocks"]) + 1))
-    if s["ids"] == "all":
-        count = min(s["local_blocks"], s["remote_blocks"])
-    local_ids = pick_ids(s["ids"], count, s["local_blocks"], rng)
-    remote_ids = pick_ids(s["ids"], count, s["remote_blocks"], rng)
+    small = min(local_bs, remote_bs)
+    lr, rr = local_bs // small, remote_bs // small  # blocks per larger block: one is 1
+    # f blocks on the smaller-block side, ceil(f / ratio) on the other
+    most = min(s["local_blocks"] * lr // rr if lr >= rr else s["local_blocks"],
+               s["remote_blocks"] * rr // lr if rr >= lr else s["remote_blocks"])
+    fine = 1 if s["ids"] == "single" else most if s["ids"] == "all" else \
+        int(rng.integers(1, most + 1))
+    counts = (-(-fine // lr), -(-fine // rr))
+    local_ids = pick_ids(s["ids"], counts[0], s["local_blocks"], rng)
+    remote_ids = pick_ids(s["ids"], counts[1], s["remote_blocks"], rng)
     full = all(p.count == local_spec.num_kv_heads == remote_spec.num_kv_heads for p in plan)
     geometries = {rank: r.geometry for rank, r in remotes.items()}
     if not expect_compatible(s["local_layout"], s["remote_layout"], local_spec, remote_spec, full):
@@ -196,6 +214,9 @@ def test_descriptors_copy_exactly_the_planned_heads(s: dict) -> None:
                                     local_tp=s["local_tp"], remote_tp=s["remote_tp"])
     assert sorted(r.remote_rank for r in result) == sorted(remotes)
 
+    # position p of the smaller-block side: (local block, first token, remote block, first token)
+    spans = [(int(local_ids[p // lr]), (p % lr) * small, int(remote_ids[p // rr]),
+              (p % rr) * small) for p in range(fine)]
     expected = [raw.clone() for raw in local.buffers]
     expected_views = [v for v in make_views_like(local, expected)]
     for piece in plan:
@@ -204,11 +225,12 @@ def test_descriptors_copy_exactly_the_planned_heads(s: dict) -> None:
         for rh, lh, n in head_ranges(local_spec, remote_spec, piece.remote_head_offset,
                                      piece.local_head_offset, piece.count):
             for layer in range(s["layers"]):
-                for lb, rb in zip(local_ids.tolist(), remote_ids.tolist(), strict=True):
-                    expected_views[layer][lb, lh:lh + n] = remote.views[layer][rb, rh:rh + n]
+                for lb, lt, rb, rt in spans:
+                    expected_views[layer][lb, lh:lh + n, lt:lt + small] = \
+                        remote.views[layer][rb, rh:rh + n, rt:rt + small]
                     for h in range(n):
-                        lrows = token_rows(local, layer, lb, lh + h)
-                        rrows = token_rows(remote, layer, rb, rh + h)
+                        lrows = token_rows(local, layer, lb, lh + h)[lt:lt + small]
+                        rrows = token_rows(remote, layer, rb, rh + h)[rt:rt + small]
                         rows += [(la, ra, ln, 0) for (la, ln), (ra, _) in zip(lrows, rrows,
                                                                               strict=True)]
         descs = next(r for r in result if r.remote_rank == piece.remote_rank)
@@ -293,10 +315,11 @@ def test_bad_block_ids_are_refused_before_building(local_ids: list[int], remote_
 
 def test_layer_count_and_block_size_mismatches_are_refused() -> None:
     rank = llama_like(KVCacheLayout.LBHNC)
-    spec = CacheSpec(8, 8, 128, torch.bfloat16)
+    spec = CacheSpec(24, 8, 128, torch.bfloat16)
     other = make_rank(spec, KVCacheLayout.LBHNC, 4, 32, False, np.random.default_rng(1))
-    with pytest.raises(IncompatibleLayoutError, match="decode block size 16 != prefill block "
-                                                      "size 8"):
+    with pytest.raises(IncompatibleLayoutError, match="decode block size 16 and prefill block "
+                                                      "size 24: one must be a multiple of the "
+                                                      "other"):
         build_read_descriptors(rank.geometry, {0: other.geometry}, read_plan(0, 1, 1, 8),
                                [0], [0])
     fewer = make_rank(CacheSpec(16, 8, 128, torch.bfloat16), KVCacheLayout.LBHNC, 4, 2, False,
