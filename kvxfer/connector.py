@@ -361,6 +361,7 @@ class KVConnector:
                   "remote_engine_id": self.engine_id, "remote_host": self.advertise_host,
                   "remote_port": port, "remote_block_ids": list(claims.block_ids),
                   "remote_request_id": lease_id, "remote_num_tokens": num_prompt_tokens,
+                  "remote_block_size": self.engine.block_size,
                   "tp_size": self.engine.tp, "lease_expires_at": claims.expires_at}
         if self._key is not None:
             params[TICKET_KEY] = sign_ticket(self._key, claims)
@@ -534,8 +535,9 @@ class KVConnector:
             raise
 
     def _start_read(self, item: _Pending) -> None:
-        count = len(item.remote.remote_block_ids)
-        local = self.engine.block_ids(item.request_id)[:count]
+        # the prompt's blocks here; the prefill's block size may differ (descriptors pair them)
+        local = self.engine.block_ids(item.request_id)[:-(-len(item.prompt)
+                                                         // self.engine.block_size)]
         read = _Read(item.remote, set(range(len(self.workers))),
                      [sid for sid, _ in item.siblings], lease=item.lease)
         self._reads[item.request_id] = read

@@ -17,7 +17,8 @@ Errors are :class:`OpenAIError`; their body is ``{"error": {"message", "type",
   Streaming such a request is refused.
 * decode role, ``do_remote_prefill: true``: the prompt's KV is read from the
   prefill named in the params (``Prepared.remote``), which must describe exactly
-  this prompt (``remote_num_tokens``, one block id per ``block_size`` tokens).
+  this prompt (``remote_num_tokens``, one block id per ``remote_block_size``
+  tokens: the prefill's block size, this decode's when absent).
 * anything else: a plain request (the params are ignored).
 
 Both transfer paths take exactly one prompt. A prefill request takes ``n`` 1 (the
@@ -423,11 +424,19 @@ def _remote_params(kv: dict[str, Any], num_tokens: int, block_size: int) -> Remo
     if claimed != num_tokens:
         raise bad_request(f"kv_transfer_params.remote_num_tokens is {claimed} but this "
                           f"request's prompt has {num_tokens} tokens", "kv_transfer_params")
-    needed = -(-num_tokens // block_size)
+    remote_size = kv.get("remote_block_size", block_size)  # absent: vLLM's, or the same
+    if not _is_int(remote_size) or remote_size <= 0:
+        raise bad_request(f"kv_transfer_params.remote_block_size must be a positive integer, "
+                          f"got {remote_size!r}", "kv_transfer_params")
+    if max(remote_size, block_size) % min(remote_size, block_size):
+        raise bad_request(f"kv_transfer_params.remote_block_size is {remote_size} but this "
+                          f"decode's block size is {block_size}: one must be a multiple of "
+                          f"the other", "kv_transfer_params")
+    needed = -(-num_tokens // remote_size)
     if len(remote.remote_block_ids) != needed:
         raise bad_request(f"kv_transfer_params.remote_block_ids has "
                           f"{len(remote.remote_block_ids)} ids but a {num_tokens}-token prompt "
-                          f"fills {needed} blocks of {block_size} tokens", "kv_transfer_params")
+                          f"fills {needed} blocks of {remote_size} tokens", "kv_transfer_params")
     return remote
 
 

@@ -8,7 +8,8 @@
 #   SWEEP_LAYOUTS   layouts to sweep (default "LBHNC LBNHC BLHNC BLNHC BHLNC")
 #   SWEEP_TP_PAIRS  prefill:decode TP pairs (default "1:1 1:3 3:1 3:3" for the default
 #                   model, SmolLM2 with 3 KV heads; "1:1 1:2 2:1 2:2" for MODEL=kvxfer-tiny)
-#   MODEL, PYTHON, STARTUP_TIMEOUT, LOGPROB_TOL: passed through to run_accuracy_test.sh
+#   MODEL, PYTHON, STARTUP_TIMEOUT, LOGPROB_TOL, PREFILLER_BLOCK_SIZE, DECODER_BLOCK_SIZE:
+#                   passed through to run_accuracy_test.sh
 #
 # Layouts that keep tokens outside heads (LBNHC, BLNHC) cannot be head-split, so they
 # run only where prefill and decode TP are equal; those pairs are listed as skipped.

@@ -11,6 +11,9 @@
 #   DECODER_KV_LAYOUT       decode KV layout (default: the prefill's)
 #   PREFILLER_TP_SIZE       prefill tensor-parallel size (default 1)
 #   DECODER_TP_SIZE         decode tensor-parallel size (default 1)
+#   PREFILLER_BLOCK_SIZE    prefill KV block size in tokens (default 16)
+#   DECODER_BLOCK_SIZE      decode KV block size (default: the prefill's); one of the two
+#                           must be a multiple of the other
 #   NUM_PREFILL_INSTANCES   prefill sidecars (default 1)
 #   NUM_DECODE_INSTANCES    decode sidecars (default 1)
 #   MODEL                   a model name (smollm2-135m-instruct, the default; kvxfer-tiny,
@@ -47,6 +50,8 @@ PREFILL_LAYOUT="${KVXFER_KV_CACHE_LAYOUT:-LBHNC}"
 DECODE_LAYOUT="${DECODER_KV_LAYOUT:-$PREFILL_LAYOUT}"
 PREFILLER_TP_SIZE="${PREFILLER_TP_SIZE:-1}"
 DECODER_TP_SIZE="${DECODER_TP_SIZE:-1}"
+PREFILLER_BLOCK_SIZE="${PREFILLER_BLOCK_SIZE:-16}"
+DECODER_BLOCK_SIZE="${DECODER_BLOCK_SIZE:-$PREFILLER_BLOCK_SIZE}"
 NUM_PREFILL_INSTANCES="${NUM_PREFILL_INSTANCES:-1}"
 NUM_DECODE_INSTANCES="${NUM_DECODE_INSTANCES:-1}"
 MODEL="${MODEL:-smollm2-135m-instruct}"
@@ -150,19 +155,21 @@ decode_policy=(--kv-load-failure-policy fail)
 sidecars=()
 for i in $(seq "$NUM_PREFILL_INSTANCES"); do
   launch "prefill-$i" "${serve[@]}" --role prefill --tp "$PREFILLER_TP_SIZE" \
-    --kv-cache-layout "$PREFILL_LAYOUT" "${common[@]}"
+    --block-size "$PREFILLER_BLOCK_SIZE" --kv-cache-layout "$PREFILL_LAYOUT" "${common[@]}"
   sidecars+=("prefill-$i")
 done
 for i in $(seq "$NUM_DECODE_INSTANCES"); do
   launch "decode-$i" "${serve[@]}" --role decode --tp "$DECODER_TP_SIZE" \
-    --kv-cache-layout "$DECODE_LAYOUT" "${decode_policy[@]}" "${common[@]}"
+    --block-size "$DECODER_BLOCK_SIZE" --kv-cache-layout "$DECODE_LAYOUT" \
+    "${decode_policy[@]}" "${common[@]}"
   sidecars+=("decode-$i")
 done
 launch reference "${serve[@]}" --role both --tp 1 --kv-cache-layout LBHNC "${common[@]}"
 sidecars+=(reference)
 
-echo "accuracy: prefill ${PREFILL_LAYOUT} TP${PREFILLER_TP_SIZE} x${NUM_PREFILL_INSTANCES}," \
-     "decode ${DECODE_LAYOUT} TP${DECODER_TP_SIZE} x${NUM_DECODE_INSTANCES}, model ${MODEL}," \
+echo "accuracy: prefill ${PREFILL_LAYOUT} TP${PREFILLER_TP_SIZE} block ${PREFILLER_BLOCK_SIZE}" \
+     "x${NUM_PREFILL_INSTANCES}, decode ${DECODE_LAYOUT} TP${DECODER_TP_SIZE} block" \
+     "${DECODER_BLOCK_SIZE} x${NUM_DECODE_INSTANCES}, model ${MODEL}," \
      "KV on ${KV_BUFFER_DEVICE}"
 if ! urls="$(wait_ready "${sidecars[@]}")"; then
   echo "accuracy: instances did not come up; see the logs" >&2

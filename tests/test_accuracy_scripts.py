@@ -77,8 +77,14 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
                   "DECODER_TP_SIZE": "3"}, id="smollm2-bhlnc-tp1-to-tp3"),
     pytest.param({"MODEL": GGUF_FILE, "PREFILLER_TP_SIZE": "3",
                   "DECODER_TP_SIZE": "1"}, id="smollm2-gguf-path-tp3-to-tp1"),
+    pytest.param({"PREFILLER_BLOCK_SIZE": "16", "DECODER_BLOCK_SIZE": "32"},
+                 id="smollm2-block16-to-block32"),
     pytest.param({**TINY, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
                  id="tiny-tp1-to-tp2"),
+    pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
+                  "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
+                  "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
+                 id="tiny-block32-to-block16-tp2-to-tp1"),
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
                   "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
@@ -92,6 +98,10 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
         env = {**env, "MODEL": str(packaged.locate())}
     result = run_script([str(SCRIPT)], env, tmp_path)
     assert result.returncode == 0, result.stdout
+    blocks = (env.get("PREFILLER_BLOCK_SIZE", "16"),
+              env.get("DECODER_BLOCK_SIZE", env.get("PREFILLER_BLOCK_SIZE", "16")))
+    banner = next(line for line in result.stdout.splitlines() if line.startswith("accuracy: "))
+    assert f"block {blocks[0]} x" in banner and f"block {blocks[1]} x" in banner, banner
     prompts = json.loads((ROOT / "scripts" / "accuracy_prompts.json").read_text())
     cases = len(prompts["prompts"]) + len(prompts.get("chat", []))
     assert f"{cases}/{cases} match" in result.stdout, result.stdout

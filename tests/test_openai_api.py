@@ -90,6 +90,25 @@ def test_a_decode_request_takes_n_when_its_samples_fit_the_cache() -> None:
             "need 9 KV blocks at once, but this decode instance has 8")
 
 
+def test_a_decode_counts_the_prefills_blocks_at_the_prefills_block_size() -> None:
+    prompt = [65] * 40  # 3 blocks of 16 here; 2 of 32, or 5 of 8, on the prefill
+    for size, blocks in ((32, 2), (8, 5), (16, 3)):
+        kv = {**decode_params(40), "remote_block_size": size,
+              "remote_block_ids": list(range(blocks))}
+        prepared = completion("decode", prompt=prompt, kv_transfer_params=kv)
+        assert prepared.remote is not None and len(prepared.remote.remote_block_ids) == blocks
+    wrong = {**decode_params(40), "remote_block_size": 32}  # 3 ids: 16-token blocks
+    refused(lambda: completion("decode", prompt=prompt, kv_transfer_params=wrong),
+            "kv_transfer_params", "has 3 ids but a 40-token prompt fills 2 blocks of 32 tokens")
+    for bad, says in ((24, "remote_block_size is 24 but this decode's block size is 16: one "
+                           "must be a multiple of the other"),
+                      (0, "remote_block_size must be a positive integer, got 0"),
+                      ("32", "must be a positive integer, got '32'")):
+        kv = {**decode_params(40), "remote_block_size": bad}
+        refused(lambda kv=kv: completion("decode", prompt=prompt, kv_transfer_params=kv),
+                "kv_transfer_params", says)
+
+
 # -- echo ---------------------------------------------------------------------------------
 
 def test_echo_shows_each_prompt_as_the_client_sent_it() -> None:
