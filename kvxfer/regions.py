@@ -22,6 +22,9 @@ import torch
 
 from kvxfer.layout import B, CacheSpec, KVCacheLayout, layer_strides, parse_layout
 
+# the views of one storage: (logical layer index, name, view), in address order
+Group = list[tuple[int, str, torch.Tensor]]
+
 
 class MemoryRegion(msgspec.Struct, frozen=True):
     """One registration: ``nbytes`` bytes at ``addr`` on device ``device_id`` (0 for CPU)."""
@@ -54,7 +57,10 @@ class Region(msgspec.Struct, frozen=True):
 
 
 class RegionPlan(msgspec.Struct, frozen=True):
-    """What one TP rank registers and what a peer needs to address its blocks."""
+    """What one TP rank registers and what a peer needs to address its blocks.
+
+    ``layout`` is one name for every storage: a layout each storage's views fit.
+    """
 
     layout: str
     num_blocks: int
@@ -79,6 +85,18 @@ class RegionPlan(msgspec.Struct, frozen=True):
     @property
     def total_bytes(self) -> int:
         return sum(m.nbytes for m in self.memory)
+
+
+class MixedLayoutError(ValueError):
+    """No single layout fits every storage; ``candidates`` maps each storage's view names
+    to the layouts its views fit."""
+
+    def __init__(self, candidates: dict[tuple[str, ...], tuple[str, ...]]) -> None:
+        self.candidates = candidates
+        parts = "; ".join(f"{', '.join(repr(n) for n in names)} -> {list(fits)}"
+                          for names, fits in candidates.items())
+        super().__init__(f"no single layout fits every KV cache storage; the layouts each "
+                         f"storage's views fit: {parts}")
 
 
 def _device_id(tensor: torch.Tensor) -> int:
@@ -114,15 +132,14 @@ def _infer_layout(name: str, view: torch.Tensor, layer_step: int | None,
     return KVCacheLayout.BLHNC if heads_out else KVCacheLayout.BLNHC
 
 
-def _group_by_storage(views: list[tuple[str, torch.Tensor]]
-                      ) -> list[list[tuple[int, str, torch.Tensor]]]:
-    groups: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+def _group_by_storage(views: list[tuple[str, torch.Tensor]]) -> list[Group]:
+    groups: dict[int, Group] = {}
     for index, (name, view) in enumerate(views):
         groups.setdefault(view.untyped_storage().data_ptr(), []).append((index, name, view))
     return [sorted(g, key=lambda item: item[2].data_ptr()) for g in groups.values()]
 
 
-def _layer_step(group: list[tuple[int, str, torch.Tensor]]) -> int | None:
+def _layer_step(group: Group) -> int | None:
     if len(group) == 1:
         return None
     steps = {b[2].data_ptr() - a[2].data_ptr() for a, b in itertools.pairwise(group)}
@@ -139,7 +156,8 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
 
     ``caches`` maps layer names to ``[B, H, N, C]`` views; its first-appearance
     order of distinct views defines the logical layer index both peers use.
-    ``layout`` is inferred from the strides when omitted and checked when given.
+    ``layout`` is checked against every storage when given; when omitted, the
+    one layout that every storage's views fit is chosen (see :func:`_choose_layout`).
     """
     views = _distinct_views(caches)
     if not views:
@@ -149,27 +167,46 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
         if tuple(view.shape) != expected_shape or view.dtype != spec.dtype:
             raise ValueError(f"KV cache view {name!r} has shape {tuple(view.shape)} and dtype "
                              f"{view.dtype}; the spec needs {expected_shape} in {spec.dtype}")
-    want = parse_layout(layout) if layout is not None else None
+    groups = [(group, _layer_step(group)) for group in _group_by_storage(views)]
+    chosen = _choose_layout(groups, spec, num_blocks) if layout is None else parse_layout(layout)
     memory: list[MemoryRegion] = []
     regions: list[Region] = []
-    found: set[KVCacheLayout] = set()
-    for group in _group_by_storage(views):
-        step = _layer_step(group)
-        got = want or _infer_layout(group[0][1], group[0][2], step, spec.itemsize)
-        _check_strides(group, got, spec, num_blocks, step)
-        found.add(got)
+    for group, step in groups:
+        _check_strides(group, chosen, spec, num_blocks, step)  # names a view ``layout`` misfits
         first = group[0][2]
         storage = first.untyped_storage()
         memory.append(MemoryRegion(storage.data_ptr(), storage.nbytes(), _device_id(first),
                                    first.is_cuda))
-        regions.extend(_group_regions(group, got, spec, len(memory) - 1, step))
-    if len(found) > 1:
-        raise ValueError(f"KV cache views mix layouts {sorted(x.name for x in found)}")
-    return RegionPlan(layout=found.pop().name, num_blocks=num_blocks, num_layers=len(views),
+        regions.extend(_group_regions(group, chosen, spec, len(memory) - 1, step))
+    return RegionPlan(layout=chosen.name, num_blocks=num_blocks, num_layers=len(views),
                       block_size=spec.block_size, num_heads=spec.num_heads,
                       num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                       itemsize=spec.itemsize, separate_kv_head_groups=spec.separate_kv_head_groups,
                       memory=tuple(memory), regions=tuple(regions))
+
+
+def _choose_layout(groups: list[tuple[Group, int | None]], spec: CacheSpec,
+                   num_blocks: int) -> KVCacheLayout:
+    """The layout every storage group fits.
+
+    A group fits each layout under which its views sit exactly where that layout
+    puts its layer slots. Size-1 dims (one layer slot, one head, one-token
+    blocks, one block) make several layouts place every byte alike, so such a
+    group fits several and the unambiguous groups decide. Among the layouts all
+    groups fit, the first that some group's strides read as wins (in group
+    order), else the first in table order.
+    """
+    read = [_infer_layout(g[0][1], g[0][2], step, spec.itemsize) for g, step in groups]
+    fits = [[x for x in KVCacheLayout if _contradiction(g, x, spec, num_blocks, step) is None]
+            for g, step in groups]
+    common = [x for x in KVCacheLayout if all(x in f for f in fits)]
+    if common:
+        return next((x for x in read if x in common), common[0])
+    for (group, step), got, found in zip(groups, read, fits, strict=True):
+        if not found:
+            _check_strides(group, got, spec, num_blocks, step)
+    raise MixedLayoutError({tuple(name for _, name, _ in g): tuple(x.name for x in f)
+                            for (g, _), f in zip(groups, fits, strict=True)})
 
 
 def _strides_match(view: torch.Tensor, strides: tuple[int, ...]) -> bool:
@@ -179,22 +216,31 @@ def _strides_match(view: torch.Tensor, strides: tuple[int, ...]) -> bool:
                for size, got, want in zip(view.shape, view.stride(), strides, strict=True))
 
 
-def _check_strides(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLayout,
-                   spec: CacheSpec, num_blocks: int, step: int | None) -> None:
-    """Every view of one storage must sit exactly where ``layout`` puts a layer slot."""
+def _contradiction(group: Group, layout: KVCacheLayout, spec: CacheSpec, num_blocks: int,
+                   step: int | None) -> str | None:
+    """Why the views of one storage do not sit where ``layout`` puts its layer slots, or None."""
     strides = layer_strides(spec, num_blocks, len(group), layout)
     for _, name, view in group:
         if not _strides_match(view, strides[B:]):
-            raise ValueError(f"KV cache view {name!r} has strides {tuple(view.stride())}, "
-                             f"which contradict layout {layout.name} (expected {strides[B:]})")
+            return (f"KV cache view {name!r} has strides {tuple(view.stride())}, which "
+                    f"contradict layout {layout.name} (expected {strides[B:]})")
     if step is not None and step != strides[0] * spec.itemsize:
-        raise ValueError(f"KV cache view {group[1][1]!r} starts {step} bytes after the previous "
-                         f"layer, which contradicts layout {layout.name} (expected "
-                         f"{strides[0] * spec.itemsize})")
+        return (f"KV cache view {group[1][1]!r} starts {step} bytes after the previous layer, "
+                f"which contradicts layout {layout.name} (expected "
+                f"{strides[0] * spec.itemsize})")
+    return None
 
 
-def _group_regions(group: list[tuple[int, str, torch.Tensor]], layout: KVCacheLayout,
-                   spec: CacheSpec, mem_index: int, step: int | None) -> list[Region]:
+def _check_strides(group: Group, layout: KVCacheLayout, spec: CacheSpec, num_blocks: int,
+                   step: int | None) -> None:
+    """Every view of one storage must sit exactly where ``layout`` puts a layer slot."""
+    reason = _contradiction(group, layout, spec, num_blocks, step)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _group_regions(group: Group, layout: KVCacheLayout, spec: CacheSpec, mem_index: int,
+                   step: int | None) -> list[Region]:
     itemsize = spec.itemsize
     first = group[0][2]
     s_b, s_h = first.stride(0) * itemsize, first.stride(1) * itemsize

@@ -12,12 +12,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
+from kvxfer.descriptors import RankDescriptors, SideGeometry, build_read_descriptors
 from kvxfer.layout import CacheSpec, allocate_kv_cache, reshape_kv_cache
-from kvxfer.regions import RegionPlan, plan_regions
+from kvxfer.regions import MixedLayoutError, RegionPlan, plan_regions
+from kvxfer.topology import read_plan
 
 NAMES = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
 HEADS_OUTSIDE_TOKENS = {"LBHNC", "BLHNC", "BHLNC"}
@@ -407,3 +413,150 @@ def test_mixed_layouts_across_storages_rejected() -> None:
     with pytest.raises(ValueError) as info:
         plan_regions(caches, s.spec(), s.num_blocks, "LBHNC")
     assert re.search("'b[01]'", str(info.value)), str(info.value)
+
+
+# ---------------------------------------------------------------- ambiguous storages
+# A storage whose size-1 dims (one layer slot, one head, one-token blocks, one block)
+# let several layouts place every byte alike fits each of them; the plan takes the one
+# layout every storage fits.
+
+def allocate_groups(s: Setup, sizes: Sequence[int], layout: str | None = None,
+                    fill: np.random.Generator | None = None
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One storage of ``layout`` (default ``s.layout``) per entry of ``sizes``, holding
+    that many layer slots; raw buffers and views in layer order."""
+    raws, views = [], []
+    for n in sizes:
+        raw, slot_views = allocate_kv_cache(s.spec(), s.num_blocks, n, layout or s.layout)
+        if fill is not None:
+            raw.copy_(torch.from_numpy(fill.integers(0, 256, raw.numel(), dtype=np.uint8)))
+        raws.append(raw)
+        views.extend(slot_views)
+    return raws, views
+
+
+def named(views: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"layers.{i}": v for i, v in enumerate(views)}
+
+
+def copy_rows(dst: list[torch.Tensor], src: list[torch.Tensor], descs: RankDescriptors) -> None:
+    """Execute descriptors as memcpys between host buffers (local row <- remote row)."""
+    def at(buffers: list[torch.Tensor], addr: int, length: int) -> tuple[np.ndarray, int]:
+        for raw in buffers:
+            if raw.data_ptr() <= addr and addr + length <= raw.data_ptr() + raw.numel():
+                return raw.numpy(), addr - raw.data_ptr()
+        raise AssertionError(f"descriptor [{addr:#x}, +{length}) is outside every buffer")
+
+    for (laddr, length, _), (raddr, _, _) in zip(descs.local.tolist(), descs.remote.tolist(),
+                                                 strict=True):
+        (out, o), (inp, i) = at(dst, laddr, length), at(src, raddr, length)
+        out[o:o + length] = inp[i:i + length]
+
+
+def check_read_byte_exact(s: Setup, local_sizes: Sequence[int], remote_sizes: Sequence[int],
+                          seed: int) -> None:
+    """A TP 1 read of some blocks between caches built from these storages puts exactly
+    the remote views' bytes into the local views' blocks and touches no other byte."""
+    rng = np.random.default_rng(seed)
+    remote_raw, remote_views = allocate_groups(s, remote_sizes, fill=rng)
+    local_raw, local_views = allocate_groups(s, local_sizes, fill=rng)
+    expected = [raw.clone() for raw in local_raw]
+    expected_views = [v for raw, n in zip(expected, local_sizes, strict=True)
+                      for v in reshape_kv_cache(raw, s.spec(), s.num_blocks, n, s.layout)]
+    count = int(rng.integers(1, s.num_blocks + 1))
+    local_ids = rng.choice(s.num_blocks, count, replace=False)
+    remote_ids = rng.choice(s.num_blocks, count, replace=False)
+    for want, got in zip(expected_views, remote_views, strict=True):
+        want[torch.from_numpy(local_ids)] = got[torch.from_numpy(remote_ids)]
+    local = SideGeometry.from_plan(plan_regions(named(local_views), s.spec(), s.num_blocks))
+    remote = SideGeometry.from_plan(plan_regions(named(remote_views), s.spec(), s.num_blocks))
+    (descs,) = build_read_descriptors(local, {0: remote}, read_plan(0, 1, 1, s.num_kv_heads),
+                                      local_ids, remote_ids)
+    copy_rows(local_raw, remote_raw, descs)
+    for got, want in zip(local_raw, expected, strict=True):
+        assert torch.equal(got, want), "the read differs from a view-level reference copy"
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC", "BHLNC"])
+def test_one_layer_storage_takes_the_layout_of_the_cross_layer_rest(layout: str) -> None:
+    """The issue's case: cross-layer storages plus one holding a single layer, which alone
+    reads as L-outermost (BLHNC and LBHNC place its bytes alike)."""
+    s = Setup(layout, 5, padded=True)
+    sizes = (2, 2, 1)
+    raws, views = allocate_groups(s, sizes)
+    plan = plan_regions(named(views), s.spec(), s.num_blocks)
+    assert plan.layout == layout
+    assert plan == plan_regions(named(views), s.spec(), s.num_blocks, layout)
+    assert [(m.addr, m.nbytes) for m in plan.memory] == [
+        (raw.data_ptr(), raw.numel()) for raw in raws]
+    check_regions_cover_views(plan, views)
+    check_chunk_geometry(plan, views)
+    check_read_byte_exact(s, sizes, sizes, seed=0)
+    check_read_byte_exact(s, (1,) * 5, sizes, seed=1)  # decode with one tensor per layer
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageCase:
+    setup: Setup  # layout and dims; ``layers`` is the total
+    sizes: tuple[int, ...]  # layer slots per storage
+    local_sizes: tuple[int, ...]  # the reading side's storages, same total
+    seed: int
+
+
+@st.composite
+def storage_cases(draw: st.DrawFn) -> StorageCase:
+    sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
+    s = Setup(draw(st.sampled_from(NAMES)), sum(sizes), padded=draw(st.booleans()),
+              groups=draw(st.booleans()), num_kv_heads=draw(st.sampled_from([1, 2])),
+              block_size=draw(st.sampled_from([1, 2, 4])), head_size=draw(st.integers(1, 3)),
+              num_blocks=draw(st.integers(1, 3)))
+    local = draw(st.sampled_from([sizes, (1,) * sum(sizes)]))
+    return StorageCase(s, sizes, local, draw(st.integers(0, 2**31)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(storage_cases())
+@example(StorageCase(Setup("BLHNC", 5), (2, 2, 1), (2, 2, 1), 0))
+@example(StorageCase(Setup("BHLNC", 4, num_kv_heads=1), (3, 1), (1, 1, 1, 1), 0))
+def test_storages_of_one_layout_plan_as_one_whatever_their_size(c: StorageCase) -> None:
+    """Storages allocated in one layout, some ambiguous, plan as a layout that places every
+    storage's bytes as allocated; the allocated layout itself wherever one storage shows
+    every dim; regions and a read stay byte-exact."""
+    s = c.setup
+    raws, views = allocate_groups(s, c.sizes)
+    plan = plan_regions(named(views), s.spec(), s.num_blocks)
+    for n in c.sizes:
+        group = dataclasses.replace(s, layers=n)
+        assert same_placement(plan.layout, s.layout, group), (plan.layout, n)
+    if max(c.sizes) > 1 and min(s.heads, s.block_size, s.num_blocks) > 1:
+        assert plan.layout == s.layout
+    assert plan == plan_regions(named(views), s.spec(), s.num_blocks, plan.layout)
+    assert plan_regions(named(views), s.spec(), s.num_blocks, s.layout).layout == s.layout
+    assert len(plan.memory) == len(raws)
+    check_regions_cover_views(plan, views)
+    check_chunk_geometry(plan, views)
+    check_read_byte_exact(s, c.local_sizes, c.sizes, c.seed)
+
+
+@pytest.mark.parametrize("storages", [
+    # heads inside tokens: the one-layer storage fits no cross-layer layout of the rest
+    [("a", "BLHNC", 2, ["BLHNC"]), ("solo", "LBNHC", 1, ["LBNHC", "BLNHC"])],
+    # the one-layer storage fits either, but the two-layer storages disagree
+    [("a", "BHLNC", 2, ["BHLNC"]), ("solo", "LBHNC", 1, ["LBHNC", "BLHNC", "BHLNC"]),
+     ("b", "LBHNC", 2, ["LBHNC"])]], ids=["heads-inside-tokens", "two-layouts"])
+def test_storages_no_single_layout_fits_are_refused_naming_each(
+        storages: list[tuple[str, str, int, list[str]]]) -> None:
+    s = Setup("LBHNC", 2)
+    caches: dict[str, torch.Tensor] = {}
+    want: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for prefix, layout, n, fits in storages:
+        _, views = allocate_groups(s, (n,), layout)
+        names = tuple(f"{prefix}{i}" for i in range(n))
+        caches |= dict(zip(names, views, strict=True))
+        want[names] = tuple(fits)
+    with pytest.raises(MixedLayoutError) as info:
+        plan_regions(caches, s.spec(), s.num_blocks)
+    assert info.value.candidates == want
+    assert "no single layout fits every KV cache storage" in str(info.value)
+    for names, admitted in want.items():
+        assert f"{', '.join(map(repr, names))} -> {list(admitted)}" in str(info.value)
