@@ -34,6 +34,31 @@ def test_plan_text_output_shows_coalescing() -> None:
     assert "reads 20.0 MiB in 1 descriptors" in out.stdout
 
 
+def test_plan_explains_a_block_size_mismatch() -> None:
+    out = kvxfer("plan", "--tokens", "160", "--prefill-block-size", "16",
+                 "--decode-block-size", "32", "--block-ids", "consecutive", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["blocks"], result["decode_blocks"]) == (10, 5)
+    (rank,) = result["decode_ranks"]
+    # 10 prefill blocks x 32 layers x 8 heads of 16 tokens: a decode block's 32-token run of
+    # a head comes from two prefill blocks, in which that head's runs are not adjacent; with
+    # equal block sizes consecutive ids make one run per layer. Only the last head of one
+    # decode block and the first of the next still meet on both sides (4 joints per layer).
+    assert rank["descriptors"] == 10 * 32 * 8 - 4 * 32
+    assert rank["same_block_size_descriptors"] == 32
+    assert rank["bytes"] == 160 * 32 * 8 * 256 * 2
+    text = kvxfer("plan", "--tokens", "160", "--prefill-block-size", "16",
+                  "--decode-block-size", "32", "--block-ids", "consecutive")
+    assert "LBHNC TP1 block 16 (prefill) -> LBHNC TP1 block 32 (decode)" in text.stdout
+    assert "each decode block holds 2 blocks of the other side" in text.stdout
+    assert "with equal block sizes: 32 descriptors (76.00x as many now)" in text.stdout
+    odd = kvxfer("plan", "--decode-block-size", "24")
+    assert odd.returncode == 1
+    assert "decode block size 24 and prefill block size 16: one must be a multiple of the " \
+           "other" in odd.stderr
+
+
 def test_plan_incompatible_layout_is_a_plain_error() -> None:
     out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
                  "--decode-tp", "2")

@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode KV layout (default: the prefill layout)")
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size")
     parser.add_argument("--decode-tp", type=int, default=1, help="decode TP size")
+    parser.add_argument("--prefill-block-size", type=int, default=None, metavar="TOKENS",
+                        help="prefill tokens per block (default --block-size)")
+    parser.add_argument("--decode-block-size", type=int, default=None, metavar="TOKENS",
+                        help="decode tokens per block (default --block-size); one of the "
+                             "two block sizes must be a multiple of the other")
     parser.add_argument("--block-ids", choices=["random", "consecutive"], default="random",
                         help="how the request's blocks sit in each cache (default random)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random block ids")
@@ -35,8 +40,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="cache dtype")
 
 
-def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: int
-                   ) -> tuple[Any, Any]:
+def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: int,
+                   block_size: int | None = None) -> tuple[Any, Any]:
     """An address-only cache for one rank: ``torch.empty`` never touches its pages."""
     import torch
 
@@ -45,8 +50,8 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
     from kvxfer.regions import plan_regions
     from kvxfer.topology import heads_per_rank
 
-    spec = CacheSpec(args.block_size, heads_per_rank(tp, args.kv_heads), args.head_size,
-                     getattr(torch, args.dtype))
+    spec = CacheSpec(block_size or args.block_size, heads_per_rank(tp, args.kv_heads),
+                     args.head_size, getattr(torch, args.dtype))
     raw = torch.empty(args.layers * num_blocks * spec.page_size_bytes, dtype=torch.uint8)
     views = reshape_kv_cache(raw, spec, num_blocks, args.layers, layout)
     plan = plan_regions({f"model.layers.{i}": v for i, v in enumerate(views)}, spec, num_blocks,
@@ -55,7 +60,21 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
 
 
 def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
-    """Plan every decode rank's reads for one request; raises ValueError if incompatible."""
+    """Plan every decode rank's reads for one request; raises ValueError if incompatible.
+
+    With different block sizes, ``same_block_size_descriptors`` is what the decode
+    would post if it used the prefill's block size: the price of the mismatch."""
+    prefill_bs = args.prefill_block_size or args.block_size
+    decode_bs = args.decode_block_size or args.block_size
+    result = _plan(args, prefill_bs, decode_bs)
+    if prefill_bs != decode_bs:
+        same = _plan(args, prefill_bs, prefill_bs)
+        for rank, baseline in zip(result["decode_ranks"], same["decode_ranks"], strict=True):
+            rank["same_block_size_descriptors"] = baseline["descriptors"]
+    return result
+
+
+def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str, Any]:
     import numpy as np
 
     from kvxfer.descriptors import build_requests_descriptors, plan_peer_reads
@@ -66,29 +85,33 @@ def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
     decode_layout = parse_layout(args.decode_layout or args.prefill_layout).name
     if args.tokens <= 0:
         raise ValueError(f"--tokens must be positive, got {args.tokens}")
-    blocks = -(-args.tokens // args.block_size)
-    capacity = 2 * blocks
+    for flag, size in (("--prefill-block-size", prefill_bs), ("--decode-block-size", decode_bs)):
+        if size <= 0:
+            raise ValueError(f"{flag} must be positive, got {size}")
+    blocks = {"prefill": -(-args.tokens // prefill_bs), "decode": -(-args.tokens // decode_bs)}
     rng = np.random.default_rng(args.seed)
 
-    def ids() -> Any:
+    def ids(role: str) -> Any:
         if args.block_ids == "consecutive":
-            return np.arange(blocks)
-        return rng.choice(capacity, size=blocks, replace=False)
+            return np.arange(blocks[role])
+        return rng.choice(2 * blocks[role], size=blocks[role], replace=False)
 
     keep = []  # keep the synthetic buffers alive while their addresses are used
     prefill = {}
     for rank in range(args.prefill_tp):
-        raw, prefill[rank] = synthetic_rank(prefill_layout, args.prefill_tp, args, capacity)
+        raw, prefill[rank] = synthetic_rank(prefill_layout, args.prefill_tp, args,
+                                            2 * blocks["prefill"], prefill_bs)
         keep.append(raw)
-    remote_ids = ids()
+    remote_ids = ids("prefill")
     ranks = []
     for rank in range(args.decode_tp):
-        raw, (plan, local) = synthetic_rank(decode_layout, args.decode_tp, args, capacity)
+        raw, (plan, local) = synthetic_rank(decode_layout, args.decode_tp, args,
+                                            2 * blocks["decode"], decode_bs)
         keep.append(raw)
         slices = read_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
         peers = plan_peer_reads(local, {r: g for r, (_, g) in prefill.items()}, slices,
                                 local_tp=args.decode_tp, remote_tp=args.prefill_tp)
-        descs = build_requests_descriptors(peers, ids(), remote_ids)
+        descs = build_requests_descriptors(peers, ids("decode"), remote_ids)
         lengths = np.concatenate([d.local[:, 1] for d in descs]) if descs else np.zeros(0)
         ranks.append({
             "decode_rank": rank,
@@ -104,8 +127,9 @@ def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
         })
     return {"prefill_layout": prefill_layout, "decode_layout": decode_layout,
             "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "tokens": args.tokens,
-            "blocks": blocks, "layers": args.layers, "kv_heads": args.kv_heads,
-            "head_size": args.head_size, "block_size": args.block_size, "dtype": args.dtype,
+            "blocks": blocks["prefill"], "decode_blocks": blocks["decode"],
+            "layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
+            "block_size": prefill_bs, "decode_block_size": decode_bs, "dtype": args.dtype,
             "decode_ranks": ranks}
 
 
@@ -129,9 +153,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['prefill_layout']} TP{result['prefill_tp']} (prefill) -> "
-          f"{result['decode_layout']} TP{result['decode_tp']} (decode): {result['tokens']} "
-          f"tokens = {result['blocks']} blocks x {result['layers']} layers, {result['dtype']}")
+    mismatch = result["block_size"] != result["decode_block_size"]
+    sizes = (f" block {result['block_size']}", f" block {result['decode_block_size']}") \
+        if mismatch else ("", "")
+    print(f"{result['prefill_layout']} TP{result['prefill_tp']}{sizes[0]} (prefill) -> "
+          f"{result['decode_layout']} TP{result['decode_tp']}{sizes[1]} (decode): "
+          f"{result['tokens']} tokens = {result['blocks']} blocks x {result['layers']} layers, "
+          f"{result['dtype']}")
+    if mismatch:
+        small, large = sorted((result["block_size"], result["decode_block_size"]))
+        side = "decode" if result["decode_block_size"] > result["block_size"] else "prefill"
+        print(f"  block sizes differ: each {side} block holds {large // small} blocks of the "
+              f"other side ({result['decode_blocks']} decode blocks); runs are cut at every "
+              f"{small}-token block of both sides, no extra copy")
     for rank in result["decode_ranks"]:
         per = rank["bytes_per_descriptor"]
         sources = ", ".join(f"prefill rank {r['prefill_rank']} ({r['descriptors']} descriptors, "
@@ -140,4 +174,8 @@ def run(args: argparse.Namespace) -> int:
               f"{_human(rank['bytes'])} in {rank['descriptors']} descriptors from {sources}")
         print(f"    bytes per descriptor: min {_human(per['min'])}, median "
               f"{_human(per['median'])}, max {_human(per['max'])}")
+        if "same_block_size_descriptors" in rank:
+            same = rank["same_block_size_descriptors"]
+            print(f"    with equal block sizes: {same} descriptors "
+                  f"({rank['descriptors'] / same:.2f}x as many now)")
     return 0
