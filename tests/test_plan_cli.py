@@ -85,3 +85,18 @@ def test_bench_descriptors_prints_json_rows() -> None:
     per_layer = next(r for r in rows if r["layout"] == "LBHNC" and r["prefill_tp"] == 1
                      and r["decode_tp"] == 1)
     assert per_layer["descriptors"] == 32 * coalesced["descriptors"]  # same ids, per layer
+
+
+def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> None:
+    out = kvxfer("bench", "transfer", "--cases", "LBHNC:1:1,LBHNC:1:1:16:32,BHLNC:1:1:32:16",
+                 "--tokens", "64", "--layers", "2", "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    native, bigger, smaller = json.loads(out.stdout)["rows"]
+    assert [(r["prefill_block_size"], r["decode_block_size"]) for r in (native, bigger, smaller)
+            ] == [(16, 16), (16, 32), (32, 16)]
+    assert native["bytes"] == bigger["bytes"] == smaller["bytes"] == 64 * 2 * 8 * 256 * 2
+    # 4 prefill blocks x 2 layers x 8 heads of 16 tokens, each its own run on one side
+    assert bigger["descriptors"] == 4 * 2 * 8
+    assert "vs_native" not in native and "vs_native" not in smaller  # no BHLNC 16->16 ran
+    assert bigger["vs_native"] == round(bigger["gb_per_s"] / native["gb_per_s"], 2)
+    assert bigger["vs_large_read"] > 0

@@ -31,9 +31,16 @@ from typing import Any
 
 HELP = "time KV transfers between a prefill and a decode process for each layout and TP pair"
 
-CASES = (("LBHNC", 1, 1), ("LBNHC", 1, 1), ("BLHNC", 1, 1), ("BLNHC", 1, 1), ("BHLNC", 1, 1),
-         ("LBHNC", 1, 2), ("BLHNC", 1, 2), ("BHLNC", 1, 2),
-         ("LBHNC", 2, 1), ("BLHNC", 2, 1), ("BHLNC", 2, 1))
+# (layout, prefill TP, decode TP[, prefill block size, decode block size]); block sizes
+# default to --block-size. A block-size case is compared with its native one (same
+# layout and TP, equal block sizes) when both ran.
+Case = tuple[str, int, int] | tuple[str, int, int, int, int]
+CASES: tuple[Case, ...] = (
+    ("LBHNC", 1, 1), ("LBNHC", 1, 1), ("BLHNC", 1, 1), ("BLNHC", 1, 1), ("BHLNC", 1, 1),
+    ("LBHNC", 1, 2), ("BLHNC", 1, 2), ("BHLNC", 1, 2),
+    ("LBHNC", 2, 1), ("BLHNC", 2, 1), ("BHLNC", 2, 1),
+    ("LBHNC", 1, 1, 16, 32), ("BLHNC", 1, 1, 16, 32), ("BHLNC", 1, 1, 32, 16),
+    ("BLHNC", 1, 2, 16, 64))
 COALESCING = ("BLHNC", "BLNHC", "BHLNC")
 TCP_CASES = "LBHNC:1:1,BLHNC:1:1"  # --transport tcp without --cases: bounded (TCP is slow)
 
@@ -48,8 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode copy threads per instance, shared by its TP ranks (default "
                              "2, as kvxfer serve; 1 for a single posting thread)")
     parser.add_argument("--cases", default=None,
-                        help=f"comma-separated LAYOUT:PTP:DTP entries, e.g. BLHNC:1:2 (default "
-                             f"all; with --transport tcp {TCP_CASES})")
+                        help=f"comma-separated LAYOUT:PTP:DTP[:PBS:DBS] entries, e.g. "
+                             f"BLHNC:1:2 or LBHNC:1:1:16:32 (prefill and decode block sizes; "
+                             f"default --block-size) (default all; with --transport tcp "
+                             f"{TCP_CASES})")
     parser.add_argument("--transport", choices=["default", "tcp"], default="default",
                         help="default: UCX's own choice (cma on one host); tcp: also every "
                              "case with UCX_TLS=tcp, the ratio printed beside (default "
@@ -63,17 +72,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-host", default="127.0.0.1", help=argparse.SUPPRESS)
 
 
-def _parse_cases(text: str) -> list[tuple[str, int, int]]:
-    if text == "all":
-        return list(CASES)
+def _parse_cases(text: str, block_size: int) -> list[tuple[str, int, int, int, int]]:
+    """Every case with its two block sizes filled in."""
+    entries: list[Case] = list(CASES) if text == "all" else []
+    if text != "all":
+        for item in text.split(","):
+            fields = item.split(":")
+            try:
+                if len(fields) not in (3, 5):
+                    raise ValueError(item)
+                numbers = tuple(int(x) for x in fields[1:])
+            except ValueError:
+                raise SystemExit(f"--cases: {item!r} is not LAYOUT:PREFILL_TP:DECODE_TP or "
+                                 f"LAYOUT:PREFILL_TP:DECODE_TP:PREFILL_BLOCK:DECODE_BLOCK"
+                                 ) from None
+            entries.append((fields[0].upper(), *numbers))  # type: ignore[arg-type]
     out = []
-    for item in text.split(","):
-        try:
-            layout, p, d = item.split(":")
-            out.append((layout.upper(), int(p), int(d)))
-        except ValueError:
-            raise SystemExit(f"--cases: {item!r} is not LAYOUT:PREFILL_TP:DECODE_TP") from None
+    for case in entries:
+        layout, p, d = case[:3]
+        pbs, dbs = case[3:] if len(case) == 5 else (block_size, block_size)
+        out.append((layout, p, d, pbs, dbs))
     return out
+
+
+def _case_name(case: tuple[str, int, int, int, int]) -> str:
+    layout, p, d, pbs, dbs = case
+    return f"{layout}:{p}:{d}:{pbs}:{dbs}"
 
 
 def _memcpy_seconds(nbytes: int, repeats: int) -> float:
@@ -122,28 +146,30 @@ def _large_read_seconds(host: str, port: int, cfg: Any, nbytes: int, repeats: in
     return statistics.median(times[1:]) * nbytes / size
 
 
-def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
+def _case(prefill: Any, case: tuple[str, int, int, int, int],
           args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from kvxfer.loopback import CacheConfig, LoopbackInstance
 
-    blocks = -(-args.tokens // args.block_size)
-    capacity = blocks + blocks // 4 + 1
+    layout, prefill_tp, decode_tp, prefill_bs, decode_bs = case
+    pblocks, dblocks = -(-args.tokens // prefill_bs), -(-args.tokens // decode_bs)
+    pcap, dcap = pblocks + pblocks // 4 + 1, dblocks + dblocks // 4 + 1
     base = CacheConfig(layout=layout, total_kv_heads=args.kv_heads, num_layers=args.layers,
-                       block_size=args.block_size, head_size=args.head_size,
-                       num_blocks=capacity, dtype=args.dtype)
+                       block_size=prefill_bs, head_size=args.head_size,
+                       num_blocks=pcap, dtype=args.dtype)
     pcfg = CacheConfig(**{**base.__dict__, "tp": prefill_tp})
-    dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp, "read_lanes": args.read_lanes})
+    dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp, "read_lanes": args.read_lanes,
+                          "block_size": decode_bs, "num_blocks": dcap})
     remote = prefill.create(pcfg, fill="none")
     decode = LoopbackInstance.create("decode", dcfg, fill="none")
     rng = np.random.default_rng(0)
     walls, ranks_stats = [], []
     try:
         for i in range(args.repeats + 1):  # the first request is the warm-up
-            rid = f"bench-{layout}-{prefill_tp}-{decode_tp}-{i}"
-            rids = rng.choice(capacity, blocks, replace=False).tolist()
-            lids = rng.choice(capacity, blocks, replace=False).tolist()
+            rid = f"bench-{_case_name(case)}-{i}"
+            rids = rng.choice(pcap, pblocks, replace=False).tolist()
+            lids = rng.choice(dcap, dblocks, replace=False).tolist()
             prefill.hold(remote["engine_id"], rid, rids, ttl=60)
             params = {"remote_engine_id": remote["engine_id"], "remote_host": prefill.host,
                       "remote_port": remote["port"], "remote_block_ids": rids,
@@ -153,7 +179,8 @@ def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
             stats, failed = decode.wait([rid], timeout=60)
             wall = time.perf_counter() - start
             if failed:
-                raise RuntimeError(f"{layout} TP {prefill_tp}->{decode_tp}: {failed[rid]}")
+                raise RuntimeError(f"{layout} TP {prefill_tp}->{decode_tp}, blocks "
+                                   f"{prefill_bs}->{decode_bs}: {failed[rid]}")
             prefill.wait_released(remote["engine_id"], {rid})
             if i:
                 walls.append(wall)
@@ -170,7 +197,8 @@ def _case(prefill: Any, layout: str, prefill_tp: int, decode_tp: int,
     gbps = nbytes / median / 1e9
     target = 0.9 if layout in COALESCING else 0.75
     return {"layout": layout, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
-            "bytes": nbytes, "descriptors": descriptors, "ms_median": round(median * 1e3, 2),
+            "prefill_block_size": prefill_bs, "decode_block_size": decode_bs, "bytes": nbytes,
+            "descriptors": descriptors, "ms_median": round(median * 1e3, 2),
             "ms_p90": round(p90 * 1e3, 2), "gb_per_s": round(gbps, 2),
             "large_read_gb_per_s": round(nbytes / read_s / 1e9, 2),
             "memcpy_gb_per_s": round(nbytes / copy_s / 1e9, 2),
@@ -196,7 +224,19 @@ def _ucx_tls(value: str | None) -> Iterator[None]:
             os.environ["UCX_TLS"] = before
 
 
-def _rows(cases: list[tuple[str, int, int]], args: argparse.Namespace,
+def _vs_native(rows: list[dict[str, Any]]) -> None:
+    """A block-size row's speed over its native row's (same layout and TP, equal block
+    sizes at the smaller of its two), when the run has both."""
+    native = {(r["layout"], r["prefill_tp"], r["decode_tp"], r["prefill_block_size"]): r
+              for r in rows if r["prefill_block_size"] == r["decode_block_size"]}
+    for r in rows:
+        small = min(r["prefill_block_size"], r["decode_block_size"])
+        base = native.get((r["layout"], r["prefill_tp"], r["decode_tp"], small))
+        if base is not None and r is not base:
+            r["vs_native"] = round(r["gb_per_s"] / base["gb_per_s"], 2)
+
+
+def _rows(cases: list[tuple[str, int, int, int, int]], args: argparse.Namespace,
           ucx_tls: str | None) -> list[dict[str, Any]]:
     from kvxfer.loopback import PrefillProcess
 
@@ -204,14 +244,16 @@ def _rows(cases: list[tuple[str, int, int]], args: argparse.Namespace,
         prefill = PrefillProcess() if args.prefill_netns is None else PrefillProcess(
             args.prefill_netns, args.prefill_host, ucx_devices=_netns().DEVICE)
         try:
-            return [_case(prefill, layout, p, d, args) for layout, p, d in cases]
+            rows = [_case(prefill, case, args) for case in cases]
+            _vs_native(rows)
+            return rows
         finally:
             prefill.close()
 
 
 def run(args: argparse.Namespace) -> int:
     tcp = args.transport == "tcp"
-    cases = _parse_cases(args.cases or (TCP_CASES if tcp else "all"))
+    cases = _parse_cases(args.cases or (TCP_CASES if tcp else "all"), args.block_size)
     if args.read_lanes < 1:
         raise SystemExit(f"--read-lanes must be at least 1, got {args.read_lanes}")
     rows = _rows(cases, args, None)
@@ -229,14 +271,17 @@ def run(args: argparse.Namespace) -> int:
           f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
           f"{args.repeats}, {args.read_lanes} read lane(s) per decode instance; ceilings measured "
           f"right after each case for the same bytes")
-    print(f"{'layout':7} {'P->D':5} {'MiB':>5} {'descs':>6} {'ms':>7} {'p90':>7} {'GB/s':>6} "
-          f"{'READ':>6} {'copy':>6} {'xREAD':>6} target")
+    print(f"{'layout':7} {'P->D':5} {'blocks':7} {'MiB':>5} {'descs':>6} {'ms':>7} {'p90':>7} "
+          f"{'GB/s':>6} {'READ':>6} {'copy':>6} {'xREAD':>6} target  xnative")
     for r in rows:
-        print(f"{r['layout']:7} {r['prefill_tp']}->{r['decode_tp']:<2} "
+        blocks = f"{r['prefill_block_size']}->{r['decode_block_size']}"
+        native = f"{r['vs_native']:>7}" if "vs_native" in r else f"{'':>7}"
+        print(f"{r['layout']:7} {r['prefill_tp']}->{r['decode_tp']:<2} {blocks:7} "
               f"{r['bytes'] / 2**20:>5.0f} {r['descriptors']:>6} {r['ms_median']:>7} "
               f"{r['ms_p90']:>7} {r['gb_per_s']:>6} {r['large_read_gb_per_s']:>6} "
               f"{r['memcpy_gb_per_s']:>6} {r['vs_large_read']:>6} "
-              f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS'}")
+              f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS':4} "
+              f"{native}")
     return 0
 
 
@@ -246,11 +291,11 @@ def _netns() -> Any:
     return netns
 
 
-def _rows_across(cases: list[tuple[str, int, int]], args: argparse.Namespace
+def _rows_across(cases: list[tuple[str, int, int, int, int]], args: argparse.Namespace
                  ) -> list[dict[str, Any]]:
     """The cases over UCX_TLS=tcp with prefill and decode in two namespaces."""
     netns = _netns()
-    entries = ",".join(f"{layout}:{p}:{d}" for layout, p, d in cases)
+    entries = ",".join(_case_name(case) for case in cases)
     with netns.VethPair() as pair:
         argv = ["ip", "netns", "exec", pair.decode, sys.executable, "-m", "kvxfer.cli",
                 "bench", "transfer", "--json", "--cases", entries, "--tokens",
