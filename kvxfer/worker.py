@@ -114,6 +114,8 @@ class RemoteParams:
     remote_num_tokens: int | None = None
     lease_expires_at: float | None = None
     lease_ticket: str | None = None
+    # The prefill's block size; absent (vLLM's params): the decode's own.
+    remote_block_size: int | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteParams:
@@ -159,9 +161,14 @@ class RemoteParams:
         ticket = params.get(TICKET_KEY)
         if ticket is not None and not isinstance(ticket, str):
             raise ValueError(f"kv_transfer_params.{TICKET_KEY} must be str, got {ticket!r}")
+        block_size = params.get("remote_block_size")
+        if block_size is not None and (not isinstance(block_size, int)
+                                       or isinstance(block_size, bool) or block_size <= 0):
+            raise ValueError(f"kv_transfer_params.remote_block_size must be a positive "
+                             f"integer, got {block_size!r}")
         return cls(params["remote_engine_id"], params["remote_host"], port, tuple(ids),
                    params["remote_request_id"], tp, tokens,
-                   None if expires is None else float(expires), ticket)
+                   None if expires is None else float(expires), ticket, block_size)
 
     def claims(self) -> LeaseClaims:
         """What the lease ticket must bind; ValueError when the params lack an expiry."""
@@ -540,6 +547,15 @@ class TransferWorker:
             if peer.tp_size != job.remote.tp_size:
                 raise TransferError(f"engine reports TP {peer.tp_size} but kv_transfer_params "
                                     f"say tp_size={job.remote.tp_size}")
+            # the ids were counted at this size: a cache of another one would be misread
+            for plan in peer.plans[:1]:
+                said, cache = job.remote.remote_block_size, plan.remote.block_size
+                if (said or plan.local.block_size) != cache:
+                    raise TransferError(
+                        f"its cache has {cache}-token blocks but kv_transfer_params "
+                        + (f"say remote_block_size={said}" if said else
+                           f"do not say remote_block_size, so the ids were counted at this "
+                           f"decode's {plan.local.block_size}"))
             descs = build_requests_descriptors(peer.plans, job.local_block_ids,
                                                job.remote.remote_block_ids)
         except (TransferError, ValueError) as exc:

@@ -215,6 +215,67 @@ def test_out_of_range_remote_block_ids_fail_that_request_only(prefill: PrefillPr
         {"bad": "done", "fine": "done"}
 
 
+def tokens_of(view: torch.Tensor, ids: list[int], count: int) -> torch.Tensor:
+    """``[H, count, C]``: the first ``count`` tokens that blocks ``ids`` hold, in order."""
+    blocks = view[ids].float()  # [len(ids), H, N, C]
+    return blocks.permute(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[3])[:, :count]
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_bs", "decode_bs", "tp"), [
+    ("LBHNC", "BLHNC", 16, 32, (1, 1)), ("BHLNC", "LBHNC", 32, 8, (1, 2)),
+    ("LBNHC", "LBNHC", 8, 32, (1, 1))])
+def test_different_block_sizes_move_every_token_to_its_place(
+        prefill: PrefillProcess, prefill_layout: str, decode_layout: str, prefill_bs: int,
+        decode_bs: int, tp: tuple[int, int]) -> None:
+    tokens = 77  # a last block partly filled on both sides
+    pcfg = CacheConfig(layout=prefill_layout, block_size=prefill_bs, num_blocks=24, tp=tp[0])
+    dcfg = CacheConfig(layout=decode_layout, block_size=decode_bs, num_blocks=24, tp=tp[1])
+    remote = prefill.create(pcfg)
+    decode = decode_instance(dcfg)
+    try:
+        rng = np.random.default_rng(prefill_bs * decode_bs)
+        remote_ids = pick(rng, "random", -(-tokens // prefill_bs), 24)
+        local_ids = pick(rng, "random", -(-tokens // decode_bs), 24)
+        prefill.hold(remote["engine_id"], "mixed", remote_ids, ttl=30)
+        decode.read("mixed", params_for(remote, "mixed", remote_ids, tp_size=tp[0],
+                                        remote_block_size=prefill_bs), local_ids)
+        _, failed = decode.wait(["mixed"])
+        assert failed == {}
+        seen = replace(pcfg, tp=dcfg.tp)
+        for rank, caches in enumerate(decode.caches):
+            for layer, view in enumerate(caches.values()):
+                want = tokens_of(pattern(seen, rank, layer), remote_ids, tokens)
+                assert torch.equal(tokens_of(view, local_ids, tokens), want), (rank, layer)
+                others = sorted(set(range(24)) - set(local_ids))
+                assert (view[others] == -1).all(), "blocks outside the request changed"
+        assert prefill.wait_released(remote["engine_id"], {"mixed"}) == {"mixed": "done"}
+    finally:
+        decode.close()
+
+
+def test_params_that_miscount_the_prefills_block_size_read_nothing(
+        prefill: PrefillProcess) -> None:
+    """Ids counted at a block size the prefill's cache does not have would be misread."""
+    pcfg = CacheConfig(layout="LBHNC", block_size=16, num_blocks=8)
+    remote = prefill.create(pcfg)
+    decode = decode_instance(CacheConfig(layout="LBHNC", block_size=32, num_blocks=8))
+    try:
+        for rid, over in (("unsaid", {}), ("wrong", {"remote_block_size": 32})):
+            prefill.hold(remote["engine_id"], rid, [0], ttl=30)
+            decode.read(rid, params_for(remote, rid, [0], **over), [0])
+        _, failed = decode.wait(["unsaid", "wrong"])
+        assert "its cache has 16-token blocks but kv_transfer_params do not say " \
+               "remote_block_size, so the ids were counted at this decode's 32" in failed["unsaid"]
+        assert "its cache has 16-token blocks but kv_transfer_params say " \
+               "remote_block_size=32" in failed["wrong"]
+        for view in decode.caches[0].values():
+            assert (view == -1).all(), "a refused read must not write anything"
+        assert prefill.wait_released(remote["engine_id"], {"unsaid", "wrong"}) == \
+            {"unsaid": "done", "wrong": "done"}
+    finally:
+        decode.close()
+
+
 def check_blocks_subset(decode: LoopbackInstance, cfg: CacheConfig, local: list[int],
                         remote: list[int]) -> None:
     for layer, view in enumerate(decode.caches[0].values()):

@@ -257,8 +257,8 @@ def test_prefill_finished_hands_out_the_lease(extra: dict[str, Any], port: int |
     assert handed == {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": ENGINE,
         "remote_host": host, "remote_port": remote_port, "remote_block_ids": [7, 3, 9],
-        "remote_request_id": hold.lease_id, "remote_num_tokens": 40, "tp_size": 2,
-        "lease_expires_at": NOW + TTL}
+        "remote_request_id": hold.lease_id, "remote_num_tokens": 40,
+        "remote_block_size": 16, "tp_size": 2, "lease_expires_at": NOW + TTL}
     # The proxy accepts it and forwards it unchanged: both ends of the contract agree.
     assert parse_prefill_answer(answer(handed), URL) == handed
     assert not side.build_plan({}, blocks_of({}), now=NOW)  # nothing dropped

@@ -160,6 +160,7 @@ class SchedulerSide:
             "remote_engine_id": self.engine_id, "remote_host": claims.host,
             "remote_port": claims.port, "remote_block_ids": list(hold.block_ids),
             "remote_request_id": hold.lease_id, "remote_num_tokens": tokens,
+            "remote_block_size": self.block_size,
             "tp_size": self.tp_size, "lease_expires_at": hold.expires_at}
         if self._key is not None:
             params[TICKET_KEY] = sign_ticket(self._key, claims)

@@ -95,6 +95,7 @@ class WorkerSide:
         self._ended: set[str] = set()     # requests whose lease ended, vLLM not yet told
         self._finished: set[str] = set()  # requests vLLM finished whose lease still runs
         self._result = StepResult()
+        self.block_size = 0  # set by register
 
     @property
     def port(self) -> int:
@@ -105,6 +106,7 @@ class WorkerSide:
                  num_blocks: int) -> None:
         """Plan and register the rank's KV cache, then serve it to peers."""
         self.worker.register_kv_caches(caches, spec, num_blocks)
+        self.block_size = spec.block_size
         self.listener = HandshakeListener(
             self.settings.side_channel_host, self.settings.side_channel_port,
             engine_id=self.engine_id, compat=self.compat,
@@ -167,6 +169,13 @@ class WorkerSide:
             return
         if not load.local_block_ids:  # nothing to read: the prefill may free it now
             self._release(full, "the decode did not need it (prefix cache hit or aborted)")
+            return
+        if full.remote_block_size not in (None, self.block_size):
+            self._fail(load, f"prefill {full.remote_engine_id} at {full.address} keeps "
+                             f"{full.remote_block_size}-token blocks, this decode "
+                             f"{self.block_size}: KvxferConnector reads only equal block "
+                             f"sizes; run both with the same --block-size")
+            self._release(full, "the decode cannot read another block size")
             return
         try:
             lease = self.book.claim(full.claims(), full.lease_ticket)
