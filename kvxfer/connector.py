@@ -600,6 +600,8 @@ class KVConnector:
         if not read.failures:
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_seconds.observe(max(s.seconds for s in read.stats))
+            self.metrics.transfer_size.observe(sum(s.num_bytes for s in read.stats))
+            self.metrics.transfer_size_descriptors.observe(sum(s.descriptors for s in read.stats))
             self.engine.finish_kv_load(request_id, ok=True)
             if read.siblings:
                 self.engine.start_siblings(request_id, read.siblings)
@@ -761,8 +763,20 @@ class KVConnector:
         self._drop_unclaimed(events)
         self._admit(events)
         self._renew_waiting()
+        self._count_worker_events()
         self.metrics.leases_held.set(len(self._leases))
         return events
+
+    def _count_worker_events(self) -> None:
+        """Add what the workers counted since the last poll to the metrics."""
+        m = self.metrics
+        for worker in self.workers:
+            counts = worker.take_counts()
+            for metric, counted in ((m.handshake_failures, counts.handshake_failures),
+                                    (m.notifications_failed, counts.notifications_failed),
+                                    (m.notifications_late, counts.notifications_late)):
+                for reason, count in counted.items():
+                    metric.labels(reason).inc(count)
 
 
 def _lease_end_reason(reasons: set[str]) -> str:

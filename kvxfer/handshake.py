@@ -61,6 +61,7 @@ from kvxfer.protocol import (
     RenewAck,
     RenewLease,
     ReplayGuard,
+    VersionMismatch,
     check_response,
     compat_hash,
     decode_envelope,
@@ -68,8 +69,8 @@ from kvxfer.protocol import (
     encode_message,
 )
 
-__all__ = ["HandshakeClient", "HandshakeError", "HandshakeListener", "HandshakeTimeout",
-           "PeerRefused", "ReleaseSender"]
+__all__ = ["FAILURE_REASONS", "HandshakeClient", "HandshakeError", "HandshakeListener",
+           "HandshakeTimeout", "PeerRefused", "ReleaseSender", "failure_reason"]
 
 log = logging.getLogger(__name__)
 _Ack = TypeVar("_Ack", ReleaseAck, RenewAck)
@@ -104,6 +105,33 @@ class PeerRefused(HandshakeError):
                          f"{reply.message}", peer=peer, found=reply.code)
         self.code = reply.code
         self.reason = reply.message
+
+
+FAILURE_REASONS = ("timeout", "unreachable", "refused", "mismatch", "auth", "malformed",
+                   "error")
+"""What :func:`failure_reason` answers (the ``reason`` label of failed handshakes)."""
+
+_MISMATCH_CODES = (ErrorCode.HASH_MISMATCH, ErrorCode.VERSION_MISMATCH)
+
+
+def failure_reason(exc: HandshakeError) -> str:
+    """Why talking to a peer failed, in one word of :data:`FAILURE_REASONS`: no answer
+    (timeout), nothing listening (unreachable), another model or protocol on either side
+    (mismatch), a key that differs (auth), bytes that broke the protocol (malformed), an
+    error reply for anything else (refused), or a local error sending (error)."""
+    if isinstance(exc, HandshakeTimeout):
+        return "timeout"
+    if isinstance(exc, PeerUnreachable):
+        return "unreachable"
+    if isinstance(exc, PeerRefused):
+        if exc.code in _MISMATCH_CODES:
+            return "mismatch"
+        return "auth" if exc.code is ErrorCode.BAD_SIGNATURE else "refused"
+    if isinstance(exc, HashMismatch | VersionMismatch):
+        return "mismatch"
+    if isinstance(exc, BadSignature):
+        return "auth"
+    return "malformed" if isinstance(exc, ProtocolError) else "error"
 
 
 def endpoint(host: str, port: int) -> str:

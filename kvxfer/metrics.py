@@ -3,7 +3,9 @@
 Who writes what: the HTTP middleware counts requests by route and status; the
 engine loop counts tokens and publishes KV block and lease gauges after every
 iteration; the connector records transfers, failures, recomputes and lease
-releases. ``GET /metrics`` renders :meth:`SidecarMetrics.render`.
+releases, and what its workers counted (failed handshakes, failed and late "done"
+notifications: ``TransferWorker.take_counts``). ``GET /metrics`` renders
+:meth:`SidecarMetrics.render`.
 
 Units: bytes for sizes, seconds for durations, tokens and blocks as counts.
 """
@@ -13,12 +15,26 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE", "SidecarMetrics"]
+__all__ = ["CONTENT_TYPE", "HANDSHAKE_FAILURE_REASONS", "SidecarMetrics"]
 
 # A tiny-model KV read takes ~0.1-10 ms on one host; large models over a network
 # take up to seconds.
 TRANSFER_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                       1.0, 2.5, 5.0, 10.0, 30.0)
+# One request's read: a few KiB (a tiny model's short prompt) to GiB (long prompts of
+# large models); descriptors from 1 (one cross-layer run) to ~10^5 (per layer and head).
+TRANSFER_BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 17))  # 1 KiB .. 4 GiB
+TRANSFER_DESCRIPTORS_BUCKETS = tuple(float(4**k) for k in range(10))  # 1 .. 262144
+
+# The label values of each counter, exported from the start (at 0) so that rates and
+# alerts see them before the first event.
+LEASE_END_REASONS = ("done", "abandoned", "expired")
+TRANSFER_OUTCOMES = ("ok", "failed", "aborted")
+# kvxfer.handshake.FAILURE_REASONS, and "connect": NIXL could not connect after it
+HANDSHAKE_FAILURE_REASONS = ("timeout", "unreachable", "refused", "mismatch", "auth",
+                             "malformed", "connect", "error")
+NOTIFICATION_FAILURES = ("unsent", "bad_signature", "malformed")
+LATE_NOTIFICATION_REASONS = (*LEASE_END_REASONS, "unknown")
 
 
 class SidecarMetrics:
@@ -55,6 +71,13 @@ class SidecarMetrics:
         self.transfer_seconds = Histogram("kvxfer_kv_transfer_duration_seconds", "Decode: one "
                                           "request's KV read, start to last rank done",
                                           buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.transfer_size = Histogram("kvxfer_kv_transfer_size_bytes", "Decode: KV bytes one "
+                                       "request's successful read moved (all TP ranks)",
+                                       buckets=TRANSFER_BYTES_BUCKETS, registry=r)
+        self.transfer_size_descriptors = Histogram(
+            "kvxfer_kv_transfer_size_descriptors", "Decode: NIXL descriptors one request's "
+            "successful read posted (all TP ranks)", buckets=TRANSFER_DESCRIPTORS_BUCKETS,
+            registry=r)
         self.transfers = Counter("kvxfer_kv_transfers", "Decode: KV reads that ended, by "
                                  "outcome (ok, failed, aborted)", ["outcome"], registry=r)
         self.transfer_failures = Counter("kvxfer_kv_transfer_failures", "Decode: KV reads that "
@@ -69,10 +92,29 @@ class SidecarMetrics:
                                    "but could not send \"done\" to every prefill rank (the "
                                    "lease was released over the side channel instead)",
                                    registry=r)
-        for reason in ("done", "abandoned", "expired"):
-            self.leases_released.labels(reason)
-        for outcome in ("ok", "failed", "aborted"):
-            self.transfers.labels(outcome)
+        self.handshake_failures = Counter(
+            "kvxfer_kv_handshake_failures", "Decode: handshakes with a prefill that failed, "
+            "one per decode TP rank and handshake (retries included), by reason (timeout, "
+            "unreachable: nothing listens, refused, mismatch: another model, protocol, layout "
+            "or TP, auth: another key, malformed, connect: NIXL could not connect, error)",
+            ["reason"], registry=r)
+        self.notifications_failed = Counter(
+            "kvxfer_kv_notifications_failed", "\"done\" notifications that failed, one per "
+            "notification, by reason (unsent: the decode could not send it; bad_signature, "
+            "malformed: the prefill ignored it, it did not verify or decode)", ["reason"],
+            registry=r)
+        self.notifications_late = Counter(
+            "kvxfer_kv_notifications_late", "Prefill: \"done\" notifications for a lease "
+            "no longer held, one per notification, by how that lease had ended (done, "
+            "abandoned, expired; unknown: ended too long ago to be remembered, or never "
+            "held)", ["reason"], registry=r)
+        for counter, labels in ((self.leases_released, LEASE_END_REASONS),
+                                (self.transfers, TRANSFER_OUTCOMES),
+                                (self.handshake_failures, HANDSHAKE_FAILURE_REASONS),
+                                (self.notifications_failed, NOTIFICATION_FAILURES),
+                                (self.notifications_late, LATE_NOTIFICATION_REASONS)):
+            for label in labels:
+                counter.labels(label)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

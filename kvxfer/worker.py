@@ -25,6 +25,10 @@ Contract (who calls what, when):
   per lease, so a late "done" can never end a newer lease); ``poll_released()``
   returns the leases that ended and why ("done", "abandoned", "expired").
   Prefill never frees blocks on its own: the caller frees them when released.
+* Both sides, now and then: ``take_counts()`` returns the events since the last
+  call that only metrics care about (:class:`WorkerCounts`): failed handshakes,
+  "done" notifications not sent or not verified, and late ones (for a lease that
+  had ended: the last ``ENDED_REMEMBERED`` ended leases are remembered for that).
 * The instance calls ``peer_connecting()`` when its listener served a
   handshake, so that the agent is progressed quickly while the peer wires up
   its connection (a READ can stall if the target never progresses then).
@@ -40,7 +44,7 @@ while the worker thread waits for all of them (so every agent is still used by
 one thread at a time). "Done" is then sent only after every part has landed.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only. With ``hmac_key`` every "done"
-notification is signed, and one that does not verify is ignored (logged), so
+notification is signed, and one that does not verify is ignored (logged, counted), so
 nobody without the key can end a lease; leases are also claimed and ``renew``ed
 from the listener's thread when a decode asks (one claimer per lease, at most
 ``max_age`` seconds in all).
@@ -54,6 +58,7 @@ import math
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -68,11 +73,12 @@ from kvxfer.descriptors import (
     build_requests_descriptors,
     plan_peer_reads,
 )
-from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint
+from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
 from kvxfer.layout import CacheSpec, KVCacheLayout
 from kvxfer.nixl_agent import NixlAgent
 from kvxfer.protocol import (
     AgentMetadata,
+    BadSignature,
     CompatInfo,
     ProtocolError,
     ReadDone,
@@ -91,6 +97,7 @@ CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
 DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
 LANE_MIN_DESCRIPTORS = 64  # smaller requests: one thread (lanes cost a thread hand-off)
 LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not finish at once
+ENDED_REMEMBERED = 4096    # ended leases kept to tell a late "done" from a stray one
 
 
 class TransferError(RuntimeError):
@@ -212,6 +219,22 @@ class PollResult:
         return bool(self.finished or self.failed)
 
 
+@dataclass
+class WorkerCounts:
+    """Events since the last :meth:`TransferWorker.take_counts`, by reason (the labels of
+    the sidecar's metrics, :mod:`kvxfer.metrics`), one per handshake or notification."""
+
+    # decode: a handshake (after its retries) or the NIXL connection after it failed:
+    # handshake.failure_reason's words, "mismatch" for a peer this rank cannot read, "connect"
+    handshake_failures: Counter[str] = field(default_factory=Counter)
+    # "unsent" (decode: NIXL refused to send it), "bad_signature" or "malformed" (prefill:
+    # ignored, it did not verify or decode)
+    notifications_failed: Counter[str] = field(default_factory=Counter)
+    # prefill: a verified "done" for a lease not held, by how that lease had ended
+    # ("done", "abandoned", "expired"), "unknown" when not remembered (or never held)
+    notifications_late: Counter[str] = field(default_factory=Counter)
+
+
 @dataclass(frozen=True)
 class Released:
     request_id: str
@@ -300,6 +323,8 @@ class TransferWorker:
         self._wake = threading.Event()
         self._forget: set[str] = set()
         self._released: list[Released] = []
+        self._ended: dict[str, str] = {}  # lease id -> reason, the last ENDED_REMEMBERED
+        self._counts = WorkerCounts()
         self._lock = threading.Lock()
         self._fast_until = 0.0
         self._stop = threading.Event()
@@ -443,18 +468,24 @@ class TransferWorker:
         """End lease ``request_id`` now; ``poll_released()`` reports it with ``reason``.
 
         False when it is not held (ended already, or never existed): nothing
-        changes. Thread-safe; a "done" arriving later for it is ignored.
+        changes. Thread-safe; a "done" arriving later for it is ignored (counted late).
         """
         with self._lock:
-            if self._leases.pop(request_id, None) is None:
+            if request_id not in self._leases:
                 return False
-            self._released.append(Released(request_id, reason))
+            self._end(request_id, reason)
         return True
 
     def poll_released(self) -> list[Released]:
         """Leases that ended since the last call; their blocks may be freed now."""
         with self._lock:
             out, self._released = self._released, []
+        return out
+
+    def take_counts(self) -> WorkerCounts:
+        """Events since the last call, for metrics (thread-safe; see :class:`WorkerCounts`)."""
+        with self._lock:
+            out, self._counts = self._counts, WorkerCounts()
         return out
 
     @property
@@ -509,13 +540,19 @@ class TransferWorker:
 
     def _handshake(self, remote: RemoteParams) -> None:
         """Pool thread: fetch and check the peer's metadata; no NIXL calls here."""
+        reason = ""
         try:
             result: _Handshake | str = self._fetch_peer(remote)
-        except (HandshakeError, TransferError, ValueError) as exc:
-            result = str(exc)
+        except HandshakeError as exc:
+            result, reason = str(exc), failure_reason(exc)
+        except (TransferError, ValueError) as exc:  # answered, but not a peer we can read
+            result, reason = str(exc), "mismatch"
         except Exception as exc:  # unexpected: still answer the waiting reads
             log.exception("handshake with %s failed unexpectedly", remote.address)
-            result = f"{type(exc).__name__}: {exc}"
+            result, reason = f"{type(exc).__name__}: {exc}", "error"
+        if reason:
+            with self._lock:
+                self._counts.handshake_failures[reason] += 1
         self._handshakes.put((remote, result))
         self._wake.set()
 
@@ -532,6 +569,8 @@ class TransferWorker:
                     peer = self._connect(remote, result)
                 except TransferError as exc:
                     result = str(exc)
+                    with self._lock:
+                        self._counts.handshake_failures["connect"] += 1
             if isinstance(result, str):
                 self._dead[remote.remote_engine_id] = (time.monotonic() + DEAD_PEER_S, result)
                 for job in jobs:
@@ -645,6 +684,7 @@ class TransferWorker:
         True when every notification was handed to NIXL."""
         peer = self._peers.get(job.remote.remote_engine_id)
         if peer is None:
+            self._count_unsent(len(ranks))
             return False
         sent = True
         for rank in ranks:
@@ -654,8 +694,13 @@ class TransferWorker:
                 self._agent.send_notif(peer.agents[rank], encode_notif(note, self._key))
             except Exception as exc:
                 sent = False
+                self._count_unsent(1)
                 log.info("could not notify prefill %s rank %d: %s", peer.engine_id, rank, exc)
         return sent
+
+    def _count_unsent(self, notifications: int) -> None:
+        with self._lock:
+            self._counts.notifications_failed["unsent"] += notifications
 
     def _check_inflight(self) -> None:
         now = time.monotonic()
@@ -789,12 +834,17 @@ class TransferWorker:
                     note = decode_notif(raw, peer=f"agent {sender!r}", hmac_key=self._key)
                 except ProtocolError as exc:  # a forged "done" must not end a lease
                     log.warning("ignoring a notification: %s", exc)
+                    why = "bad_signature" if isinstance(exc, BadSignature) else "malformed"
+                    with self._lock:
+                        self._counts.notifications_failed[why] += 1
                     continue
                 with self._lock:
                     lease = self._leases.get(note.request_id)
-                    if lease is None:  # a late reader of an expired lease, or a stray note
-                        log.info("ignoring a done for unknown lease %s from %s", note.request_id,
-                                 sender)
+                    if lease is None:  # a late reader of an ended lease, or a stray note
+                        ended = self._ended.get(note.request_id, "unknown")
+                        self._counts.notifications_late[ended] += 1
+                        log.info("ignoring a done for lease %s from %s, which is not held "
+                                 "(ended: %s)", note.request_id, sender, ended)
                     else:
                         self._count_done(note.request_id, lease, note)
 
@@ -806,18 +856,25 @@ class TransferWorker:
             log.info("decode %s rank %d gave up on request %s", note.reader_engine_id,
                      note.reader_rank, request_id)
         if len(lease.done_by) >= needed:
-            del self._leases[request_id]
-            self._released.append(Released(request_id, "done"))
+            self._end(request_id, "done")
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
             for request_id, lease in list(self._leases.items()):
                 if now >= lease.expires:
-                    del self._leases[request_id]
-                    self._released.append(Released(request_id, "expired"))
+                    self._end(request_id, "expired")
                     log.warning("lease of request %s expired with %d reader(s) done", request_id,
                                 len(lease.done_by))
+
+    def _end(self, request_id: str, reason: str) -> None:
+        """End held lease ``request_id`` (caller holds the lock); remember why, so that a
+        "done" arriving later counts as late, not as a stray one."""
+        del self._leases[request_id]
+        self._released.append(Released(request_id, reason))
+        self._ended[request_id] = reason
+        if len(self._ended) > ENDED_REMEMBERED:
+            del self._ended[next(iter(self._ended))]  # the oldest (dicts keep insertion order)
 
     def _require_plan(self) -> RegionPlan:
         if self._plan is None:

@@ -8,7 +8,8 @@ lease on every rank. Cases:
 * a decode request refused by validation (bad ``max_tokens``, or a body that
   does not even decode) releases the lease it names: ``reason="abandoned"``;
 * a decode of another model (``--seed 1``) whose handshake is refused releases
-  the lease, for a fresh handshake and for the cached failure alike;
+  the lease, for a fresh handshake and for the cached failure alike, and counts
+  the refused handshake (``kvxfer_kv_handshake_failures_total{reason="mismatch"}``);
 * a normal disaggregated read ends its lease with ``reason="done"`` only, and a
   release of the ended lease changes nothing;
 * a release naming a lease the prefill does not hold changes nothing.
@@ -40,6 +41,7 @@ from proxy.contract import decode_request, parse_prefill_answer
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BODY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 RELEASED = "kvxfer_kv_leases_released_total"
+HANDSHAKE_FAILURES = "kvxfer_kv_handshake_failures_total"
 RELEASE_WITHIN_S = 10.0  # far below the 120 s TTL: only a release frees this fast
 HOST = "127.0.0.1"
 
@@ -120,6 +122,7 @@ def test_a_decode_of_another_model_releases_the_lease(rig: dict[str, Sidecar]) -
     on the cached failure. Neither ever connects NIXL, yet both leases end at once."""
     prefill, other = rig["prefill"], rig["other"]
     recomputes = other.metric("kvxfer_kv_recomputes_total")
+    mismatches = other.metric(HANDSHAKE_FAILURES, reason="mismatch")
     for i in range(2):
         start, before = prefill.health(), lease_counts(prefill)
         body = {**BODY, "prompt": f"another model reads this, attempt {i}"}
@@ -131,6 +134,8 @@ def test_a_decode_of_another_model_releases_the_lease(rig: dict[str, Sidecar]) -
         assert grew(before, lease_counts(prefill)) == {"done": 0, "abandoned": 1,
                                                        "expired": 0}, f"attempt {i}"
     assert other.metric("kvxfer_kv_recomputes_total") == recomputes + 2
+    # one refused handshake, and one more only if the cached failure was 5 s old already
+    assert other.metric(HANDSHAKE_FAILURES, reason="mismatch") - mismatches in (1, 2)
     other.wait_for("every block free", all_blocks_free)
 
 

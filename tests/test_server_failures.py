@@ -142,6 +142,12 @@ def test_metrics_show_the_transfer(rig: dict[str, Sidecar]) -> None:
     assert grew("kvxfer_kv_transfer_bytes_total") == blocks * 32768
     assert grew("kvxfer_kv_transfer_descriptors_total") >= 1
     assert grew("kvxfer_kv_transfer_duration_seconds_count") == 1
+    # one sample per read in each size histogram, summing to what the counters say
+    assert grew("kvxfer_kv_transfer_size_bytes_count") == 1
+    assert grew("kvxfer_kv_transfer_size_bytes_sum") == blocks * 32768
+    assert grew("kvxfer_kv_transfer_size_descriptors_count") == 1
+    assert (grew("kvxfer_kv_transfer_size_descriptors_sum")
+            == grew("kvxfer_kv_transfer_descriptors_total"))
     assert grew("kvxfer_kv_transfers_total", outcome="ok") == 1
     assert grew("kvxfer_http_requests_total", route=COMPLETIONS, status="200") == 1
     assert grew("kvxfer_generation_tokens_total") == BODY["max_tokens"]
