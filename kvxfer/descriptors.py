@@ -48,6 +48,10 @@ class IncompatibleLayoutError(ValueError):
     """Two peers' cache geometries cannot be bridged by byte copies."""
 
 
+class ConversionNeeded(IncompatibleLayoutError):
+    """Byte copies cannot place the heads, a staged read can (:mod:`kvxfer.staging`)."""
+
+
 @dataclass(frozen=True)
 class SideGeometry:
     """Where every chunk of block 0 lives on one peer, per (layer, chunk index).
@@ -98,6 +102,11 @@ class SideGeometry:
     @property
     def num_layers(self) -> int:
         return int(self.base.shape[0])
+
+    @property
+    def num_view_heads(self) -> int:
+        """H of the views: KV heads, or K and V head groups side by side."""
+        return self.num_kv_heads * (2 if self.separate_kv_head_groups else 1)
 
 
 def validate_plan(plan: RegionPlan) -> None:
@@ -157,12 +166,12 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
     full = all(s.count == local.num_kv_heads == remote.num_kv_heads for s in plan)
     if not full and not remote.heads_contiguous:
         relation = ">" if local_tp > remote_tp else "<" if local_tp < remote_tp else "="
-        raise IncompatibleLayoutError(
+        raise ConversionNeeded(
             f"prefill layout {remote.layout} cannot be head-split for decode TP {local_tp} "
             f"{relation} prefill TP {remote_tp}; use {', '.join(SPLITTABLE_LAYOUTS[:-1])} or "
             f"{SPLITTABLE_LAYOUTS[-1]} on the prefill side")
     if local.heads_contiguous != remote.heads_contiguous:
-        raise IncompatibleLayoutError(
+        raise ConversionNeeded(
             f"decode layout {local.layout} and prefill layout {remote.layout} order a block's "
             f"heads and tokens differently, which byte copies cannot reorder; use "
             f"{', '.join(SPLITTABLE_LAYOUTS)} on both sides (or LBNHC/BLNHC on both)")
@@ -384,10 +393,10 @@ class _FusedSlice:
         return local, remote, lmem, rmem, lengths
 
 
-def _merge_runs(local: npt.NDArray[np.int64], remote: npt.NDArray[np.int64],
-                lmem: npt.NDArray[np.int64], rmem: npt.NDArray[np.int64],
-                lengths: npt.NDArray[np.int64], local_geo: SideGeometry,
-                remote_geo: SideGeometry, remote_rank: int) -> RankDescriptors:
+def merge_runs(local: npt.NDArray[np.int64], remote: npt.NDArray[np.int64],
+               lmem: npt.NDArray[np.int64], rmem: npt.NDArray[np.int64],
+               lengths: npt.NDArray[np.int64], local_devices: U64Array,
+               remote_devices: U64Array, remote_rank: int) -> RankDescriptors:
     """Merge neighbours (in local address order) contiguous on both sides, same memory."""
     if not len(local):
         empty = np.zeros((0, 3), dtype=U64)
@@ -407,10 +416,10 @@ def _merge_runs(local: npt.NDArray[np.int64], remote: npt.NDArray[np.int64],
     out_remote = np.empty((len(starts), 3), dtype=U64)
     out_local[:, 0] = local[starts]
     out_local[:, 1] = np.add.reduceat(lengths, starts)
-    out_local[:, 2] = local_geo.devices[lmem[starts]]
+    out_local[:, 2] = local_devices[lmem[starts]]
     out_remote[:, 0] = remote[starts]
     out_remote[:, 1] = out_local[:, 1]
-    out_remote[:, 2] = remote_geo.devices[rmem[starts]]
+    out_remote[:, 2] = remote_devices[rmem[starts]]
     return RankDescriptors(remote_rank, out_local, out_remote)
 
 
@@ -453,8 +462,8 @@ class PeerReadPlan:
         parts = [piece.addresses(pairs, self.sub_len) for piece in self.slices]
         local, remote, lmem, rmem, lengths = parts[0] if len(parts) == 1 else \
             (np.concatenate([p[i] for p in parts]) for i in range(5))
-        return _merge_runs(local, remote, lmem, rmem, lengths, self.local, self.remote,
-                           self.remote_rank)
+        return merge_runs(local, remote, lmem, rmem, lengths, self.local.devices,
+                          self.remote.devices, self.remote_rank)
 
 
 def plan_peer_reads(local: SideGeometry, remotes: dict[int, SideGeometry],

@@ -247,13 +247,16 @@ class NixlAgent:
             raise AgentClosedError(f"NIXL agent {self.name!r} is closed")
         return self._agent
 
-    def register(self, memory: Sequence[MemoryRegion]) -> None:
+    def register(self, memory: Sequence[MemoryRegion]) -> list[Any]:
         """Register memory for peers to read (both sides call it, before ``metadata()``).
 
         Host entries register as DRAM, CUDA entries as VRAM. May be called more
-        than once; everything is deregistered by ``close()``.
+        than once; everything is deregistered by ``close()``, or earlier by passing
+        the returned handles to :meth:`deregister` (memory only this agent writes
+        into, such as a staging buffer, need not be in ``metadata()``).
         """
         agent = self._api_agent()
+        before = len(self._registrations)
         for index, region in enumerate(memory):
             if region.addr <= 0 or region.nbytes <= 0 or region.device_id < 0:
                 raise ValueError(f"memory entry {index} {region} needs a positive address and "
@@ -264,6 +267,14 @@ class NixlAgent:
                 descs = np.array(rows, dtype=np.uint64)
                 self._registrations.append(agent.register_memory(descs, _mem_type(is_cuda)))
                 self._mem_types.add(is_cuda)
+        return self._registrations[before:]
+
+    def deregister(self, handles: Sequence[Any]) -> None:
+        """Deregister what one :meth:`register` call returned (no transfer may use it)."""
+        agent = self._api_agent()
+        for handle in handles:
+            self._registrations.remove(handle)
+            agent.deregister_memory(handle)
 
     def metadata(self) -> bytes:
         """This agent's blob for peers' ``add_remote``; take it after ``register()``."""

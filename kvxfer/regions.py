@@ -105,8 +105,9 @@ def _device_id(tensor: torch.Tensor) -> int:
     return tensor.device.index or 0
 
 
-def _distinct_views(caches: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Views in first-appearance order; several names may share one view."""
+def distinct_views(caches: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Views in first-appearance order (the logical layer order of a plan); several
+    names may share one view."""
     seen: dict[tuple[int, tuple[int, ...]], str] = {}
     out: list[tuple[str, torch.Tensor]] = []
     for name, view in caches.items():
@@ -159,7 +160,7 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
     ``layout`` is checked against every storage when given; when omitted, the
     one layout that every storage's views fit is chosen (see :func:`_choose_layout`).
     """
-    views = _distinct_views(caches)
+    views = distinct_views(caches)
     if not views:
         raise ValueError("no KV cache views to plan regions for")
     expected_shape = (num_blocks, spec.num_heads, spec.block_size, spec.content_size)

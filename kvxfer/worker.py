@@ -69,9 +69,10 @@ import torch
 
 from kvxfer.descriptors import (
     PeerReadPlan,
+    RankDescriptors,
     SideGeometry,
     build_requests_descriptors,
-    plan_peer_reads,
+    validate_block_ids,
 )
 from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
 from kvxfer.layout import CacheSpec, KVCacheLayout
@@ -85,7 +86,8 @@ from kvxfer.protocol import (
     decode_notif,
     encode_notif,
 )
-from kvxfer.regions import RegionPlan, plan_regions
+from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
+from kvxfer.staging import StagedRead, plan_reads
 from kvxfer.tickets import TICKET_KEY, LeaseClaims
 from kvxfer.topology import notify_plan, read_plan
 
@@ -94,6 +96,8 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05       # idle: progress/expire 20 times a second (~0.1% of a core)
 BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
 CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
+STAGING_LIMIT_BYTES = 4 << 30  # converted reads in flight at once (kvxfer.staging)
+STAGING_CHUNK_BYTES = 64 << 20  # staging buffers are allocated in multiples of this
 DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
 LANE_MIN_DESCRIPTORS = 64  # smaller requests: one thread (lanes cost a thread hand-off)
 LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not finish at once
@@ -251,7 +255,7 @@ class _Peer:
     address: str
     tp_size: int
     agents: dict[int, str]
-    plans: list[PeerReadPlan]
+    plans: list[PeerReadPlan | StagedRead]
     expected_readers: dict[int, int]
 
 
@@ -260,7 +264,7 @@ class _Handshake:
     """A peer's checked metadata and precomputed read plans, before NIXL connects."""
 
     metas: dict[int, AgentMetadata]
-    plans: list[PeerReadPlan]
+    plans: list[PeerReadPlan | StagedRead]
     notify: dict[int, int]
 
 
@@ -275,6 +279,16 @@ class _Read:
     descriptors: int = 0
     lanes: int = 1
     unnotified: bool = False  # read, but some "done" could not be sent
+    # converted reads: (plan, staging buffer, local ids in staging order), kvxfer.staging
+    staged: list[tuple[StagedRead, _Staging, np.ndarray]] = field(default_factory=list)
+
+
+@dataclass
+class _Staging:
+    """A registered host buffer a converted read lands in before it is placed."""
+
+    buffer: torch.Tensor
+    handles: list[Any]
 
 
 @dataclass
@@ -309,6 +323,10 @@ class TransferWorker:
         self._lane_pool: ThreadPoolExecutor | None = None
         self._plan: RegionPlan | None = None
         self._geometry: SideGeometry | None = None
+        self._views: list[torch.Tensor] = []  # by logical layer: where converted reads land
+        self._staging_free: list[_Staging] = []
+        self._staging_bytes = 0  # allocated, free or in use
+        self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.Queue[_Read] = queue.Queue()
         self._inflight: list[_Read] = []
@@ -349,6 +367,7 @@ class TransferWorker:
             self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
                                                  thread_name_prefix=f"kvxfer-lane-r{self.rank}")
         self._plan, self._geometry = plan, SideGeometry.from_plan(plan)
+        self._views = [view for _, view in distinct_views(caches)]
         return plan
 
     def metadata(self) -> AgentMetadata:
@@ -508,6 +527,8 @@ class TransferWorker:
                     self._drop_peer(engine_id)
                     self._dead.pop(engine_id, None)
                 self._finish_handshakes()
+                if self._staging_wait:
+                    self._retry_staged()
                 while True:
                     try:
                         self._begin(self._jobs.get_nowait())
@@ -595,12 +616,14 @@ class TransferWorker:
                         + (f"say remote_block_size={said}" if said else
                            f"do not say remote_block_size, so the ids were counted at this "
                            f"decode's {plan.local.block_size}"))
-            descs = build_requests_descriptors(peer.plans, job.local_block_ids,
-                                               job.remote.remote_block_ids)
+            descs = self._descriptors(job, peer)
         except (TransferError, ValueError) as exc:
             self._fail(job, f"prefill {peer.engine_id} at {peer.address}: {exc}", notify=True)
             return
-        if self._lanes and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
+        if descs is None:  # a converted read waits for staging space (see _retry_staged)
+            self._staging_wait.append((job, peer))
+            return
+        if self._lanes and not job.staged and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
             self._read_in_lanes(job, peer, descs)
             return
         for rank_descs in descs:
@@ -620,6 +643,82 @@ class TransferWorker:
             job.num_bytes += rank_descs.num_bytes
             job.descriptors += len(rank_descs)
         self._inflight.append(job)
+
+    def _descriptors(self, job: _Read, peer: _Peer) -> list[RankDescriptors] | None:
+        """The request's descriptors toward every planned prefill rank; None when a
+        converted read cannot get its staging buffers yet (nothing is taken then)."""
+        direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
+        descs = build_requests_descriptors(direct, job.local_block_ids,
+                                           job.remote.remote_block_ids) if direct else []
+        staged = [p for p in peer.plans if isinstance(p, StagedRead)]
+        if not staged:
+            return descs
+        pairs = [validate_block_ids(job.local_block_ids, job.remote.remote_block_ids,
+                                    plan.local.num_blocks, plan.remote.num_blocks)
+                 for plan in staged]
+        needs = [len(local) * plan.bytes_per_block for plan, (local, _) in zip(
+            staged, pairs, strict=True)]
+        if sum(needs) > STAGING_LIMIT_BYTES:
+            raise TransferError(f"converting this read needs {sum(needs) >> 20} MiB of staging, "
+                                f"more than the {STAGING_LIMIT_BYTES >> 20} MiB limit; use "
+                                f"layouts both sides can copy directly (see kvxfer plan)")
+        buffers: list[_Staging] = []
+        for need in needs:
+            staging = self._take_staging(need)
+            if staging is None:
+                self._staging_free.extend(buffers)
+                return None
+            buffers.append(staging)
+        for plan, staging, (local, remote) in zip(staged, buffers, pairs, strict=True):
+            descs.append(plan.descriptors(remote, staging.buffer.data_ptr()))
+            job.staged.append((plan, staging, local))
+        return descs
+
+    def _take_staging(self, nbytes: int) -> _Staging | None:
+        """A free staging buffer of at least ``nbytes``, registered with this rank's agent;
+        None while the ones in use leave too little room under the limit."""
+        fits = [s for s in self._staging_free if s.buffer.numel() >= nbytes]
+        if fits:
+            best = min(fits, key=lambda s: s.buffer.numel())
+            self._staging_free.remove(best)
+            return best
+        size = -(-nbytes // STAGING_CHUNK_BYTES) * STAGING_CHUNK_BYTES
+        while self._staging_bytes + size > STAGING_LIMIT_BYTES and self._staging_free:
+            spare = self._staging_free.pop()  # free ones too small: make room
+            self._agent.deregister(spare.handles)
+            self._staging_bytes -= spare.buffer.numel()
+        if self._staging_bytes + size > STAGING_LIMIT_BYTES:
+            return None
+        buffer = torch.empty(size, dtype=torch.uint8)
+        handles = self._agent.register([MemoryRegion(buffer.data_ptr(), size, 0)])
+        self._staging_bytes += size
+        return _Staging(buffer, handles)
+
+    def _retry_staged(self) -> None:
+        """Post converted reads that waited for staging, oldest first; fail those that
+        waited past the read timeout."""
+        waiting, self._staging_wait = self._staging_wait, []
+        now = time.monotonic()
+        for job, peer in waiting:
+            if now - job.started > self.read_timeout:
+                self._fail(job, f"prefill {peer.engine_id} at {peer.address}: no staging space "
+                                f"for the converted read within {self.read_timeout:.0f} s",
+                           notify=True)
+            elif self._peers.get(peer.engine_id) is not peer:
+                self._fail(job, f"prefill {peer.engine_id} at {peer.address}: the connection "
+                                f"ended while the read waited for staging space", notify=False)
+            else:
+                self._post(job, peer)
+
+    def _place_staged(self, job: _Read) -> None:
+        """Copy every staged chunk of a finished READ into this rank's views."""
+        packing = self.compat.kv_packing
+        for plan, staging, local in job.staged:
+            plan.convert(staging.buffer, self._views, torch.from_numpy(local), packing, packing)
+
+    def _return_staging(self, job: _Read) -> None:
+        self._staging_free.extend(staging for _, staging, _ in job.staged)
+        job.staged.clear()
 
     def _read_in_lanes(self, job: _Read, peer: _Peer, descs: Sequence[Any]) -> None:
         """Copy this request with every agent at once; return when all parts ended.
@@ -714,6 +813,16 @@ class TransferWorker:
             if all(s == "DONE" for s in states):
                 self._inflight.remove(job)
                 self._release_transfers(job)
+                if job.staged:
+                    try:
+                        self._place_staged(job)
+                    except Exception as exc:  # the prefill was told "done": only fail here
+                        self._fail(job, f"converting the read from prefill "
+                                        f"{job.remote.remote_engine_id} failed: {exc}",
+                                   notify=False)
+                        continue
+                    finally:
+                        self._return_staging(job)
                 peer = self._peers.get(job.remote.remote_engine_id)
                 if peer is not None:  # ranks nobody reads still hold the blocks: release them
                     read = {p.remote_rank for p in peer.plans}
@@ -751,6 +860,7 @@ class TransferWorker:
         Without a connection to them (``notify=False``: the handshake failed or the
         peer is considered dead) the request is reported ``unnotified``."""
         self._release_transfers(job)
+        self._return_staging(job)
         log.warning("read for request %s failed: %s", job.request_id, reason)
         peer = self._peers.get(job.remote.remote_engine_id)
         told = notify and peer is not None and self._notify(job, list(peer.agents), ok=False)
@@ -780,8 +890,17 @@ class TransferWorker:
         if missing:
             raise TransferError(f"handshake answer lacks ranks {sorted(missing)}")
         geometries = {rank: SideGeometry.from_plan(meta.plan) for rank, meta in metas.items()}
-        plans = plan_peer_reads(local, geometries, slices, local_tp=self.tp_size,
-                                remote_tp=remote.tp_size)
+        plans = plan_reads(local, geometries, slices, local_tp=self.tp_size,
+                           remote_tp=remote.tp_size)
+        staged = [p for p in plans if isinstance(p, StagedRead)]
+        if staged and any(m.is_cuda for m in self._require_plan().memory):
+            raise TransferError(f"decode layout {local.layout} and prefill layout "
+                                f"{staged[0].remote.layout} need a converted read, which only "
+                                f"host (CPU) caches support so far")
+        for plan in staged:
+            log.info("rank %d reads prefill %s rank %d through staging (%s -> %s): %d bytes "
+                     "per block", self.rank, remote.remote_engine_id, plan.remote_rank,
+                     plan.remote.layout, local.layout, plan.bytes_per_block)
         return _Handshake(metas, plans, notify)
 
     def _connect(self, remote: RemoteParams, shake: _Handshake) -> _Peer:

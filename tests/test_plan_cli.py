@@ -59,12 +59,28 @@ def test_plan_explains_a_block_size_mismatch() -> None:
            "other" in odd.stderr
 
 
-def test_plan_incompatible_layout_is_a_plain_error() -> None:
+def test_plan_explains_a_converted_read() -> None:
     out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
-                 "--decode-tp", "2")
+                 "--decode-tp", "2", "--tokens", "160", "--json")
+    assert out.returncode == 0, out.stderr
+    for rank in json.loads(out.stdout)["decode_ranks"]:
+        # tokens outside heads: each rank reads whole pages (all 8 heads), keeps its 4
+        (part,) = rank["converted"]
+        assert part == {"prefill_rank": 0, "staging_bytes": 10 * 32 * 16 * 8 * 256 * 2,
+                        "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2}
+        assert rank["bytes"] == part["staging_bytes"]
+    text = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
+                  "--decode-tp", "2", "--tokens", "160")
+    assert "converted through staging from prefill rank 0: reads 20.0 MiB into a staging " \
+           "buffer, places 10.0 MiB of it with one local copy" in text.stdout
+
+
+def test_plan_incompatible_configuration_is_a_plain_error() -> None:
+    out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
+                 "--decode-tp", "2", "--prefill-block-size", "16", "--decode-block-size", "32")
     assert out.returncode == 1
-    assert "prefill layout LBNHC cannot be head-split for decode TP 2 > prefill TP 1; use " \
-           "LBHNC, BLHNC or BHLNC on the prefill side" in out.stderr
+    assert "decode layout LBHNC and prefill layout LBNHC need a conversion, which needs " \
+           "equal block sizes; decode has 32, prefill 16" in out.stderr
 
 
 def test_plan_rejects_unknown_layout_names() -> None:

@@ -70,6 +70,11 @@ CASES = (
     + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC")
        for p, d in ((1, 2), (2, 1), (1, 4), (4, 2))]
     + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1)]
+    # converted through staging: tokens outside heads split for a TP change, or the two
+    # sides order heads and tokens differently (kvxfer.staging)
+    + [("LBNHC", "LBNHC", 1, 2), ("BLNHC", "BLNHC", 2, 1), ("LBNHC", "BLNHC", 2, 4),
+       ("BLNHC", "LBHNC", 1, 2), ("LBHNC", "LBNHC", 1, 1), ("BHLNC", "BLNHC", 4, 2),
+       ("BLNHC", "BHLNC", 1, 1)]
 )
 
 
@@ -188,14 +193,17 @@ def test_hash_mismatch_names_the_differing_field(prefill: PrefillProcess, pair: 
         other.close()
 
 
-def test_layout_that_cannot_be_head_split_is_refused(prefill: PrefillProcess) -> None:
-    remote = prefill.create(CacheConfig(layout="LBNHC", num_blocks=8))
-    decode = decode_instance(CacheConfig(layout="LBHNC", tp=2, num_blocks=8))
+def test_a_conversion_across_block_sizes_is_refused_naming_both(prefill: PrefillProcess
+                                                                 ) -> None:
+    remote = prefill.create(CacheConfig(layout="LBNHC", num_blocks=8, block_size=16))
+    decode = decode_instance(CacheConfig(layout="LBHNC", tp=2, num_blocks=8, block_size=32))
     try:
-        decode.read("s", params_for(remote, "s", [0]), [0])
+        decode.read("s", params_for(remote, "s", [0], remote_block_size=16), [0])
         _, failed = decode.wait(["s"])
-        assert "prefill layout LBNHC cannot be head-split for decode TP 2 > prefill TP 1; " \
-               "use LBHNC, BLHNC or BHLNC on the prefill side" in failed["s"]
+        assert "decode layout LBHNC and prefill layout LBNHC need a conversion, which needs " \
+               "equal block sizes; decode has 32, prefill 16" in failed["s"]
+        for view in decode.caches[0].values():
+            assert (view == -1).all()
     finally:
         decode.close()
 

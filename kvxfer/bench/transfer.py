@@ -32,15 +32,19 @@ from typing import Any
 HELP = "time KV transfers between a prefill and a decode process for each layout and TP pair"
 
 # (layout, prefill TP, decode TP[, prefill block size, decode block size]); block sizes
-# default to --block-size. A block-size case is compared with its native one (same
-# layout and TP, equal block sizes) when both ran.
+# default to --block-size, "P/D" names two layouts. A block-size case is compared with
+# its native one (same layouts and TP, equal block sizes), a converted one (a read
+# through staging, kvxfer.staging) with the same case in the heads-outside-tokens twin
+# layouts, when both ran.
 Case = tuple[str, int, int] | tuple[str, int, int, int, int]
 CASES: tuple[Case, ...] = (
     ("LBHNC", 1, 1), ("LBNHC", 1, 1), ("BLHNC", 1, 1), ("BLNHC", 1, 1), ("BHLNC", 1, 1),
     ("LBHNC", 1, 2), ("BLHNC", 1, 2), ("BHLNC", 1, 2),
     ("LBHNC", 2, 1), ("BLHNC", 2, 1), ("BHLNC", 2, 1),
     ("LBHNC", 1, 1, 16, 32), ("BLHNC", 1, 1, 16, 32), ("BHLNC", 1, 1, 32, 16),
-    ("BLHNC", 1, 2, 16, 64))
+    ("BLHNC", 1, 2, 16, 64),
+    ("LBNHC", 1, 2), ("BLNHC", 1, 2), ("BLNHC", 2, 1), ("LBHNC/LBNHC", 1, 1))
+TWIN = {"LBNHC": "LBHNC", "BLNHC": "BLHNC"}  # the same order with heads outside tokens
 COALESCING = ("BLHNC", "BLNHC", "BHLNC")
 TCP_CASES = "LBHNC:1:1,BLHNC:1:1"  # --transport tcp without --cases: bounded (TCP is slow)
 
@@ -153,14 +157,16 @@ def _case(prefill: Any, case: tuple[str, int, int, int, int],
     from kvxfer.loopback import CacheConfig, LoopbackInstance
 
     layout, prefill_tp, decode_tp, prefill_bs, decode_bs = case
+    prefill_layout, decode_layout = _layouts(layout)
     pblocks, dblocks = -(-args.tokens // prefill_bs), -(-args.tokens // decode_bs)
     pcap, dcap = pblocks + pblocks // 4 + 1, dblocks + dblocks // 4 + 1
-    base = CacheConfig(layout=layout, total_kv_heads=args.kv_heads, num_layers=args.layers,
-                       block_size=prefill_bs, head_size=args.head_size,
-                       num_blocks=pcap, dtype=args.dtype)
+    base = CacheConfig(layout=prefill_layout, total_kv_heads=args.kv_heads,
+                       num_layers=args.layers, block_size=prefill_bs,
+                       head_size=args.head_size, num_blocks=pcap, dtype=args.dtype)
     pcfg = CacheConfig(**{**base.__dict__, "tp": prefill_tp})
     dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp, "read_lanes": args.read_lanes,
-                          "block_size": decode_bs, "num_blocks": dcap})
+                          "block_size": decode_bs, "num_blocks": dcap,
+                          "layout": decode_layout})
     remote = prefill.create(pcfg, fill="none")
     decode = LoopbackInstance.create("decode", dcfg, fill="none")
     rng = np.random.default_rng(0)
@@ -173,7 +179,8 @@ def _case(prefill: Any, case: tuple[str, int, int, int, int],
             prefill.hold(remote["engine_id"], rid, rids, ttl=60)
             params = {"remote_engine_id": remote["engine_id"], "remote_host": prefill.host,
                       "remote_port": remote["port"], "remote_block_ids": rids,
-                      "remote_request_id": rid, "tp_size": prefill_tp}
+                      "remote_request_id": rid, "tp_size": prefill_tp,
+                      "remote_block_size": prefill_bs}
             start = time.perf_counter()
             decode.read(rid, params, lids)
             stats, failed = decode.wait([rid], timeout=60)
@@ -195,8 +202,10 @@ def _case(prefill: Any, case: tuple[str, int, int, int, int],
     read_s = _large_read_seconds(prefill.host, remote["port"], pcfg, nbytes, args.repeats)
     copy_s = _memcpy_seconds(nbytes, args.repeats)
     gbps = nbytes / median / 1e9
-    target = 0.9 if layout in COALESCING else 0.75
-    return {"layout": layout, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
+    target = 0.9 if prefill_layout in COALESCING else 0.75
+    return {"layout": layout, "prefill_layout": prefill_layout,
+            "decode_layout": decode_layout, "converted": _converted(case),
+            "prefill_tp": prefill_tp, "decode_tp": decode_tp,
             "prefill_block_size": prefill_bs, "decode_block_size": decode_bs, "bytes": nbytes,
             "descriptors": descriptors, "ms_median": round(median * 1e3, 2),
             "ms_p90": round(p90 * 1e3, 2), "gb_per_s": round(gbps, 2),
@@ -224,15 +233,42 @@ def _ucx_tls(value: str | None) -> Iterator[None]:
             os.environ["UCX_TLS"] = before
 
 
+def _layouts(layout: str) -> tuple[str, str]:
+    """(prefill, decode) layouts of a case's ``P`` or ``P/D`` field."""
+    prefill, _, decode = layout.partition("/")
+    return prefill, decode or prefill
+
+
+def _converted(case: tuple[str, int, int, int, int]) -> bool:
+    """Whether the decode reads the case through staging (kvxfer.staging)."""
+    from kvxfer.layout import parse_layout
+
+    prefill, decode = (parse_layout(x) for x in _layouts(case[0]))
+    return prefill.heads_outside_tokens != decode.heads_outside_tokens or (
+        case[1] != case[2] and not prefill.heads_outside_tokens)
+
+
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["prefill_layout"], r["decode_layout"], r["prefill_tp"], r["decode_tp"],
+            r["prefill_block_size"], r["decode_block_size"])
+
+
 def _vs_native(rows: list[dict[str, Any]]) -> None:
-    """A block-size row's speed over its native row's (same layout and TP, equal block
-    sizes at the smaller of its two), when the run has both."""
-    native = {(r["layout"], r["prefill_tp"], r["decode_tp"], r["prefill_block_size"]): r
-              for r in rows if r["prefill_block_size"] == r["decode_block_size"]}
+    """A row's speed over its native row's, when the run has both: a block-size row's
+    native one has equal block sizes (the smaller), a converted row's the twin layouts
+    (:data:`TWIN`) that byte copies serve."""
+    by_key = {_key(r): r for r in rows}
     for r in rows:
         small = min(r["prefill_block_size"], r["decode_block_size"])
-        base = native.get((r["layout"], r["prefill_tp"], r["decode_tp"], small))
-        if base is not None and r is not base:
+        if r["converted"]:
+            want = (TWIN.get(r["prefill_layout"], r["prefill_layout"]),
+                    TWIN.get(r["decode_layout"], r["decode_layout"]), *_key(r)[2:])
+        elif r["prefill_block_size"] != r["decode_block_size"]:
+            want = (*_key(r)[:4], small, small)
+        else:
+            continue
+        base = by_key.get(want)
+        if base is not None:
             r["vs_native"] = round(r["gb_per_s"] / base["gb_per_s"], 2)
 
 
@@ -271,17 +307,21 @@ def run(args: argparse.Namespace) -> int:
           f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
           f"{args.repeats}, {args.read_lanes} read lane(s) per decode instance; ceilings measured "
           f"right after each case for the same bytes")
-    print(f"{'layout':7} {'P->D':5} {'blocks':7} {'MiB':>5} {'descs':>6} {'ms':>7} {'p90':>7} "
-          f"{'GB/s':>6} {'READ':>6} {'copy':>6} {'xREAD':>6} target  xnative")
+    print(f"{'layout':11} {'P->D':5} {'blocks':7} {'MiB':>5} {'descs':>6} {'ms':>7} "
+          f"{'p90':>7} {'GB/s':>6} {'READ':>6} {'copy':>6} {'xREAD':>6} target  xnative")
     for r in rows:
         blocks = f"{r['prefill_block_size']}->{r['decode_block_size']}"
         native = f"{r['vs_native']:>7}" if "vs_native" in r else f"{'':>7}"
-        print(f"{r['layout']:7} {r['prefill_tp']}->{r['decode_tp']:<2} {blocks:7} "
+        name = r["layout"] + ("*" if r["converted"] else "")
+        print(f"{name:11} {r['prefill_tp']}->{r['decode_tp']:<2} {blocks:7} "
               f"{r['bytes'] / 2**20:>5.0f} {r['descriptors']:>6} {r['ms_median']:>7} "
               f"{r['ms_p90']:>7} {r['gb_per_s']:>6} {r['large_read_gb_per_s']:>6} "
               f"{r['memcpy_gb_per_s']:>6} {r['vs_large_read']:>6} "
               f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS':4} "
               f"{native}")
+    if any(r["converted"] for r in rows):
+        print("* converted: READ into staging, then one local copy (kvxfer.staging); MiB "
+              "counts what the READ moved")
     return 0
 
 

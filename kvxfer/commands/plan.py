@@ -77,8 +77,9 @@ def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
 def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str, Any]:
     import numpy as np
 
-    from kvxfer.descriptors import build_requests_descriptors, plan_peer_reads
+    from kvxfer.descriptors import PeerReadPlan, build_requests_descriptors
     from kvxfer.layout import parse_layout
+    from kvxfer.staging import StagedRead, plan_reads
     from kvxfer.topology import read_plan
 
     prefill_layout = parse_layout(args.prefill_layout).name
@@ -109,11 +110,20 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
                                             2 * blocks["decode"], decode_bs)
         keep.append(raw)
         slices = read_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
-        peers = plan_peer_reads(local, {r: g for r, (_, g) in prefill.items()}, slices,
-                                local_tp=args.decode_tp, remote_tp=args.prefill_tp)
-        descs = build_requests_descriptors(peers, ids("decode"), remote_ids)
+        peers = plan_reads(local, {r: g for r, (_, g) in prefill.items()}, slices,
+                           local_tp=args.decode_tp, remote_tp=args.prefill_tp)
+        local_ids = ids("decode")
+        direct = [p for p in peers if isinstance(p, PeerReadPlan)]
+        descs = build_requests_descriptors(direct, local_ids, remote_ids) if direct else []
+        converted = []
+        for staged in (p for p in peers if isinstance(p, StagedRead)):
+            descs.append(staged.descriptors(np.asarray(remote_ids, dtype=np.int64), 1 << 40))
+            converted.append({"prefill_rank": staged.remote_rank,
+                              "staging_bytes": len(remote_ids) * staged.bytes_per_block,
+                              "placed_bytes": len(remote_ids) * staged.placed_per_block})
         lengths = np.concatenate([d.local[:, 1] for d in descs]) if descs else np.zeros(0)
         ranks.append({
+            "converted": converted,
             "decode_rank": rank,
             "reads_from": [{"prefill_rank": d.remote_rank, "descriptors": len(d),
                             "bytes": d.num_bytes,
@@ -174,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
               f"{_human(rank['bytes'])} in {rank['descriptors']} descriptors from {sources}")
         print(f"    bytes per descriptor: min {_human(per['min'])}, median "
               f"{_human(per['median'])}, max {_human(per['max'])}")
+        for part in rank["converted"]:
+            print(f"    converted through staging from prefill rank {part['prefill_rank']}: "
+                  f"reads {_human(part['staging_bytes'])} into a staging buffer, places "
+                  f"{_human(part['placed_bytes'])} of it with one local copy (tokens outside "
+                  f"heads, or heads and tokens ordered differently on the two sides)")
         if "same_block_size_descriptors" in rank:
             same = rank["same_block_size_descriptors"]
             print(f"    with equal block sizes: {same} descriptors "

@@ -1,0 +1,137 @@
+"""Converted reads (:mod:`kvxfer.staging`), proven by executing them: the staging
+descriptors run as byte copies into a real host buffer, the conversion places the
+heads, and the decode views must equal a view-level assignment head by head."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_descriptors import (
+    LAYOUTS,
+    TP_PAIRS,
+    Rank,
+    expect_compatible,
+    head_ranges,
+    make_rank,
+    make_views_like,
+    pick_ids,
+    spec_for,
+)
+
+from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan, validate_block_ids
+from kvxfer.staging import StagedRead, plan_reads
+from kvxfer.topology import read_plan
+
+
+def run_staged(local: Rank, remote: Rank, plan: StagedRead, local_ids: np.ndarray,
+               remote_ids: np.ndarray) -> int:
+    """READ into staging by byte copies, then convert; the number of descriptors."""
+    lids, rids = validate_block_ids(local_ids, remote_ids, plan.local.num_blocks,
+                                    plan.remote.num_blocks)
+    staging = torch.zeros(len(lids) * plan.bytes_per_block, dtype=torch.uint8)
+    descs = plan.descriptors(rids, staging.data_ptr())
+    assert int(descs.local[:, 1].sum()) == staging.numel()
+    dst = staging.numpy()
+    for (laddr, length, _), (raddr, _, _) in zip(descs.local.tolist(), descs.remote.tolist(),
+                                                 strict=True):
+        src = next(raw for raw in remote.buffers
+                   if raw.data_ptr() <= raddr and raddr + length <= raw.data_ptr() + raw.numel())
+        offset = laddr - staging.data_ptr()
+        start = raddr - src.data_ptr()
+        dst[offset:offset + length] = src.numpy()[start:start + length]
+    plan.convert(staging, local.views, torch.from_numpy(lids))
+    return len(descs)
+
+
+@st.composite
+def conversions(draw: st.DrawFn) -> dict:
+    local_tp, remote_tp = draw(st.sampled_from(TP_PAIRS))
+    total = draw(st.sampled_from([h for h in (1, 2, 4, 8)
+                                  if all((h % t == 0) if h >= t else (t % h == 0)
+                                         for t in (local_tp, remote_tp))]))
+    return {"local_tp": local_tp, "remote_tp": remote_tp, "total": total,
+            "dtype": draw(st.sampled_from([torch.float16, torch.float32])),
+            "local_rank": draw(st.integers(0, local_tp - 1)),
+            "local_layout": draw(st.sampled_from(LAYOUTS)),
+            "remote_layout": draw(st.sampled_from(LAYOUTS)),
+            "block_size": draw(st.sampled_from([2, 4])), "head_size": draw(st.sampled_from([1, 3])),
+            "pad": draw(st.sampled_from([0, 4])), "groups": draw(st.booleans()),
+            "layers": draw(st.integers(1, 3)), "blocks": draw(st.integers(1, 7)),
+            "separate_storage": draw(st.booleans()),
+            "ids": draw(st.sampled_from(["random", "consecutive", "all"])),
+            "seed": draw(st.integers(0, 2**31))}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversions())
+def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
+    rng = np.random.default_rng(s["seed"])
+    local_spec, remote_spec = spec_for(s, s["local_tp"]), spec_for(s, s["remote_tp"])
+    local = make_rank(local_spec, s["local_layout"], s["blocks"], s["layers"],
+                      s["separate_storage"] and s["local_layout"].is_layer_compact, rng)
+    plan = read_plan(s["local_rank"], s["local_tp"], s["remote_tp"], s["total"])
+    remotes = {p.remote_rank: make_rank(remote_spec, s["remote_layout"], s["blocks"] + 2,
+                                        s["layers"], False, rng) for p in plan}
+    count = s["blocks"] if s["ids"] == "all" else int(rng.integers(1, s["blocks"] + 1))
+    local_ids = pick_ids(s["ids"], count, s["blocks"], rng)
+    remote_ids = pick_ids(s["ids"], count, s["blocks"] + 2, rng)
+    full = all(p.count == local_spec.num_kv_heads == remote_spec.num_kv_heads for p in plan)
+    direct = expect_compatible(s["local_layout"], s["remote_layout"], local_spec, remote_spec,
+                               full)
+    reads = plan_reads(local.geometry, {r: x.geometry for r, x in remotes.items()}, plan,
+                       local_tp=s["local_tp"], remote_tp=s["remote_tp"])
+    # byte copies where they place every head, staging only where they cannot
+    assert all(isinstance(r, PeerReadPlan) == direct for r in reads), (direct, reads)
+    if direct:
+        return
+    expected = [raw.clone() for raw in local.buffers]
+    expected_views = make_views_like(local, expected)
+    for piece in plan:
+        remote = remotes[piece.remote_rank]
+        for rh, lh, n in head_ranges(local_spec, remote_spec, piece.remote_head_offset,
+                                     piece.local_head_offset, piece.count):
+            for layer in range(s["layers"]):
+                for lb, rb in zip(local_ids.tolist(), remote_ids.tolist(), strict=True):
+                    expected_views[layer][lb, lh:lh + n] = remote.views[layer][rb, rh:rh + n]
+    for read in reads:
+        assert isinstance(read, StagedRead)
+        run_staged(local, remotes[read.remote_rank], read, local_ids, remote_ids)
+    for got, want in zip(local.buffers, expected, strict=True):
+        assert torch.equal(got, want), "decode buffer differs from the view-level expectation"
+
+
+def test_tokens_outside_heads_read_whole_pages_in_one_run_per_block() -> None:
+    """LBNHC TP 1 -> decode rank of TP 2: every layer page of a block is one staging run
+    (a BLNHC prefill's block, all layers, is even one run)."""
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+
+    rng = np.random.default_rng(0)
+    for layout, runs in ((KVCacheLayout.LBNHC, 4 * 5), (KVCacheLayout.BLNHC, 5)):
+        remote = make_rank(CacheSpec(4, 8, 2, torch.float16), layout, 12, 4, False, rng)
+        local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 6, 4, False,
+                          rng)
+        (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(1, 2, 1, 8),
+                             local_tp=2, remote_tp=1)
+        assert isinstance(read, StagedRead)
+        ids = np.array([0, 2, 4, 6, 8])  # never adjacent: no run crosses blocks
+        assert run_staged(local, remote, read, np.arange(5), ids) == runs
+        assert read.placed_per_block * 2 == read.bytes_per_block  # half the heads kept
+
+
+def test_staging_refuses_what_it_cannot_bridge() -> None:
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+
+    rng = np.random.default_rng(1)
+    remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 4, 2, False, rng)
+    local = make_rank(CacheSpec(8, 4, 2, torch.float16), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    with pytest.raises(IncompatibleLayoutError, match="need a conversion, which needs equal "
+                                                      "block sizes; decode has 8, prefill 4"):
+        plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8), local_tp=2,
+                   remote_tp=1)
+    wider = make_rank(CacheSpec(4, 4, 3, torch.float16), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    with pytest.raises(IncompatibleLayoutError, match="head size or dtype differ"):
+        plan_reads(wider.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8), local_tp=2,
+                   remote_tp=1)
