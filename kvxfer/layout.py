@@ -2,7 +2,8 @@
 
 A KV cache has five logical dimensions, always named in this order:
 L (layer slot), B (block), H (KV head), N (token in a block), C (content: K and
-V packed, ``2 * head_size`` elements). Every layer sees a logical 4-D view
+V packed, ``2 * head_size`` elements; for a latent (MLA) cache one latent vector
+of ``head_size`` elements). Every layer sees a logical 4-D view
 ``[B, H, N, C]``. A :class:`KVCacheLayout` names the *physical* order of the
 five dims in memory, outermost first.
 
@@ -111,6 +112,11 @@ class CacheSpec:
     """Shape of one layer's KV page (one block of ``block_size`` tokens).
 
     Sizes named ``*_bytes`` are bytes; ``content_size`` is in elements.
+    ``latent``: the content is one latent vector of ``head_size`` elements per
+    token (MLA: the compressed KV, ``kv_lora_rank`` elements, then the decoupled
+    RoPE key), from which attention derives keys and values; there is no
+    separate V and a single "head" (``num_kv_heads == 1``), replicated on every
+    TP rank.
     """
 
     block_size: int
@@ -119,11 +125,17 @@ class CacheSpec:
     dtype: torch.dtype
     page_size_padded: int | None = None
     separate_kv_head_groups: bool = False
+    latent: bool = False
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("num_kv_heads", self.num_kv_heads)
         _positive("head_size", self.head_size)
+        if self.latent and (self.num_kv_heads != 1 or self.separate_kv_head_groups):
+            raise ValueError(
+                f"a latent (MLA) cache holds one latent vector per token: it needs "
+                f"num_kv_heads=1 (got {self.num_kv_heads}) and no separate K and V head "
+                f"groups (got separate_kv_head_groups={self.separate_kv_head_groups})")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if self.page_size_padded is not None:
@@ -148,8 +160,9 @@ class CacheSpec:
 
     @property
     def content_size(self) -> int:
-        """C of the view in elements: K and V packed, or one of them."""
-        return self.head_size if self.separate_kv_head_groups else 2 * self.head_size
+        """C of the view in elements: K and V packed, one of them, or one latent."""
+        return self.head_size if self.separate_kv_head_groups or self.latent \
+            else 2 * self.head_size
 
     @property
     def real_page_size_bytes(self) -> int:

@@ -62,7 +62,8 @@ from kvxfer.regions import RegionPlan
 #      records the claimer and refuses every other engine) and RenewAck.reason.
 #   5: CompatInfo.kv_packing (how K and V share a head's block: per token, as the
 #      reference engine keeps them, or as vLLM's CPU attention kernels store them).
-KVXFER_PROTOCOL_VERSION: int = 5
+#   6: CompatInfo.kv_lora_rank (0: K and V heads; > 0: an MLA latent cache).
+KVXFER_PROTOCOL_VERSION: int = 6
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
@@ -175,6 +176,10 @@ class FieldDiff(NamedTuple):
     peer: object
 
 
+_FIELD_HINTS = {"kv_lora_rank": " (0: a cache of K and V heads, > 0: an MLA latent cache)"}
+"""What a differing :class:`CompatInfo` field means, where its name does not say it."""
+
+
 class HashMismatch(ProtocolError):
     """The peer's compatibility hash differs: the two sides cannot share KV caches.
 
@@ -192,8 +197,9 @@ class HashMismatch(ProtocolError):
             detail = ("no CompatInfo field differs, so the peer computes the hash differently "
                       "(another kvxfer build?)")
         else:
-            detail = "differing: " + "; ".join(f"{d.field}: peer {d.peer!r}, here {d.here!r}"
-                                               for d in differing)
+            detail = "differing: " + "; ".join(
+                f"{d.field}{_FIELD_HINTS.get(d.field, '')}: peer {d.peer!r}, here {d.here!r}"
+                for d in differing)
         super().__init__(f"peer {peer} is not compatible: its compatibility hash is {found}, "
                          f"this side's is {expected}; {detail}",
                          peer=peer, expected=expected, found=found)
@@ -253,6 +259,12 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head of the model, not one rank's share. TP size, block size and layout are
     deliberately absent: they may differ between the sides and are checked when
     descriptors are planned, with precise messages.
+
+    ``kv_lora_rank`` is 0 for a cache of K and V heads. Above 0 the cache is an
+    MLA latent one: per token one vector of ``head_size`` elements, the first
+    ``kv_lora_rank`` the compressed KV and the rest the decoupled RoPE key, in a
+    single head (``total_kv_heads == 1``) that every TP rank holds. Its bytes
+    per token may equal some K/V cache's, so the two kinds must never pair.
     """
 
     model: str
@@ -262,6 +274,7 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     total_kv_heads: int
     num_layers: int
     kv_packing: str = TOKEN_PACKING  # see TOKEN_PACKING
+    kv_lora_rank: int = 0
     protocol_version: int = KVXFER_PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -275,6 +288,13 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("head_size", "total_kv_heads", "num_layers", "protocol_version"):
             value = getattr(self, name)
             _require(value > 0, f"CompatInfo.{name} must be positive, got {value}")
+        _require(self.kv_lora_rank >= 0,
+                 f"CompatInfo.kv_lora_rank must not be negative, got {self.kv_lora_rank}")
+        _require(not self.kv_lora_rank or (self.kv_lora_rank < self.head_size
+                                           and self.total_kv_heads == 1),
+                 f"CompatInfo of an MLA latent cache (kv_lora_rank {self.kv_lora_rank}) needs "
+                 f"total_kv_heads 1 (got {self.total_kv_heads}) and a head_size above the "
+                 f"rank, for the RoPE part (got {self.head_size})")
 
 
 def compat_hash(info: CompatInfo) -> str:

@@ -4,6 +4,10 @@ KV heads are sharded contiguously: with ``total_kv_heads >= tp`` rank ``r``
 holds heads ``[r * h, (r + 1) * h)`` with ``h = total_kv_heads // tp``; with
 fewer heads than ranks, heads are replicated and rank ``r`` holds the single
 head ``r * total_kv_heads // tp``. Head offsets below are in KV-head units.
+
+A latent (MLA) cache is the case ``total_kv_heads == 1``: its one latent "head" is
+on every rank, decode rank ``r`` reads it whole from prefill rank ``r % remote_tp``,
+and the prefill ranks nobody reads from are only told to free (:func:`notify_plan`).
 """
 
 from __future__ import annotations

@@ -452,8 +452,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 5): a change here changes the wire, so it needs a version bump.
-    assert HASH == "511750e3619e8f25a6fbd755bb606b9163349c96865a31ce44fc254afe8a00c1"
+    # Pinned (protocol 6): a change here changes the wire, so it needs a version bump.
+    assert HASH == "92feed1f898bc7bdd8dca9ab96eb0f832d6862bd4e06c90dab1c976a58f5c775"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -476,7 +476,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 5
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 6
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])
