@@ -72,6 +72,7 @@ class SideGeometry:
     block_stride: npt.NDArray[np.int64]
     mem: npt.NDArray[np.int64]
     devices: npt.NDArray[np.uint64]
+    latent: bool = False  # one MLA latent per token (RegionPlan.latent)
 
     @classmethod
     def from_plan(cls, plan: RegionPlan) -> SideGeometry:
@@ -97,7 +98,8 @@ class SideGeometry:
         devices = np.array([m.device_id for m in plan.memory], dtype=U64)
         chunk_len = plan.head_len * (1 if contiguous else plan.num_heads)
         return cls(plan.layout, plan.num_blocks, plan.block_size, plan.num_kv_heads,
-                   plan.separate_kv_head_groups, contiguous, chunk_len, base, stride, mem, devices)
+                   plan.separate_kv_head_groups, contiguous, chunk_len, base, stride, mem, devices,
+                   plan.latent)
 
     @property
     def num_layers(self) -> int:
@@ -163,6 +165,11 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
         raise IncompatibleLayoutError(
             "one side keeps K and V in separate head groups and the other packs them; "
             "use the same setting on both sides")
+    if local.latent != remote.latent:
+        kinds = {True: "an MLA latent cache", False: "K and V heads"}
+        raise IncompatibleLayoutError(
+            f"decode keeps {kinds[local.latent]} but prefill keeps {kinds[remote.latent]}: "
+            f"the same bytes mean different things; run the same model on both sides")
     full = all(s.count == local.num_kv_heads == remote.num_kv_heads for s in plan)
     if not full and not remote.heads_contiguous:
         relation = ">" if local_tp > remote_tp else "<" if local_tp < remote_tp else "="

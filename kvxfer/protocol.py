@@ -62,7 +62,8 @@ from kvxfer.regions import RegionPlan
 #      records the claimer and refuses every other engine) and RenewAck.reason.
 #   5: CompatInfo.kv_packing (how K and V share a head's block: per token, as the
 #      reference engine keeps them, or as vLLM's CPU attention kernels store them).
-#   6: CompatInfo.kv_lora_rank (0: K and V heads; > 0: an MLA latent cache).
+#   6: CompatInfo.kv_lora_rank (0: K and V heads; > 0: an MLA latent cache) and
+#      RegionPlan.latent.
 KVXFER_PROTOCOL_VERSION: int = 6
 
 TOKEN_PACKING = "token"

@@ -60,6 +60,8 @@ class RegionPlan(msgspec.Struct, frozen=True):
     """What one TP rank registers and what a peer needs to address its blocks.
 
     ``layout`` is one name for every storage: a layout each storage's views fit.
+    ``latent``: each token's content is one MLA latent of ``head_size`` elements
+    in a single head, not K and V (:class:`~kvxfer.layout.CacheSpec`).
     """
 
     layout: str
@@ -73,6 +75,7 @@ class RegionPlan(msgspec.Struct, frozen=True):
     separate_kv_head_groups: bool
     memory: tuple[MemoryRegion, ...]
     regions: tuple[Region, ...]
+    latent: bool = False
 
     @property
     def heads_contiguous(self) -> bool:
@@ -183,7 +186,7 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
                       block_size=spec.block_size, num_heads=spec.num_heads,
                       num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                       itemsize=spec.itemsize, separate_kv_head_groups=spec.separate_kv_head_groups,
-                      memory=tuple(memory), regions=tuple(regions))
+                      memory=tuple(memory), regions=tuple(regions), latent=spec.latent)
 
 
 def _choose_layout(groups: list[tuple[Group, int | None]], spec: CacheSpec,

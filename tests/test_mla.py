@@ -26,7 +26,7 @@ from test_descriptors import (
     token_rows,
 )
 
-from kvxfer.descriptors import build_read_descriptors
+from kvxfer.descriptors import IncompatibleLayoutError, build_read_descriptors
 from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache
 from kvxfer.protocol import (
     CompatInfo,
@@ -36,6 +36,7 @@ from kvxfer.protocol import (
     decode_envelope,
     encode_message,
 )
+from kvxfer.regions import RegionPlan
 from kvxfer.topology import notify_plan, read_plan, readers_per_remote_rank
 
 # DeepSeek-V3's latent: kv_lora_rank 512 + 64 RoPE dims; small ones below.
@@ -180,6 +181,27 @@ def test_a_deepseek_like_latent_moves_one_descriptor_per_block_and_layer(
 
 
 # -- compatibility: an MLA peer and a K/V peer never pair ---------------------------------------
+
+@pytest.mark.parametrize("decode_latent", [True, False])
+def test_a_latent_and_a_kv_cache_of_equal_bytes_per_token_are_refused(
+        decode_latent: bool) -> None:
+    """A 64-element latent and one K/V head of 32 are 64 elements per token alike: only
+    the plan's ``latent`` (sent in the handshake) tells them apart."""
+    latent = make_rank(latent_spec(16, 64), KVCacheLayout.LBHNC, 4, 2, False,
+                       np.random.default_rng(0))
+    kv = make_rank(CacheSpec(16, 1, 32, torch.bfloat16), KVCacheLayout.LBHNC, 4, 2, False,
+                   np.random.default_rng(1))
+    assert latent.plan.latent and not kv.plan.latent
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(latent.plan),
+                                  type=RegionPlan) == latent.plan
+    decode, prefill = (latent, kv) if decode_latent else (kv, latent)
+    kinds = ("an MLA latent cache", "K and V heads")
+    with pytest.raises(IncompatibleLayoutError,
+                       match=f"decode keeps {kinds[not decode_latent]} but prefill keeps "
+                             f"{kinds[decode_latent]}"):
+        build_read_descriptors(decode.geometry, {0: prefill.geometry}, read_plan(0, 1, 1, 1),
+                               [0], [0])
+
 
 KV = CompatInfo(model="m", dtype="bfloat16", cache_dtype="bfloat16", head_size=64,
                 total_kv_heads=1, num_layers=4)
