@@ -19,6 +19,15 @@ request's final output carries ``block_ids`` and its blocks stay allocated
 allocates blocks for the whole prompt and parks the request; once the first
 ``prompt_len - 1`` tokens' KV is in those blocks, ``finish_kv_load(ok=True)``
 computes only the last prompt token and decoding continues as usual.
+
+Prefix caching (``enable_prefix_caching``, :mod:`kvxfer.engine.prefix_cache`):
+full blocks whose KV is final stay cached after their request ends and are
+shared by later requests whose tokens start the same way. A request starts from
+its longest cached prefix (``num_cached`` tokens, always short of its last token);
+a ``remote_kv`` request's prefix ends on a multiple of the prefill's block size
+too, so that the decode reads the rest, whole prefill blocks, into its own
+(:meth:`num_cached_tokens`). A cached block is never written: a request computes,
+reads or copies only positions past its cached prefix.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from typing import Any
 import torch
 
 from kvxfer.engine.attention import PACKINGS
-from kvxfer.engine.block_allocator import BlockAllocator
+from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.model import Segment, Transformer, check_tp
+from kvxfer.engine.prefix_cache import PrefixCache
 from kvxfer.engine.sampler import SamplingParams, make_generator, sample
 from kvxfer.engine.scheduler import Scheduler
 from kvxfer.engine.sequence import Request, RequestOutput, RequestState
@@ -71,7 +81,7 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int = 256,
                  dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                  tokenizer: Tokenizer | None = None, model_name: str = TINY_MODEL,
-                 kv_packing: str = "token") -> None:
+                 kv_packing: str = "token", enable_prefix_caching: bool = False) -> None:
         check_tp(config, tp)
         self.config, self.tp, self.model_name = config, tp, model_name
         self.dtype = parse_dtype(dtype)
@@ -92,7 +102,9 @@ class LLMEngine:
         self.model_id = fingerprint(config, weights)
         self.model = Transformer(config, weights, tp=tp, dtype=self.dtype, device=device,
                                  kv_packing=kv_packing)
-        self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache(num_blocks, block_size) if enable_prefix_caching \
+            else None
+        self.allocator = self.prefix_cache or BlockAllocator(num_blocks)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_buffers: list[torch.Tensor] = []
         self.kv_caches: list[dict[str, torch.Tensor]] = []
@@ -102,7 +114,7 @@ class LLMEngine:
             self.kv_buffers.append(raw)
             self.kv_caches.append({layer_name(i): v for i, v in enumerate(views)})
         self.max_model_len = min(config.max_position_embeddings, num_blocks * block_size)
-        self.scheduler = Scheduler(self.allocator, block_size)
+        self.scheduler = Scheduler(self.allocator, block_size, self.prefix_cache)
         eos = set(config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -141,14 +153,24 @@ class LLMEngine:
         with self._lock:
             return self.allocator.num_used
 
+    def prefix_cache_stats(self) -> tuple[int, int, int]:
+        """Prefix cache totals: (tokens looked up, tokens found cached, blocks cached now,
+        held or idle); zeros without a cache. Idle cached blocks count as free."""
+        with self._lock:
+            cache = self.prefix_cache
+            return (0, 0, 0) if cache is None else (cache.queries, cache.hits, cache.num_cached)
+
     # -- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, hold_blocks: bool = False, remote_kv: bool = False) -> None:
+                    *, hold_blocks: bool = False, remote_kv: bool = False,
+                    remote_block_size: int | None = None) -> None:
         """Queue a request; see the module docstring for ``hold_blocks`` / ``remote_kv``.
 
-        Raises ValueError for invalid input and NoFreeBlocks when a ``remote_kv``
-        request's blocks are not free, before anything is allocated or queued.
+        ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
+        request's cached prefix is aligned (default: this engine's). Raises ValueError
+        for invalid input and NoFreeBlocks when a ``remote_kv`` request's blocks are
+        not free, before anything is allocated or queued.
         """
         with self._lock:
             prompt = self._check_request(request_id, prompt_token_ids, params)
@@ -159,7 +181,9 @@ class LLMEngine:
                               detokenizer=self.tokenizer.detokenizer(prompt),
                               generator=make_generator(params), hold_blocks=hold_blocks)
             if remote_kv:
-                request.block_ids = self.allocator.allocate(self.scheduler.blocks_for(len(prompt)))
+                if not self.scheduler.take_blocks(request, remote_block_size):
+                    raise NoFreeBlocks(self.scheduler.blocks_for(len(prompt)),
+                                       self.allocator.num_free)
                 request.state = RequestState.WAITING_FOR_KV
             else:
                 self.scheduler.add(request)
@@ -208,13 +232,20 @@ class LLMEngine:
         with self._lock:
             return list(self._get(request_id).block_ids)
 
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Leading tokens of ``request_id`` whose KV came from the prefix cache (0
+        without one): its first ``num_cached // block_size`` blocks hold it already."""
+        with self._lock:
+            return self._get(request_id).num_cached
+
     def finish_kv_load(self, request_id: str, ok: bool, *, recompute: bool = True,
                        reason: str = "") -> None:
         """Decode side: the KV READ for a ``remote_kv`` request ended.
 
         ``ok``: the first ``prompt_len - 1`` tokens' KV is in the request's blocks.
-        Otherwise recompute the whole prompt in the same blocks, or (``recompute``
-        False) finish with ``finish_reason="error"`` and ``reason``, freeing the blocks.
+        Otherwise recompute the prompt past its cached prefix in the same blocks, or
+        (``recompute`` False) finish with ``finish_reason="error"`` and ``reason``,
+        freeing the blocks.
         """
         with self._lock:
             request = self._get(request_id)
@@ -222,7 +253,8 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r} is {request.state.value}, "
                                  f"not waiting for KV")
             if ok or recompute:
-                request.num_computed = len(request.prompt_token_ids) - 1 if ok else 0
+                request.num_computed = len(request.prompt_token_ids) - 1 if ok \
+                    else request.num_cached
                 self.scheduler.start_running(request)
                 return
             self._end(request, "error", reason or "KV transfer failed")
@@ -233,8 +265,9 @@ class LLMEngine:
         One READ fills the source's blocks; each sibling (parked with ``remote_kv``,
         the same prompt, blocks of its own) gets a local copy of the blocks holding the
         source's ``num_computed`` tokens on every rank, and runs from there exactly as
-        if its own READ had ended (``finish_kv_load(ok=True)``). The copy goes through
-        each layer's logical ``[B, H, N, C]`` view, so it is the same for every layout.
+        if its own READ had ended (``finish_kv_load(ok=True)``), except for the blocks of
+        its cached prefix (the source's own, shared). The copy goes through each
+        layer's logical ``[B, H, N, C]`` view, so it is the same for every layout.
         The source must be running with nothing sampled yet (right after its
         ``finish_kv_load``). Raises ValueError, before copying anything, otherwise.
         """
@@ -243,9 +276,11 @@ class LLMEngine:
             siblings = [self._get(i) for i in sibling_ids]
             self._check_siblings(source, siblings)
             count = self.scheduler.blocks_for(source.num_computed)
+            first = [s.num_cached // self.block_size for s in siblings]
             if count and siblings:
-                self._copy_blocks([source.block_ids[:count]] * len(siblings),
-                                  [s.block_ids[:count] for s in siblings])
+                self._copy_blocks([source.block_ids[k:count] for k in first],
+                                  [s.block_ids[k:count] for s, k in zip(siblings, first,
+                                                                        strict=True)])
             for sibling in siblings:
                 sibling.num_computed = source.num_computed
                 self.scheduler.start_running(sibling)
@@ -337,6 +372,7 @@ class LLMEngine:
                 return outputs
             for request, row in zip(batch, logits, strict=True):
                 request.num_computed = request.num_tokens
+                self.scheduler.offer_final_blocks(request)
                 try:
                     request.append_token(sample(row, request.params, request.generator),
                                          self._eos_ids)

@@ -6,22 +6,33 @@ load) and then waiting requests in arrival order while their blocks fit. A
 running request that needs a new block when none is free takes it from the most
 recently admitted running request, which is preempted: its blocks are freed and
 it waits at the head of the queue to be recomputed from scratch.
+
+With a prefix cache (:mod:`kvxfer.engine.prefix_cache`), a request that gets its
+blocks starts from the longest run of cached full blocks of its tokens (never its
+last token, which is always computed: it gives the next token's logits), and every
+full block a step completed is offered to the cache.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from kvxfer.engine.block_allocator import BlockAllocator
+from kvxfer.engine.prefix_cache import PrefixCache, extend_hashes
 from kvxfer.engine.sequence import Request, RequestState
 
 
 class Scheduler:
     """Owns the waiting queue and the running list (in admission order)."""
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int,
+                 prefix_cache: PrefixCache | None = None) -> None:
+        if prefix_cache is not None and prefix_cache is not allocator:
+            raise ValueError("the prefix cache must be the allocator: they share one pool")
         self.allocator = allocator
         self.block_size = block_size
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -59,14 +70,54 @@ class Scheduler:
                 scheduled.append(request)
         while self.waiting:
             request = self.waiting[0]
-            needed = max(0, self.blocks_for(request.num_tokens) - len(request.block_ids))
-            if needed > self.allocator.num_free:
+            if not self.take_blocks(request):
                 break  # strict FCFS: later requests wait behind the head
-            request.block_ids += self.allocator.allocate(needed)
             self.waiting.popleft()
             self.start_running(request)
             scheduled.append(request)
         return scheduled
+
+    def take_blocks(self, request: Request, align: int | None = None) -> bool:
+        """Give ``request``, which holds no blocks, blocks for all its tokens: first the
+        cached blocks of its longest cached prefix (a multiple of ``align`` tokens,
+        default one block), then free ones; ``num_computed`` = ``num_cached`` = the
+        tokens they cover. False, and nothing taken, when they do not fit."""
+        assert not request.block_ids, "take_blocks is for a request without blocks"
+        hits = self._match(request, align or self.block_size)
+        needed = self.blocks_for(request.num_tokens) - len(hits)
+        if needed > self.allocator.num_free:
+            self.allocator.free(hits)
+            return False
+        request.block_ids = hits + self.allocator.allocate(needed)
+        request.num_computed = request.num_cached = len(hits) * self.block_size
+        request.num_offered_blocks = len(hits)
+        if self.prefix_cache is not None:
+            self.prefix_cache.record(request.num_tokens - 1, request.num_cached)
+        return True
+
+    def _match(self, request: Request, align: int) -> list[int]:
+        """The cached blocks of ``request``'s longest cached prefix that ends on a multiple
+        of ``align`` tokens and before its last token (now held by it)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        unit = math.lcm(align, self.block_size) // self.block_size  # blocks per step
+        limit = (request.num_tokens - 1) // self.block_size
+        hashes = extend_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
+        found = cache.lookup(hashes[:limit])
+        return cache.match(hashes[:found - found % unit])
+
+    def offer_final_blocks(self, request: Request) -> None:
+        """Offer the prefix cache the full blocks of ``request`` whose KV is now final
+        (all of their positions computed) and that were not offered yet."""
+        cache = self.prefix_cache
+        full = request.num_computed // self.block_size
+        if cache is None or full <= request.num_offered_blocks:
+            return
+        hashes = extend_hashes(request.block_hashes, request.token_ids, self.block_size, full)
+        first = request.num_offered_blocks
+        cache.insert(hashes[first:full], request.block_ids[first:full])
+        request.num_offered_blocks = full
 
     def _grow_or_preempt(self, request: Request) -> bool:
         """Give ``request`` blocks for its tokens, preempting the newest running requests
@@ -85,7 +136,7 @@ class Scheduler:
         self.running.remove(request)
         self.allocator.free(request.block_ids)
         request.block_ids = []
-        request.num_computed = 0
+        request.num_computed = request.num_cached = request.num_offered_blocks = 0
         request.state = RequestState.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1

@@ -9,7 +9,9 @@ Lifecycle::
 
 Invariant: the cache holds the KV of the first ``num_computed`` tokens of
 ``token_ids`` in the blocks ``block_ids`` (position ``p`` in block
-``block_ids[p // block_size]``).
+``block_ids[p // block_size]``). With a prefix cache, the first ``num_cached``
+tokens' blocks came from it (shared, never written by this request) and the first
+``num_offered_blocks`` blocks were offered to it (their KV is final).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class Request:
     logprobs: list[Logprob] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_cached: int = 0  # leading tokens whose KV blocks came from the prefix cache
+    num_offered_blocks: int = 0  # leading blocks offered to the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of full token blocks, so far
     text: str = ""
     num_text_sent: int = 0   # characters of ``text`` already returned as new_text
     num_tokens_sent: int = 0  # output tokens already returned as new_token_ids

@@ -1,0 +1,146 @@
+"""Blocks whose KV is final, found again by the tokens they hold: the prefix cache.
+
+A full block of a sequence is named by a chain hash: SHA-256 of its parent's hash
+and its ``block_size`` token ids, so equal hashes mean equal tokens at equal
+positions from the start, and (in one engine: one model, one layout) the same KV.
+:class:`PrefixCache` is a :class:`BlockAllocator` that remembers such blocks:
+
+- a block is *cached* once its request wrote the KV of all its positions
+  (:meth:`insert`; the caller guarantees the content is final);
+- a cached block is *held* by every request that uses it (reference counted;
+  :meth:`match` takes a reference, :meth:`free` drops one) and *idle* when none
+  does. Idle blocks count as free: :meth:`allocate` evicts the least recently
+  used idle block when the free list is empty, and never a held one.
+
+Invariants: ``num_free + num_used == num_blocks``; a cached block is never handed
+out by :meth:`allocate` while cached; nobody writes into a held cached block (a
+request computes only positions past the blocks it matched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
+
+ROOT_HASH = b"kvxfer-prefix-cache-v1"
+
+
+def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                  count: int) -> list[bytes]:
+    """Extend ``hashes`` (the chain hashes of the first blocks of ``token_ids``) in place
+    to ``count`` full blocks (fewer if ``token_ids`` has fewer); returns it."""
+    count = min(count, len(token_ids) // block_size)
+    for index in range(len(hashes), count):
+        parent = hashes[index - 1] if index else ROOT_HASH
+        tokens = np.asarray(token_ids[index * block_size:(index + 1) * block_size],
+                            dtype=np.int64)
+        hashes.append(hashlib.sha256(parent + tokens.tobytes()).digest())
+    return hashes
+
+
+class PrefixCache(BlockAllocator):
+    """A block allocator that keeps final blocks for reuse; see the module docstring."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks)
+        self.block_size = block_size
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._holders: dict[int, int] = {}  # held cached block -> requests holding it
+        self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.queries = 0  # tokens looked up (see :meth:`record`)
+        self.hits = 0     # of those, tokens found cached
+
+    @property
+    def num_free(self) -> int:
+        return super().num_free + len(self._idle)
+
+    @property
+    def num_used(self) -> int:
+        return super().num_used - len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks cached now, held or idle."""
+        return len(self._hash_of)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def holders(self, block: int) -> int:
+        """Requests holding cached ``block`` (0 when idle or not cached)."""
+        return self._holders.get(block, 0)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks for new content, evicting idle cached blocks (least recently
+        used first) only when the free list runs short; all or nothing."""
+        if isinstance(n, int) and not isinstance(n, bool) and n > self.num_free:
+            raise NoFreeBlocks(n, self.num_free)
+        for _ in range(max(0, n - super().num_free)):
+            block, _ = self._idle.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block)]
+            super().free([block])
+        return super().allocate(n)
+
+    def free(self, ids: Iterable[int]) -> None:
+        """A request lets go of its blocks: a cached block loses one holder (idle, most
+        recently used, at none); any other block is freed. Checks every id first."""
+        ids = list(ids)
+        for block in ids:
+            if block in self._idle:
+                raise ValueError(f"block {block} is cached but held by no request "
+                                 f"(double free?)")
+        cached = [b for b in ids if b in self._hash_of]
+        if len(set(cached)) != len(cached):
+            raise ValueError(f"cached blocks {sorted(cached)} repeat (double free?)")
+        super().free([b for b in ids if b not in self._hash_of])
+        for block in cached:
+            self._holders[block] -= 1
+            if not self._holders[block]:
+                del self._holders[block]
+                self._idle[block] = None
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` are cached (nothing changes)."""
+        for count, block_hash in enumerate(hashes):
+            if block_hash not in self._block_of:
+                return count
+        return len(hashes)
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes``, each now held once more
+        by the caller (who frees them like its other blocks)."""
+        found = []
+        for block_hash in hashes:
+            block = self._block_of.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        for block in found:
+            self._idle.pop(block, None)
+            self._holders[block] = self._holders.get(block, 0) + 1
+        return found
+
+    def insert(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Cache ``block_ids[i]`` under ``hashes[i]``: blocks the caller holds (allocated
+        or matched) whose KV is final. A hash cached already in another block leaves this
+        block private, freed as usual."""
+        for block_hash, block in zip(hashes, block_ids, strict=False):
+            if block in self._hash_of or block_hash in self._block_of:
+                continue
+            if block not in self._used:
+                raise ValueError(f"block {block} is not allocated: only a held block with "
+                                 f"final content can be cached")
+            self._block_of[block_hash], self._hash_of[block] = block, block_hash
+            self._holders[block] = 1
+
+    def record(self, queried: int, hit: int) -> None:
+        """Count one admitted lookup: ``queried`` tokens could have come from the cache,
+        ``hit`` did (Prometheus counters read these totals)."""
+        self.queries += queried
+        self.hits += hit
