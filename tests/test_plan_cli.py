@@ -83,6 +83,32 @@ def test_plan_incompatible_configuration_is_a_plain_error() -> None:
            "equal block sizes; decode has 32, prefill 16" in out.stderr
 
 
+def test_plan_explains_an_mla_latent_cache() -> None:
+    """DeepSeek-V3-like: 61 layers of one 576-element latent per token on every rank. Each
+    decode rank reads it whole from one prefill rank (all layers of consecutive BLHNC
+    blocks are one run) and tells a prefill rank nobody reads from to free."""
+    args = ("plan", "--kv-lora-rank", "512", "--head-size", "576", "--layers", "61",
+            "--tokens", "160", "--prefill-tp", "4", "--decode-tp", "2", "--prefill-layout",
+            "BLHNC", "--block-ids", "consecutive")
+    out = kvxfer(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["kv_heads"], result["kv_lora_rank"]) == (1, 512)
+    for rank in result["decode_ranks"]:
+        r = rank["decode_rank"]
+        assert rank["reads_from"] == [{"prefill_rank": r, "descriptors": 1,
+                                       "bytes": 160 * 61 * 576 * 2, "prefill_regions": 61}]
+        assert rank["frees_only"] == [r + 2] and rank["converted"] == []
+    text = kvxfer(*args).stdout
+    assert "MLA latent cache: per token and layer one 576-element latent (512 compressed KV " \
+           "+ 64 RoPE dims), replicated on every rank" in text, text
+    assert "decode rank 1: 61 regions; reads 10.7 MiB in 1 descriptors from prefill rank 1" in text
+    assert "tells prefill rank 3 to free the request's blocks without reading them" in text
+    bad = kvxfer("plan", "--kv-lora-rank", "128")
+    assert bad.returncode == 1
+    assert "--kv-lora-rank must be positive and below the latent's --head-size 128" in bad.stderr
+
+
 def test_plan_rejects_unknown_layout_names() -> None:
     out = kvxfer("plan", "--prefill-layout", "XYZ")
     assert out.returncode == 1

@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-ids", choices=["random", "consecutive"], default="random",
                         help="how the request's blocks sit in each cache (default random)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random block ids")
+    parser.add_argument("--kv-lora-rank", type=int, default=0, metavar="DIMS",
+                        help="an MLA latent cache: per token one latent of --head-size "
+                             "elements, the first DIMS of them the compressed KV and the rest "
+                             "RoPE dims (DeepSeek-V3: --kv-lora-rank 512 --head-size 576), in "
+                             "one head on every rank (replaces --kv-heads)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -51,7 +56,8 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
     from kvxfer.topology import heads_per_rank
 
     spec = CacheSpec(block_size or args.block_size, heads_per_rank(tp, args.kv_heads),
-                     args.head_size, getattr(torch, args.dtype))
+                     args.head_size, getattr(torch, args.dtype),
+                     latent=getattr(args, "kv_lora_rank", 0) > 0)
     raw = torch.empty(args.layers * num_blocks * spec.page_size_bytes, dtype=torch.uint8)
     views = reshape_kv_cache(raw, spec, num_blocks, args.layers, layout)
     plan = plan_regions({f"model.layers.{i}": v for i, v in enumerate(views)}, spec, num_blocks,
@@ -63,7 +69,14 @@ def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
     """Plan every decode rank's reads for one request; raises ValueError if incompatible.
 
     With different block sizes, ``same_block_size_descriptors`` is what the decode
-    would post if it used the prefill's block size: the price of the mismatch."""
+    would post if it used the prefill's block size: the price of the mismatch. An MLA
+    latent cache (``--kv-lora-rank``) is one head that every rank holds."""
+    if args.kv_lora_rank:
+        if not 0 < args.kv_lora_rank < args.head_size:
+            raise ValueError(f"--kv-lora-rank must be positive and below the latent's "
+                             f"--head-size {args.head_size} (the rest are RoPE dims), got "
+                             f"{args.kv_lora_rank}")
+        args = argparse.Namespace(**{**vars(args), "kv_heads": 1})
     prefill_bs = args.prefill_block_size or args.block_size
     decode_bs = args.decode_block_size or args.block_size
     result = _plan(args, prefill_bs, decode_bs)
@@ -80,7 +93,7 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
     from kvxfer.descriptors import PeerReadPlan, build_requests_descriptors
     from kvxfer.layout import parse_layout
     from kvxfer.staging import StagedRead, plan_reads
-    from kvxfer.topology import read_plan
+    from kvxfer.topology import notify_plan, read_plan
 
     prefill_layout = parse_layout(args.prefill_layout).name
     decode_layout = parse_layout(args.decode_layout or args.prefill_layout).name
@@ -122,9 +135,12 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
                               "staging_bytes": len(remote_ids) * staged.bytes_per_block,
                               "placed_bytes": len(remote_ids) * staged.placed_per_block})
         lengths = np.concatenate([d.local[:, 1] for d in descs]) if descs else np.zeros(0)
+        notified = notify_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
         ranks.append({
             "converted": converted,
             "decode_rank": rank,
+            # prefill ranks whose heads are all read elsewhere: told to free, not read
+            "frees_only": sorted(set(notified) - {s.remote_rank for s in slices}),
             "reads_from": [{"prefill_rank": d.remote_rank, "descriptors": len(d),
                             "bytes": d.num_bytes,
                             "prefill_regions": len(prefill[d.remote_rank][0].regions)}
@@ -140,7 +156,7 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
             "blocks": blocks["prefill"], "decode_blocks": blocks["decode"],
             "layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
             "block_size": prefill_bs, "decode_block_size": decode_bs, "dtype": args.dtype,
-            "decode_ranks": ranks}
+            "kv_lora_rank": args.kv_lora_rank, "decode_ranks": ranks}
 
 
 def _human(n: float) -> str:
@@ -176,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  block sizes differ: each {side} block holds {large // small} blocks of the "
               f"other side ({result['decode_blocks']} decode blocks); runs are cut at every "
               f"{small}-token block of both sides, no extra copy")
+    if result["kv_lora_rank"]:
+        latent, rank_dims = result["head_size"], result["kv_lora_rank"]
+        print(f"  MLA latent cache: per token and layer one {latent}-element latent "
+              f"({rank_dims} compressed KV + {latent - rank_dims} RoPE dims), replicated on "
+              f"every rank; each decode rank reads all of it from one prefill rank")
     for rank in result["decode_ranks"]:
         per = rank["bytes_per_descriptor"]
         sources = ", ".join(f"prefill rank {r['prefill_rank']} ({r['descriptors']} descriptors, "
@@ -184,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
               f"{_human(rank['bytes'])} in {rank['descriptors']} descriptors from {sources}")
         print(f"    bytes per descriptor: min {_human(per['min'])}, median "
               f"{_human(per['median'])}, max {_human(per['max'])}")
+        if rank["frees_only"]:
+            told = ", ".join(str(r) for r in rank["frees_only"])
+            print(f"    tells prefill rank{'s' * (len(rank['frees_only']) > 1)} {told} to free "
+                  f"the request's blocks without reading them (their copy is read elsewhere)")
         for part in rank["converted"]:
             print(f"    converted through staging from prefill rank {part['prefill_rank']}: "
                   f"reads {_human(part['staging_bytes'])} into a staging buffer, places "
