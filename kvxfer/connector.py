@@ -46,6 +46,12 @@ Decode role:
   Admitted: ``engine.add_request(..., remote_kv=True)`` parks it, then every
   rank starts its READ into ``engine.block_ids[:n]`` (unless the lease ended
   meanwhile: then nothing is read and the request fails as a failed read);
+* with the engine's prefix cache, the parked request's first blocks may hold a
+  cached prefix (``engine.num_cached_tokens``, a multiple of both block sizes): the
+  READ then covers only the prefill blocks past it, into the blocks past it. When
+  the cache holds every token the decode needs (all but the last), nothing is read:
+  the lease is released over the side channel at once (the prefill counts it
+  ``abandoned``) and the request runs (``kvxfer_kv_reads_skipped_total``);
 * :meth:`poll` collects every rank's results; when all ranks ended it calls
   ``engine.finish_kv_load``: ok, or on any failure recompute (policy
   ``recompute``) or fail the request (policy ``fail``; :meth:`take_transfer_error`
@@ -76,6 +82,7 @@ every rank reported finished or failed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import queue
@@ -527,7 +534,8 @@ class KVConnector:
         parked: list[str] = []
         try:
             for request_id, params in [(item.request_id, item.params), *item.siblings]:
-                self.engine.add_request(request_id, item.prompt, params, remote_kv=True)
+                self.engine.add_request(request_id, item.prompt, params, remote_kv=True,
+                                        remote_block_size=item.remote.remote_block_size)
                 parked.append(request_id)
         except Exception:
             for request_id in parked:  # frees their blocks; nobody reads them yet
@@ -535,10 +543,12 @@ class KVConnector:
             raise
 
     def _start_read(self, item: _Pending) -> None:
-        # the prompt's blocks here; the prefill's block size may differ (descriptors pair them)
-        local = self.engine.block_ids(item.request_id)[:-(-len(item.prompt)
-                                                         // self.engine.block_size)]
-        read = _Read(item.remote, set(range(len(self.workers))),
+        cached = self.engine.num_cached_tokens(item.request_id)
+        if cached and cached >= len(item.prompt) - 1:
+            self._skip_read(item)
+            return
+        local, remote = self._blocks_to_read(item, cached)
+        read = _Read(remote, set(range(len(self.workers))),
                      [sid for sid, _ in item.siblings], lease=item.lease)
         self._reads[item.request_id] = read
         ended = item.lease.why_unusable(time.monotonic())
@@ -551,13 +561,38 @@ class KVConnector:
             return
         for rank, worker in enumerate(self.workers):
             try:
-                worker.start_read(item.request_id, item.remote, local)
+                worker.start_read(item.request_id, remote, local)
             except (ValueError, RuntimeError) as exc:
                 read.ranks_left.discard(rank)
                 read.failures[rank] = f"rank {rank} could not start its READ: {exc}"
                 read.unnotified.add(rank)
         if not read.ranks_left:
             self._resolve(item.request_id)
+
+    def _blocks_to_read(self, item: _Pending, cached: int) -> tuple[list[int], RemoteParams]:
+        """The prompt's local blocks past the ``cached`` prefix and the params naming the
+        prefill's blocks past it (its block size may differ: descriptors pair them)."""
+        local_size = self.engine.block_size
+        remote_size = item.remote.remote_block_size or local_size
+        local = self.engine.block_ids(item.request_id)[cached // local_size:
+                                                       -(-len(item.prompt) // local_size)]
+        if not cached:
+            return local, item.remote
+        return local, dataclasses.replace(
+            item.remote, remote_block_ids=item.remote.remote_block_ids[cached // remote_size:])
+
+    def _skip_read(self, item: _Pending) -> None:
+        """The prefix cache holds the KV of every token the decode needs: read nothing,
+        free the prefill's lease now, run the request (and its siblings)."""
+        log.debug("request %s: the prefix cache holds its prompt; lease %s not read",
+                  item.request_id, item.remote.remote_request_id)
+        self._release(item.remote, "the decode's prefix cache holds the prompt's KV")
+        self.metrics.reads_skipped.inc()
+        self.engine.finish_kv_load(item.request_id, ok=True)
+        if item.siblings:
+            siblings = [sid for sid, _ in item.siblings]
+            self.engine.start_siblings(item.request_id, siblings)
+            self.metrics.sibling_copies.inc(len(siblings))
 
     def _poll_reads(self) -> None:
         for rank, worker in enumerate(self.workers):

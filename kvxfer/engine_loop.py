@@ -9,7 +9,8 @@ wake the thread. The thread, in a loop:
 3. steps the engine when it has work and hands each output to its request's
    :class:`Sink` (``loop.call_soon_threadsafe`` into an asyncio queue);
 4. publishes a snapshot (free blocks, leases, in-flight requests) that
-   ``/health`` and ``/metrics`` read without taking the engine lock;
+   ``/health`` and ``/metrics`` read without taking the engine lock, and adds
+   the engine's new prefix cache lookups to the metrics;
 5. sleeps on an Event when nothing was computed: ~1 ms while READs are in
    flight, a few ms while the engine waits for blocks, 10 ms while leases are
    held, up to a second when idle (a command wakes it at once).
@@ -148,6 +149,7 @@ class EngineLoop:
         self._ids_lock = threading.Lock()
         self._ids: set[str] = set()
         self._snapshot: dict[str, int] = {}
+        self._prefix_counted = (0, 0)  # prefix cache (queries, hits) already in the metrics
         self._submit_lock = threading.Lock()
         self._closed = False  # set by the thread as it ends: submit() refuses from then on
         self.error: str | None = None  # set when the thread died of an internal error
@@ -403,6 +405,11 @@ class EngineLoop:
         self.metrics.blocks_free.set(free)
         self.metrics.blocks_used.set(used)
         self.metrics.requests_in_flight.set(len(self._tracked))
+        queries, hits, cached = self.engine.prefix_cache_stats()
+        self.metrics.prefix_cache_queries.inc(queries - self._prefix_counted[0])
+        self.metrics.prefix_cache_hits.inc(hits - self._prefix_counted[1])
+        self.metrics.prefix_cache_blocks.set(cached)
+        self._prefix_counted = (queries, hits)
         self._snapshot = {"free_blocks": free, "used_blocks": used,
                           "num_blocks": self.engine.num_blocks, "leases": leases,
                           "requests_in_flight": len(self._tracked)}

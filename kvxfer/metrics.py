@@ -1,10 +1,11 @@
 """Prometheus metrics of one sidecar, in a registry of its own (one per app).
 
 Who writes what: the HTTP middleware counts requests by route and status; the
-engine loop counts tokens and publishes KV block and lease gauges after every
-iteration; the connector records transfers, failures, recomputes and lease
-releases, and what its workers counted (failed handshakes, failed and late "done"
-notifications: ``TransferWorker.take_counts``). ``GET /metrics`` renders
+engine loop counts tokens and publishes KV block and lease gauges, and the
+engine's prefix cache totals, after every iteration; the connector records
+transfers, failures, recomputes, reads skipped and lease releases, and what its
+workers counted (failed handshakes, failed and late "done" notifications:
+``TransferWorker.take_counts``). ``GET /metrics`` renders
 :meth:`SidecarMetrics.render`.
 
 Units: bytes for sizes, seconds for durations, tokens and blocks as counts.
@@ -88,6 +89,21 @@ class SidecarMetrics:
                                       "request started from a local copy of the KV its first "
                                       "sample read (not read again, not recomputed)",
                                       registry=r)
+        self.prefix_cache_queries = Counter(
+            "kvxfer_prefix_cache_queries", "Tokens looked up in the engine's prefix cache, "
+            "one lookup per admitted request (its tokens but the last, which is always "
+            "computed); 0 without --enable-prefix-caching", registry=r)
+        self.prefix_cache_hits = Counter(
+            "kvxfer_prefix_cache_hits", "Of kvxfer_prefix_cache_queries, tokens whose KV was "
+            "cached (not computed, not read)", registry=r)
+        self.prefix_cache_blocks = Gauge(
+            "kvxfer_prefix_cache_blocks", "KV cache blocks the prefix cache holds now, used "
+            "or idle (idle ones count as free: they are evicted, least recently used first, "
+            "when blocks run short)", registry=r)
+        self.reads_skipped = Counter(
+            "kvxfer_kv_reads_skipped", "Decode: requests whose prompt KV the prefix cache held "
+            "in full: nothing read, the lease released over the side channel at once",
+            registry=r)
         self.done_unsent = Counter("kvxfer_kv_done_unsent", "Decode: KV reads that succeeded "
                                    "but could not send \"done\" to every prefill rank (the "
                                    "lease was released over the side channel instead)",

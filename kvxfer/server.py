@@ -145,6 +145,7 @@ class Settings:
     advertise_host: str | None = None
     drain_timeout: float = 30.0  # after SIGTERM: longest wait for in-flight work and leases
     kv_packing: str = "token"  # how K and V share a head's block (engine/attention.py)
+    enable_prefix_caching: bool = False  # the engine's prefix cache (engine/prefix_cache.py)
 
     def side_channel_advertised(self) -> str:
         """The host decodes are told for this prefill's side channel (ValueError: a
@@ -185,7 +186,8 @@ class Sidecar:
         self.engine: LLMEngine = LLMEngine.from_model_arg(
             settings.model, seed=settings.seed, tp=settings.tp, layout=settings.kv_cache_layout,
             block_size=settings.block_size, num_blocks=settings.num_blocks,
-            dtype=settings.dtype, device=settings.device, kv_packing=settings.kv_packing)
+            dtype=settings.dtype, device=settings.device, kv_packing=settings.kv_packing,
+            enable_prefix_caching=settings.enable_prefix_caching)
         self.served_names = settings.served_model_names or (self.engine.model_name,)
         self.engine_id = new_engine_id(settings.role)
         self.metrics = SidecarMetrics(role=settings.role, engine_id=self.engine_id,
@@ -263,6 +265,7 @@ class Sidecar:
                 "http_host": self.http_host,
                 "side_channel_port": self.connector.side_channel_port,
                 "kv_load_failure_policy": self.settings.kv_load_failure_policy,
+                "prefix_caching": self.settings.enable_prefix_caching,
                 **self.loop.snapshot()}
 
 

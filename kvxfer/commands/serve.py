@@ -74,6 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stores float32 caches: a vLLM decode with KvxferConnector can "
                              "read such a prefill) (default token)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks (256)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="keep full KV blocks cached after their request ends and reuse "
+                             "them for later prompts that start with the same tokens "
+                             "(evicting the least recently used when blocks run short); a "
+                             "decode then reads from the prefill only the blocks it does "
+                             "not hold, and nothing when it holds the whole prompt. Off by "
+                             "default: every request then computes or reads its whole "
+                             "prompt, which is what transfer benchmarks and accuracy "
+                             "references measure")
     parser.add_argument("--model", default="kvxfer-tiny",
                         help="a model name from `kvxfer models` (kvxfer-tiny, the seeded "
                              "tiny model, is the default; smollm2-135m-instruct is a real "
@@ -173,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         read_lanes=args.read_lanes, kv_key=kv_key,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
-        drain_timeout=args.drain_timeout, kv_packing=args.kv_packing)
+        drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,
+        enable_prefix_caching=args.enable_prefix_caching)
     if args.role == "prefill":
         try:
             settings.side_channel_advertised()  # before the model loads
