@@ -52,7 +52,8 @@ def test_bad_checkpoints_fail_with_one_line_and_exit_2(tmp_path: Path) -> None:
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [
         f"kvxfer generate: error: model '{tmp_path / 'absent'}' is not a model name "
-        f"(kvxfer-tiny, smollm2-135m-instruct), a .gguf file or a checkpoint directory"]
+        f"(kvxfer-tiny, kvxfer-tiny-mla, smollm2-135m-instruct), a .gguf file or a checkpoint "
+        f"directory"]
     (tmp_path / "config.json").write_text("{not json")
     malformed = kvxfer("--model", str(tmp_path), "hello")
     assert malformed.returncode == 2

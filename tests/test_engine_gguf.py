@@ -309,8 +309,8 @@ def test_model_arguments_resolve_or_list_what_is_accepted() -> None:
     assert load_model("kvxfer-tiny").state_dict is None
     assert LLMEngine.from_model_arg(None, num_blocks=8).model_name == "kvxfer-tiny"
     with pytest.raises(ModelNotFound, match=r"model 'nope' is not a model name \(kvxfer-tiny, "
-                                            r"smollm2-135m-instruct\), a \.gguf file or a "
-                                            r"checkpoint directory"):
+                                            r"kvxfer-tiny-mla, smollm2-135m-instruct\), a "
+                                            r"\.gguf file or a checkpoint directory"):
         LLMEngine.from_model_arg("nope")
 
 
@@ -333,8 +333,10 @@ def test_models_command_lists_names_sources_and_availability(
     assert cli_main(["models", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     by_name = {m["name"]: m for m in listed["models"]}
-    assert list(by_name) == ["kvxfer-tiny", "smollm2-135m-instruct"]
+    assert list(by_name) == ["kvxfer-tiny", "kvxfer-tiny-mla", "smollm2-135m-instruct"]
     assert by_name["kvxfer-tiny"]["available"] is True
+    assert (by_name["kvxfer-tiny-mla"]["available"], by_name["kvxfer-tiny-mla"]["source"]) == \
+        (True, "seeded")
     smol = by_name["smollm2-135m-instruct"]
     assert smol["available"] is True, smol["source"]
     assert smol["source"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")

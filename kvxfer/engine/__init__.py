@@ -3,7 +3,7 @@ in any kvxfer layout, with in-process tensor parallelism (see ``engine.py``)."""
 
 from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from kvxfer.engine.config import ConfigError, ModelConfig, tiny_config
+from kvxfer.engine.config import ConfigError, ModelConfig, tiny_config, tiny_mla_config
 from kvxfer.engine.engine import TINY_MODEL, LLMEngine, layer_name
 from kvxfer.engine.sampler import Logprob, SamplingParams
 from kvxfer.engine.sequence import RequestOutput, RequestState
@@ -15,4 +15,5 @@ __all__ = [
     "HFTokenizer", "LLMEngine", "Logprob", "ModelConfig", "NoFreeBlocks", "RequestOutput",
     "RequestState", "SamplingParams", "Tokenizer", "fingerprint", "init_weights",
     "layer_name", "load_checkpoint", "load_tokenizer", "save_checkpoint", "tiny_config",
+    "tiny_mla_config",
 ]

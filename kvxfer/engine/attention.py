@@ -10,11 +10,16 @@ that block contiguous (heads outside tokens). Layouts differ only in the view's
 strides, and everything read from the cache is copied into one canonical contiguous
 tensor before any arithmetic, so every layout and packing gives bit-identical
 results.
+
+A latent (MLA) cache has one "head" whose ``C`` is a token's latent: the compressed
+KV, then the RoPE key shared by every query head. :func:`latent_attention` stores and
+reads those rows whole and derives each query head's keys and values from them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 PACKINGS = ("token", "vllm-cpu-vec")
 
@@ -37,13 +42,25 @@ def kv_views(cache: torch.Tensor, packing: str = "token") -> tuple[torch.Tensor,
     return keys, values
 
 
+def _slots(cache: torch.Tensor, block_table: torch.Tensor, start: int, count: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, row) of positions ``[start, start + count)``."""
+    block_size = cache.shape[2]
+    positions = torch.arange(start, start + count, device=cache.device)
+    return block_table[positions // block_size], positions % block_size
+
+
+def write_rows(cache: torch.Tensor, block_table: torch.Tensor, start: int,
+               rows: torch.Tensor) -> None:
+    """Store whole content rows ``[T, H, C]`` of positions ``[start, start + T)``."""
+    blocks, slots = _slots(cache, block_table, start, rows.shape[0])
+    cache[blocks, :, slots] = rows
+
+
 def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,
              key: torch.Tensor, value: torch.Tensor, packing: str = "token") -> None:
     """Store K/V ``[T, H, D]`` of positions ``[start, start + T)`` into their slots."""
-    block_size = cache.shape[2]
-    positions = torch.arange(start, start + key.shape[0], device=cache.device)
-    blocks = block_table[positions // block_size]
-    rows = positions % block_size
+    blocks, rows = _slots(cache, block_table, start, key.shape[0])
     keys, values = kv_views(cache, packing)
     # Two index tensors around a slice: the indexed result is [T, H, D], like key.
     keys[blocks, :, rows] = key
@@ -53,13 +70,18 @@ def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, end: int, packing: str = "token"
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[H, end, D]`` of positions ``[0, end)``, as canonical contiguous copies."""
-    used = block_table[: -(-end // cache.shape[2])]
     if packing == "token":  # one gather of K and V together, split after the copy
-        packed = _gathered(cache, used, end)
+        packed = gather_rows(cache, block_table, end)
         head_dim = packed.shape[-1] // 2
         return packed[..., :head_dim], packed[..., head_dim:]
+    used = block_table[: -(-end // cache.shape[2])]
     keys, values = kv_views(cache, packing)
     return _gathered(keys, used, end), _gathered(values, used, end)
+
+
+def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, end: int) -> torch.Tensor:
+    """Whole content rows ``[H, end, C]`` of positions ``[0, end)``, a canonical copy."""
+    return _gathered(cache, block_table[: -(-end // cache.shape[2])], end)
 
 
 def _gathered(part: torch.Tensor, used: torch.Tensor, end: int) -> torch.Tensor:
@@ -81,18 +103,58 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     disaggregated run (``start=n-1, T=1`` after the first ``n-1`` tokens' KV arrived).
     Query head ``j`` attends with KV head ``j // (Hq // Hkv)``. Returns ``[T, Hq, D]``.
     """
-    num_new, num_q_heads, head_dim = query.shape
+    num_new, _, head_dim = query.shape
     num_kv_heads = key.shape[1]
     end = start + num_new
-    block_size = cache.shape[2]
-    if block_table.numel() * block_size < end:
-        raise ValueError(f"block table of {block_table.numel()} blocks x {block_size} tokens "
-                         f"cannot hold positions up to {end}")
+    _check_table(cache, block_table, end)
     if cache.shape[1] != num_kv_heads or cache.shape[3] != 2 * head_dim:
         raise ValueError(f"cache view {list(cache.shape)} does not hold {num_kv_heads} heads "
                          f"of K+V with head_dim {head_dim}")
     write_kv(cache, block_table, start, key, value, packing)
     keys, values = gather_kv(cache, block_table, end, packing)
+    return _attend(query, keys, values, start, scale)
+
+
+def latent_attention(query: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor,
+                     block_table: torch.Tensor, start: int, scale: float,
+                     kv_up: torch.Tensor) -> torch.Tensor:
+    """MLA: causal attention of ``T`` new tokens over a latent cache.
+
+    ``query`` is ``[T, Hq, D + R]`` (no-RoPE dims, then the rotated RoPE dims);
+    ``latent`` ``[T, L + R]`` is each new token's normalised compressed KV (``L``
+    dims) and rotated RoPE key, written into the single-head ``[B, 1, N, L + R]``
+    cache first. ``kv_up`` ``[Hq * 2D, L]`` up-projects a cached latent to each query
+    head's key no-RoPE part and value (``D`` rows each, head by head); the key's RoPE
+    part is the cached one, shared by every head. Returns ``[T, Hq, D]``.
+    """
+    num_heads, rank, end = query.shape[1], kv_up.shape[1], start + query.shape[0]
+    _check_table(cache, block_table, end)
+    if cache.shape[1] != 1 or cache.shape[3] != latent.shape[-1]:
+        raise ValueError(f"cache view {list(cache.shape)} does not hold one latent of "
+                         f"{latent.shape[-1]} elements per token")
+    write_rows(cache, block_table, start, latent[:, None])
+    cached = gather_rows(cache, block_table, end)[0]  # [end, L + R]
+    up = F.linear(cached[:, :rank], kv_up).view(end, num_heads, 2, -1)
+    rope = cached[:, None, rank:].expand(end, num_heads, -1)
+    keys = torch.cat((up[:, :, 0], rope), dim=-1).transpose(0, 1)  # [Hq, end, D + R]
+    values = up[:, :, 1].transpose(0, 1)  # [Hq, end, D]
+    return _attend(query, keys.contiguous(), values.contiguous(), start, scale)
+
+
+def _check_table(cache: torch.Tensor, block_table: torch.Tensor, end: int) -> None:
+    block_size = cache.shape[2]
+    if block_table.numel() * block_size < end:
+        raise ValueError(f"block table of {block_table.numel()} blocks x {block_size} tokens "
+                         f"cannot hold positions up to {end}")
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+            scale: float) -> torch.Tensor:
+    """Causal attention of ``query`` ``[T, Hq, D]`` over positions ``[0, start + T)`` of
+    ``keys`` ``[Hkv, end, D]`` and ``values`` ``[Hkv, end, Dv]``; returns ``[T, Hq, Dv]``.
+    Query head ``j`` uses KV head ``j // (Hq // Hkv)``."""
+    num_new, num_q_heads, head_dim = query.shape
+    num_kv_heads, end, value_dim = values.shape
     group = num_q_heads // num_kv_heads
     # [T, Hq, D] -> [Hkv, group * T, D]: each KV head with the query heads it serves.
     q = query.reshape(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -103,6 +165,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     future = key_pos[None, :] > query_pos[:, None]  # [T, end]
     scores = scores.view(num_kv_heads, group, num_new, end).masked_fill(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_kv_heads, -1, end)
-    out = torch.matmul(probs, values)  # [Hkv, group * T, D]
-    return out.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3) \
-        .reshape(num_new, num_q_heads, head_dim)
+    out = torch.matmul(probs, values)  # [Hkv, group * T, Dv]
+    return out.view(num_kv_heads, group, num_new, value_dim).permute(2, 0, 1, 3) \
+        .reshape(num_new, num_q_heads, value_dim)

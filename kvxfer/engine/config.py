@@ -5,6 +5,10 @@ change the numbers (Llama, Qwen2 and Mistral share them), validated on
 construction. Fields that would change the math in a way the engine does not
 implement (RoPE scaling, another activation, MLP bias) are refused by
 :meth:`ModelConfig.from_hf` with an error naming the field, never ignored.
+
+``kvxfer_mla`` is kvxfer's own synthetic family: Llama with DeepSeek-style
+multi-head latent attention (MLA), whose KV cache holds one latent vector per
+token instead of K and V heads.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                         "mistral": "MistralForCausalLM"}
+                         "mistral": "MistralForCausalLM", "kvxfer_mla": "KvxferMLAForCausalLM"}
+MLA_MODEL_TYPE = "kvxfer_mla"
 
 
 class ConfigError(ValueError):
@@ -41,8 +46,15 @@ class ModelConfig:
     """Shape and constants of the transformer. ``head_dim`` is in elements.
 
     Invariants: query heads are a multiple of KV heads (grouped-query attention);
-    ``head_dim`` is even (RoPE rotates pairs); special token ids lie in the vocabulary.
+    the rotary dims are even (RoPE rotates pairs); special token ids lie in the vocabulary.
     ``eos_token_id`` may be several ids (Llama 3 lists three).
+
+    MLA (``model_type="kvxfer_mla"``): ``kv_lora_rank`` and ``qk_rope_head_dim`` are
+    positive and ``num_key_value_heads`` is 1, the one latent "head" every TP rank
+    keeps whole. Each query head has ``head_dim`` no-RoPE dims plus
+    ``qk_rope_head_dim`` RoPE dims; keys and values (``head_dim`` each per head) are
+    up-projected from the cached latent, whose RoPE part is the one key shared by all
+    heads. Other model types have both fields 0.
     """
 
     vocab_size: int
@@ -60,6 +72,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str = "llama"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -72,8 +86,10 @@ class ModelConfig:
             raise ConfigError("num_key_value_heads",
                               f"{self.num_key_value_heads} does not divide "
                               f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            raise ConfigError("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        self._check_mla()
+        if self.rotary_dim % 2:
+            field = "qk_rope_head_dim" if self.is_mla else "head_dim"
+            raise ConfigError(field, f"must be even for RoPE, got {self.rotary_dim}")
         for field in ("tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(field, f"must be true or false, got {getattr(self, field)!r}")
@@ -87,6 +103,22 @@ class ModelConfig:
         self._check_token("bos_token_id", self.bos_token_id)
         for token in self.eos_token_ids:
             self._check_token("eos_token_id", token)
+
+    def _check_mla(self) -> None:
+        for field in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(self, field)
+            if self.is_mla:
+                _positive_int(field, value)
+            elif value != 0:
+                raise ConfigError(field, f"only {MLA_MODEL_TYPE} models have one, got {value!r} "
+                                  f"for a {self.model_type} model")
+        if self.is_mla and self.num_key_value_heads != 1:
+            raise ConfigError("num_key_value_heads",
+                              f"an MLA model caches one latent per token, its single KV head; "
+                              f"got {self.num_key_value_heads}")
+        if self.is_mla and self.attention_bias:
+            raise ConfigError("attention_bias", f"{MLA_MODEL_TYPE} models have no attention "
+                              f"biases")
 
     def _check_token(self, field: str, token: object) -> None:
         if token is None:
@@ -108,6 +140,21 @@ class ModelConfig:
     @property
     def queries_per_kv_head(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: the cache holds one latent per token."""
+        return self.model_type == MLA_MODEL_TYPE
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims RoPE rotates in each query head (and key)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def cache_head_size(self) -> int:
+        """Elements of one KV head's K (or V) in the cache; for MLA, of the latent."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -152,11 +199,14 @@ class ModelConfig:
             attention_bias=True if model_type == "qwen2" else hf.get("attention_bias", False),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            model_type=model_type)
+            model_type=model_type, kv_lora_rank=hf.get("kv_lora_rank", 0),
+            qk_rope_head_dim=hf.get("qk_rope_head_dim", 0))
 
     def to_hf(self) -> dict[str, Any]:
         """A ``config.json`` dict that :meth:`from_hf` reads back to an equal config."""
         out = asdict(self)
+        if not self.is_mla:  # the fields of another family; their absence keeps ids stable
+            del out["kv_lora_rank"], out["qk_rope_head_dim"]
         if isinstance(self.eos_token_id, tuple):
             out["eos_token_id"] = list(self.eos_token_id)
         out["architectures"] = [SUPPORTED_MODEL_TYPES[self.model_type]]
@@ -197,3 +247,15 @@ def tiny_config() -> ModelConfig:
                        max_position_embeddings=2048, tie_word_embeddings=False,
                        attention_bias=False, bos_token_id=256, eos_token_id=257,
                        model_type="llama")
+
+
+def tiny_mla_config() -> ModelConfig:
+    """``kvxfer-tiny-mla``: the tiny model with latent attention. Eight query heads over
+    one cached latent of 32 + 8 elements per token, so every TP size up to 8 shards
+    the query heads and keeps the whole latent on each rank."""
+    return ModelConfig(vocab_size=258, hidden_size=128, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=1, head_dim=16,
+                       intermediate_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=2048, tie_word_embeddings=False,
+                       attention_bias=False, bos_token_id=256, eos_token_id=257,
+                       model_type=MLA_MODEL_TYPE, kv_lora_rank=32, qk_rope_head_dim=8)

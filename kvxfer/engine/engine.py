@@ -139,9 +139,11 @@ class LLMEngine:
     # -- introspection
 
     def cache_spec(self, rank: int) -> CacheSpec:
-        """Rank ``rank``'s KV page shape: its share of the KV heads."""
+        """Rank ``rank``'s KV page shape: its share of the KV heads (for MLA, the one
+        latent head that every rank holds)."""
         heads = rank_heads(rank, self.tp, self.config.num_key_value_heads)
-        return CacheSpec(self.block_size, len(heads), self.config.head_dim, self.dtype)
+        return CacheSpec(self.block_size, len(heads), self.config.cache_head_size, self.dtype,
+                         latent=self.config.is_mla)
 
     @property
     def num_free_blocks(self) -> int:

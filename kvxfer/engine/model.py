@@ -8,6 +8,11 @@ of the MLP's intermediate dim. Each rank attends over its own KV cache; the
 ranks' partial outputs are summed in rank order (the in-process "all-reduce").
 Embedding, norms and lm head are replicated.
 
+An MLA model (``config.is_mla``) has one KV "head", the latent, so every rank keeps
+the whole latent cache and computes it with the same replicated down-projection
+(``kv_a_proj_with_mqa``, ``kv_a_layernorm``); TP shards its query heads with their
+rows of ``q_proj`` and of the up-projection ``kv_b_proj``, and ``o_proj``'s columns.
+
 Numerics follow Hugging Face Llama: RoPE in the "rotate_half" convention with
 float32 frequencies, RMSNorm in float32, softmax in float32, logits as float32.
 """
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvxfer.engine.attention import paged_attention
+from kvxfer.engine.attention import latent_attention, paged_attention
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.weights import WeightsError, check_tensor_shapes
 from kvxfer.topology import rank_heads
@@ -41,14 +46,24 @@ class Segment:
 
 
 @dataclass
+class LatentWeights:
+    """MLA's latent projections on one rank: down and norm whole, up for its query heads."""
+
+    down: torch.Tensor         # [kv_lora_rank + qk_rope_head_dim, hidden], every rank
+    norm: torch.Tensor         # [kv_lora_rank]
+    up: torch.Tensor           # [q_heads * 2 * head_dim, kv_lora_rank]
+
+
+@dataclass
 class RankLayer:
     """One layer's weights on one TP rank (``[out, in]`` matrices, HF orientation)."""
 
-    qkv: torch.Tensor          # q rows, then k rows, then v rows of this rank's heads
+    qkv: torch.Tensor          # q rows, then k rows, then v rows of this rank's heads (MLA: q)
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor       # [hidden, q_heads * head_dim]
     gate_up: torch.Tensor      # gate rows, then up rows of this rank's intermediate slice
     down: torch.Tensor         # [hidden, intermediate / tp]
+    latent: LatentWeights | None = None  # MLA only
 
 
 @dataclass
@@ -126,6 +141,9 @@ class Transformer:
                  tp: int = 1, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", kv_packing: str = "token") -> None:
         check_tp(config, tp)
+        if kv_packing != "token" and config.is_mla:
+            raise ValueError(f"kv_packing {kv_packing!r} arranges K and V of a head; an MLA "
+                             f"model's cache holds one latent per token (use 'token')")
         self.kv_packing = kv_packing  # how K and V share a head's block (attention.py)
         try:
             check_tensor_shapes({n: (tuple(t.shape), "state_dict") for n, t in state_dict.items()},
@@ -147,8 +165,9 @@ class Transformer:
         self.post_norms = [full[f"model.layers.{i}.post_attention_layernorm.weight"]
                            for i in range(config.num_hidden_layers)]
         self.ranks = [self._shard(full, rank) for rank in range(tp)]
-        half = torch.arange(0, config.head_dim, 2, dtype=torch.int64).to(self.device).float()
-        self.inv_freq = 1.0 / (config.rope_theta ** (half / config.head_dim))
+        rotary = config.rotary_dim
+        half = torch.arange(0, rotary, 2, dtype=torch.int64).to(self.device).float()
+        self.inv_freq = 1.0 / (config.rope_theta ** (half / rotary))
 
     def _shard(self, full: dict[str, torch.Tensor], rank: int) -> RankWeights:
         cfg, dim = self.config, self.config.head_dim
@@ -162,9 +181,14 @@ class Transformer:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
-            qkv = torch.cat([full[attn + "q_proj.weight"][q_rows],
-                             full[attn + "k_proj.weight"][kv_rows],
-                             full[attn + "v_proj.weight"][kv_rows]])
+            latent = self._latent_shard(full, attn, q_heads) if cfg.is_mla else None
+            if latent is not None:  # queries carry RoPE dims too: rows per head differ
+                rows = cfg.head_dim + cfg.qk_rope_head_dim
+                qkv = full[attn + "q_proj.weight"][q_heads.start * rows:q_heads.stop * rows]
+            else:
+                qkv = torch.cat([full[attn + "q_proj.weight"][q_rows],
+                                 full[attn + "k_proj.weight"][kv_rows],
+                                 full[attn + "v_proj.weight"][kv_rows]])
             bias = None
             if cfg.attention_bias:
                 bias = torch.cat([full[attn + "q_proj.bias"][q_rows],
@@ -175,11 +199,21 @@ class Transformer:
                 o_proj=full[attn + "o_proj.weight"][:, q_rows].contiguous(),
                 gate_up=torch.cat([full[p + "mlp.gate_proj.weight"][mlp_rows],
                                    full[p + "mlp.up_proj.weight"][mlp_rows]]),
-                down=full[p + "mlp.down_proj.weight"][:, mlp_rows].contiguous()))
+                down=full[p + "mlp.down_proj.weight"][:, mlp_rows].contiguous(),
+                latent=latent))
         return RankWeights(q_heads, kv_heads, layers)
 
+    def _latent_shard(self, full: dict[str, torch.Tensor], attn: str,
+                      q_heads: range) -> LatentWeights:
+        rows = 2 * self.config.head_dim  # per query head: its key's no-RoPE part, its value
+        return LatentWeights(
+            down=full[attn + "kv_a_proj_with_mqa.weight"],
+            norm=full[attn + "kv_a_layernorm.weight"],
+            up=full[attn + "kv_b_proj.weight"][q_heads.start * rows:q_heads.stop * rows])
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D]`` in the model dtype (computed in float32, as HF does)."""
+        """cos and sin ``[T, 1, rotary_dim]`` in the model dtype (computed in float32, as
+        HF does)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(self.dtype)[:, None, :], angles.sin().to(self.dtype)[:, None, :]
@@ -198,10 +232,11 @@ class Transformer:
         cos, sin = self.rope(positions)
         hidden = self.embed[token_ids.to(self.device)]
         eps = self.config.rms_norm_eps
+        attention = self._latent_attention if self.config.is_mla else self._attention
         for i in range(self.config.num_hidden_layers):
             x = rms_norm(hidden, self.input_norms[i], eps)
             hidden = hidden + self._all_reduce(
-                [self._attention(x, cos, sin, segments, r, i, kv_caches[r][i])
+                [attention(x, cos, sin, segments, r, i, kv_caches[r][i])
                  for r in range(self.tp)])
             x = rms_norm(hidden, self.post_norms[i], eps)
             hidden = hidden + self._all_reduce([self._mlp(x, rank.layers[i])
@@ -237,6 +272,32 @@ class Transformer:
             out[rows] = paged_attention(q[rows], k[rows], v[rows], cache,
                                         seg.block_tables[rank_index], seg.start, scale,
                                         self.kv_packing)
+            offset += seg.num_tokens
+        return F.linear(out.reshape(-1, num_q * dim), weights.o_proj)
+
+    def _latent_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          segments: list[Segment], rank_index: int, layer: int,
+                          cache: torch.Tensor) -> torch.Tensor:
+        """MLA on one rank: its query heads over the latent cache it holds whole."""
+        rank, cfg = self.ranks[rank_index], self.config
+        weights, dim, rank_dims = rank.layers[layer], cfg.head_dim, cfg.kv_lora_rank
+        assert weights.latent is not None
+        num_q = len(rank.q_heads)
+        q = F.linear(x, weights.qkv).reshape(-1, num_q, dim + cfg.qk_rope_head_dim)
+        q_rope = q[..., dim:]
+        q = torch.cat((q[..., :dim], q_rope * cos + rotate_half(q_rope) * sin), dim=-1)
+        compressed, k_rope = torch.split(F.linear(x, weights.latent.down),
+                                         [rank_dims, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = (k_rope[:, None] * cos + rotate_half(k_rope[:, None]) * sin)[:, 0]
+        latent = torch.cat((rms_norm(compressed, weights.latent.norm, cfg.rms_norm_eps),
+                            k_rope), dim=-1)
+        out = torch.empty(q.shape[0], num_q, dim, dtype=q.dtype, device=q.device)
+        offset, scale = 0, (dim + cfg.qk_rope_head_dim) ** -0.5
+        for seg in segments:
+            rows = slice(offset, offset + seg.num_tokens)
+            out[rows] = latent_attention(q[rows], latent[rows], cache,
+                                         seg.block_tables[rank_index], seg.start, scale,
+                                         weights.latent.up)
             offset += seg.num_tokens
         return F.linear(out.reshape(-1, num_q * dim), weights.o_proj)
 

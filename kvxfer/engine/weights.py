@@ -2,7 +2,9 @@
 
 Tensor names and shapes are Hugging Face's (``model.layers.{i}.self_attn.q_proj.weight``
 is ``[num_attention_heads * head_dim, hidden_size]``, out x in), so a seeded model
-saves as a loadable checkpoint and a real checkpoint loads without renaming.
+saves as a loadable checkpoint and a real checkpoint loads without renaming. MLA
+attention uses DeepSeek-V2's names (``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+``kv_b_proj``).
 """
 
 from __future__ import annotations
@@ -21,19 +23,15 @@ class WeightsError(ValueError):
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, in a fixed order (the order seeds are drawn in)."""
-    hidden, inter, dim = config.hidden_size, config.intermediate_size, config.head_dim
-    q_out, kv_out = config.num_attention_heads * dim, config.num_key_value_heads * dim
+    hidden, inter = config.hidden_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, hidden)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, hidden)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, hidden)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_out)
+        attention = _latent_attention_shapes if config.is_mla else _attention_shapes
+        shapes.update({p + "self_attn." + name: shape
+                       for name, shape in attention(config).items()})
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, config.num_attention_heads
+                                                 * config.head_dim)
         shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
         shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
         shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
@@ -43,6 +41,29 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes
+
+
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    hidden, dim = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * dim, config.num_key_value_heads * dim
+    shapes = {"q_proj.weight": (q_out, hidden), "k_proj.weight": (kv_out, hidden),
+              "v_proj.weight": (kv_out, hidden)}
+    if config.attention_bias:
+        shapes.update({"q_proj.bias": (q_out,), "k_proj.bias": (kv_out,),
+                       "v_proj.bias": (kv_out,)})
+    return shapes
+
+
+def _latent_attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per query head: ``head_dim + qk_rope_head_dim`` rows of ``q_proj`` and ``2 * head_dim``
+    rows of ``kv_b_proj`` (its key's no-RoPE part, then its value); ``kv_a_proj_with_mqa``
+    makes the cached latent (``kv_lora_rank`` compressed dims, then the RoPE key)."""
+    hidden, dim, rank = config.hidden_size, config.head_dim, config.kv_lora_rank
+    heads, rope = config.num_attention_heads, config.qk_rope_head_dim
+    return {"q_proj.weight": (heads * (dim + rope), hidden),
+            "kv_a_proj_with_mqa.weight": (rank + rope, hidden),
+            "kv_a_layernorm.weight": (rank,),
+            "kv_b_proj.weight": (heads * 2 * dim, rank)}
 
 
 def check_tensor_shapes(found: dict[str, tuple[tuple[int, ...], str]], config: ModelConfig,
