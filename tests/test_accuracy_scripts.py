@@ -68,6 +68,7 @@ def run_script(argv: list[str], env: dict[str, str],
 
 
 TINY = {"MODEL": "kvxfer-tiny"}
+TINY_MLA = {"MODEL": "kvxfer-tiny-mla"}  # one latent per token, on every TP rank
 GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as MODEL
 
 
@@ -88,6 +89,11 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
                   "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
+    pytest.param({**TINY_MLA, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
+                 id="tiny-mla-tp1-to-tp2"),
+    # the second prefill rank is only told to free; LBNHC needs no conversion for one head
+    pytest.param({**TINY_MLA, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "LBNHC",
+                  "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"}, id="tiny-mla-tp2-to-tp1"),
 ])
 def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     if env.get("MODEL") == GGUF_FILE:
