@@ -16,9 +16,9 @@ heads it needs) for the request's blocks into a staging buffer it registered,
 in (block, layer, chunk) order, merged into one descriptor wherever the prefill
 side is contiguous too. Once the READ completed, :meth:`StagedRead.convert`
 copies each needed head from the staged chunks into the decode's own views with
-torch. K and V are taken apart through each side's packing
-(:func:`kvxfer.engine.attention.kv_views`), so the same step also serves two
-sides whose K/V order inside a head's block differs.
+torch. Where the two sides pack K and V differently inside a head's block, K and
+V are taken apart through each side's packing
+(:func:`kvxfer.engine.attention.kv_views`) and copied one after the other.
 
 Block sizes must be equal on a converted path (checked when planning).
 """
@@ -106,13 +106,14 @@ class StagedRead:
             else:  # chunk = the page, [N, H, C]
                 heads = staged[:, layer, 0].view(count, geo.block_size, -1, content) \
                     .permute(0, 2, 1, 3)
-            remote_k, remote_v = kv_views(heads, remote_packing) if remote_packing != "token" \
-                else (heads[..., : content // 2], heads[..., content // 2:])
-            local_k, local_v = kv_views(view, local_packing)
+            # the same packing: K and V move together, one copy per head range
+            pairs = [(view, heads)] if remote_packing == local_packing else \
+                list(zip(kv_views(view, local_packing), kv_views(heads, remote_packing),
+                         strict=True))
             for r0, l0, n in self.heads:
                 s0 = self.chunks.index(r0) if geo.heads_contiguous else r0
-                local_k[local_ids, l0:l0 + n] = remote_k[:, s0:s0 + n]
-                local_v[local_ids, l0:l0 + n] = remote_v[:, s0:s0 + n]
+                for dst, src in pairs:
+                    dst[local_ids, l0:l0 + n] = src[:, s0:s0 + n]
 
 
 def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int,

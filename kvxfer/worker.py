@@ -52,6 +52,7 @@ from the listener's thread when a decode asks (one claimer per lease, at most
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -60,7 +61,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,7 @@ BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
 CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
 STAGING_LIMIT_BYTES = 4 << 30  # converted reads in flight at once (kvxfer.staging)
 STAGING_CHUNK_BYTES = 64 << 20  # staging buffers are allocated in multiples of this
+STAGED_PART_BYTES = 16 << 20  # a converted read is READ and placed in parts of about this
 DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
 LANE_MIN_DESCRIPTORS = 64  # smaller requests: one thread (lanes cost a thread hand-off)
 LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not finish at once
@@ -279,8 +281,8 @@ class _Read:
     descriptors: int = 0
     lanes: int = 1
     unnotified: bool = False  # read, but some "done" could not be sent
-    # converted reads: (plan, staging buffer, local ids in staging order), kvxfer.staging
-    staged: list[tuple[StagedRead, _Staging, np.ndarray]] = field(default_factory=list)
+    parts: list[_Part] = field(default_factory=list)  # a converted read's READs
+    stagings: list[_Staging] = field(default_factory=list)  # what its parts land in
 
 
 @dataclass
@@ -289,6 +291,21 @@ class _Staging:
 
     buffer: torch.Tensor
     handles: list[Any]
+
+
+@dataclass
+class _Part:
+    """One READ of a converted read (kvxfer.staging): some of the request's blocks,
+    into ``staging`` at ``offset``, placed into this rank's views once it landed, on
+    the converter thread while the next part is read."""
+
+    plan: StagedRead
+    staging: _Staging
+    offset: int
+    local_ids: np.ndarray
+    descs: RankDescriptors
+    transfer: Any = None
+    placed: Future[None] | None = None
 
 
 @dataclass
@@ -327,6 +344,7 @@ class TransferWorker:
         self._staging_free: list[_Staging] = []
         self._staging_bytes = 0  # allocated, free or in use
         self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
+        self._converter: ThreadPoolExecutor | None = None  # places staged parts
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.Queue[_Read] = queue.Queue()
         self._inflight: list[_Read] = []
@@ -393,6 +411,8 @@ class TransferWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lane_pool is not None:
             self._lane_pool.shutdown(wait=True)
+        if self._converter is not None:
+            self._converter.shutdown(wait=True)
         for agent in self._lanes:
             agent.close()
         self._agent.close()
@@ -623,8 +643,10 @@ class TransferWorker:
         if descs is None:  # a converted read waits for staging space (see _retry_staged)
             self._staging_wait.append((job, peer))
             return
-        if self._lanes and not job.staged and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
+        if self._lanes and not job.parts and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
             self._read_in_lanes(job, peer, descs)
+            return
+        if not self._post_parts(job, peer):
             return
         for rank_descs in descs:
             note = ReadDone(request_id=job.remote.remote_request_id,
@@ -645,8 +667,9 @@ class TransferWorker:
         self._inflight.append(job)
 
     def _descriptors(self, job: _Read, peer: _Peer) -> list[RankDescriptors] | None:
-        """The request's descriptors toward every planned prefill rank; None when a
-        converted read cannot get its staging buffers yet (nothing is taken then)."""
+        """The request's direct descriptors toward every planned prefill rank, its
+        converted reads cut into ``job.parts``; None when a converted read cannot get
+        its staging buffers yet (nothing is taken then)."""
         direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
         descs = build_requests_descriptors(direct, job.local_block_ids,
                                            job.remote.remote_block_ids) if direct else []
@@ -669,10 +692,70 @@ class TransferWorker:
                 self._staging_free.extend(buffers)
                 return None
             buffers.append(staging)
+        job.stagings = buffers
         for plan, staging, (local, remote) in zip(staged, buffers, pairs, strict=True):
-            descs.append(plan.descriptors(remote, staging.buffer.data_ptr()))
-            job.staged.append((plan, staging, local))
+            per_part = max(1, STAGED_PART_BYTES // plan.bytes_per_block)
+            for start in range(0, len(local), per_part):
+                offset = start * plan.bytes_per_block
+                part = plan.descriptors(remote[start:start + per_part],
+                                        staging.buffer.data_ptr() + offset)
+                job.parts.append(_Part(plan, staging, offset, local[start:start + per_part],
+                                       part))
         return descs
+
+    def _post_parts(self, job: _Read, peer: _Peer) -> bool:
+        """Post a converted read's parts one after the other, each placed as soon as it
+        landed (a READ over cma copies inside the post: the next one then copies while
+        the converter places this one). False when a post failed (the job failed)."""
+        for part in job.parts:
+            try:
+                part.transfer = self._agent.read(peer.agents[part.plan.remote_rank],
+                                                 part.descs.local, part.descs.remote)
+            except Exception as exc:
+                self._fail(job, f"prefill {peer.engine_id} rank {part.plan.remote_rank} at "
+                                f"{peer.address}: READ could not be posted: {exc}", notify=True)
+                self._forget_dead(peer, str(exc))
+                return False
+            job.transfers.append(part.transfer)
+            job.num_bytes += part.descs.num_bytes
+            job.descriptors += len(part.descs)
+            self._place_when_landed(part)
+        return True
+
+    def _place_when_landed(self, part: _Part) -> None:
+        """Hand a landed part to the converter thread (once)."""
+        if part.placed is not None or part.transfer.state() != "DONE":
+            return
+        if self._converter is None:
+            self._converter = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix=f"kvxfer-convert-r{self.rank}")
+        packing = self.compat.kv_packing
+        part.placed = self._converter.submit(
+            part.plan.convert, part.staging.buffer[part.offset:], self._views,
+            torch.from_numpy(part.local_ids), packing, packing)
+
+    def _parts_placed(self, job: _Read) -> bool | str:
+        """True when every part was placed, False while some are not yet, or why one
+        failed."""
+        for part in job.parts:
+            self._place_when_landed(part)
+            if part.placed is None or not part.placed.done():
+                return False
+            error = part.placed.exception()
+            if error is not None:
+                return f"{type(error).__name__}: {error}"
+        return True
+
+    def _settle_parts(self, job: _Read) -> None:
+        """Wait for placements still running (they write into blocks a failed read's
+        request is about to free), then give the staging back."""
+        for part in job.parts:
+            if part.placed is not None:
+                with contextlib.suppress(Exception):
+                    part.placed.result()
+        job.parts.clear()
+        self._staging_free.extend(job.stagings)
+        job.stagings = []
 
     def _take_staging(self, nbytes: int) -> _Staging | None:
         """A free staging buffer of at least ``nbytes``, registered with this rank's agent;
@@ -709,16 +792,6 @@ class TransferWorker:
                                 f"ended while the read waited for staging space", notify=False)
             else:
                 self._post(job, peer)
-
-    def _place_staged(self, job: _Read) -> None:
-        """Copy every staged chunk of a finished READ into this rank's views."""
-        packing = self.compat.kv_packing
-        for plan, staging, local in job.staged:
-            plan.convert(staging.buffer, self._views, torch.from_numpy(local), packing, packing)
-
-    def _return_staging(self, job: _Read) -> None:
-        self._staging_free.extend(staging for _, staging, _ in job.staged)
-        job.staged.clear()
 
     def _read_in_lanes(self, job: _Read, peer: _Peer, descs: Sequence[Any]) -> None:
         """Copy this request with every agent at once; return when all parts ended.
@@ -810,22 +883,21 @@ class TransferWorker:
                     states.append(transfer.state())
                 except Exception as exc:
                     states.append(f"ERR: {exc}")
-            if all(s == "DONE" for s in states):
+            placed = self._parts_placed(job) if job.parts else True
+            if all(s == "DONE" for s in states) and placed is not False:
                 self._inflight.remove(job)
                 self._release_transfers(job)
-                if job.staged:
-                    try:
-                        self._place_staged(job)
-                    except Exception as exc:  # the prefill was told "done": only fail here
-                        self._fail(job, f"converting the read from prefill "
-                                        f"{job.remote.remote_engine_id} failed: {exc}",
-                                   notify=False)
-                        continue
-                    finally:
-                        self._return_staging(job)
+                if placed is not True:
+                    self._fail(job, f"placing the read from prefill "
+                                    f"{job.remote.remote_engine_id} failed: {placed}",
+                               notify=True)
+                    continue
+                staged = {p.plan.remote_rank for p in job.parts}
+                self._settle_parts(job)
                 peer = self._peers.get(job.remote.remote_engine_id)
-                if peer is not None:  # ranks nobody reads still hold the blocks: release them
-                    read = {p.remote_rank for p in peer.plans}
+                if peer is not None:  # ranks nobody reads still hold the blocks, and ranks
+                    # read through staging were not told with the READ: release them
+                    read = {p.remote_rank for p in peer.plans} - staged
                     if not self._notify(job, [r for r in peer.agents if r not in read],
                                         ok=True):
                         job.unnotified = True
@@ -860,7 +932,7 @@ class TransferWorker:
         Without a connection to them (``notify=False``: the handshake failed or the
         peer is considered dead) the request is reported ``unnotified``."""
         self._release_transfers(job)
-        self._return_staging(job)
+        self._settle_parts(job)
         log.warning("read for request %s failed: %s", job.request_id, reason)
         peer = self._peers.get(job.remote.remote_engine_id)
         told = notify and peer is not None and self._notify(job, list(peer.agents), ok=False)

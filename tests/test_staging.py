@@ -135,3 +135,33 @@ def test_staging_refuses_what_it_cannot_bridge() -> None:
     with pytest.raises(IncompatibleLayoutError, match="head size or dtype differ"):
         plan_reads(wider.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8), local_tp=2,
                    remote_tp=1)
+
+
+def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently() -> None:
+    """vLLM's CPU packing (K transposed, then V, per head's block) staged, token packing
+    placed: every K and V element lands where the decode's packing reads it."""
+    from kvxfer.engine.attention import kv_views
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+
+    rng = np.random.default_rng(2)
+    spec = CacheSpec(4, 2, 3, torch.float32)
+    remote = make_rank(spec, KVCacheLayout.LBHNC, 6, 2, False, rng)
+    local = make_rank(spec, KVCacheLayout.LBNHC, 5, 2, False, rng)  # heads inside tokens
+    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 1, 1, 2))
+    assert isinstance(read, StagedRead)
+    lids, rids = np.array([4, 0, 2]), np.array([1, 5, 3])
+    staging = torch.zeros(len(lids) * read.bytes_per_block, dtype=torch.uint8)
+    descs = read.descriptors(rids, staging.data_ptr())
+    src = remote.buffers[0]
+    for (laddr, length, _), (raddr, _, _) in zip(descs.local.tolist(), descs.remote.tolist(),
+                                                 strict=True):
+        offset, start = laddr - staging.data_ptr(), raddr - src.data_ptr()
+        staging.numpy()[offset:offset + length] = src.numpy()[start:start + length]
+    read.convert(staging, local.views, torch.from_numpy(lids), "vllm-cpu-vec", "token")
+    for layer in range(2):
+        want_k, want_v = kv_views(remote.views[layer], "vllm-cpu-vec")
+        got_k, got_v = kv_views(local.views[layer], "token")
+        for got, want in ((got_k[lids], want_k[rids]), (got_v[lids], want_v[rids])):
+            # random bytes include NaNs: compare the bits
+            assert torch.equal(got.contiguous().view(torch.int32),
+                               want.contiguous().view(torch.int32))
