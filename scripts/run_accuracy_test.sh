@@ -16,6 +16,11 @@
 #                           must be a multiple of the other
 #   NUM_PREFILL_INSTANCES   prefill sidecars (default 1)
 #   NUM_DECODE_INSTANCES    decode sidecars (default 1)
+#   DECODER_PREFIX_CACHE=1  the decode runs with --enable-prefix-caching and the prompt set
+#                           is sent twice: the second pass must find every whole block of
+#                           every prompt (whole blocks of both sizes) in the decode's cache,
+#                           checked on its /metrics, read only the rest, and still match the
+#                           reference (one decode instance only)
 #   MODEL                   a model name (smollm2-135m-instruct, the default; kvxfer-tiny,
 #                           seeded and fast; kvxfer-tiny-mla, the same with a latent (MLA)
 #                           cache on every rank), a .gguf file or a checkpoint directory; the
@@ -55,6 +60,12 @@ PREFILLER_BLOCK_SIZE="${PREFILLER_BLOCK_SIZE:-16}"
 DECODER_BLOCK_SIZE="${DECODER_BLOCK_SIZE:-$PREFILLER_BLOCK_SIZE}"
 NUM_PREFILL_INSTANCES="${NUM_PREFILL_INSTANCES:-1}"
 NUM_DECODE_INSTANCES="${NUM_DECODE_INSTANCES:-1}"
+DECODER_PREFIX_CACHE="${DECODER_PREFIX_CACHE:-}"
+if [[ -n "$DECODER_PREFIX_CACHE" && "$NUM_DECODE_INSTANCES" != 1 ]]; then
+  echo "DECODER_PREFIX_CACHE needs NUM_DECODE_INSTANCES=1 (the proxy spreads a second pass" \
+       "over the decodes, whose caches are their own)" >&2
+  exit 2
+fi
 MODEL="${MODEL:-smollm2-135m-instruct}"
 LOGPROB_TOL="${LOGPROB_TOL:-1e-4}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-180}"
@@ -153,6 +164,8 @@ common=(--model "$MODEL" --device "$KV_BUFFER_DEVICE" --host 127.0.0.1 --port 0
         --side-channel-port 0)
 # A failed transfer must fail the test, not be hidden by a local recompute.
 decode_policy=(--kv-load-failure-policy fail)
+decode_cache=()
+[[ -n "$DECODER_PREFIX_CACHE" ]] && decode_cache=(--enable-prefix-caching)
 sidecars=()
 for i in $(seq "$NUM_PREFILL_INSTANCES"); do
   launch "prefill-$i" "${serve[@]}" --role prefill --tp "$PREFILLER_TP_SIZE" \
@@ -162,7 +175,7 @@ done
 for i in $(seq "$NUM_DECODE_INSTANCES"); do
   launch "decode-$i" "${serve[@]}" --role decode --tp "$DECODER_TP_SIZE" \
     --block-size "$DECODER_BLOCK_SIZE" --kv-cache-layout "$DECODE_LAYOUT" \
-    "${decode_policy[@]}" "${common[@]}"
+    "${decode_policy[@]}" "${decode_cache[@]}" "${common[@]}"
   sidecars+=("decode-$i")
 done
 launch reference "${serve[@]}" --role both --tp 1 --kv-cache-layout LBHNC "${common[@]}"
@@ -171,7 +184,7 @@ sidecars+=(reference)
 echo "accuracy: prefill ${PREFILL_LAYOUT} TP${PREFILLER_TP_SIZE} block ${PREFILLER_BLOCK_SIZE}" \
      "x${NUM_PREFILL_INSTANCES}, decode ${DECODE_LAYOUT} TP${DECODER_TP_SIZE} block" \
      "${DECODER_BLOCK_SIZE} x${NUM_DECODE_INSTANCES}, model ${MODEL}," \
-     "KV on ${KV_BUFFER_DEVICE}"
+     "KV on ${KV_BUFFER_DEVICE}${DECODER_PREFIX_CACHE:+, decode prefix cache cold then warm}"
 if ! urls="$(wait_ready "${sidecars[@]}")"; then
   echo "accuracy: instances did not come up; see the logs" >&2
   show_logs
@@ -192,10 +205,78 @@ if ! proxy_url="$(wait_ready proxy)"; then
 fi
 proxy_url="${proxy_url#proxy }"
 
+accuracy() {
+  "$PYTHON" -m kvxfer.cli accuracy --target "$proxy_url" --reference "$(url_of reference)" \
+    --logprob-tol "$LOGPROB_TOL" --wait "$STARTUP_TIMEOUT" "$@"
+}
+
+# decode_counters: the decode's KV read and prefix cache counters, as JSON
+decode_counters() {
+  "$PYTHON" - "$(url_of decode-1)" <<'PY'
+import json, os, sys
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+headers = {"authorization": f"Bearer {os.environ['KVXFER_API_KEY']}"}
+text = httpx.get(f"{sys.argv[1]}/metrics", headers=headers, timeout=10).text
+names = ("kvxfer_prefix_cache_queries_total", "kvxfer_prefix_cache_hits_total",
+         "kvxfer_kv_transfer_bytes_total", "kvxfer_kv_reads_skipped_total")
+print(json.dumps({s.name: s.value for f in text_string_to_metric_families(text)
+                  for s in f.samples if s.name in names}))
+PY
+}
+
+# check_warm COLD_BEFORE WARM_BEFORE WARM_JSON: print the warm pass's table, then check on
+# the decode's counters that it found every whole block of every prompt in the cache.
+check_warm() {
+  "$PYTHON" - "$1" "$2" "$(decode_counters)" "$3" "$PREFILLER_BLOCK_SIZE" \
+    "$DECODER_BLOCK_SIZE" <<'PY'
+import json, math, sys
+from kvxfer.commands.accuracy import print_table
+cold, before, after = (json.loads(a) for a in sys.argv[1:4])
+run = json.load(open(sys.argv[4]))
+print_table(run["rows"], run["tolerance"])
+unit = math.lcm(int(sys.argv[5]), int(sys.argv[6]))  # a hit ends on whole blocks of both
+needed = [r["prompt_tokens"] - 1 for r in run["rows"]]  # the last token is always computed
+want = {"kvxfer_prefix_cache_queries_total": sum(needed),
+        "kvxfer_prefix_cache_hits_total": sum(n // unit * unit for n in needed),
+        "kvxfer_kv_reads_skipped_total": sum(1 for n in needed if n and n % unit == 0)}
+got = {k: after[k] - before[k] for k in after}
+read_cold = before["kvxfer_kv_transfer_bytes_total"] - cold["kvxfer_kv_transfer_bytes_total"]
+print(f"accuracy: warm pass: {got['kvxfer_prefix_cache_hits_total']:.0f} of "
+      f"{got['kvxfer_prefix_cache_queries_total']:.0f} prompt tokens found in the decode's "
+      f"prefix cache (expected {want['kvxfer_prefix_cache_hits_total']}), "
+      f"{got['kvxfer_kv_reads_skipped_total']:.0f} reads skipped, "
+      f"{got['kvxfer_kv_transfer_bytes_total']:.0f} bytes read (cold pass: {read_cold:.0f})")
+wrong = [k for k, v in want.items() if got[k] != v]
+if not got["kvxfer_kv_transfer_bytes_total"] < read_cold:
+    wrong.append("kvxfer_kv_transfer_bytes_total")
+if wrong:
+    sys.exit(f"accuracy: the warm pass did not use the decode's prefix cache as expected: "
+             f"{', '.join(wrong)}")
+sys.exit(0 if run["passed"] else 1)
+PY
+}
+
 set +e
-"$PYTHON" -m kvxfer.cli accuracy --target "$proxy_url" --reference "$(url_of reference)" \
-  --logprob-tol "$LOGPROB_TOL" --wait "$STARTUP_TIMEOUT"
-STATUS=$?
+if [[ -z "$DECODER_PREFIX_CACHE" ]]; then
+  accuracy
+  STATUS=$?
+else
+  cold="$(decode_counters)"
+  echo "accuracy: pass 1 of 2, the decode's prefix cache cold"
+  accuracy
+  STATUS=$?
+  if [[ "$STATUS" -eq 0 ]]; then
+    warm="$(decode_counters)"
+    echo "accuracy: pass 2 of 2, the same prompts again, the decode's prefix cache warm"
+    accuracy --json >"$LOG_DIR/warm.json"
+    STATUS=$?
+    if [[ -s "$LOG_DIR/warm.json" ]]; then
+      check_warm "$cold" "$warm" "$LOG_DIR/warm.json"
+      STATUS=$?
+    fi
+  fi
+fi
 set -e
 if [[ "$STATUS" -eq 0 ]]; then echo "accuracy: PASS"; else echo "accuracy: FAIL" >&2; fi
 exit "$STATUS"

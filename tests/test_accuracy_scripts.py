@@ -116,6 +116,38 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     assert not list(tmp_path.glob("kvxfer-kv.*")), "the temporary KV key file is removed"
 
 
+@pytest.mark.parametrize("env", [
+    pytest.param({**TINY}, id="tiny-block16"),
+    pytest.param({**TINY, "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
+                 id="tiny-block32-to-block16"),
+])
+def test_accuracy_script_with_a_warm_decode_prefix_cache(env: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    """Every prompt twice: the second pass finds each prompt's whole blocks (of both
+    sizes) in the decode's cache, reads less, and still matches the reference."""
+    result = run_script([str(SCRIPT)], {**env, "DECODER_PREFIX_CACHE": "1"}, tmp_path)
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    assert "decode prefix cache cold then warm" in out.splitlines()[0], out
+    prompts = json.loads((ROOT / "scripts" / "accuracy_prompts.json").read_text())
+    cases = len(prompts["prompts"]) + len(prompts.get("chat", []))
+    assert out.count(f"{cases}/{cases} match") == 2, out
+    warm = re.search(r"warm pass: (\d+) of (\d+) prompt tokens found in the decode's prefix "
+                     r"cache \(expected (\d+)\), (\d+) reads skipped, (\d+) bytes read "
+                     r"\(cold pass: (\d+)\)", out)
+    assert warm, out
+    hits, queries, expected, _, read, cold = map(int, warm.groups())
+    assert hits == expected and 0.5 * queries < hits < queries, out
+    assert 0 < read < cold / 3, out
+    assert out.rstrip().endswith("accuracy: PASS")
+
+
+def test_accuracy_script_refuses_a_warm_cache_over_several_decodes(tmp_path: Path) -> None:
+    result = run_script([str(SCRIPT)], {**TINY, "DECODER_PREFIX_CACHE": "1",
+                                        "NUM_DECODE_INSTANCES": "2"}, tmp_path)
+    assert result.returncode == 2 and "NUM_DECODE_INSTANCES=1" in result.stdout, result.stdout
+
+
 def test_sweep_prints_one_line_per_configuration(tmp_path: Path) -> None:
     env = {**TINY, "SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"}
     result = run_script([str(SWEEP)], env, tmp_path)

@@ -70,9 +70,11 @@ def _completion(client: Any, url: str, prompt: str, max_tokens: int) -> dict[str
             "ignore_eos": True}
     answer = client.post(f"{url}/v1/completions", json=body)
     answer.raise_for_status()
-    choice = answer.json()["choices"][0]
+    data = answer.json()
+    choice = data["choices"][0]
     return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
-            "logprobs": choice["logprobs"]["token_logprobs"]}
+            "logprobs": choice["logprobs"]["token_logprobs"],
+            "prompt_tokens": data["usage"]["prompt_tokens"]}
 
 
 def _chat(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int
@@ -81,19 +83,23 @@ def _chat(client: Any, url: str, messages: list[dict[str, str]], max_tokens: int
             "ignore_eos": True}
     answer = client.post(f"{url}/v1/chat/completions", json=body)
     answer.raise_for_status()
-    choice = answer.json()["choices"][0]
+    data = answer.json()
+    choice = data["choices"][0]
     content = choice["logprobs"]["content"]
     return {"text": choice["message"]["content"], "tokens": [c["token"] for c in content],
-            "logprobs": [c["logprob"] for c in content]}
+            "logprobs": [c["logprob"] for c in content],
+            "prompt_tokens": data["usage"]["prompt_tokens"]}
 
 
 def compare(target: dict[str, Any], reference: dict[str, Any], tol: float) -> dict[str, Any]:
-    """Tokens must be identical; logprobs within ``tol`` position by position."""
+    """Tokens must be identical; logprobs within ``tol`` position by position.
+    ``prompt_tokens`` is the target's count of the prompt's tokens."""
     same_tokens = target["tokens"] == reference["tokens"]
     diffs = [abs(a - b) for a, b in zip(target["logprobs"], reference["logprobs"], strict=False)]
     worst = max(diffs, default=0.0)
     return {"tokens": len(reference["tokens"]), "same_tokens": same_tokens,
             "max_logprob_diff": worst, "ok": same_tokens and worst <= tol,
+            "prompt_tokens": target.get("prompt_tokens"),
             "target_text": target["text"], "reference_text": reference["text"]}
 
 
@@ -129,11 +135,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"passed": passed, "tolerance": args.logprob_tol, "rows": rows},
                          indent=2))
     else:
-        _print_table(rows, args.logprob_tol)
+        print_table(rows, args.logprob_tol)
     return 0 if passed else 1
 
 
-def _print_table(rows: list[dict[str, Any]], tol: float) -> None:
+def print_table(rows: list[dict[str, Any]], tol: float) -> None:
+    """The rows of a run as ``kvxfer accuracy`` prints them (also for ``--json`` output
+    read back by scripts/run_accuracy_test.sh)."""
     print(f"{'kind':10} {'prompt':34} {'tokens':>6} {'same':>5} {'max|dlogp|':>11}  result")
     for r in rows:
         prompt = r["prompt"].replace("\n", " ")
