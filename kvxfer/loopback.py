@@ -30,7 +30,12 @@ from kvxfer.topology import heads_per_rank, rank_heads
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Shape of one instance's KV caches (all ranks)."""
+    """Shape of one instance's KV caches (all ranks).
+
+    ``kv_lora_rank > 0`` makes it an MLA latent cache: one head (``total_kv_heads``
+    1) of ``head_size`` latent elements per token, the first ``kv_lora_rank`` of
+    them the compressed KV, on every rank.
+    """
 
     layout: str = "LBHNC"
     tp: int = 1
@@ -41,10 +46,12 @@ class CacheConfig:
     num_blocks: int = 32
     dtype: str = "float32"
     read_lanes: int = 1
+    kv_lora_rank: int = 0
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.block_size, heads_per_rank(self.tp, self.total_kv_heads),
-                         self.head_size, getattr(torch, self.dtype))
+                         self.head_size, getattr(torch, self.dtype),
+                         latent=self.kv_lora_rank > 0)
 
     @property
     def lanes_per_rank(self) -> int:
@@ -56,7 +63,7 @@ class CacheConfig:
 
         return CompatInfo(model="loopback-synthetic", dtype=self.dtype, cache_dtype=self.dtype,
                           head_size=self.head_size, total_kv_heads=self.total_kv_heads,
-                          num_layers=self.num_layers)
+                          num_layers=self.num_layers, kv_lora_rank=self.kv_lora_rank)
 
 
 def pattern(cfg: CacheConfig, rank: int, layer: int) -> torch.Tensor:
@@ -66,7 +73,7 @@ def pattern(cfg: CacheConfig, rank: int, layer: int) -> torch.Tensor:
     below 2**24, exact in float32; heads are global so that ranks with different
     TP agree on what a head holds.
     """
-    b, n, c = cfg.num_blocks, cfg.block_size, 2 * cfg.head_size
+    b, n, c = cfg.num_blocks, cfg.block_size, cfg.spec().content_size
     heads = torch.tensor(list(rank_heads(rank, cfg.tp, cfg.total_kv_heads)))
     index = (torch.arange(b)[:, None, None, None] * cfg.total_kv_heads + heads[None, :, None, None])
     index = (index * n + torch.arange(n)[None, None, :, None]) * c + torch.arange(c)
