@@ -106,6 +106,16 @@ LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not fin
 ENDED_REMEMBERED = 4096    # ended leases kept to tell a late "done" from a stray one
 
 
+def memory_kind(memory: Sequence[MemoryRegion], whose: str) -> bool:
+    """Whether ``memory`` is GPU memory (True) or host memory; a READ's descriptors on
+    one side are all of one kind, so a cache mixing both is refused."""
+    kinds = {m.is_cuda for m in memory}
+    if len(kinds) != 1:
+        raise TransferError(f"{whose} registers both host and GPU memory; one cache must be "
+                            f"one kind" if kinds else f"{whose} registers no memory")
+    return kinds.pop()
+
+
 class TransferError(RuntimeError):
     """A read failed; the message names the peer and the reason."""
 
@@ -259,6 +269,7 @@ class _Peer:
     agents: dict[int, str]
     plans: list[PeerReadPlan | StagedRead]
     expected_readers: dict[int, int]
+    remote_cuda: dict[int, bool] = field(default_factory=dict)  # each rank's memory kind
 
 
 @dataclass(frozen=True)
@@ -341,6 +352,7 @@ class TransferWorker:
         self._plan: RegionPlan | None = None
         self._geometry: SideGeometry | None = None
         self._views: list[torch.Tensor] = []  # by logical layer: where converted reads land
+        self._local_cuda = False  # the memory kind of the registered cache
         self._staging_free: list[_Staging] = []
         self._staging_bytes = 0  # allocated, free or in use
         self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
@@ -376,6 +388,7 @@ class TransferWorker:
         if self._plan is not None:
             raise RuntimeError(f"rank {self.rank} already registered its KV caches")
         plan = plan_regions(caches, spec, num_blocks, layout)
+        self._local_cuda = memory_kind(plan.memory, f"rank {self.rank}'s KV cache")
         self._agent.register(plan.memory)
         if self.read_lanes > 1 and not any(m.is_cuda for m in plan.memory):
             for lane in range(1, self.read_lanes):
@@ -654,8 +667,10 @@ class TransferWorker:
                             expected_readers=peer.expected_readers[rank_descs.remote_rank],
                             ok=True)
             try:
-                transfer = self._agent.read(peer.agents[rank_descs.remote_rank], rank_descs.local,
-                                            rank_descs.remote, encode_notif(note, self._key))
+                transfer = self._agent.read(
+                    peer.agents[rank_descs.remote_rank], rank_descs.local, rank_descs.remote,
+                    encode_notif(note, self._key), local_is_cuda=self._local_cuda,
+                    remote_is_cuda=peer.remote_cuda[rank_descs.remote_rank])
             except Exception as exc:
                 self._fail(job, f"prefill {peer.engine_id} rank {rank_descs.remote_rank} at "
                                 f"{peer.address}: READ could not be posted: {exc}", notify=True)
@@ -709,8 +724,9 @@ class TransferWorker:
         the converter places this one). False when a post failed (the job failed)."""
         for part in job.parts:
             try:
-                part.transfer = self._agent.read(peer.agents[part.plan.remote_rank],
-                                                 part.descs.local, part.descs.remote)
+                part.transfer = self._agent.read(  # into host staging
+                    peer.agents[part.plan.remote_rank], part.descs.local, part.descs.remote,
+                    local_is_cuda=False, remote_is_cuda=peer.remote_cuda[part.plan.remote_rank])
             except Exception as exc:
                 self._fail(job, f"prefill {peer.engine_id} rank {part.plan.remote_rank} at "
                                 f"{peer.address}: READ could not be posted: {exc}", notify=True)
@@ -977,6 +993,9 @@ class TransferWorker:
 
     def _connect(self, remote: RemoteParams, shake: _Handshake) -> _Peer:
         """Worker thread: load the peer's agents and warm each connection."""
+        # the kind each rank's READs name for its side (sent in the handshake's plan)
+        kinds = {rank: memory_kind(shake.metas[rank].plan.memory, f"prefill rank {rank}")
+                 for rank in shake.notify}
         agents: dict[int, str] = {}
         rank = -1
         try:
@@ -992,7 +1011,7 @@ class TransferWorker:
                 self._quietly_remove(name)
             raise TransferError(f"NIXL could not connect to rank {rank}: {exc}") from exc
         peer = _Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
-                     shake.plans, shake.notify)
+                     shake.plans, shake.notify, kinds)
         self._peers[peer.engine_id] = peer
         self._dead.pop(peer.engine_id, None)
         log.info("rank %d connected to %s at %s (ranks %s)", self.rank, peer.engine_id,

@@ -284,6 +284,43 @@ def test_params_that_miscount_the_prefills_block_size_read_nothing(
         decode.close()
 
 
+def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each READ is prepared with this cache's kind and the prefill's, as its handshake
+    sent it (a host prefill feeding a GPU decode needs both named)."""
+    cfg = CacheConfig(layout="LBHNC", num_blocks=8)
+    remote = prefill.create(cfg)
+    decode = decode_instance(cfg)
+    try:
+        worker = decode.workers[0]
+        agent = worker._agent
+        kinds: list[tuple[object, object]] = []
+        real_read = agent.read
+
+        def recording_read(*args: object, **kwargs: object) -> object:
+            kinds.append((kwargs.get("local_is_cuda"), kwargs.get("remote_is_cuda")))
+            return real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(agent, "read", recording_read)
+        prefill.hold(remote["engine_id"], "kinds", [2], ttl=30)
+        decode.read("kinds", params_for(remote, "kinds", [2]), [3])
+        _, failed = decode.wait(["kinds"])
+        assert failed == {} and kinds == [(False, False)]
+        check_blocks_subset(decode, cfg, [3], [2])
+    finally:
+        decode.close()
+
+
+def test_a_cache_of_two_memory_kinds_is_refused() -> None:
+    from kvxfer.regions import MemoryRegion
+    from kvxfer.worker import TransferError, memory_kind
+
+    host, gpu = MemoryRegion(4096, 64, 0, False), MemoryRegion(8192, 64, 0, True)
+    assert memory_kind([gpu, gpu], "x") is True and memory_kind([host], "x") is False
+    with pytest.raises(TransferError, match="prefill rank 1 registers both host and GPU memory"):
+        memory_kind([host, gpu], "prefill rank 1")
+
+
 def check_blocks_subset(decode: LoopbackInstance, cfg: CacheConfig, local: list[int],
                         remote: list[int]) -> None:
     for layer, view in enumerate(decode.caches[0].values()):
