@@ -126,10 +126,13 @@ def dtype_name(dtype: Any) -> str:
 def compat_info(engine: LLMEngine) -> CompatInfo:
     """What a peer must share with ``engine`` to exchange KV caches with it."""
     config = engine.config
+    # an MLA cache's "head" is its latent (compressed KV, then the RoPE key)
     return CompatInfo(model=engine.model_id, dtype=dtype_name(engine.dtype),
-                      cache_dtype=dtype_name(engine.dtype), head_size=config.head_dim,
+                      cache_dtype=dtype_name(engine.dtype),
+                      head_size=engine.cache_spec(0).head_size,
                       total_kv_heads=config.num_key_value_heads,
-                      num_layers=config.num_hidden_layers, kv_packing=engine.kv_packing)
+                      num_layers=config.num_hidden_layers, kv_packing=engine.kv_packing,
+                      kv_lora_rank=config.kv_lora_rank)
 
 
 @dataclass
@@ -189,6 +192,7 @@ class KVConnector:
                  side_channel_port: int = 0, advertise_host: str | None = None,
                  lease_ttl: float = 120.0, lease_max_age: float | None = None,
                  failure_policy: str = "recompute", read_lanes: int = 2,
+                 nixl_backends: tuple[str, ...] = ("UCX",),
                  kv_read_timeout: float = 10.0, hmac_key: bytes | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -215,6 +219,7 @@ class KVConnector:
         self._renewals: queue.SimpleQueue[tuple[str, RenewAck | None, float, str]] = \
             queue.SimpleQueue()
         self.kv_read_timeout = kv_read_timeout
+        self.nixl_backends = nixl_backends
         # Copy threads for the whole instance, shared by its in-process TP ranks (which
         # already read at once); only decode ranks read, a prefill's lanes would idle.
         self.read_lanes = max(1, read_lanes // engine.tp) if role == "decode" else 1
@@ -248,6 +253,7 @@ class KVConnector:
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
                                     total_kv_heads=self.engine.config.num_key_value_heads,
                                     read_lanes=self.read_lanes, hmac_key=self._key,
+                                    nixl_backends=self.nixl_backends,
                                     **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),

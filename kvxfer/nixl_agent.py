@@ -82,6 +82,9 @@ class NixlTransferError(RuntimeError):
         super().__init__(f"{action} with remote agent {remote!r} failed in state {state}{suffix}")
 
 
+DEFAULT_BACKENDS = ("UCX",)
+
+
 def import_nixl() -> ModuleType:
     """Import the first available NIXL ``_api`` module of :data:`NIXL_MODULES`.
 
@@ -222,17 +225,23 @@ class NixlAgent:
     releases everything and is idempotent.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, backends: Sequence[str] = DEFAULT_BACKENDS) -> None:
         if not name:
             raise ValueError("a NIXL agent needs a non-empty name")
+        if not backends:
+            raise ValueError("a NIXL agent needs at least one backend")
         api = _nixl()
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                       backends=["UCX"])
+                                       backends=list(backends))
         agent = api.nixl_agent(name, config)
-        if "UCX" not in agent.backends:
-            raise NixlUnavailableError(f"NIXL agent {name!r}: the UCX backend plugin is missing "
-                                       f"(plugins found: {agent.get_plugin_list()})")
+        missing = [b for b in backends if b not in agent.backends]
+        if missing:
+            raise NixlUnavailableError(
+                f"NIXL agent {name!r}: the {', '.join(missing)} backend plugin"
+                f"{'s are' if len(missing) > 1 else ' is'} missing or failed to start "
+                f"(plugins found: {', '.join(agent.get_plugin_list())})")
         self.name = name
+        self.backends = tuple(backends)
         self._agent: Any = agent
         self._registrations: list[Any] = []
         self._mem_types: set[bool] = set()     # is_cuda of what was registered

@@ -64,7 +64,8 @@ from kvxfer.regions import RegionPlan
 #      reference engine keeps them, or as vLLM's CPU attention kernels store them).
 #   6: CompatInfo.kv_lora_rank (0: K and V heads; > 0: an MLA latent cache) and
 #      RegionPlan.latent.
-KVXFER_PROTOCOL_VERSION: int = 6
+#   7: AgentMetadata.backends (the NIXL backends the rank's agent runs).
+KVXFER_PROTOCOL_VERSION: int = 7
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
@@ -320,6 +321,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     address, block_len and block_stride in bytes, head geometry).
     ``num_blocks``, ``block_size`` and ``layout`` repeat the plan's values so a
     peer can check them without reading the plan; they must agree with it.
+    ``backends`` are the NIXL backends its agent runs: a reader needs one in common.
     """
 
     engine_id: str
@@ -332,6 +334,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int
     layout: str
     plan: RegionPlan
+    backends: tuple[str, ...] = ("UCX",)
 
     def __post_init__(self) -> None:
         _require(bool(self.engine_id), "AgentMetadata.engine_id must not be empty")
@@ -341,6 +344,9 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"AgentMetadata.tp_rank {self.tp_rank} is outside TP size {self.tp_size}")
         _require(self.device_id >= 0,
                  f"AgentMetadata.device_id must not be negative, got {self.device_id}")
+        _require(bool(self.backends) and all(self.backends),
+                 f"AgentMetadata.backends must name at least one backend, got "
+                 f"{list(self.backends)}")
         for name in ("num_blocks", "block_size", "layout"):
             mine, planned = getattr(self, name), getattr(self.plan, name)
             _require(mine == planned, f"AgentMetadata.{name} is {mine!r} but its plan says "

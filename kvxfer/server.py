@@ -136,6 +136,7 @@ class Settings:
     lease_ttl: float = 120.0
     lease_max_age: float | None = None  # None: 4 * lease_ttl
     read_lanes: int = 2
+    nixl_backends: tuple[str, ...] = ("UCX",)  # what each rank's NIXL agent runs
     served_model_names: tuple[str, ...] = ()
     # the side channel's shared key (kvxfer.kv_key); None: unauthenticated, loopback only
     kv_key: bytes | None = field(default=None, repr=False)
@@ -200,7 +201,7 @@ class Sidecar:
             advertise_host=self.side_channel_advertised, lease_ttl=settings.lease_ttl,
             lease_max_age=settings.lease_max_age,
             failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
-            kv_read_timeout=settings.kv_read_timeout)
+            nixl_backends=settings.nixl_backends, kv_read_timeout=settings.kv_read_timeout)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,

@@ -77,7 +77,7 @@ from kvxfer.descriptors import (
 )
 from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
 from kvxfer.layout import CacheSpec, KVCacheLayout
-from kvxfer.nixl_agent import NixlAgent
+from kvxfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.protocol import (
     AgentMetadata,
     BadSignature,
@@ -335,7 +335,8 @@ class TransferWorker:
     def __init__(self, engine_id: str, rank: int, tp_size: int, compat: CompatInfo, *,
                  total_kv_heads: int, handshake_timeout: float = 5.0,
                  handshake_retries: int = 2, read_timeout: float = 30.0,
-                 hmac_key: bytes | None = None, read_lanes: int = 1) -> None:
+                 hmac_key: bytes | None = None, read_lanes: int = 1,
+                 nixl_backends: Sequence[str] = DEFAULT_BACKENDS) -> None:
         if read_lanes < 1:
             raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
@@ -345,7 +346,7 @@ class TransferWorker:
         self.read_timeout = read_timeout
         self._key = hmac_key  # signs and verifies "done" notifications
         self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
-        self._agent = NixlAgent(f"{engine_id}-rank{rank}")
+        self._agent = NixlAgent(f"{engine_id}-rank{rank}", nixl_backends)
         self.read_lanes = read_lanes
         self._lanes: list[NixlAgent] = []   # extra agents; see the module docstring
         self._lane_pool: ThreadPoolExecutor | None = None
@@ -392,7 +393,7 @@ class TransferWorker:
         self._agent.register(plan.memory)
         if self.read_lanes > 1 and not any(m.is_cuda for m in plan.memory):
             for lane in range(1, self.read_lanes):
-                agent = NixlAgent(f"{self._agent.name}-lane{lane}")
+                agent = NixlAgent(f"{self._agent.name}-lane{lane}", self._agent.backends)
                 self._lanes.append(agent)
                 agent.register(plan.memory)
             self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
@@ -408,7 +409,8 @@ class TransferWorker:
         return AgentMetadata(engine_id=self.engine_id, tp_rank=self.rank, tp_size=self.tp_size,
                              agent_name=self._agent.name, agent_blob=self._agent.metadata(),
                              device_id=device, num_blocks=plan.num_blocks,
-                             block_size=plan.block_size, layout=plan.layout, plan=plan)
+                             block_size=plan.block_size, layout=plan.layout, plan=plan,
+                             backends=self._agent.backends)
 
     def peer_connecting(self) -> None:
         """The listener served a handshake: progress fast while the peer connects."""
@@ -977,6 +979,12 @@ class TransferWorker:
         missing = set(ranks) - set(metas)
         if missing:
             raise TransferError(f"handshake answer lacks ranks {sorted(missing)}")
+        for rank, meta in metas.items():
+            if not set(meta.backends) & set(self._agent.backends):
+                raise TransferError(
+                    f"prefill rank {rank} runs NIXL backends {', '.join(meta.backends)} and "
+                    f"this decode {', '.join(self._agent.backends)}: no backend in common; "
+                    f"start both with a shared --nixl-backends")
         geometries = {rank: SideGeometry.from_plan(meta.plan) for rank, meta in metas.items()}
         plans = plan_reads(local, geometries, slices, local_tp=self.tp_size,
                            remote_tp=remote.tp_size)

@@ -4,13 +4,14 @@ Tests marked ``cuda`` run wherever ``torch.cuda.is_available()`` is true and are
 skipped only where it is false.
 
 Fixtures of the in-process connector tests: ``connector``, a decode connector over an
-8-block kvxfer-tiny engine (128 tokens), policy fail; ``recorder``, a handshake listener
+8-block kvxfer-tiny engine (128 tokens), policy fail; ``make``, ``make(role, **kw)``
+builds connectors like it (closed after the test); ``recorder``, a handshake listener
 that records the releases it gets (``test_release.Recorder``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -29,16 +30,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def connector() -> Iterator[KVConnector]:
-    from kvxfer.engine import LLMEngine, tiny_config
-    from kvxfer.metrics import SidecarMetrics
+def make() -> Iterator[Callable[..., KVConnector]]:
+    made: list[KVConnector] = []
 
-    engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
-    metrics = SidecarMetrics(role="decode", engine_id="decode-test", model="tiny",
-                             layout=engine.layout.name, tp=1)
-    made = KVConnector(engine, "decode", metrics, failure_policy="fail")
-    yield made
-    made.close()
+    def build(role: str, **kw: Any) -> KVConnector:
+        from kvxfer.engine import LLMEngine, tiny_config
+        from kvxfer.metrics import SidecarMetrics
+
+        engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
+        metrics = SidecarMetrics(role=role, engine_id=f"{role}-test", model="tiny",
+                                 layout=engine.layout.name, tp=1)
+        made.append(KVConnector(engine, role, metrics, **kw))
+        return made[-1]
+
+    yield build
+    for connector in made:
+        connector.close()
+
+
+@pytest.fixture
+def connector(make: Callable[..., KVConnector]) -> KVConnector:
+    return make("decode", failure_policy="fail")
 
 
 @pytest.fixture

@@ -227,3 +227,16 @@ def test_bad_mla_configs_name_the_field(fields: dict, field: str) -> None:
 def test_an_mla_model_has_no_kv_packing_but_its_latent() -> None:
     with pytest.raises(ValueError, match="MLA model's cache holds one latent per token"):
         mla_engine(kv_packing="vllm-cpu-vec")
+
+
+def test_a_sidecars_compat_info_says_its_cache_is_a_latent() -> None:
+    """What a peer checks at the handshake: the latent's size as the head, the rank set;
+    a K/V model's info keeps its head size and rank 0."""
+    from kvxfer.connector import compat_info
+
+    mla = compat_info(LLMEngine(MLA, init_weights(MLA, seed=0), num_blocks=8))
+    assert (mla.kv_lora_rank, mla.head_size, mla.total_kv_heads) == (
+        MLA.kv_lora_rank, MLA.kv_lora_rank + MLA.qk_rope_head_dim, 1)
+    tiny = tiny_config()
+    plain = compat_info(LLMEngine(tiny, init_weights(tiny, seed=0), num_blocks=8))
+    assert (plain.kv_lora_rank, plain.head_size) == (0, tiny.head_dim)

@@ -179,8 +179,9 @@ def test_version_mismatch_states_both_versions() -> None:
 
 def test_future_envelope_with_new_fields_reports_the_version() -> None:
     """A later version may reshape the envelope; the version must still be readable."""
-    raw = forge({"version": 7, "routing": [1, 2], "payload": "anything"})
-    with pytest.raises(VersionMismatch, match="speaks kvxfer protocol 7"):
+    later = KVXFER_PROTOCOL_VERSION + 1
+    raw = forge({"version": later, "routing": [1, 2], "payload": "anything"})
+    with pytest.raises(VersionMismatch, match=f"speaks kvxfer protocol {later}"):
         decode(raw)
 
 
@@ -316,6 +317,7 @@ def _bad_response_rank(**changes: Any) -> dict[str, Any]:
     (MetadataResponse, _bad_response_rank(device_id=-1), "-1"),
     (MetadataResponse, _bad_response_rank(agent_name=""), "agent_name must not be empty"),
     (MetadataResponse, _bad_response_rank(engine_id=""), "engine_id must not be empty"),
+    (MetadataResponse, _bad_response_rank(backends=[]), "backends must name at least one"),
     (MetadataResponse, {**builtins(RESPONSE), "ranks": []}, "ranks must not be empty"),
     (ReleaseLease, {**builtins(RELEASE), "lease_id": ""}, "lease_id must not be empty"),
     (ReleaseLease, {**builtins(RELEASE), "lease_id": "x" * (MAX_LEASE_ID_CHARS + 1)},
@@ -452,8 +454,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 6): a change here changes the wire, so it needs a version bump.
-    assert HASH == "92feed1f898bc7bdd8dca9ab96eb0f832d6862bd4e06c90dab1c976a58f5c775"
+    # Pinned (protocol 7): a change here changes the wire, so it needs a version bump.
+    assert HASH == "ca0474e6ad448b1c708446d70c08655b9d924326009281283eccfe2fd22cd123"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -476,7 +478,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 6
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 7
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,9 +29,9 @@ from sidecars import free_port
 from test_release import Recorder, prompt
 
 from kvxfer.connector import KVConnector, compat_info
-from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
+from kvxfer.engine import SamplingParams
 from kvxfer.handshake import FAILURE_REASONS, HandshakeListener
-from kvxfer.metrics import HANDSHAKE_FAILURE_REASONS, SidecarMetrics
+from kvxfer.metrics import HANDSHAKE_FAILURE_REASONS
 from kvxfer.nixl_agent import NixlAgent
 from kvxfer.protocol import ReadDone, encode_notif
 from kvxfer.worker import RemoteParams
@@ -42,24 +42,6 @@ TOKENS = 40  # 3 blocks of 16
 KEY = b"k" * 32
 
 Make = Callable[..., KVConnector]
-
-
-@pytest.fixture
-def make() -> Iterator[Make]:
-    """``make(role, **connector_kw)``: a connector over an 8-block kvxfer-tiny engine,
-    closed after the test."""
-    made: list[KVConnector] = []
-
-    def build(role: str, **kw: Any) -> KVConnector:
-        engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
-        metrics = SidecarMetrics(role=role, engine_id=f"{role}-test", model="tiny",
-                                 layout=engine.layout.name, tp=1)
-        made.append(KVConnector(engine, role, metrics, **kw))
-        return made[-1]
-
-    yield build
-    for connector in made:
-        connector.close()
 
 
 def value(connector: KVConnector, name: str, **labels: str) -> float:

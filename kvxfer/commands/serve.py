@@ -111,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with its own NIXL agent, shared by this instance's TP ranks "
                              "(each rank gets max(1, N // tp)); NIXL's cma transport copies in "
                              "the posting thread (default 2)")
+    parser.add_argument("--nixl-backends", default="UCX", metavar="NAMES",
+                        help="comma-separated NIXL backends each rank's agent runs (default "
+                             "UCX); a decode reads only from a prefill that runs one of them, "
+                             "and says so when none is shared")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on every HTTP route; "
                              f"/health without it says only ok / not ok (default: "
@@ -155,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
                      f"{args.lease_max_age}")
     if args.read_lanes < 1:
         return _fail(f"--read-lanes must be at least 1, got {args.read_lanes}")
+    backends = tuple(b.strip() for b in args.nixl_backends.split(",") if b.strip())
+    if not backends or len(set(backends)) != len(backends):
+        return _fail(f"--nixl-backends must name one or more different backends, e.g. UCX or "
+                     f"UCX,LIBFABRIC; got {args.nixl_backends!r}")
     if not args.drain_timeout > 0:
         return _fail(f"--drain-timeout must be a positive number of seconds, got "
                      f"{args.drain_timeout}")
@@ -179,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
         lease_ttl=args.lease_ttl, lease_max_age=args.lease_max_age,
-        read_lanes=args.read_lanes, kv_key=kv_key,
+        read_lanes=args.read_lanes, nixl_backends=backends, kv_key=kv_key,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
         drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,
@@ -189,9 +197,11 @@ def run(args: argparse.Namespace) -> int:
             settings.side_channel_advertised()  # before the model loads
         except ValueError as exc:
             return _fail(str(exc))
+    from kvxfer.nixl_agent import NixlUnavailableError
+
     try:
         serve(settings)
-    except PortInUse as exc:
+    except (PortInUse, NixlUnavailableError) as exc:
         return _fail(str(exc))
     except (OSError, ValueError, KeyError) as exc:  # side channel, bad flags or checkpoint
         return _fail(str(exc).strip("'\""))
