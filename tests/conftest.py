@@ -6,7 +6,8 @@ skipped only where it is false.
 Fixtures of the in-process connector tests: ``connector``, a decode connector over an
 8-block kvxfer-tiny engine (128 tokens), policy fail; ``make``, ``make(role, **kw)``
 builds connectors like it (closed after the test); ``recorder``, a handshake listener
-that records the releases it gets (``test_release.Recorder``).
+that records the releases it gets (``test_release.Recorder``). Transfer tests share
+``prefill``, one prefill OS process per module (:class:`kvxfer.loopback.PrefillProcess`).
 """
 
 from __future__ import annotations
@@ -60,3 +61,14 @@ def recorder() -> Iterator[Any]:
     made = Recorder()
     yield made
     made.listener.close()
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[Any]:
+    from kvxfer.loopback import PrefillProcess
+
+    proc = PrefillProcess()
+    try:
+        yield proc
+    finally:
+        proc.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from test_release import Recorder, poll_until, prompt
@@ -147,15 +146,6 @@ def test_a_read_whose_done_was_not_sent_is_counted_and_released(
     [(lease_id, _, reason)] = recorder.wait_for(1)
     assert lease_id == "lease-read" and "could not notify" in reason
     assert connector.take_transfer_error("read") is None, "the read itself succeeded"
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProcess]:
-    proc = PrefillProcess()
-    try:
-        yield proc
-    finally:
-        proc.close()
 
 
 def test_the_worker_reports_a_read_whose_done_could_not_be_sent(

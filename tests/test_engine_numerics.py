@@ -5,6 +5,7 @@ a plain single-engine run, and match an independent dense implementation."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -57,20 +58,29 @@ def assert_same_run(got: list[RequestOutput], want: list[RequestOutput], tol: fl
 
 def test_logits_are_well_spread(reference: list[RequestOutput]) -> None:
     # Greedy picks must not sit on near-ties that float rounding could flip.
+    assert_well_spread(reference)
+
+
+def assert_well_spread(reference: list[RequestOutput]) -> None:
+    """No near-ties (a 1e-4 logprob tolerance could flip a greedy token) and varied text."""
     gaps = [lp.top[0][1] - lp.top[1][1] for out in reference for lp in out.logprobs]
     assert min(gaps) > 1e-3, f"near-tie in the seeded model: smallest top-2 gap {min(gaps)}"
     assert len({t for out in reference for t in out.token_ids}) > 5  # not one repeated token
 
 
+def assert_bit_identical(baseline: LLMEngine, other: LLMEngine,
+                         prompts: list[list[int]]) -> None:
+    """Same tokens and logprobs, and caches of the same logical contents block for block."""
+    assert_same_run(other.generate(prompts, PARAMS), baseline.generate(prompts, PARAMS), tol=0)
+    for rank in range(baseline.tp):
+        for name, view in baseline.kv_caches[rank].items():
+            assert torch.equal(other.kv_caches[rank][name], view), (other.layout, rank, name)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_is_bit_identical(layout: str, tp: int, prompts: list[list[int]]) -> None:
-    baseline, other = make_engine(tp, "LBHNC"), make_engine(tp, layout)
-    assert_same_run(other.generate(prompts, PARAMS), baseline.generate(prompts, PARAMS), tol=0)
-    # The caches hold the same logical contents, block for block.
-    for rank in range(tp):
-        for name, view in baseline.kv_caches[rank].items():
-            assert torch.equal(other.kv_caches[rank][name], view), (layout, rank, name)
+    assert_bit_identical(make_engine(tp, "LBHNC"), make_engine(tp, layout), prompts)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -131,13 +141,20 @@ def test_matches_dense_reference_with_biases_and_tied_head(tp: int) -> None:
                          intermediate_size=96, rope_theta=500.0, tie_word_embeddings=True,
                          attention_bias=True, bos_token_id=256, eos_token_id=257,
                          model_type="qwen2")
+    assert_matches_dense(config, tp, dense_logits)
+
+
+def assert_matches_dense(config: ModelConfig, tp: int, dense: Callable[
+        [ModelConfig, dict[str, torch.Tensor], list[int]], torch.Tensor]) -> None:
+    """Greedy tokens and logprobs of the engine at ``tp`` equal those of ``dense``, a
+    cacheless forward, at every step."""
     weights = init_weights(config, seed=3)
     engine = LLMEngine(config, weights, tp=tp, block_size=4, num_blocks=16)
     prompt = [256, 5, 17, 99, 3, 250, 7]
     out = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     ids = list(prompt)
     for token, logprob in zip(out.token_ids, out.logprobs, strict=True):
-        expected = torch.log_softmax(dense_logits(config, weights, ids), dim=-1)
+        expected = torch.log_softmax(dense(config, weights, ids), dim=-1)
         assert token == int(expected.argmax())
         assert logprob.logprob == pytest.approx(float(expected[token]), abs=1e-4)
         ids.append(token)

@@ -9,7 +9,6 @@ at the handshake, naming the difference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -22,15 +21,6 @@ from kvxfer.loopback import CacheConfig, PrefillProcess
 LATENT = CacheConfig(total_kv_heads=1, head_size=10, kv_lora_rank=8, num_layers=3,
                      block_size=4, num_blocks=16)
 HINT = "kv_lora_rank (0: a cache of K and V heads, > 0: an MLA latent cache)"
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProcess]:
-    proc = PrefillProcess()
-    try:
-        yield proc
-    finally:
-        proc.close()
 
 
 @pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"), [

@@ -23,15 +23,6 @@ from kvxfer import protocol
 from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
 
 
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProcess]:
-    proc = PrefillProcess()
-    try:
-        yield proc
-    finally:
-        proc.close()
-
-
 def decode_instance(cfg: CacheConfig) -> LoopbackInstance:
     return LoopbackInstance.create("decode", cfg, fill="sentinel")
 
