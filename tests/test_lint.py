@@ -11,7 +11,9 @@ RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py")
 MYPY_FILES = ("kvxfer/layout.py", "kvxfer/regions.py", "kvxfer/topology.py",
               "kvxfer/descriptors.py", "kvxfer/protocol.py", "kvxfer/tickets.py",
               "kvxfer/leases.py", "kvxfer/kv_key.py", "kvxfer/vllm/settings.py",
-              "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py")
+              "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/staging.py",
+              "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
+              "kvxfer/engine/block_allocator.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

@@ -46,8 +46,9 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden, dim = config.hidden_size, config.head_dim
     q_out, kv_out = config.num_attention_heads * dim, config.num_key_value_heads * dim
-    shapes = {"q_proj.weight": (q_out, hidden), "k_proj.weight": (kv_out, hidden),
-              "v_proj.weight": (kv_out, hidden)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "q_proj.weight": (q_out, hidden), "k_proj.weight": (kv_out, hidden),
+        "v_proj.weight": (kv_out, hidden)}
     if config.attention_bias:
         shapes.update({"q_proj.bias": (q_out,), "k_proj.bias": (kv_out,),
                        "v_proj.bias": (kv_out,)})
