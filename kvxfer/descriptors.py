@@ -485,13 +485,13 @@ def plan_peer_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
         remote = remotes.get(rank)
         if remote is None:
             raise ValueError(f"no geometry for prefill rank {rank}")
-        check_compatible(local, remote, local_tp, remote_tp, pieces)
-        for piece in pieces:
+        for piece in pieces:  # before anything, a converted read included, relies on them
             if min(piece.local_head_offset, piece.remote_head_offset) < 0 or piece.count <= 0 \
                     or piece.local_head_offset + piece.count > local.num_kv_heads \
                     or piece.remote_head_offset + piece.count > remote.num_kv_heads:
                 raise ValueError(f"head slice {piece} does not fit {local.num_kv_heads} local "
                                  f"and {remote.num_kv_heads} remote heads")
+        check_compatible(local, remote, local_tp, remote_tp, pieces)
         fused = []
         for r0, l0, count in _chunk_slices(local, remote, pieces):
             grids = [local.base[:, l0:l0 + count], remote.base[:, r0:r0 + count],

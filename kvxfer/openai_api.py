@@ -424,7 +424,9 @@ def _remote_params(kv: dict[str, Any], num_tokens: int, block_size: int) -> Remo
     if claimed != num_tokens:
         raise bad_request(f"kv_transfer_params.remote_num_tokens is {claimed} but this "
                           f"request's prompt has {num_tokens} tokens", "kv_transfer_params")
-    remote_size = kv.get("remote_block_size", block_size)  # absent: vLLM's, or the same
+    remote_size = kv.get("remote_block_size")
+    if remote_size is None:  # absent (vLLM's params): the same as this decode's
+        remote_size = block_size
     if not _is_int(remote_size) or remote_size <= 0:
         raise bad_request(f"kv_transfer_params.remote_block_size must be a positive integer, "
                           f"got {remote_size!r}", "kv_transfer_params")

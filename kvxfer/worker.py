@@ -106,6 +106,11 @@ LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not fin
 ENDED_REMEMBERED = 4096    # ended leases kept to tell a late "done" from a stray one
 
 
+def _staging_size(nbytes: int) -> int:
+    """The size of the staging buffer allocated for ``nbytes``."""
+    return -(-nbytes // STAGING_CHUNK_BYTES) * STAGING_CHUNK_BYTES
+
+
 def memory_kind(memory: Sequence[MemoryRegion], whose: str) -> bool:
     """Whether ``memory`` is GPU memory (True) or host memory; a READ's descriptors on
     one side are all of one kind, so a cache mixing both is refused."""
@@ -292,6 +297,7 @@ class _Read:
     descriptors: int = 0
     lanes: int = 1
     unnotified: bool = False  # read, but some "done" could not be sent
+    posted: float | None = None  # when its READs were posted (after any staging wait)
     parts: list[_Part] = field(default_factory=list)  # a converted read's READs
     stagings: list[_Staging] = field(default_factory=list)  # what its parts land in
 
@@ -357,6 +363,9 @@ class TransferWorker:
         self._staging_free: list[_Staging] = []
         self._staging_bytes = 0  # allocated, free or in use
         self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
+        # staging of failed reads a cancelled READ may still write into, by prefill engine:
+        # freed when its connection is dropped (_drop_peer)
+        self._staging_held: dict[str, list[_Staging]] = {}
         self._converter: ThreadPoolExecutor | None = None  # places staged parts
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.Queue[_Read] = queue.Queue()
@@ -636,8 +645,14 @@ class TransferWorker:
             for job in jobs:
                 self._post(job, peer)
 
-    def _post(self, job: _Read, peer: _Peer) -> None:
-        """Build this request's descriptors and post one READ per prefill rank."""
+    def _post(self, job: _Read, peer: _Peer, *, retried: bool = False) -> None:
+        """Build this request's descriptors and post one READ per prefill rank. A
+        converted read queues behind those already waiting for staging (first come, first
+        served), unless it is one of them (``retried``)."""
+        if self._staging_wait and not retried and \
+                any(isinstance(p, StagedRead) for p in peer.plans):
+            self._staging_wait.append((job, peer))
+            return
         try:
             if peer.tp_size != job.remote.tp_size:
                 raise TransferError(f"engine reports TP {peer.tp_size} but kv_transfer_params "
@@ -652,12 +667,13 @@ class TransferWorker:
                            f"do not say remote_block_size, so the ids were counted at this "
                            f"decode's {plan.local.block_size}"))
             descs = self._descriptors(job, peer)
-        except (TransferError, ValueError) as exc:
+        except Exception as exc:  # bad params or plans, or NIXL refusing a staging buffer
             self._fail(job, f"prefill {peer.engine_id} at {peer.address}: {exc}", notify=True)
             return
         if descs is None:  # a converted read waits for staging space (see _retry_staged)
             self._staging_wait.append((job, peer))
             return
+        job.posted = time.monotonic()  # the READ timeout counts from here
         if self._lanes and not job.parts and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
             self._read_in_lanes(job, peer, descs)
             return
@@ -698,18 +714,22 @@ class TransferWorker:
                  for plan in staged]
         needs = [len(local) * plan.bytes_per_block for plan, (local, _) in zip(
             staged, pairs, strict=True)]
-        if sum(needs) > STAGING_LIMIT_BYTES:
+        if sum(_staging_size(n) for n in needs) > STAGING_LIMIT_BYTES:
             raise TransferError(f"converting this read needs {sum(needs) >> 20} MiB of staging, "
                                 f"more than the {STAGING_LIMIT_BYTES >> 20} MiB limit; use "
                                 f"layouts both sides can copy directly (see kvxfer plan)")
         buffers: list[_Staging] = []
-        for need in needs:
-            staging = self._take_staging(need)
-            if staging is None:
-                self._staging_free.extend(buffers)
-                return None
-            buffers.append(staging)
-        job.stagings = buffers
+        try:
+            for need in needs:
+                staging = self._take_staging(need)
+                if staging is None:
+                    self._staging_free.extend(buffers)
+                    return None
+                buffers.append(staging)
+        except Exception:
+            self._staging_free.extend(buffers)
+            raise
+        job.stagings = buffers  # from here on _fail gives them back
         for plan, staging, (local, remote) in zip(staged, buffers, pairs, strict=True):
             per_part = max(1, STAGED_PART_BYTES // plan.bytes_per_block)
             for start in range(0, len(local), per_part):
@@ -742,7 +762,13 @@ class TransferWorker:
 
     def _place_when_landed(self, part: _Part) -> None:
         """Hand a landed part to the converter thread (once)."""
-        if part.placed is not None or part.transfer.state() != "DONE":
+        if part.placed is not None:
+            return
+        try:
+            landed = part.transfer.state() == "DONE"
+        except Exception:  # a failed READ: _check_inflight fails the job from its state
+            return
+        if not landed:
             return
         if self._converter is None:
             self._converter = ThreadPoolExecutor(max_workers=1,
@@ -766,13 +792,21 @@ class TransferWorker:
 
     def _settle_parts(self, job: _Read) -> None:
         """Wait for placements still running (they write into blocks a failed read's
-        request is about to free), then give the staging back."""
+        request is about to free), then give the staging back: to the pool when every
+        part landed, else kept aside until the prefill's connection is dropped, since a
+        cancelled READ may still write into it."""
+        landed = True
         for part in job.parts:
             if part.placed is not None:
                 with contextlib.suppress(Exception):
                     part.placed.result()
+            elif part.transfer is not None:  # posted, and not known to have landed
+                landed = False
+        if landed or not job.parts:
+            self._staging_free.extend(job.stagings)
+        else:
+            self._staging_held.setdefault(job.remote.remote_engine_id, []).extend(job.stagings)
         job.parts.clear()
-        self._staging_free.extend(job.stagings)
         job.stagings = []
 
     def _take_staging(self, nbytes: int) -> _Staging | None:
@@ -783,7 +817,7 @@ class TransferWorker:
             best = min(fits, key=lambda s: s.buffer.numel())
             self._staging_free.remove(best)
             return best
-        size = -(-nbytes // STAGING_CHUNK_BYTES) * STAGING_CHUNK_BYTES
+        size = _staging_size(nbytes)
         while self._staging_bytes + size > STAGING_LIMIT_BYTES and self._staging_free:
             spare = self._staging_free.pop()  # free ones too small: make room
             self._agent.deregister(spare.handles)
@@ -809,7 +843,7 @@ class TransferWorker:
                 self._fail(job, f"prefill {peer.engine_id} at {peer.address}: the connection "
                                 f"ended while the read waited for staging space", notify=False)
             else:
-                self._post(job, peer)
+                self._post(job, peer, retried=True)
 
     def _read_in_lanes(self, job: _Read, peer: _Peer, descs: Sequence[Any]) -> None:
         """Copy this request with every agent at once; return when all parts ended.
@@ -820,13 +854,14 @@ class TransferWorker:
         notifications sent, so a prefill never frees blocks still being read.
         """
         agents = [self._agent, *self._lanes]
-        parts: list[list[tuple[str, Any, Any]]] = [[] for _ in agents]
+        parts: list[list[tuple[str, Any, Any, bool]]] = [[] for _ in agents]
         for rank_descs in descs:
             name = peer.agents[rank_descs.remote_rank]
             bounds = np.linspace(0, len(rank_descs), len(agents) + 1).astype(int)
             for lane, (lo, hi) in enumerate(itertools.pairwise(bounds)):
                 if hi > lo:
-                    parts[lane].append((name, rank_descs.local[lo:hi], rank_descs.remote[lo:hi]))
+                    parts[lane].append((name, rank_descs.local[lo:hi], rank_descs.remote[lo:hi],
+                                        peer.remote_cuda[rank_descs.remote_rank]))
             job.num_bytes += rank_descs.num_bytes
             job.descriptors += len(rank_descs)
         assert self._lane_pool is not None
@@ -854,11 +889,13 @@ class TransferWorker:
             job.unnotified = True
         self._inflight.append(job)  # no transfers left: finished on the next check
 
-    def _copy_parts(self, agent: NixlAgent, parts: Sequence[tuple[str, Any, Any]]) -> None:
+    def _copy_parts(self, agent: NixlAgent, parts: Sequence[tuple[str, Any, Any, bool]]
+                    ) -> None:
         """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed."""
         deadline = time.monotonic() + self.read_timeout
-        for remote, local, remote_descs in parts:
-            transfer = agent.read(remote, local, remote_descs)
+        for remote, local, remote_descs, remote_cuda in parts:
+            transfer = agent.read(remote, local, remote_descs, local_is_cuda=self._local_cuda,
+                                  remote_is_cuda=remote_cuda)
             try:
                 while transfer.state() != "DONE":
                     if time.monotonic() > deadline:
@@ -919,6 +956,8 @@ class TransferWorker:
                     if not self._notify(job, [r for r in peer.agents if r not in read],
                                         ok=True):
                         job.unnotified = True
+                elif staged:  # nobody to tell: the connector releases over the side channel
+                    job.unnotified = True
                 with self._lock:
                     self._results.finished.append(job.request_id)
                     if job.unnotified:
@@ -926,7 +965,14 @@ class TransferWorker:
                     self._results.stats[job.request_id] = ReadStats(
                         job.num_bytes, job.descriptors, now - job.started, job.lanes)
                 self._results_ready.set()
-            elif any(s.startswith("ERR") for s in states) or now - job.started > self.read_timeout:
+            elif all(s == "DONE" for s in states) and \
+                    now - (job.posted or job.started) > self.read_timeout:
+                # every byte landed, the placing copy is slow: not the prefill's fault
+                self._inflight.remove(job)
+                self._fail(job, f"placing the read from prefill {job.remote.remote_engine_id} "
+                                f"took longer than {self.read_timeout:.0f} s", notify=True)
+            elif any(s.startswith("ERR") for s in states) or \
+                    now - (job.posted or job.started) > self.read_timeout:
                 reason = next((s for s in states if s.startswith("ERR")),
                               f"READ still in progress after {self.read_timeout:.0f} s")
                 self._inflight.remove(job)
@@ -1040,10 +1086,14 @@ class TransferWorker:
 
     def _drop_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id, None)
-        if peer is None:
-            return
-        for name in peer.agents.values():
-            self._quietly_remove(name)
+        if peer is not None:
+            for name in peer.agents.values():
+                self._quietly_remove(name)
+        # with its connection gone, no cancelled READ writes into these any more
+        for staging in self._staging_held.pop(engine_id, []):
+            with contextlib.suppress(Exception):
+                self._agent.deregister(staging.handles)
+            self._staging_bytes -= staging.buffer.numel()
 
     def _handle_notifs(self) -> None:
         for sender, messages in self._agent.get_notifs().items():

@@ -92,7 +92,7 @@ def test_a_decode_request_takes_n_when_its_samples_fit_the_cache() -> None:
 
 def test_a_decode_counts_the_prefills_blocks_at_the_prefills_block_size() -> None:
     prompt = [65] * 40  # 3 blocks of 16 here; 2 of 32, or 5 of 8, on the prefill
-    for size, blocks in ((32, 2), (8, 5), (16, 3)):
+    for size, blocks in ((32, 2), (8, 5), (16, 3), (None, 3)):  # None: this decode's
         kv = {**decode_params(40), "remote_block_size": size,
               "remote_block_ids": list(range(blocks))}
         prepared = completion("decode", prompt=prompt, kv_transfer_params=kv)

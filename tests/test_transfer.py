@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -275,29 +276,29 @@ def test_params_that_miscount_the_prefills_block_size_read_nothing(
         decode.close()
 
 
-def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess,
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess, lanes: int,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each READ is prepared with this cache's kind and the prefill's, as its handshake
-    sent it (a host prefill feeding a GPU decode needs both named)."""
-    cfg = CacheConfig(layout="LBHNC", num_blocks=8)
+    """Each READ, a lane's too, is prepared with this cache's kind and the prefill's, as
+    its handshake sent it (a host prefill feeding a GPU decode needs both named)."""
+    cfg = CacheConfig(layout="LBHNC", num_layers=8, num_blocks=40)
     remote = prefill.create(cfg)
-    decode = decode_instance(cfg)
+    decode = decode_instance(replace(cfg, read_lanes=lanes))
     try:
         worker = decode.workers[0]
-        agent = worker._agent
         kinds: list[tuple[object, object]] = []
-        real_read = agent.read
+        for agent in (worker._agent, *worker._lanes):
+            def recording_read(*args: object, _real: Any = agent.read, **kwargs: object) -> Any:
+                kinds.append((kwargs.get("local_is_cuda"), kwargs.get("remote_is_cuda")))
+                return _real(*args, **kwargs)
 
-        def recording_read(*args: object, **kwargs: object) -> object:
-            kinds.append((kwargs.get("local_is_cuda"), kwargs.get("remote_is_cuda")))
-            return real_read(*args, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(agent, "read", recording_read)
-        prefill.hold(remote["engine_id"], "kinds", [2], ttl=30)
-        decode.read("kinds", params_for(remote, "kinds", [2]), [3])
-        _, failed = decode.wait(["kinds"])
-        assert failed == {} and kinds == [(False, False)]
-        check_blocks_subset(decode, cfg, [3], [2])
+            monkeypatch.setattr(agent, "read", recording_read)
+        ids = list(range(0, 40, 2))  # 20 blocks x 8 layers, none adjacent: 160 descriptors
+        prefill.hold(remote["engine_id"], "kinds", ids, ttl=30)
+        decode.read("kinds", params_for(remote, "kinds", ids), ids)
+        stats, failed = decode.wait(["kinds"])
+        assert failed == {} and stats["kinds"][0].lanes == lanes
+        assert len(kinds) == lanes and set(kinds) == {(False, False)}
     finally:
         decode.close()
 
@@ -402,6 +403,62 @@ def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: t
     big = CacheConfig(head_size=4096, num_blocks=12)
     kill_during_reads(big, replace(big, num_blocks=40), [0], [39], count=20, delay_s=0.003)
     good_read(prefill, remote, cfg, decode, "after-kill-running")
+
+
+def test_prefill_killed_during_converted_reads(prefill: PrefillProcess, pair: tuple) -> None:
+    """The same through staging (LBHNC prefill, LBNHC decode): every converted read
+    completes with the right bytes or fails naming the peer, the worker keeps serving, and
+    the staging of failed reads is freed once the dead prefill is forgotten."""
+    remote, cfg, decode = pair
+    big = CacheConfig(head_size=4096, num_blocks=12)
+    kill_during_reads(big, replace(big, num_blocks=40, layout="LBNHC"), [0], [39], count=20,
+                      delay_s=0.003)
+    good_read(prefill, remote, cfg, decode, "after-kill-converted")
+
+
+class FailedRead:
+    """A posted READ that NIXL reports failed, on every look (as a dropped peer's does)."""
+
+    def state(self) -> str:
+        from kvxfer.nixl_agent import NixlTransferError
+
+        raise NixlTransferError("READ", "prefill", "NIXL_ERR_REMOTE_DISCONNECT")
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_converted_read_that_fails_fails_alone(prefill: PrefillProcess,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its failure is reported (not raised out of the worker loop), its staging is freed
+    once the failed prefill is forgotten, and the worker goes on reading from others."""
+    cfg = CacheConfig(layout="LBHNC", num_blocks=8)
+    remote = prefill.create(cfg)
+    decode = decode_instance(replace(cfg, layout="LBNHC"))
+    try:
+        worker = decode.workers[0]
+        prefill.hold(remote["engine_id"], "warm", [1], ttl=30)
+        decode.read("warm", params_for(remote, "warm", [1]), [5])  # handshake + connect
+        assert decode.wait(["warm"])[1] == {}
+        monkeypatch.setattr(worker._agent, "read", lambda *a, **k: FailedRead())
+        prefill.hold(remote["engine_id"], "lost", [2, 3], ttl=30)
+        decode.read("lost", params_for(remote, "lost", [2, 3]), [2, 3])
+        _, failed = decode.wait(["lost"], timeout=20)
+        assert "NIXL_ERR_REMOTE_DISCONNECT" in failed["lost"], failed
+        monkeypatch.undo()
+        assert worker._staging_wait == [] and worker._inflight == []
+        deadline = time.monotonic() + 10
+        while worker._staging_held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker._staging_held == {}, "the dead prefill's staging was never freed"
+        other = prefill.create(cfg)  # the failed one is avoided for a few seconds
+        prefill.hold(other["engine_id"], "after", [4], ttl=30)
+        decode.read("after", params_for(other, "after", [4]), [4])
+        _, failed = decode.wait(["after"], timeout=20)
+        assert failed == {}
+        check_blocks_subset(decode, cfg, [4], [4])
+    finally:
+        decode.close()
 
 
 def test_decode_that_never_reads_lets_the_lease_expire(prefill: PrefillProcess,
