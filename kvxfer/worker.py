@@ -42,6 +42,11 @@ registered, connected to the same peers; a large request's descriptor lists are
 split across the worker's agent and the lanes, each copied by its own thread
 while the worker thread waits for all of them (so every agent is still used by
 one thread at a time). "Done" is then sent only after every part has landed.
+Where byte copies cannot place a prefill rank's heads, that rank is read through
+staging (:mod:`kvxfer.staging`, :mod:`kvxfer.staging_pool`): its parts land in
+registered host buffers, a converter thread places them into this rank's views, and
+"done" follows once every part landed; such a read waits behind earlier ones for
+staging space. Each READ names both sides' memory kinds, as the handshake sent them.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only. With ``hmac_key`` every "done"
 notification is signed, and one that does not verify is ignored (logged, counted), so
@@ -52,7 +57,6 @@ from the listener's thread when a decode asks (one claimer per lease, at most
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
@@ -61,7 +65,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +93,7 @@ from kvxfer.protocol import (
 )
 from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
 from kvxfer.staging import StagedRead, plan_reads
+from kvxfer.staging_pool import StagedJob, StagingPool
 from kvxfer.tickets import TICKET_KEY, LeaseClaims
 from kvxfer.topology import notify_plan, read_plan
 
@@ -97,18 +102,10 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05       # idle: progress/expire 20 times a second (~0.1% of a core)
 BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
 CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
-STAGING_LIMIT_BYTES = 4 << 30  # converted reads in flight at once (kvxfer.staging)
-STAGING_CHUNK_BYTES = 64 << 20  # staging buffers are allocated in multiples of this
-STAGED_PART_BYTES = 16 << 20  # a converted read is READ and placed in parts of about this
 DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
 LANE_MIN_DESCRIPTORS = 64  # smaller requests: one thread (lanes cost a thread hand-off)
 LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not finish at once
 ENDED_REMEMBERED = 4096    # ended leases kept to tell a late "done" from a stray one
-
-
-def _staging_size(nbytes: int) -> int:
-    """The size of the staging buffer allocated for ``nbytes``."""
-    return -(-nbytes // STAGING_CHUNK_BYTES) * STAGING_CHUNK_BYTES
 
 
 def memory_kind(memory: Sequence[MemoryRegion], whose: str) -> bool:
@@ -298,31 +295,7 @@ class _Read:
     lanes: int = 1
     unnotified: bool = False  # read, but some "done" could not be sent
     posted: float | None = None  # when its READs were posted (after any staging wait)
-    parts: list[_Part] = field(default_factory=list)  # a converted read's READs
-    stagings: list[_Staging] = field(default_factory=list)  # what its parts land in
-
-
-@dataclass
-class _Staging:
-    """A registered host buffer a converted read lands in before it is placed."""
-
-    buffer: torch.Tensor
-    handles: list[Any]
-
-
-@dataclass
-class _Part:
-    """One READ of a converted read (kvxfer.staging): some of the request's blocks,
-    into ``staging`` at ``offset``, placed into this rank's views once it landed, on
-    the converter thread while the next part is read."""
-
-    plan: StagedRead
-    staging: _Staging
-    offset: int
-    local_ids: np.ndarray
-    descs: RankDescriptors
-    transfer: Any = None
-    placed: Future[None] | None = None
+    staged: StagedJob = field(default_factory=StagedJob)  # a converted read's parts
 
 
 @dataclass
@@ -360,13 +333,8 @@ class TransferWorker:
         self._geometry: SideGeometry | None = None
         self._views: list[torch.Tensor] = []  # by logical layer: where converted reads land
         self._local_cuda = False  # the memory kind of the registered cache
-        self._staging_free: list[_Staging] = []
-        self._staging_bytes = 0  # allocated, free or in use
+        self._staging = StagingPool(self._agent, f"r{rank}")  # converted reads land here
         self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
-        # staging of failed reads a cancelled READ may still write into, by prefill engine:
-        # freed when its connection is dropped (_drop_peer)
-        self._staging_held: dict[str, list[_Staging]] = {}
-        self._converter: ThreadPoolExecutor | None = None  # places staged parts
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.Queue[_Read] = queue.Queue()
         self._inflight: list[_Read] = []
@@ -435,8 +403,7 @@ class TransferWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lane_pool is not None:
             self._lane_pool.shutdown(wait=True)
-        if self._converter is not None:
-            self._converter.shutdown(wait=True)
+        self._staging.close()
         for agent in self._lanes:
             agent.close()
         self._agent.close()
@@ -674,7 +641,8 @@ class TransferWorker:
             self._staging_wait.append((job, peer))
             return
         job.posted = time.monotonic()  # the READ timeout counts from here
-        if self._lanes and not job.parts and sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
+        if self._lanes and not job.staged.parts and \
+                sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
             self._read_in_lanes(job, peer, descs)
             return
         if not self._post_parts(job, peer):
@@ -701,7 +669,7 @@ class TransferWorker:
 
     def _descriptors(self, job: _Read, peer: _Peer) -> list[RankDescriptors] | None:
         """The request's direct descriptors toward every planned prefill rank, its
-        converted reads cut into ``job.parts``; None when a converted read cannot get
+        converted reads cut into ``job.staged``; None when a converted read cannot get
         its staging buffers yet (nothing is taken then)."""
         direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
         descs = build_requests_descriptors(direct, job.local_block_ids,
@@ -712,39 +680,18 @@ class TransferWorker:
         pairs = [validate_block_ids(job.local_block_ids, job.remote.remote_block_ids,
                                     plan.local.num_blocks, plan.remote.num_blocks)
                  for plan in staged]
-        needs = [len(local) * plan.bytes_per_block for plan, (local, _) in zip(
-            staged, pairs, strict=True)]
-        if sum(_staging_size(n) for n in needs) > STAGING_LIMIT_BYTES:
-            raise TransferError(f"converting this read needs {sum(needs) >> 20} MiB of staging, "
-                                f"more than the {STAGING_LIMIT_BYTES >> 20} MiB limit; use "
-                                f"layouts both sides can copy directly (see kvxfer plan)")
-        buffers: list[_Staging] = []
-        try:
-            for need in needs:
-                staging = self._take_staging(need)
-                if staging is None:
-                    self._staging_free.extend(buffers)
-                    return None
-                buffers.append(staging)
-        except Exception:
-            self._staging_free.extend(buffers)
-            raise
-        job.stagings = buffers  # from here on _fail gives them back
-        for plan, staging, (local, remote) in zip(staged, buffers, pairs, strict=True):
-            per_part = max(1, STAGED_PART_BYTES // plan.bytes_per_block)
-            for start in range(0, len(local), per_part):
-                offset = start * plan.bytes_per_block
-                part = plan.descriptors(remote[start:start + per_part],
-                                        staging.buffer.data_ptr() + offset)
-                job.parts.append(_Part(plan, staging, offset, local[start:start + per_part],
-                                       part))
+        taken = self._staging.take([(plan, local, remote) for plan, (local, remote)
+                                    in zip(staged, pairs, strict=True)])
+        if taken is None:
+            return None
+        job.staged = taken  # from here on _fail gives the buffers back
         return descs
 
     def _post_parts(self, job: _Read, peer: _Peer) -> bool:
         """Post a converted read's parts one after the other, each placed as soon as it
         landed (a READ over cma copies inside the post: the next one then copies while
         the converter places this one). False when a post failed (the job failed)."""
-        for part in job.parts:
+        for part in job.staged.parts:
             try:
                 part.transfer = self._agent.read(  # into host staging
                     peer.agents[part.plan.remote_rank], part.descs.local, part.descs.remote,
@@ -757,77 +704,8 @@ class TransferWorker:
             job.transfers.append(part.transfer)
             job.num_bytes += part.descs.num_bytes
             job.descriptors += len(part.descs)
-            self._place_when_landed(part)
+            self._staging.place_landed(job.staged, self._views, self.compat.kv_packing)
         return True
-
-    def _place_when_landed(self, part: _Part) -> None:
-        """Hand a landed part to the converter thread (once)."""
-        if part.placed is not None:
-            return
-        try:
-            landed = part.transfer.state() == "DONE"
-        except Exception:  # a failed READ: _check_inflight fails the job from its state
-            return
-        if not landed:
-            return
-        if self._converter is None:
-            self._converter = ThreadPoolExecutor(max_workers=1,
-                                                 thread_name_prefix=f"kvxfer-convert-r{self.rank}")
-        packing = self.compat.kv_packing
-        part.placed = self._converter.submit(
-            part.plan.convert, part.staging.buffer[part.offset:], self._views,
-            torch.from_numpy(part.local_ids), packing, packing)
-
-    def _parts_placed(self, job: _Read) -> bool | str:
-        """True when every part was placed, False while some are not yet, or why one
-        failed."""
-        for part in job.parts:
-            self._place_when_landed(part)
-            if part.placed is None or not part.placed.done():
-                return False
-            error = part.placed.exception()
-            if error is not None:
-                return f"{type(error).__name__}: {error}"
-        return True
-
-    def _settle_parts(self, job: _Read) -> None:
-        """Wait for placements still running (they write into blocks a failed read's
-        request is about to free), then give the staging back: to the pool when every
-        part landed, else kept aside until the prefill's connection is dropped, since a
-        cancelled READ may still write into it."""
-        landed = True
-        for part in job.parts:
-            if part.placed is not None:
-                with contextlib.suppress(Exception):
-                    part.placed.result()
-            elif part.transfer is not None:  # posted, and not known to have landed
-                landed = False
-        if landed or not job.parts:
-            self._staging_free.extend(job.stagings)
-        else:
-            self._staging_held.setdefault(job.remote.remote_engine_id, []).extend(job.stagings)
-        job.parts.clear()
-        job.stagings = []
-
-    def _take_staging(self, nbytes: int) -> _Staging | None:
-        """A free staging buffer of at least ``nbytes``, registered with this rank's agent;
-        None while the ones in use leave too little room under the limit."""
-        fits = [s for s in self._staging_free if s.buffer.numel() >= nbytes]
-        if fits:
-            best = min(fits, key=lambda s: s.buffer.numel())
-            self._staging_free.remove(best)
-            return best
-        size = _staging_size(nbytes)
-        while self._staging_bytes + size > STAGING_LIMIT_BYTES and self._staging_free:
-            spare = self._staging_free.pop()  # free ones too small: make room
-            self._agent.deregister(spare.handles)
-            self._staging_bytes -= spare.buffer.numel()
-        if self._staging_bytes + size > STAGING_LIMIT_BYTES:
-            return None
-        buffer = torch.empty(size, dtype=torch.uint8)
-        handles = self._agent.register([MemoryRegion(buffer.data_ptr(), size, 0)])
-        self._staging_bytes += size
-        return _Staging(buffer, handles)
 
     def _retry_staged(self) -> None:
         """Post converted reads that waited for staging, oldest first; fail those that
@@ -938,7 +816,8 @@ class TransferWorker:
                     states.append(transfer.state())
                 except Exception as exc:
                     states.append(f"ERR: {exc}")
-            placed = self._parts_placed(job) if job.parts else True
+            placed = self._staging.place_landed(job.staged, self._views,
+                                                self.compat.kv_packing)
             if all(s == "DONE" for s in states) and placed is not False:
                 self._inflight.remove(job)
                 self._release_transfers(job)
@@ -947,8 +826,8 @@ class TransferWorker:
                                     f"{job.remote.remote_engine_id} failed: {placed}",
                                notify=True)
                     continue
-                staged = {p.plan.remote_rank for p in job.parts}
-                self._settle_parts(job)
+                staged = {p.plan.remote_rank for p in job.staged.parts}
+                self._staging.settle(job.staged, job.remote.remote_engine_id)
                 peer = self._peers.get(job.remote.remote_engine_id)
                 if peer is not None:  # ranks nobody reads still hold the blocks, and ranks
                     # read through staging were not told with the READ: release them
@@ -996,7 +875,7 @@ class TransferWorker:
         Without a connection to them (``notify=False``: the handshake failed or the
         peer is considered dead) the request is reported ``unnotified``."""
         self._release_transfers(job)
-        self._settle_parts(job)
+        self._staging.settle(job.staged, job.remote.remote_engine_id)
         log.warning("read for request %s failed: %s", job.request_id, reason)
         peer = self._peers.get(job.remote.remote_engine_id)
         told = notify and peer is not None and self._notify(job, list(peer.agents), ok=False)
@@ -1089,11 +968,7 @@ class TransferWorker:
         if peer is not None:
             for name in peer.agents.values():
                 self._quietly_remove(name)
-        # with its connection gone, no cancelled READ writes into these any more
-        for staging in self._staging_held.pop(engine_id, []):
-            with contextlib.suppress(Exception):
-                self._agent.deregister(staging.handles)
-            self._staging_bytes -= staging.buffer.numel()
+        self._staging.drop_held(engine_id)
 
     def _handle_notifs(self) -> None:
         for sender, messages in self._agent.get_notifs().items():

@@ -165,3 +165,36 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently() -
             # random bytes include NaNs: compare the bits
             assert torch.equal(got.contiguous().view(torch.int32),
                                want.contiguous().view(torch.int32))
+
+
+def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -> None:
+    """Real NIXL registrations: a read takes one buffer per staged rank or none; a landed
+    read's buffer is reused; a failed read's is held until its prefill is dropped."""
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.nixl_agent import NixlAgent
+    from kvxfer.staging_pool import CHUNK_BYTES, StagingPool, StagingTooSmall
+
+    rng = np.random.default_rng(3)
+    remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
+    local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 12, 2, False, rng)
+    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8),
+                         local_tp=2, remote_tp=1)
+    assert isinstance(read, StagedRead)
+    ids = np.arange(4)
+    with NixlAgent("staging-pool-test") as agent:
+        pool = StagingPool(agent, "test", limit=2 * CHUNK_BYTES)
+        first, second = pool.take([(read, ids, ids)]), pool.take([(read, ids, ids)])
+        assert first is not None and second is not None
+        assert pool.take([(read, ids, ids)]) is None  # both buffers in use: wait
+        buffer = first.stagings[0].buffer
+        pool.settle(first, "prefill-a")  # never posted: straight back to the pool
+        again = pool.take([(read, ids, ids)])
+        assert again is not None and again.stagings[0].buffer is buffer  # reused
+        second.parts[0].transfer = object()  # posted, never landed: a READ may still write
+        pool.settle(second, "prefill-b")
+        assert pool.held == 1 and pool.take([(read, ids, ids)]) is None
+        pool.drop_held("prefill-b")
+        assert pool.held == 0 and pool.take([(read, ids, ids)]) is not None
+        with pytest.raises(StagingTooSmall, match="more than the 128 MiB limit"):
+            pool.take([(read, ids, ids)] * 3)  # three buffers of one chunk: never fits
+        pool.close()

@@ -448,9 +448,9 @@ def test_a_converted_read_that_fails_fails_alone(prefill: PrefillProcess,
         monkeypatch.undo()
         assert worker._staging_wait == [] and worker._inflight == []
         deadline = time.monotonic() + 10
-        while worker._staging_held and time.monotonic() < deadline:
+        while worker._staging.held and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert worker._staging_held == {}, "the dead prefill's staging was never freed"
+        assert worker._staging.held == 0, "the dead prefill's staging was never freed"
         other = prefill.create(cfg)  # the failed one is avoided for a few seconds
         prefill.hold(other["engine_id"], "after", [4], ttl=30)
         decode.read("after", params_for(other, "after", [4]), [4])

@@ -1,0 +1,197 @@
+"""The staging buffers converted reads land in, and the thread that places them.
+
+A decode rank's :class:`StagingPool` owns host buffers registered with its NIXL
+agent and one converter thread. A converted read (:mod:`kvxfer.staging`) takes
+one buffer per staged prefill rank, all or none (:meth:`StagingPool.take`), is cut
+into parts of about :data:`PART_BYTES`, and each part that landed is placed into
+the rank's views on the converter thread (:meth:`StagingPool.place_landed`) while
+the next one is read. Buffers go back to the pool once every posted part landed;
+buffers of a failed read whose READ may still be writing are held until the
+prefill's connection is dropped (:meth:`StagingPool.drop_held`). Only the worker
+thread calls the pool; the converter thread only runs placements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvxfer.descriptors import RankDescriptors
+from kvxfer.nixl_agent import NixlAgent
+from kvxfer.regions import MemoryRegion
+from kvxfer.staging import StagedRead
+
+LIMIT_BYTES = 4 << 30  # staging of the converted reads in flight at once, per rank
+CHUNK_BYTES = 64 << 20  # buffers are allocated in multiples of this
+PART_BYTES = 16 << 20  # a converted read is READ and placed in parts of about this
+
+
+class StagingTooSmall(RuntimeError):
+    """One read needs more staging than the pool may ever hold."""
+
+
+def buffer_size(nbytes: int) -> int:
+    """The size of the buffer allocated for ``nbytes``."""
+    return -(-nbytes // CHUNK_BYTES) * CHUNK_BYTES
+
+
+@dataclass
+class Staging:
+    """A registered host buffer."""
+
+    buffer: torch.Tensor
+    handles: list[Any]
+
+
+@dataclass
+class Part:
+    """One READ of a converted read: some of its blocks, into ``staging`` at ``offset``."""
+
+    plan: StagedRead
+    staging: Staging
+    offset: int
+    local_ids: np.ndarray
+    descs: RankDescriptors
+    transfer: Any = None  # the posted READ
+    placed: Future[None] | None = None
+
+
+@dataclass
+class StagedJob:
+    """A converted read's parts and the buffers they land in."""
+
+    parts: list[Part] = field(default_factory=list)
+    stagings: list[Staging] = field(default_factory=list)
+
+
+class StagingPool:
+    """See the module docstring."""
+
+    def __init__(self, agent: NixlAgent, name: str, limit: int = LIMIT_BYTES) -> None:
+        self._agent, self._name, self.limit = agent, name, limit
+        self._free: list[Staging] = []
+        self._held: dict[str, list[Staging]] = {}  # by prefill engine
+        self._bytes = 0  # allocated: free, in use or held
+        self._converter: ThreadPoolExecutor | None = None
+
+    def take(self, reads: Sequence[tuple[StagedRead, np.ndarray, np.ndarray]]
+             ) -> StagedJob | None:
+        """Buffers for ``(plan, local ids, remote ids)`` reads (ids paired, in staging
+        order), cut into parts; None while the buffers in use leave too little room."""
+        needs = [len(local) * plan.bytes_per_block for plan, local, _ in reads]
+        if sum(buffer_size(n) for n in needs) > self.limit:
+            raise StagingTooSmall(
+                f"converting this read needs {sum(needs) >> 20} MiB of staging, more than "
+                f"the {self.limit >> 20} MiB limit; use layouts both sides can copy directly "
+                f"(see kvxfer plan)")
+        job = StagedJob()
+        try:
+            for need in needs:
+                staging = self._take(need)
+                if staging is None:
+                    self._free.extend(job.stagings)
+                    return None
+                job.stagings.append(staging)
+        except Exception:
+            self._free.extend(job.stagings)
+            raise
+        for (plan, local, remote), staging in zip(reads, job.stagings, strict=True):
+            per_part = max(1, PART_BYTES // plan.bytes_per_block)
+            for start in range(0, len(local), per_part):
+                offset = start * plan.bytes_per_block
+                descs = plan.descriptors(remote[start:start + per_part],
+                                         staging.buffer.data_ptr() + offset)
+                job.parts.append(Part(plan, staging, offset, local[start:start + per_part],
+                                      descs))
+        return job
+
+    def _take(self, nbytes: int) -> Staging | None:
+        fits = [s for s in self._free if s.buffer.numel() >= nbytes]
+        if fits:
+            best = min(fits, key=lambda s: s.buffer.numel())
+            self._free.remove(best)
+            return best
+        size = buffer_size(nbytes)
+        while self._bytes + size > self.limit and self._free:
+            self._release(self._free.pop())  # free ones too small: make room
+        if self._bytes + size > self.limit:
+            return None
+        buffer = torch.empty(size, dtype=torch.uint8)
+        handles = self._agent.register([MemoryRegion(buffer.data_ptr(), size, 0)])
+        self._bytes += size
+        return Staging(buffer, handles)
+
+    def _release(self, staging: Staging) -> None:
+        with contextlib.suppress(Exception):
+            self._agent.deregister(staging.handles)
+        self._bytes -= staging.buffer.numel()
+
+    def place_landed(self, job: StagedJob, views: Sequence[torch.Tensor],
+                     packing: str) -> bool | str:
+        """Start placing every part that landed (once each); True when all are placed,
+        False while some are not yet, or why a placement failed."""
+        for part in job.parts:
+            self._start_placing(part, views, packing)
+            if part.placed is None or not part.placed.done():
+                return False
+            error = part.placed.exception()
+            if error is not None:
+                return f"{type(error).__name__}: {error}"
+        return True
+
+    def _start_placing(self, part: Part, views: Sequence[torch.Tensor], packing: str) -> None:
+        if part.placed is not None or part.transfer is None:
+            return
+        try:
+            landed = part.transfer.state() == "DONE"
+        except Exception:  # a failed READ: the worker fails the read from its state
+            return
+        if not landed:
+            return
+        if self._converter is None:
+            self._converter = ThreadPoolExecutor(max_workers=1,
+                                                 thread_name_prefix=f"kvxfer-convert-{self._name}")
+        part.placed = self._converter.submit(
+            part.plan.convert, part.staging.buffer[part.offset:], views,
+            torch.from_numpy(part.local_ids), packing, packing)
+
+    def settle(self, job: StagedJob, engine_id: str) -> None:
+        """Wait for placements still running (a failed read's blocks are about to be
+        freed), then give the buffers back: to the pool when every posted part landed,
+        else held until :meth:`drop_held` for ``engine_id``, as a cancelled READ may
+        still write into them."""
+        landed = True
+        for part in job.parts:
+            if part.placed is not None:
+                with contextlib.suppress(Exception):
+                    part.placed.result()
+            elif part.transfer is not None:
+                landed = False
+        if landed:
+            self._free.extend(job.stagings)
+        else:
+            self._held.setdefault(engine_id, []).extend(job.stagings)
+        job.parts.clear()
+        job.stagings.clear()
+
+    def drop_held(self, engine_id: str) -> None:
+        """``engine_id``'s connection is gone: no cancelled READ writes into its held
+        buffers any more."""
+        for staging in self._held.pop(engine_id, []):
+            self._release(staging)
+
+    @property
+    def held(self) -> int:
+        """Buffers held for failed reads."""
+        return sum(len(v) for v in self._held.values())
+
+    def close(self) -> None:
+        """Stop the converter thread (placements finish first)."""
+        if self._converter is not None:
+            self._converter.shutdown(wait=True)
