@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.protocol import CONVERTIBLE_PACKINGS, TOKEN_PACKING
 from kvxfer.regions import RegionPlan
 from kvxfer.topology import HeadSlice
 
@@ -73,9 +74,10 @@ class SideGeometry:
     mem: npt.NDArray[np.int64]
     devices: npt.NDArray[np.uint64]
     latent: bool = False  # one MLA latent per token (RegionPlan.latent)
+    kv_packing: str = TOKEN_PACKING  # how K and V share a head's block (AgentMetadata)
 
     @classmethod
-    def from_plan(cls, plan: RegionPlan) -> SideGeometry:
+    def from_plan(cls, plan: RegionPlan, kv_packing: str = TOKEN_PACKING) -> SideGeometry:
         validate_plan(plan)
         contiguous = plan.heads_contiguous
         chunks = plan.num_heads if contiguous else 1
@@ -99,7 +101,7 @@ class SideGeometry:
         chunk_len = plan.head_len * (1 if contiguous else plan.num_heads)
         return cls(plan.layout, plan.num_blocks, plan.block_size, plan.num_kv_heads,
                    plan.separate_kv_head_groups, contiguous, chunk_len, base, stride, mem, devices,
-                   plan.latent)
+                   plan.latent, kv_packing)
 
     @property
     def num_layers(self) -> int:
@@ -170,6 +172,10 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
         raise IncompatibleLayoutError(
             f"decode keeps {kinds[local.latent]} but prefill keeps {kinds[remote.latent]}: "
             f"the same bytes mean different things; run the same model on both sides")
+    check_packings(local, remote)
+    if local.kv_packing != remote.kv_packing:
+        raise ConversionNeeded(
+            f"decode packs K and V as {local.kv_packing!r}, prefill as {remote.kv_packing!r}")
     full = all(s.count == local.num_kv_heads == remote.num_kv_heads for s in plan)
     if not full and not remote.heads_contiguous:
         relation = ">" if local_tp > remote_tp else "<" if local_tp < remote_tp else "="
@@ -187,6 +193,16 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
             f"decode chunks are {local.chunk_len // local.block_size} bytes per token but "
             f"prefill chunks are {remote.chunk_len // remote.block_size}: head size or dtype "
             f"differ")
+
+
+def check_packings(local: SideGeometry, remote: SideGeometry) -> None:
+    """Two packings of K and V can differ only where a conversion knows both."""
+    if local.kv_packing != remote.kv_packing and not {
+            local.kv_packing, remote.kv_packing} <= set(CONVERTIBLE_PACKINGS):
+        raise IncompatibleLayoutError(
+            f"decode packs K and V as {local.kv_packing!r}, prefill as {remote.kv_packing!r}; "
+            f"kvxfer converts only between {' and '.join(map(repr, CONVERTIBLE_PACKINGS))}: "
+            f"run both sides with the same packing")
 
 
 @dataclass(frozen=True)

@@ -64,12 +64,16 @@ from kvxfer.regions import RegionPlan
 #      reference engine keeps them, or as vLLM's CPU attention kernels store them).
 #   6: CompatInfo.kv_lora_rank (0: K and V heads; > 0: an MLA latent cache) and
 #      RegionPlan.latent.
-#   7: AgentMetadata.backends (the NIXL backends the rank's agent runs).
+#   7: AgentMetadata.backends (the NIXL backends the rank's agent runs) and
+#      AgentMetadata.kv_packing; CompatInfo.kv_packing no longer enters the compat hash
+#      (peers with different packings talk, the decode converts).
 KVXFER_PROTOCOL_VERSION: int = 7
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
 VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
+# packings a decode converts between (kvxfer.staging, with engine.attention.kv_views)
+CONVERTIBLE_PACKINGS = (TOKEN_PACKING, VLLM_CPU_VEC_PACKING)
 """How K and V of one head share a block's ``N x C`` bytes (``CompatInfo.kv_packing``).
 ``token``: every token's row holds its K then its V (``[N, 2, D]``, the reference
 engine's default). ``vllm-cpu-<isa>``: as vLLM's CPU attention backend stores them
@@ -299,16 +303,24 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"rank, for the RoPE part (got {self.head_size})")
 
 
+# What two peers may differ in and still exchange KV: a decode converts between the
+# packings it knows (kvxfer.staging); each rank's AgentMetadata says its own.
+NEGOTIATED_FIELDS = ("kv_packing",)
+
+
 def compat_hash(info: CompatInfo) -> str:
-    """Hex SHA-256 of the canonical msgpack encoding of ``info`` (fields in declared order)."""
-    return hashlib.sha256(msgspec.msgpack.encode(info)).hexdigest()
+    """Hex SHA-256 of the canonical msgpack encoding of ``info``'s fields in declared
+    order, :data:`NEGOTIATED_FIELDS` left out."""
+    fields = [getattr(info, name) for name in CompatInfo.__struct_fields__
+              if name not in NEGOTIATED_FIELDS]
+    return hashlib.sha256(msgspec.msgpack.encode(fields)).hexdigest()
 
 
 def compat_diff(here: CompatInfo, peer: CompatInfo) -> tuple[FieldDiff, ...]:
     """The fields on which ``here`` and ``peer`` differ, in declared order."""
     return tuple(FieldDiff(name, getattr(here, name), getattr(peer, name))
                  for name in CompatInfo.__struct_fields__
-                 if getattr(here, name) != getattr(peer, name))
+                 if name not in NEGOTIATED_FIELDS and getattr(here, name) != getattr(peer, name))
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -322,6 +334,8 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``num_blocks``, ``block_size`` and ``layout`` repeat the plan's values so a
     peer can check them without reading the plan; they must agree with it.
     ``backends`` are the NIXL backends its agent runs: a reader needs one in common.
+    ``kv_packing`` is how it packs K and V in a head's block; a reader with another
+    packing converts (:mod:`kvxfer.staging`).
     """
 
     engine_id: str
@@ -335,6 +349,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: str
     plan: RegionPlan
     backends: tuple[str, ...] = ("UCX",)
+    kv_packing: str = TOKEN_PACKING  # how this rank packs K and V (see TOKEN_PACKING)
 
     def __post_init__(self) -> None:
         _require(bool(self.engine_id), "AgentMetadata.engine_id must not be empty")

@@ -38,6 +38,7 @@ from kvxfer.descriptors import (
     PeerReadPlan,
     RankDescriptors,
     SideGeometry,
+    check_packings,
     merge_runs,
     plan_peer_reads,
 )
@@ -132,6 +133,7 @@ def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int
         raise IncompatibleLayoutError(
             "one side keeps K and V in separate head groups and the other packs them; "
             "use the same setting on both sides")
+    check_packings(local, remote)
     per_token = (local.chunk_len // (1 if local.heads_contiguous else local.num_view_heads),
                  remote.chunk_len // (1 if remote.heads_contiguous else remote.num_view_heads))
     if per_token[0] != per_token[1]:

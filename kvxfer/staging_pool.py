@@ -132,12 +132,11 @@ class StagingPool:
             self._agent.deregister(staging.handles)
         self._bytes -= staging.buffer.numel()
 
-    def place_landed(self, job: StagedJob, views: Sequence[torch.Tensor],
-                     packing: str) -> bool | str:
+    def place_landed(self, job: StagedJob, views: Sequence[torch.Tensor]) -> bool | str:
         """Start placing every part that landed (once each); True when all are placed,
         False while some are not yet, or why a placement failed."""
         for part in job.parts:
-            self._start_placing(part, views, packing)
+            self._start_placing(part, views)
             if part.placed is None or not part.placed.done():
                 return False
             error = part.placed.exception()
@@ -145,7 +144,7 @@ class StagingPool:
                 return f"{type(error).__name__}: {error}"
         return True
 
-    def _start_placing(self, part: Part, views: Sequence[torch.Tensor], packing: str) -> None:
+    def _start_placing(self, part: Part, views: Sequence[torch.Tensor]) -> None:
         if part.placed is not None or part.transfer is None:
             return
         try:
@@ -157,9 +156,10 @@ class StagingPool:
         if self._converter is None:
             self._converter = ThreadPoolExecutor(max_workers=1,
                                                  thread_name_prefix=f"kvxfer-convert-{self._name}")
+        plan = part.plan
         part.placed = self._converter.submit(
-            part.plan.convert, part.staging.buffer[part.offset:], views,
-            torch.from_numpy(part.local_ids), packing, packing)
+            plan.convert, part.staging.buffer[part.offset:], views,
+            torch.from_numpy(part.local_ids), plan.remote.kv_packing, plan.local.kv_packing)
 
     def settle(self, job: StagedJob, engine_id: str) -> None:
         """Wait for placements still running (a failed read's blocks are about to be

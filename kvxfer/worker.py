@@ -375,7 +375,7 @@ class TransferWorker:
                 agent.register(plan.memory)
             self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
                                                  thread_name_prefix=f"kvxfer-lane-r{self.rank}")
-        self._plan, self._geometry = plan, SideGeometry.from_plan(plan)
+        self._plan, self._geometry = plan, SideGeometry.from_plan(plan, self.compat.kv_packing)
         self._views = [view for _, view in distinct_views(caches)]
         return plan
 
@@ -387,7 +387,7 @@ class TransferWorker:
                              agent_name=self._agent.name, agent_blob=self._agent.metadata(),
                              device_id=device, num_blocks=plan.num_blocks,
                              block_size=plan.block_size, layout=plan.layout, plan=plan,
-                             backends=self._agent.backends)
+                             backends=self._agent.backends, kv_packing=self.compat.kv_packing)
 
     def peer_connecting(self) -> None:
         """The listener served a handshake: progress fast while the peer connects."""
@@ -704,7 +704,7 @@ class TransferWorker:
             job.transfers.append(part.transfer)
             job.num_bytes += part.descs.num_bytes
             job.descriptors += len(part.descs)
-            self._staging.place_landed(job.staged, self._views, self.compat.kv_packing)
+            self._staging.place_landed(job.staged, self._views)
         return True
 
     def _retry_staged(self) -> None:
@@ -816,8 +816,7 @@ class TransferWorker:
                     states.append(transfer.state())
                 except Exception as exc:
                     states.append(f"ERR: {exc}")
-            placed = self._staging.place_landed(job.staged, self._views,
-                                                self.compat.kv_packing)
+            placed = self._staging.place_landed(job.staged, self._views)
             if all(s == "DONE" for s in states) and placed is not False:
                 self._inflight.remove(job)
                 self._release_transfers(job)
@@ -910,7 +909,8 @@ class TransferWorker:
                     f"prefill rank {rank} runs NIXL backends {', '.join(meta.backends)} and "
                     f"this decode {', '.join(self._agent.backends)}: no backend in common; "
                     f"start both with a shared --nixl-backends")
-        geometries = {rank: SideGeometry.from_plan(meta.plan) for rank, meta in metas.items()}
+        geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
+                      for rank, meta in metas.items()}
         plans = plan_reads(local, geometries, slices, local_tp=self.tp_size,
                            remote_tp=remote.tp_size)
         staged = [p for p in plans if isinstance(p, StagedRead)]

@@ -455,18 +455,25 @@ def test_hash_is_stable() -> None:
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
     # Pinned (protocol 7): a change here changes the wire, so it needs a version bump.
-    assert HASH == "ca0474e6ad448b1c708446d70c08655b9d924326009281283eccfe2fd22cd123"
+    assert HASH == "3b2148c61fedb24acc85264f39add5d9399a75ad160ecf6e4748f354175524b4"
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("model", "llama-3-70b"), ("dtype", "float16"), ("cache_dtype", "fp8_e4m3"),
-    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32), ("kv_packing", "vllm-cpu-vec"),
+    ("head_size", 128), ("total_kv_heads", 8), ("num_layers", 32),
     ("protocol_version", KVXFER_PROTOCOL_VERSION + 1),
 ])
 def test_every_field_changes_the_hash(field: str, value: object) -> None:
     changed = msgspec.structs.replace(COMPAT, **{field: value})
     assert compat_hash(changed) != HASH
     assert compat_diff(COMPAT, changed) == (FieldDiff(field, getattr(COMPAT, field), value),)
+
+
+def test_the_kv_packing_is_negotiated_not_hashed() -> None:
+    """Peers that pack K and V differently still talk: the decode converts."""
+    changed = msgspec.structs.replace(COMPAT, kv_packing="vllm-cpu-vec")
+    assert compat_hash(changed) == HASH and compat_diff(COMPAT, changed) == ()
+    assert meta().kv_packing == "token"
 
 
 @pytest.mark.parametrize("name", ["tp_size", "block_size", "layout"])

@@ -4,6 +4,8 @@ heads, and the decode views must equal a view-level assignment head by head."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -137,17 +139,24 @@ def test_staging_refuses_what_it_cannot_bridge() -> None:
                    remote_tp=1)
 
 
-def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently() -> None:
-    """vLLM's CPU packing (K transposed, then V, per head's block) staged, token packing
-    placed: every K and V element lands where the decode's packing reads it."""
+@pytest.mark.parametrize(("remote_packing", "local_packing", "local_layout"), [
+    ("vllm-cpu-vec", "token", "LBNHC"), ("token", "vllm-cpu-vec", "BLHNC"),
+    ("vllm-cpu-vec", "token", "BHLNC")])
+def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
+        remote_packing: str, local_packing: str, local_layout: str) -> None:
+    """vLLM's CPU packing (K transposed, then V, per head's block) on one side, token
+    packing on the other: every K and V element lands where the decode's packing reads
+    it, whether or not the layouts alone would have needed a conversion."""
     from kvxfer.engine.attention import kv_views
     from kvxfer.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(2)
     spec = CacheSpec(4, 2, 3, torch.float32)
     remote = make_rank(spec, KVCacheLayout.LBHNC, 6, 2, False, rng)
-    local = make_rank(spec, KVCacheLayout.LBNHC, 5, 2, False, rng)  # heads inside tokens
-    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 1, 1, 2))
+    local = make_rank(spec, KVCacheLayout[local_layout], 5, 2, False, rng)
+    (read,) = plan_reads(replace(local.geometry, kv_packing=local_packing),
+                         {0: replace(remote.geometry, kv_packing=remote_packing)},
+                         read_plan(0, 1, 1, 2))
     assert isinstance(read, StagedRead)
     lids, rids = np.array([4, 0, 2]), np.array([1, 5, 3])
     staging = torch.zeros(len(lids) * read.bytes_per_block, dtype=torch.uint8)
@@ -157,10 +166,10 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently() -
                                                  strict=True):
         offset, start = laddr - staging.data_ptr(), raddr - src.data_ptr()
         staging.numpy()[offset:offset + length] = src.numpy()[start:start + length]
-    read.convert(staging, local.views, torch.from_numpy(lids), "vllm-cpu-vec", "token")
+    read.convert(staging, local.views, torch.from_numpy(lids), remote_packing, local_packing)
     for layer in range(2):
-        want_k, want_v = kv_views(remote.views[layer], "vllm-cpu-vec")
-        got_k, got_v = kv_views(local.views[layer], "token")
+        want_k, want_v = kv_views(remote.views[layer], remote_packing)
+        got_k, got_v = kv_views(local.views[layer], local_packing)
         for got, want in ((got_k[lids], want_k[rids]), (got_v[lids], want_v[rids])):
             # random bytes include NaNs: compare the bits
             assert torch.equal(got.contiguous().view(torch.int32),
@@ -198,3 +207,14 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
         with pytest.raises(StagingTooSmall, match="more than the 128 MiB limit"):
             pool.take([(read, ids, ids)] * 3)  # three buffers of one chunk: never fits
         pool.close()
+
+
+def test_packings_no_conversion_knows_are_refused_naming_both() -> None:
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+
+    rng = np.random.default_rng(4)
+    side = make_rank(CacheSpec(4, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    with pytest.raises(IncompatibleLayoutError, match="decode packs K and V as 'token', prefill "
+                                                      "as 'vllm-cpu-amx'; kvxfer converts only"):
+        plan_reads(side.geometry, {0: replace(side.geometry, kv_packing="vllm-cpu-amx")},
+                   read_plan(0, 1, 1, 2))

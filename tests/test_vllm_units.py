@@ -17,7 +17,6 @@ import pytest
 from test_handshake import ANSWER_S, COMPAT, HOST, RANKS
 
 from kvxfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.protocol import HashMismatch
 from kvxfer.tickets import TICKET_KEY, LeaseClaims, TicketError, verify_ticket
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
@@ -407,31 +406,27 @@ def test_a_non_number_expiry_is_a_bad_gateway_naming_the_field(field: str, value
     assert f"at `$.{field}`" in caught.value.message
 
 
-# -- the handshake refuses a peer whose K/V packing differs ----------------------------------
+# -- a peer whose K/V packing differs is answered: the decode converts -----------------------
 
 @pytest.fixture
 def listener(request: pytest.FixtureRequest) -> Iterator[HandshakeListener]:
     compat = msgspec.structs.replace(COMPAT, kv_packing=request.param)
+    ranks = [msgspec.structs.replace(r, kv_packing=request.param) for r in RANKS]
     with HandshakeListener(HOST, engine_id="prefill-a", compat=compat,
-                           metadata=lambda: RANKS) as served:
+                           metadata=lambda: ranks) as served:
         yield served
 
 
 @pytest.mark.parametrize(("listener", "here"),
                          [("token", "vllm-cpu-vec"), ("vllm-cpu-vec", "token")],
                          indirect=["listener"])
-def test_a_kv_packing_mismatch_fails_naming_the_field_and_the_peer(
+def test_a_peer_of_another_kv_packing_answers_with_its_packing(
         listener: HandshakeListener, here: str) -> None:
     peer = "vllm-cpu-vec" if here == "token" else "token"
     compat = msgspec.structs.replace(COMPAT, kv_packing=here)
-    with HandshakeClient("decode-b", compat) as client, \
-            pytest.raises(HashMismatch) as info:
-        client.fetch(HOST, listener.port, [0], timeout=ANSWER_S, retries=0)
-    message = str(info.value)
-    assert f"peer {listener.address} is not compatible" in message
-    assert f"differing: kv_packing: peer {peer!r}, here {here!r}" in message
-    assert info.value.differing is not None
-    assert [diff.field for diff in info.value.differing] == ["kv_packing"]
+    with HandshakeClient("decode-b", compat) as client:
+        answer = client.fetch(HOST, listener.port, [0], timeout=ANSWER_S, retries=0)
+    assert [meta.kv_packing for meta in answer.ranks] == [peer]
 
 
 def test_huge_integer_seconds_are_refused() -> None:

@@ -41,10 +41,7 @@ def failed_load_line(decode: VllmServer, prompt: str | list[int],
     return next(ln for ln in reversed(log.splitlines()) if params["remote_engine_id"] in ln)
 
 
-@pytest.mark.parametrize(("model", "fields"), [
-    ("kvxfer-tiny", ("model", "kv_packing")),
-    ("smollm2-135m-instruct", ("kv_packing",)),
-])
+@pytest.mark.parametrize(("model", "fields"), [("kvxfer-tiny", ("model",))])
 def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmServer],
                                           log_dir: Path, model: str,
                                           fields: tuple[str, ...]) -> None:
@@ -85,19 +82,22 @@ def test_prefill_of_another_block_size_fails_cleanly(
         other.stop()
 
 
+@pytest.mark.parametrize("packing", ["vllm-cpu-vec", "token"])
 def test_a_kvxfer_sidecar_prefill_feeds_a_vllm_decode(
-        kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path) -> None:
-    """One protocol across two engines: kvxfer's reference engine keeping its cache as
-    vLLM's CPU backend does (``--kv-packing vllm-cpu-vec``, 128-token blocks, float32)
-    prefills, a vLLM decode with KvxferConnector reads it, and the answer is vLLM's own."""
+        kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path, packing: str) -> None:
+    """One protocol across two engines: kvxfer's reference engine (128-token blocks,
+    float32) prefills, a vLLM decode with KvxferConnector reads it, and the answer is
+    vLLM's own. With ``--kv-packing vllm-cpu-vec`` the sidecar keeps its cache as vLLM's
+    CPU backend does and the bytes are copied as they are; with its own ``token``
+    packing the decode converts them (kvxfer.staging)."""
     alone_server, decode = kvxfer_pair
     spec = Spec(role="prefill", block_size=128, num_blocks=16,
                 extra=("--model", "smollm2-135m-instruct", "--dtype", "float32",
-                       "--kv-packing", "vllm-cpu-vec", "--served-model-name", SERVED_NAME))
+                       "--kv-packing", packing, "--served-model-name", SERVED_NAME))
     body = {"prompt": "Q: What is the capital of France? Answer in a sentence.\nA:",
             "max_tokens": 16, "temperature": 0}
     alone = completion(alone_server.url, body)["choices"][0]["text"]
-    sidecar_logs = log_dir / "sidecar-vllm-packing"
+    sidecar_logs = log_dir / f"sidecar-{packing}-packing"
     sidecar_logs.mkdir(exist_ok=True)
     with sidecars(sidecar_logs, [spec]) as (sidecar,), \
             proxy_for(sidecar, decode, log_dir) as proxy:
