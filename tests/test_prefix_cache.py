@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.engine import LLMEngine, NoFreeBlocks, SamplingParams, tiny_config
@@ -110,18 +110,20 @@ tails_st = st.lists(st.lists(st.integers(0, 255), max_size=9), min_size=2, max_s
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prefix=prefix_st, tails=tails_st, block_size=st.sampled_from([2, 4]),
        tp_layout=st.sampled_from([(1, "LBHNC"), (2, "BHLNC"), (1, "BLNHC")]))
+@example(prefix=[0, 0, 0], tails=[[], [0], [0, 0]], block_size=2, tp_layout=(1, "LBHNC"))
 def test_a_hit_holds_exactly_the_kv_its_prompt_computes(
         prefix: list[int], tails: list[list[int]], block_size: int,
         tp_layout: tuple[int, str]) -> None:
-    """Each hit block holds, byte for byte, the KV a cacheless engine computes for the
-    prompt that first filled it (the same tokens at the same positions), and the whole
-    prompt's KV is that of its own cacheless prefill up to float rounding (a forward over
-    another number of tokens may round differently)."""
+    """Each hit block holds, byte for byte, the KV the request that first filled it
+    stored (the same tokens at the same positions), and the whole prompt's KV is that of
+    its own cacheless prefill up to float rounding (a forward over another number of
+    tokens may round differently: the filler itself may have started from a hit)."""
     tp, layout = tp_layout
     geometry = {"block_size": block_size, "num_blocks": 128, "tp": tp, "layout": layout}
     engine = make_engine(**geometry)  # large enough that nothing is evicted here
     prompts = [prefix + tail for tail in tails]
     references = [reference_kv(p, range(len(p)), **geometry) for p in prompts]
+    stored: list[list[torch.Tensor]] = []  # each request's KV rows as the engine kept them
     for k, prompt in enumerate(prompts):
         blocks = held(engine, f"r{k}", prompt)
         cached = engine.num_cached_tokens(f"r{k}")
@@ -133,10 +135,11 @@ def test_a_hit_holds_exactly_the_kv_its_prompt_computes(
             source = next(j for j in range(k)
                           if common_blocks(prompts[j], prompt, block_size) > index)
             rows = slice(index * block_size, (index + 1) * block_size)
-            for have, expected in zip(got, references[source], strict=True):
-                assert torch.equal(have[rows], expected[rows])
+            for have, kept in zip(got, stored[source], strict=True):
+                assert torch.equal(have[rows], kept[rows])
         for have, expected in zip(got, references[k], strict=True):
             torch.testing.assert_close(have, expected, rtol=1e-5, atol=1e-5)
+        stored.append(got)
         engine.release(f"r{k}")
 
 
