@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
-from kvxfer.bench.serve import BenchError, _metrics, _post, launched
+from kvxfer.bench.serve import BenchError, _metrics, _post, launched, role_cpu
 
 HELP = "time to first token and KV bytes moved for a shared system prompt, prefix cache " \
        "off vs on, in one run"
@@ -71,9 +70,7 @@ def _sidecar(role: str, cache: bool, args: argparse.Namespace) -> Iterator[str]:
             "--num-blocks", str(args.num_blocks), "--kv-load-failure-policy", "fail"]
     if cache:
         argv.append("--enable-prefix-caching")
-    cpu = None
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        cpu = sorted(os.sched_getaffinity(0))[0 if role == "prefill" else 1]
+    cpu = role_cpu(role, args.pin)
     with launched(argv, f"{role} sidecar (prefix cache {'on' if cache else 'off'})",
                   None, cpu) as url:
         yield url

@@ -74,6 +74,15 @@ def sidecar(role: str, model: str, tp: int, args: argparse.Namespace) -> Iterato
         yield url
 
 
+def role_cpu(role: str, pin: bool) -> int | None:
+    """With ``pin`` and two CPUs or more, the CPU a benchmark binds ``role``'s sidecars
+    to: prefills the first allowed one, decodes the second (else None: unbound)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not pin or len(allowed) < 2:
+        return None
+    return allowed[0 if role == "prefill" else 1]
+
+
 @contextmanager
 def launched(argv: list[str], what: str, env: dict[str, str] | None = None,
              cpu: int | None = None) -> Iterator[str]:

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from kvxfer.bench.serve import BenchError, _post, _prompt, launched
+from kvxfer.bench.serve import BenchError, _post, _prompt, launched, role_cpu
 
 HELP = "decode time to first token with the kv key (signing) on vs off, in one run"
 
@@ -69,9 +69,7 @@ def _sidecar(role: str, args: argparse.Namespace, key_file: str | None) -> Itera
     if key_file is not None:
         argv += ["--kv-key-file", key_file]
     env = {k: v for k, v in os.environ.items() if k != "KVXFER_KV_KEY_FILE"}
-    cpu = None
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        cpu = sorted(os.sched_getaffinity(0))[0 if role == "prefill" else 1]
+    cpu = role_cpu(role, args.pin)
     with launched(argv, f"{role} sidecar ({'signed' if key_file else 'unsigned'})",
                   env, cpu) as url:
         yield url
