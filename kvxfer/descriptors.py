@@ -17,17 +17,26 @@ The result has exactly one descriptor per maximal run that is contiguous on
 both sides, so cross-layer coalescing and runs of consecutive block ids fall
 out of the same rule. Descriptor arrays are ``N x 3`` uint64: (addr, len, device).
 
-Block sizes may differ when one divides the other. Both sides are then seen
-at the smaller block size: a chunk of the larger-block side splits into
-``ratio`` sub-chunks (tokens ``[k * small, (k + 1) * small)`` are the ``k``-th
-``chunk_len / ratio`` bytes of the chunk, since tokens are the outer dim of a
-chunk in every layout), and its ``i``-th block pairs with the other side's blocks
-``i * ratio .. i * ratio + ratio - 1``. Step 3 then adds ``k * sub_len`` to each
-address; steps 2 and 4 are unchanged, so whole-block runs still merge.
+Block ids are logical on both sides (what the scheduler and ``kv_transfer_params``
+count), but a side's views, and so its chunks, may be at a smaller *kernel* block
+size: logical block ``b`` is kernel blocks ``b * r .. b * r + r - 1``
+(``SideGeometry.kernel_ratio``). Pairing expands each side's logical ids to its
+kernel ids, in token order, and pairs the two kernel-block sequences.
+
+Logical block sizes may differ when one divides the other, and kernel block sizes
+may differ anyhow. Both sides are then seen at the *pairing unit*, the greatest
+common divisor of the two kernel block sizes: a kernel chunk of ``k`` tokens splits
+into ``k / unit`` sub-chunks (tokens ``[j * unit, (j + 1) * unit)`` are the ``j``-th
+``unit`` tokens' bytes of the chunk, since tokens are the outer dim of a chunk in
+every layout), and the ``p``-th unit of one side's token sequence pairs with the
+``p``-th of the other's. Step 3 then adds ``j * sub_len`` to each address; steps 2
+and 4 are unchanged, so runs over whole (kernel) blocks, and the kernel blocks of one
+logical block where the layout keeps them adjacent, still merge.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,7 +68,9 @@ class SideGeometry:
 
     ``base``/``block_stride``/``mem`` are ``[layers, chunks]`` arrays (bytes and
     memory-entry index); chunk index = head index of the view when
-    ``heads_contiguous``, else the single page (index 0).
+    ``heads_contiguous``, else the single page (index 0). Chunks, strides and
+    ``chunk_len`` are per kernel block; ``num_blocks`` and ``block_size`` are logical,
+    each logical block ``kernel_ratio`` kernel blocks (:class:`RegionPlan`).
     """
 
     layout: str
@@ -75,6 +86,7 @@ class SideGeometry:
     devices: npt.NDArray[np.uint64]
     latent: bool = False  # one MLA latent per token (RegionPlan.latent)
     kv_packing: str = TOKEN_PACKING  # how K and V share a head's block (AgentMetadata)
+    kernel_ratio: int = 1  # kernel blocks per logical block (RegionPlan.kernel_ratio)
 
     @classmethod
     def from_plan(cls, plan: RegionPlan, kv_packing: str = TOKEN_PACKING) -> SideGeometry:
@@ -101,11 +113,16 @@ class SideGeometry:
         chunk_len = plan.head_len * (1 if contiguous else plan.num_heads)
         return cls(plan.layout, plan.num_blocks, plan.block_size, plan.num_kv_heads,
                    plan.separate_kv_head_groups, contiguous, chunk_len, base, stride, mem, devices,
-                   plan.latent, kv_packing)
+                   plan.latent, kv_packing, plan.kernel_ratio)
 
     @property
     def num_layers(self) -> int:
         return int(self.base.shape[0])
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per kernel block: what one chunk holds."""
+        return self.block_size // self.kernel_ratio
 
     @property
     def num_view_heads(self) -> int:
@@ -122,12 +139,16 @@ def validate_plan(plan: RegionPlan) -> None:
         raise ValueError(f"region plan has non-positive sizes: blocks={plan.num_blocks}, "
                          f"layers={plan.num_layers}, heads={plan.num_heads}, "
                          f"head_len={plan.head_len}")
+    if plan.kernel_ratio <= 0 or plan.block_size <= 0 or plan.block_size % plan.kernel_ratio:
+        raise ValueError(f"region plan's blocks of {plan.block_size} tokens cannot be "
+                         f"{plan.kernel_ratio} kernel blocks each")
+    blocks = plan.num_kernel_blocks  # what regions address
     for i, region in enumerate(plan.regions):
         if not 0 <= region.mem_index < len(plan.memory):
             raise ValueError(f"region {i} names memory entry {region.mem_index}, "
                              f"but the plan has {len(plan.memory)}")
         mem = plan.memory[region.mem_index]
-        end = region.base_addr + (plan.num_blocks - 1) * region.block_stride + region.block_len
+        end = region.base_addr + (blocks - 1) * region.block_stride + region.block_len
         if region.base_addr < mem.addr or end > mem.addr + mem.nbytes:
             raise ValueError(f"region {i} spans [{region.base_addr:#x}, {end:#x}) outside its "
                              f"memory entry [{mem.addr:#x}, {mem.addr + mem.nbytes:#x})")
@@ -143,7 +164,7 @@ def validate_plan(plan: RegionPlan) -> None:
                  if region.heads_contiguous else region.num_heads * region.head_len)
         extent = (len(region.layers) - 1) * region.layer_stride + heads
         if min(region.layer_stride, region.head_stride) < 0 or extent > region.block_len or \
-                (plan.num_blocks > 1 and region.block_len > region.block_stride):
+                (blocks > 1 and region.block_len > region.block_stride):
             raise ValueError(f"region {i}: its heads and layers span {extent} bytes of a "
                              f"{region.block_len}-byte block strided by {region.block_stride}")
 
@@ -176,6 +197,12 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
     if local.kv_packing != remote.kv_packing:
         raise ConversionNeeded(
             f"decode packs K and V as {local.kv_packing!r}, prefill as {remote.kv_packing!r}")
+    if local.kv_packing != TOKEN_PACKING and local.kernel_block_size != remote.kernel_block_size:
+        # pairing cuts chunks at token boundaries, which only a per-token packing allows
+        raise ConversionNeeded(
+            f"K and V packed as {local.kv_packing!r} lie per kernel block, which byte copies "
+            f"cannot cut: decode kernel blocks hold {local.kernel_block_size} tokens, "
+            f"prefill's {remote.kernel_block_size}")
     full = all(s.count == local.num_kv_heads == remote.num_kv_heads for s in plan)
     if not full and not remote.heads_contiguous:
         relation = ">" if local_tp > remote_tp else "<" if local_tp < remote_tp else "="
@@ -188,11 +215,11 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
             f"decode layout {local.layout} and prefill layout {remote.layout} order a block's "
             f"heads and tokens differently, which byte copies cannot reorder; use "
             f"{', '.join(SPLITTABLE_LAYOUTS)} on both sides (or LBNHC/BLNHC on both)")
-    if local.chunk_len * remote.block_size != remote.chunk_len * local.block_size:
+    if local.chunk_len * remote.kernel_block_size != remote.chunk_len * local.kernel_block_size:
         raise IncompatibleLayoutError(
-            f"decode chunks are {local.chunk_len // local.block_size} bytes per token but "
-            f"prefill chunks are {remote.chunk_len // remote.block_size}: head size or dtype "
-            f"differ")
+            f"decode chunks are {local.chunk_len // local.kernel_block_size} bytes per token "
+            f"but prefill chunks are {remote.chunk_len // remote.kernel_block_size}: head size "
+            f"or dtype differ")
 
 
 def check_packings(local: SideGeometry, remote: SideGeometry) -> None:
@@ -262,11 +289,8 @@ def _checked_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
     return local, remote
 
 
-def _no_repeats(sorted_local: IntArray, sub: IntArray | None = None) -> None:
-    same = sorted_local[1:] == sorted_local[:-1]
-    if sub is not None:
-        same &= sub[1:] == sub[:-1]
-    repeats = np.flatnonzero(same)
+def _no_repeats(sorted_local: IntArray) -> None:
+    repeats = np.flatnonzero(sorted_local[1:] == sorted_local[:-1])
     if len(repeats):
         raise ValueError(f"local block id {int(sorted_local[repeats[0]])} repeats: a block "
                          f"would be written twice")
@@ -274,11 +298,12 @@ def _no_repeats(sorted_local: IntArray, sub: IntArray | None = None) -> None:
 
 @dataclass(frozen=True)
 class BlockPairs:
-    """One request's blocks at the smaller block size, sorted by local (id, sub-block).
+    """One request's tokens in pairing units, sorted by local (kernel id, sub-block).
 
-    Position ``p`` reads sub-block ``remote_sub[p]`` of remote block
-    ``remote_ids[p]`` into sub-block ``local_sub[p]`` of local block
-    ``local_ids[p]``; sub-blocks are 0 on the side with the smaller blocks.
+    Position ``p`` reads sub-block ``remote_sub[p]`` of remote kernel block
+    ``remote_ids[p]`` into sub-block ``local_sub[p]`` of local kernel block
+    ``local_ids[p]``; a side's sub-blocks are None where its kernel blocks are one
+    unit (see the module docstring). Kernel ids equal block ids without kernel blocks.
     """
 
     local_ids: IntArray
@@ -287,32 +312,52 @@ class BlockPairs:
     remote_sub: IntArray | None
 
 
+def pairing_unit(local_kernel_block_size: int, remote_kernel_block_size: int) -> int:
+    """Tokens per pairing unit: the largest run both sides' kernel blocks are cut into."""
+    return math.gcd(local_kernel_block_size, remote_kernel_block_size)
+
+
+def kernel_units(block_ids: IntArray, kernel_ratio: int, subs: int, count: int
+                 ) -> tuple[IntArray, IntArray]:
+    """The first ``count`` pairing units of logical ``block_ids`` in token order, as
+    (kernel block id, sub-block): block ``b`` is kernel blocks ``b * kernel_ratio + i``
+    (``i < kernel_ratio``), each ``subs`` units."""
+    per_block = kernel_ratio * subs
+    position = np.arange(count, dtype=np.int64)
+    within = position % per_block
+    return block_ids[position // per_block] * kernel_ratio + within // subs, within % subs
+
+
 def pair_blocks(local_block_ids: Sequence[int] | npt.ArrayLike,
                 remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
-                remote_num_blocks: int, local_ratio: int = 1, remote_ratio: int = 1
-                ) -> BlockPairs:
-    """Validate both lists and pair their blocks (see :class:`BlockPairs`); ``*_ratio``
-    is each side's block size over the smaller one (1 on that side)."""
-    if local_ratio == remote_ratio == 1:
+                remote_num_blocks: int, local_block_size: int = 1, remote_block_size: int = 1,
+                local_kernel_ratio: int = 1, remote_kernel_ratio: int = 1) -> BlockPairs:
+    """Validate both lists of logical ids and pair their tokens (see :class:`BlockPairs`).
+
+    ``*_block_size`` are the logical block sizes (one a multiple of the other),
+    ``*_kernel_ratio`` each side's kernel blocks per logical block; ids count logical
+    blocks (``*_num_blocks``). The side with the larger blocks has ``ceil(n / ratio)``
+    ids for ``n`` on the other; tokens pair in order up to the shorter side's end.
+    """
+    if local_block_size == remote_block_size and local_kernel_ratio == remote_kernel_ratio == 1:
         local, remote = validate_block_ids(local_block_ids, remote_block_ids,
                                            local_num_blocks, remote_num_blocks)
         return BlockPairs(local, None, remote, None)
+    small = min(local_block_size, remote_block_size)
     local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
-                                 remote_num_blocks, local_ratio, remote_ratio)
-    coarse, ratio = (local, local_ratio) if local_ratio > 1 else (remote, remote_ratio)
-    positions = np.arange(len(remote if local_ratio > 1 else local), dtype=np.int64)
-    expanded, sub = coarse[positions // ratio], positions % ratio
-    if local_ratio > 1:
-        local_ids, local_sub, remote_ids, remote_sub = expanded, sub, remote, None
-    else:
-        local_ids, local_sub, remote_ids, remote_sub = local, None, expanded, sub
-    order = np.lexsort((local_sub, local_ids)) if local_sub is not None else \
-        np.argsort(local_ids, kind="stable")
-    local_ids, remote_ids = local_ids[order], remote_ids[order]
-    local_sub = None if local_sub is None else local_sub[order]
-    remote_sub = None if remote_sub is None else remote_sub[order]
-    _no_repeats(local_ids, local_sub)
-    return BlockPairs(local_ids, local_sub, remote_ids, remote_sub)
+                                 remote_num_blocks, local_block_size // small,
+                                 remote_block_size // small)
+    _no_repeats(np.sort(local))
+    local_kernel = local_block_size // local_kernel_ratio
+    remote_kernel = remote_block_size // remote_kernel_ratio
+    unit = pairing_unit(local_kernel, remote_kernel)
+    count = min(len(local) * local_block_size, len(remote) * remote_block_size) // unit
+    local_ids, local_sub = kernel_units(local, local_kernel_ratio, local_kernel // unit, count)
+    remote_ids, remote_sub = kernel_units(remote, remote_kernel_ratio, remote_kernel // unit,
+                                          count)
+    order = np.lexsort((local_sub, local_ids))
+    return BlockPairs(local_ids[order], local_sub[order] if local_kernel > unit else None,
+                      remote_ids[order], remote_sub[order] if remote_kernel > unit else None)
 
 
 def _chunk_slices(local: SideGeometry, remote: SideGeometry,
@@ -460,25 +505,18 @@ class PeerReadPlan:
     slices: tuple[_FusedSlice, ...]
 
     @property
-    def local_ratio(self) -> int:
-        """Local block size over the smaller of the two (1 when local blocks are smaller)."""
-        return self.local.block_size // min(self.local.block_size, self.remote.block_size)
-
-    @property
-    def remote_ratio(self) -> int:
-        return self.remote.block_size // min(self.local.block_size, self.remote.block_size)
-
-    @property
     def sub_len(self) -> int:
-        """Bytes of one chunk at the smaller block size."""
-        return self.local.chunk_len // self.local_ratio
+        """Bytes of one chunk's pairing unit (:func:`pairing_unit` tokens)."""
+        return _sub_len(self.local, self.remote)
 
     def pair(self, local_block_ids: npt.ArrayLike, remote_block_ids: npt.ArrayLike,
              remote_num_blocks: int | None = None) -> BlockPairs:
-        """Validate and pair one request's block ids for :meth:`build`."""
-        return pair_blocks(local_block_ids, remote_block_ids, self.local.num_blocks,
-                           self.remote.num_blocks if remote_num_blocks is None
-                           else remote_num_blocks, self.local_ratio, self.remote_ratio)
+        """Validate and pair one request's logical block ids for :meth:`build`."""
+        local, remote = self.local, self.remote
+        return pair_blocks(local_block_ids, remote_block_ids, local.num_blocks,
+                           remote.num_blocks if remote_num_blocks is None else remote_num_blocks,
+                           local.block_size, remote.block_size, local.kernel_ratio,
+                           remote.kernel_ratio)
 
     def build(self, pairs: BlockPairs) -> RankDescriptors:
         """Descriptors for one request's paired blocks (:meth:`pair`)."""
@@ -487,6 +525,12 @@ class PeerReadPlan:
             (np.concatenate([p[i] for p in parts]) for i in range(5))
         return merge_runs(local, remote, lmem, rmem, lengths, self.local.devices,
                           self.remote.devices, self.remote_rank)
+
+
+def _sub_len(local: SideGeometry, remote: SideGeometry) -> int:
+    """Bytes of one pairing unit of a local chunk (equal on both sides, checked)."""
+    unit = pairing_unit(local.kernel_block_size, remote.kernel_block_size)
+    return local.chunk_len // local.kernel_block_size * unit
 
 
 def plan_peer_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
@@ -513,9 +557,7 @@ def plan_peer_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
             grids = [local.base[:, l0:l0 + count], remote.base[:, r0:r0 + count],
                      local.block_stride[:, l0:l0 + count], remote.block_stride[:, r0:r0 + count],
                      local.mem[:, l0:l0 + count], remote.mem[:, r0:r0 + count]]
-            sub_len = local.chunk_len * min(local.block_size, remote.block_size) \
-                // local.block_size
-            fused.append(_FusedSlice.arrange(*_fuse(grids, sub_len)))
+            fused.append(_FusedSlice.arrange(*_fuse(grids, _sub_len(local, remote))))
         out.append(PeerReadPlan(rank, local, remote, tuple(fused)))
     return out
 

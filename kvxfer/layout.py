@@ -193,9 +193,11 @@ def layer_strides(spec: CacheSpec, num_blocks: int, num_layer_slots: int,
     return tuple(strides)
 
 
-def _kernel_split(spec: CacheSpec, num_blocks: int, block_size: int | None
-                  ) -> tuple[CacheSpec, int]:
-    """Re-express the cache at kernel-block granularity."""
+def kernel_split(spec: CacheSpec, num_blocks: int, block_size: int | None
+                 ) -> tuple[CacheSpec, int]:
+    """Re-express the cache at kernel-block granularity: the spec of one kernel block of
+    ``block_size`` tokens and the number of kernel blocks (``spec.block_size // block_size``
+    per block, its padding split alike). ``None`` or the cache's own size: no split."""
     if block_size is None or block_size == spec.block_size:
         return spec, num_blocks
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
@@ -237,7 +239,7 @@ def reshape_kv_cache(raw: torch.Tensor, spec: CacheSpec, num_blocks: int,
     if raw.data_ptr() % spec.itemsize:
         raise ValueError(f"raw KV buffer address {raw.data_ptr():#x} is not aligned to the "
                          f"{spec.dtype} element size {spec.itemsize}")
-    kspec, kblocks = _kernel_split(spec, num_blocks, block_size)
+    kspec, kblocks = kernel_split(spec, num_blocks, block_size)
     strides = layer_strides(kspec, kblocks, num_layer_slots, layout)
     typed = raw[:needed].view(spec.dtype)
     shape = (kblocks, kspec.num_heads, kspec.block_size, kspec.content_size)
@@ -254,3 +256,15 @@ def allocate_kv_cache(spec: CacheSpec, num_blocks: int, num_layer_slots: int,
     raw = torch.zeros(num_layer_slots * num_blocks * spec.page_size_bytes,
                       dtype=torch.uint8, device=device)
     return raw, reshape_kv_cache(raw, spec, num_blocks, num_layer_slots, layout, block_size)
+
+
+def logical_view(view: torch.Tensor, kernel_ratio: int) -> torch.Tensor:
+    """A kernel-block view ``[B * r, H, k, C]`` seen per logical block: ``[B, H, r, k, C]``,
+    the same memory (writable). Logical block ``b`` is kernel blocks ``b * r .. b * r + r - 1``,
+    so its token ``t`` is ``[b, :, t // k, t % k]``; ``flatten(2, 3)`` gives the logical
+    ``[B, H, N, C]`` blocks (a copy unless ``r == 1``)."""
+    _positive("kernel_ratio", kernel_ratio)
+    if view.dim() != 4 or view.shape[0] % kernel_ratio:
+        raise ValueError(f"a kernel-block view of shape {tuple(view.shape)} does not hold "
+                         f"whole logical blocks of {kernel_ratio} kernel blocks")
+    return view.view(view.shape[0] // kernel_ratio, kernel_ratio, *view.shape[1:]).transpose(1, 2)

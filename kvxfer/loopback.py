@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvxfer.layout import CacheSpec, allocate_kv_cache, parse_layout
+from kvxfer.layout import CacheSpec, allocate_kv_cache, logical_view, parse_layout
 from kvxfer.topology import heads_per_rank, rank_heads
 
 
@@ -34,7 +34,8 @@ class CacheConfig:
 
     ``kv_lora_rank > 0`` makes it an MLA latent cache: one head (``total_kv_heads``
     1) of ``head_size`` latent elements per token, the first ``kv_lora_rank`` of
-    them the compressed KV, on every rank.
+    them the compressed KV, on every rank. ``kernel_block_size`` (a divisor of
+    ``block_size``) keeps the views at that kernel block size; block ids stay logical.
     """
 
     layout: str = "LBHNC"
@@ -47,6 +48,17 @@ class CacheConfig:
     dtype: str = "float32"
     read_lanes: int = 1
     kv_lora_rank: int = 0
+    kernel_block_size: int | None = None
+
+    @property
+    def kernel_ratio(self) -> int:
+        """Kernel blocks per logical block."""
+        return self.block_size // (self.kernel_block_size or self.block_size)
+
+    def logical(self, view: torch.Tensor) -> torch.Tensor:
+        """One of this config's views as ``[B, H, N, C]`` logical blocks (a copy where the
+        view is at a kernel block size)."""
+        return logical_view(view, self.kernel_ratio).flatten(2, 3)
 
     def spec(self) -> CacheSpec:
         return CacheSpec(self.block_size, heads_per_rank(self.tp, self.total_kv_heads),
@@ -104,10 +116,12 @@ class LoopbackInstance:
         spec = cfg.spec()
         inst = cls(role, cfg, engine_id, [], [], [])
         for rank in range(cfg.tp):
-            raw, views = allocate_kv_cache(spec, cfg.num_blocks, cfg.num_layers, layout)
+            raw, views = allocate_kv_cache(spec, cfg.num_blocks, cfg.num_layers, layout,
+                                           block_size=cfg.kernel_block_size)
             for layer, view in enumerate(views):
-                if fill == "pattern":
-                    view.copy_(pattern(cfg, rank, layer).to(view.dtype))
+                if fill == "pattern":  # the pattern of each logical block's tokens
+                    logical_view(view, cfg.kernel_ratio).copy_(
+                        pattern(cfg, rank, layer).unflatten(2, (cfg.kernel_ratio, -1)))
                 elif fill == "sentinel":
                     view.fill_(-1)
             caches = {f"model.layers.{i}.self_attn": v for i, v in enumerate(views)}

@@ -67,7 +67,10 @@ from kvxfer.regions import RegionPlan
 #   7: AgentMetadata.backends (the NIXL backends the rank's agent runs) and
 #      AgentMetadata.kv_packing; CompatInfo.kv_packing no longer enters the compat hash
 #      (peers with different packings talk, the decode converts).
-KVXFER_PROTOCOL_VERSION: int = 7
+#   8: RegionPlan.kernel_ratio and AgentMetadata.kernel_ratio: a rank's views may see each
+#      logical block (what block ids count, block_size) as kernel_ratio kernel blocks,
+#      the blocks its regions address; ids stay logical on the wire.
+KVXFER_PROTOCOL_VERSION: int = 8
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
@@ -331,8 +334,11 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``agent_blob`` is the NIXL agent metadata (``get_agent_metadata()``);
     ``plan`` carries the memory registrations and per-region geometry (base
     address, block_len and block_stride in bytes, head geometry).
-    ``num_blocks``, ``block_size`` and ``layout`` repeat the plan's values so a
-    peer can check them without reading the plan; they must agree with it.
+    ``num_blocks``, ``block_size``, ``layout`` and ``kernel_ratio`` repeat the plan's
+    values so a peer can check them without reading the plan; they must agree with it.
+    ``num_blocks`` and ``block_size`` are logical (what block ids count); each block is
+    ``kernel_ratio`` kernel blocks of ``block_size // kernel_ratio`` tokens, as the
+    rank's attention kernel sees its cache (1: no split).
     ``backends`` are the NIXL backends its agent runs: a reader needs one in common.
     ``kv_packing`` is how it packs K and V in a head's block; a reader with another
     packing converts (:mod:`kvxfer.staging`).
@@ -350,6 +356,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan: RegionPlan
     backends: tuple[str, ...] = ("UCX",)
     kv_packing: str = TOKEN_PACKING  # how this rank packs K and V (see TOKEN_PACKING)
+    kernel_ratio: int = 1  # kernel blocks per logical block (RegionPlan.kernel_ratio)
 
     def __post_init__(self) -> None:
         _require(bool(self.engine_id), "AgentMetadata.engine_id must not be empty")
@@ -362,12 +369,16 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(bool(self.backends) and all(self.backends),
                  f"AgentMetadata.backends must name at least one backend, got "
                  f"{list(self.backends)}")
-        for name in ("num_blocks", "block_size", "layout"):
+        for name in ("num_blocks", "block_size", "layout", "kernel_ratio"):
             mine, planned = getattr(self, name), getattr(self.plan, name)
             _require(mine == planned, f"AgentMetadata.{name} is {mine!r} but its plan says "
                                       f"{planned!r} (rank {self.tp_rank})")
         _require(self.num_blocks > 0,
                  f"AgentMetadata.num_blocks must be positive, got {self.num_blocks}")
+        _require(self.kernel_ratio > 0 and self.block_size > 0
+                 and self.block_size % self.kernel_ratio == 0,
+                 f"AgentMetadata.kernel_ratio {self.kernel_ratio} does not divide its "
+                 f"block_size {self.block_size} into kernel blocks (rank {self.tp_rank})")
 
 
 class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -390,7 +401,7 @@ class MetadataResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill → decode: one :class:`AgentMetadata` per requested rank, in request order.
 
     Every entry has this response's ``engine_id`` and ``tp_size``, each rank
-    appears once, and all ranks share one block size and layout.
+    appears once, and all ranks share one block size, kernel block size and layout.
     """
 
     engine_id: str
@@ -414,6 +425,9 @@ class MetadataResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      f"rank {meta.tp_rank} has block size {meta.block_size} and layout "
                      f"{meta.layout}, rank {first.tp_rank} has {first.block_size} and "
                      f"{first.layout}")
+            _require(meta.kernel_ratio == first.kernel_ratio,
+                     f"rank {meta.tp_rank} splits each block into {meta.kernel_ratio} kernel "
+                     f"blocks, rank {first.tp_rank} into {first.kernel_ratio}")
 
 
 MAX_LEASE_ID_CHARS = 1024  # a request id (<= 200 characters) plus "@<serial>", with room

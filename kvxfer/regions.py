@@ -8,6 +8,12 @@ heads ``head_stride`` bytes apart; one head of one layer is ``head_len``
 contiguous bytes when ``heads_contiguous`` (H outside N), otherwise only the
 whole layer page (``num_heads * head_len`` bytes) is contiguous.
 
+Blocks are *kernel* blocks where the views are: an attention kernel may see each
+logical block (what block ids count) as ``kernel_ratio`` consecutive kernel blocks of
+``block_size // kernel_ratio`` tokens (:func:`~kvxfer.layout.reshape_kv_cache` with a
+kernel ``block_size``). Regions then address kernel blocks, and logical block ``b`` is
+kernel blocks ``b * kernel_ratio .. b * kernel_ratio + kernel_ratio - 1``.
+
 All sizes and addresses are bytes. Regions are msgspec structs because the
 peer receives them verbatim in the handshake.
 """
@@ -20,7 +26,14 @@ from collections.abc import Mapping
 import msgspec
 import torch
 
-from kvxfer.layout import B, CacheSpec, KVCacheLayout, layer_strides, parse_layout
+from kvxfer.layout import (
+    B,
+    CacheSpec,
+    KVCacheLayout,
+    kernel_split,
+    layer_strides,
+    parse_layout,
+)
 
 # the views of one storage: (logical layer index, name, view), in address order
 Group = list[tuple[int, str, torch.Tensor]]
@@ -62,6 +75,10 @@ class RegionPlan(msgspec.Struct, frozen=True):
     ``layout`` is one name for every storage: a layout each storage's views fit.
     ``latent``: each token's content is one MLA latent of ``head_size`` elements
     in a single head, not K and V (:class:`~kvxfer.layout.CacheSpec`).
+    ``num_blocks`` and ``block_size`` are logical (what block ids count); each logical
+    block is ``kernel_ratio`` kernel blocks, the blocks the regions address
+    (``block_len``/``block_stride``, ``head_len`` of a kernel block: see the module
+    docstring).
     """
 
     layout: str
@@ -76,6 +93,16 @@ class RegionPlan(msgspec.Struct, frozen=True):
     memory: tuple[MemoryRegion, ...]
     regions: tuple[Region, ...]
     latent: bool = False
+    kernel_ratio: int = 1
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per kernel block, the blocks regions address."""
+        return self.block_size // self.kernel_ratio
+
+    @property
+    def num_kernel_blocks(self) -> int:
+        return self.num_blocks * self.kernel_ratio
 
     @property
     def heads_contiguous(self) -> bool:
@@ -160,33 +187,54 @@ def plan_regions(caches: Mapping[str, torch.Tensor], spec: CacheSpec, num_blocks
 
     ``caches`` maps layer names to ``[B, H, N, C]`` views; its first-appearance
     order of distinct views defines the logical layer index both peers use.
+    ``spec`` and ``num_blocks`` are logical. The views may be at a kernel block size
+    ``k`` dividing ``spec.block_size`` (``r = spec.block_size // k`` kernel blocks per
+    block: shape ``(num_blocks * r, H, k, C)``, as ``reshape_kv_cache(...,
+    block_size=k)`` makes them); the plan records ``kernel_ratio = r``.
     ``layout`` is checked against every storage when given; when omitted, the
     one layout that every storage's views fit is chosen (see :func:`_choose_layout`).
     """
     views = distinct_views(caches)
     if not views:
         raise ValueError("no KV cache views to plan regions for")
-    expected_shape = (num_blocks, spec.num_heads, spec.block_size, spec.content_size)
-    for name, view in views:
-        if tuple(view.shape) != expected_shape or view.dtype != spec.dtype:
-            raise ValueError(f"KV cache view {name!r} has shape {tuple(view.shape)} and dtype "
-                             f"{view.dtype}; the spec needs {expected_shape} in {spec.dtype}")
+    kspec, kblocks = _kernel_spec(views, spec, num_blocks)
     groups = [(group, _layer_step(group)) for group in _group_by_storage(views)]
-    chosen = _choose_layout(groups, spec, num_blocks) if layout is None else parse_layout(layout)
+    chosen = _choose_layout(groups, kspec, kblocks) if layout is None else parse_layout(layout)
     memory: list[MemoryRegion] = []
     regions: list[Region] = []
     for group, step in groups:
-        _check_strides(group, chosen, spec, num_blocks, step)  # names a view ``layout`` misfits
+        _check_strides(group, chosen, kspec, kblocks, step)  # names a view ``layout`` misfits
         first = group[0][2]
         storage = first.untyped_storage()
         memory.append(MemoryRegion(storage.data_ptr(), storage.nbytes(), _device_id(first),
                                    first.is_cuda))
-        regions.extend(_group_regions(group, chosen, spec, len(memory) - 1, step))
+        regions.extend(_group_regions(group, chosen, kspec, len(memory) - 1, step))
     return RegionPlan(layout=chosen.name, num_blocks=num_blocks, num_layers=len(views),
                       block_size=spec.block_size, num_heads=spec.num_heads,
                       num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                       itemsize=spec.itemsize, separate_kv_head_groups=spec.separate_kv_head_groups,
-                      memory=tuple(memory), regions=tuple(regions), latent=spec.latent)
+                      memory=tuple(memory), regions=tuple(regions), latent=spec.latent,
+                      kernel_ratio=spec.block_size // kspec.block_size)
+
+
+def _kernel_spec(views: list[tuple[str, torch.Tensor]], spec: CacheSpec, num_blocks: int
+                 ) -> tuple[CacheSpec, int]:
+    """The spec of one block as the views see it, and their block count: ``spec`` itself,
+    or a kernel split of it when the first view's blocks are a divisor of its size."""
+    tokens = views[0][1].shape[2] if views[0][1].dim() == 4 else spec.block_size
+    split = tokens if 0 < tokens < spec.block_size and spec.block_size % tokens == 0 else None
+    try:
+        kspec, kblocks = kernel_split(spec, num_blocks, split)
+    except ValueError as exc:  # padding the kernel blocks cannot share
+        raise ValueError(f"KV cache view {views[0][0]!r}: {exc}") from None
+    expected = (kblocks, kspec.num_heads, kspec.block_size, kspec.content_size)
+    for name, view in views:
+        if tuple(view.shape) != expected or view.dtype != spec.dtype:
+            kernel = "" if split is None else \
+                f" (blocks of {spec.block_size} tokens seen as kernel blocks of {split})"
+            raise ValueError(f"KV cache view {name!r} has shape {tuple(view.shape)} and dtype "
+                             f"{view.dtype}; the spec needs {expected} in {spec.dtype}{kernel}")
+    return kspec, kblocks
 
 
 def _choose_layout(groups: list[tuple[Group, int | None]], spec: CacheSpec,

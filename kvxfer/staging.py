@@ -20,7 +20,10 @@ torch. Where the two sides pack K and V differently inside a head's block, K and
 V are taken apart through each side's packing
 (:func:`kvxfer.engine.attention.kv_views`) and copied one after the other.
 
-Block sizes must be equal on a converted path (checked when planning).
+Logical block sizes must be equal on a converted path (checked when planning);
+kernel block sizes may differ. Staging holds the prefill's kernel blocks, each
+logical block's in order; the conversion regroups their tokens into the decode's
+kernel blocks (K and V apart where a packing depends on the kernel block size).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvxfer.descriptors import (
     merge_runs,
     plan_peer_reads,
 )
+from kvxfer.protocol import TOKEN_PACKING
 from kvxfer.topology import HeadSlice
 
 
@@ -49,9 +53,10 @@ from kvxfer.topology import HeadSlice
 class StagedRead:
     """The READ from one remote rank through staging, built once per peer.
 
-    ``chunks`` are the remote chunk indices read for every layer and block (view
-    heads where the remote's heads are contiguous, else the single page ``0``);
-    ``heads`` are (remote view head, local view head, count) ranges to place.
+    ``chunks`` are the remote chunk indices read for every layer and kernel block
+    (view heads where the remote's heads are contiguous, else the single page ``0``);
+    ``heads`` are (remote view head, local view head, count) ranges to place. Block ids
+    given to it are logical; staging slots are per remote kernel block.
     """
 
     remote_rank: int
@@ -62,26 +67,31 @@ class StagedRead:
 
     @property
     def bytes_per_block(self) -> int:
-        """Staging bytes one request block needs: what the READ moves."""
-        return self.remote.num_layers * len(self.chunks) * self.remote.chunk_len
+        """Staging bytes one (logical) request block needs: what the READ moves."""
+        geo = self.remote
+        return geo.kernel_ratio * geo.num_layers * len(self.chunks) * geo.chunk_len
 
     @property
     def placed_per_block(self) -> int:
         """Bytes of one request block this rank keeps (its heads) once converted."""
         geo = self.remote
         per_head = geo.chunk_len // (1 if geo.heads_contiguous else geo.num_view_heads)
-        return geo.num_layers * sum(n for _, _, n in self.heads) * per_head
+        return geo.kernel_ratio * geo.num_layers * sum(n for _, _, n in self.heads) * per_head
 
     def descriptors(self, remote_ids: np.ndarray, staging_addr: int,
                     staging_device: int = 0) -> RankDescriptors:
-        """Remote chunks of ``remote_ids`` (request order) into staging at ``staging_addr``,
-        slot ``(position, layer, chunk)``; contiguous neighbours merged."""
+        """Remote chunks of logical ``remote_ids`` (request order) into staging at
+        ``staging_addr``, slot ``(position, kernel block, layer, chunk)``; contiguous
+        neighbours merged."""
         geo, chunks = self.remote, np.asarray(self.chunks, dtype=np.int64)
+        ratio = geo.kernel_ratio
+        kernel_ids = (np.asarray(remote_ids, dtype=np.int64)[:, None] * ratio
+                      + np.arange(ratio, dtype=np.int64)).reshape(-1)
         base = geo.base[:, chunks]            # [layers, chunks]
         stride = geo.block_stride[:, chunks]
         mem = geo.mem[:, chunks]
-        remote = (remote_ids[:, None, None] * stride[None] + base[None]).reshape(-1)
-        rmem = np.broadcast_to(mem[None], (len(remote_ids), *mem.shape)).reshape(-1)
+        remote = (kernel_ids[:, None, None] * stride[None] + base[None]).reshape(-1)
+        rmem = np.broadcast_to(mem[None], (len(kernel_ids), *mem.shape)).reshape(-1)
         local = staging_addr + np.arange(len(remote), dtype=np.int64) * geo.chunk_len
         lengths = np.full(len(remote), geo.chunk_len, dtype=np.int64)
         return merge_runs(local, remote, np.zeros(len(remote), dtype=np.int64), rmem, lengths,
@@ -91,36 +101,58 @@ class StagedRead:
                 local_ids: torch.Tensor, remote_packing: str = "token",
                 local_packing: str = "token") -> None:
         """Copy the staged heads into ``local_views`` (this rank's ``[B, H, N, C]`` views, by
-        logical layer) at blocks ``local_ids`` (request order, as the READ was built)."""
+        logical layer, at its kernel block size) at logical blocks ``local_ids`` (request
+        order, as the READ was built)."""
         from kvxfer.engine.attention import kv_views
 
         first = local_views[0]
-        count = len(local_ids)
-        geo = self.remote
+        geo, local = self.remote, self.local
+        count = len(local_ids) * geo.kernel_ratio  # staged kernel blocks
         elems = geo.chunk_len // first.element_size()
-        typed = staging[: count * self.bytes_per_block].view(first.dtype)
+        typed = staging[: len(local_ids) * self.bytes_per_block].view(first.dtype)
         staged = typed.view(count, geo.num_layers, len(self.chunks), elems)
         content = first.shape[3]
+        kernel_ids = (local_ids[:, None] * local.kernel_ratio
+                      + torch.arange(local.kernel_ratio)).reshape(-1)
+        # K and V move together (one copy per head range) where both sides lay them out
+        # alike in a kernel block: the same packing, and per token or at one kernel size
+        together = remote_packing == local_packing and (
+            local_packing == TOKEN_PACKING or geo.kernel_ratio == local.kernel_ratio)
         for layer, view in enumerate(local_views):
             if geo.heads_contiguous:  # chunk = one view head, [N, C]
-                heads = staged[:, layer].view(count, len(self.chunks), geo.block_size, content)
+                heads = staged[:, layer].view(count, len(self.chunks), geo.kernel_block_size,
+                                              content)
             else:  # chunk = the page, [N, H, C]
-                heads = staged[:, layer, 0].view(count, geo.block_size, -1, content) \
+                heads = staged[:, layer, 0].view(count, geo.kernel_block_size, -1, content) \
                     .permute(0, 2, 1, 3)
-            # the same packing: K and V move together, one copy per head range
-            pairs = [(view, heads)] if remote_packing == local_packing else \
+            pairs = [(view, heads)] if together else \
                 list(zip(kv_views(view, local_packing), kv_views(heads, remote_packing),
                          strict=True))
             for r0, l0, n in self.heads:
                 s0 = self.chunks.index(r0) if geo.heads_contiguous else r0
                 for dst, src in pairs:
-                    dst[local_ids, l0:l0 + n] = src[:, s0:s0 + n]
+                    dst[kernel_ids, l0:l0 + n] = rekernel(src[:, s0:s0 + n], geo.kernel_ratio,
+                                                          local.kernel_ratio)
+
+
+def rekernel(blocks: torch.Tensor, from_ratio: int, to_ratio: int) -> torch.Tensor:
+    """``[n * from_ratio, H, k, X]`` kernel blocks (``from_ratio`` per logical block, in
+    order) regrouped as ``[n * to_ratio, H, k * from_ratio // to_ratio, X]``: the same
+    logical blocks' tokens at another kernel block size."""
+    if from_ratio == to_ratio:
+        return blocks
+    kernels, heads, tokens, width = blocks.shape
+    count = kernels // from_ratio
+    logical = blocks.reshape(count, from_ratio, heads, tokens, width).transpose(1, 2)
+    return logical.reshape(count, heads, to_ratio, -1, width).transpose(1, 2) \
+        .reshape(count * to_ratio, heads, -1, width)
 
 
 def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int,
-                     slices: Sequence[HeadSlice]) -> StagedRead:
+                     slices: Sequence[HeadSlice], why: str = "") -> StagedRead:
     """A :class:`StagedRead` for ``slices`` of ``remote_rank``; raises
-    :class:`IncompatibleLayoutError` when even staging cannot bridge the two."""
+    :class:`IncompatibleLayoutError` when even staging cannot bridge the two (``why``:
+    the reason byte copies could not, for the message)."""
     if local.num_layers != remote.num_layers:
         raise IncompatibleLayoutError(
             f"decode has {local.num_layers} layers but prefill has {remote.num_layers}")
@@ -128,7 +160,7 @@ def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int
         raise IncompatibleLayoutError(
             f"decode layout {local.layout} and prefill layout {remote.layout} need a "
             f"conversion, which needs equal block sizes; decode has {local.block_size}, "
-            f"prefill {remote.block_size}")
+            f"prefill {remote.block_size}" + (f" (a conversion because {why})" if why else ""))
     if local.separate_kv_head_groups != remote.separate_kv_head_groups:
         raise IncompatibleLayoutError(
             "one side keeps K and V in separate head groups and the other packs them; "
@@ -136,10 +168,11 @@ def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int
     check_packings(local, remote)
     per_token = (local.chunk_len // (1 if local.heads_contiguous else local.num_view_heads),
                  remote.chunk_len // (1 if remote.heads_contiguous else remote.num_view_heads))
-    if per_token[0] != per_token[1]:
+    if per_token[0] * remote.kernel_block_size != per_token[1] * local.kernel_block_size:
         raise IncompatibleLayoutError(
-            f"decode heads are {per_token[0] // local.block_size} bytes per token but prefill "
-            f"heads are {per_token[1] // remote.block_size}: head size or dtype differ")
+            f"decode heads are {per_token[0] // local.kernel_block_size} bytes per token but "
+            f"prefill heads are {per_token[1] // remote.kernel_block_size}: head size or "
+            f"dtype differ")
     heads: list[tuple[int, int, int]] = []
     for piece in slices:
         heads.append((piece.remote_head_offset, piece.local_head_offset, piece.count))
@@ -167,6 +200,6 @@ def plan_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
         try:
             out.extend(plan_peer_reads(local, remotes, pieces, local_tp=local_tp,
                                        remote_tp=remote_tp))
-        except ConversionNeeded:
-            out.append(plan_staged_read(local, remotes[rank], rank, pieces))
+        except ConversionNeeded as exc:
+            out.append(plan_staged_read(local, remotes[rank], rank, pieces, str(exc)))
     return out

@@ -362,7 +362,11 @@ class TransferWorker:
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], spec: CacheSpec,
                            num_blocks: int, layout: KVCacheLayout | str | None = None
                            ) -> RegionPlan:
-        """Plan regions for this rank's views and register their memory (call once)."""
+        """Plan regions for this rank's views and register their memory (call once).
+
+        ``spec`` and ``num_blocks`` are logical (what block ids count, here and on the
+        wire); the views may be at a kernel block size dividing ``spec.block_size``
+        (:func:`~kvxfer.regions.plan_regions`)."""
         if self._plan is not None:
             raise RuntimeError(f"rank {self.rank} already registered its KV caches")
         plan = plan_regions(caches, spec, num_blocks, layout)
@@ -387,7 +391,8 @@ class TransferWorker:
                              agent_name=self._agent.name, agent_blob=self._agent.metadata(),
                              device_id=device, num_blocks=plan.num_blocks,
                              block_size=plan.block_size, layout=plan.layout, plan=plan,
-                             backends=self._agent.backends, kv_packing=self.compat.kv_packing)
+                             backends=self._agent.backends, kv_packing=self.compat.kv_packing,
+                             kernel_ratio=plan.kernel_ratio)
 
     def peer_connecting(self) -> None:
         """The listener served a handshake: progress fast while the peer connects."""
@@ -413,6 +418,9 @@ class TransferWorker:
     def start_read(self, request_id: str, remote_params: Mapping[str, Any] | RemoteParams,
                    local_block_ids: Sequence[int]) -> None:
         """Queue a read of ``remote_params.remote_block_ids`` into ``local_block_ids``.
+
+        Both lists count logical blocks (each side's ``spec.block_size``), whatever
+        kernel block size either side's views have.
 
         Malformed params raise ValueError here; everything that needs the peer
         (handshake, geometry, block-id ranges) is reported through ``poll()``.

@@ -5,6 +5,11 @@ address to the paired local row's address inside real host buffers. The
 expected result is computed independently, by assigning through the torch
 views head by head; the minimal descriptor count is computed independently by
 merging per-token rows (the finest unit every layout keeps contiguous).
+
+A side may keep kernel blocks: its views are ``[B * r, H, N / r, C]`` and logical
+block ``b`` (what ids count) is kernel blocks ``b * r .. b * r + r - 1``. The
+expectation then addresses each logical block's token ``t`` as kernel block
+``b * r + t // k``, row ``t % k`` (``k = N / r``), computed here.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvxfer.descriptors import (
     build_read_descriptors,
     validate_plan,
 )
-from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache
+from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, kernel_split
 from kvxfer.regions import RegionPlan, plan_regions
 from kvxfer.topology import heads_per_rank, read_plan
 
@@ -34,22 +39,35 @@ TP_PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (2, 2)]
 
 @dataclass
 class Rank:
-    """One TP rank's cache: buffers (one per storage), views, plan, geometry."""
+    """One TP rank's cache: buffers (one per storage), views (at the kernel block size),
+    plan, geometry, and ``ratio`` kernel blocks per logical block."""
 
     buffers: list[torch.Tensor]
     views: list[torch.Tensor]
     plan: RegionPlan
     geometry: SideGeometry
+    ratio: int = 1
+
+    @property
+    def kernel_block_size(self) -> int:
+        return self.plan.block_size // self.ratio
+
+    def kernel_rows(self, blocks: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(kernel block, row in it) of logical blocks' tokens: the definition."""
+        k = self.kernel_block_size
+        return blocks * self.ratio + tokens // k, tokens % k
 
 
 def make_rank(spec: CacheSpec, layout: KVCacheLayout, num_blocks: int, layers: int,
-              separate_storage: bool, rng: np.random.Generator) -> Rank:
+              separate_storage: bool, rng: np.random.Generator, kernel_ratio: int = 1) -> Rank:
+    kernel = spec.block_size // kernel_ratio
     if separate_storage:
-        pairs = [allocate_kv_cache(spec, num_blocks, 1, layout) for _ in range(layers)]
+        pairs = [allocate_kv_cache(spec, num_blocks, 1, layout, block_size=kernel)
+                 for _ in range(layers)]
         buffers = [raw for raw, _ in pairs]
         views = [v[0] for _, v in pairs]
     else:
-        raw, views = allocate_kv_cache(spec, num_blocks, layers, layout)
+        raw, views = allocate_kv_cache(spec, num_blocks, layers, layout, block_size=kernel)
         buffers = [raw]
     for raw in buffers:
         raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
@@ -57,7 +75,9 @@ def make_rank(spec: CacheSpec, layout: KVCacheLayout, num_blocks: int, layers: i
     if layers > 1:
         caches["shared.alias"] = views[0]  # a shared layer appears once
     plan = plan_regions(caches, spec, num_blocks, layout)
-    return Rank(buffers, views, plan, SideGeometry.from_plan(plan))
+    assert (plan.block_size, plan.num_blocks, plan.kernel_ratio) == (spec.block_size,
+                                                                     num_blocks, kernel_ratio)
+    return Rank(buffers, views, plan, SideGeometry.from_plan(plan), kernel_ratio)
 
 
 def locate(buffers: list[torch.Tensor], addr: int, length: int) -> tuple[np.ndarray, int]:
@@ -88,38 +108,44 @@ def head_ranges(spec_local: CacheSpec, spec_remote: CacheSpec, roff: int, loff: 
     return out
 
 
-def token_rows(rank: Rank, layer: int, block: int, head: int) -> list[tuple[int, int]]:
-    """(address, bytes) of each token's content row of one head: contiguous in every layout."""
+def token_rows(rank: Rank, layer: int, blocks: np.ndarray, tokens: np.ndarray,
+               head: int) -> np.ndarray:
+    """Address of each logical (block, token)'s content row of one head: a row is
+    contiguous in every layout."""
     view = rank.views[layer]
-    row = view.shape[3] * view.element_size()
-    return [(view[block, head, n].data_ptr(), row) for n in range(view.shape[2])]
+    kernel, row = rank.kernel_rows(blocks, tokens)
+    s_b, s_h, s_n, _ = (x * view.element_size() for x in view.stride())
+    return view.data_ptr() + kernel * s_b + head * s_h + row * s_n
 
 
-def minimal_count(local: Rank, remote: Rank, rows: list[tuple[int, int, int, int]]) -> int:
-    """Merge finest rows (laddr, raddr, len, memory ids) sorted by local address."""
-    def storage(rank: Rank, addr: int) -> int:
-        for i, raw in enumerate(rank.buffers):
-            if raw.data_ptr() <= addr < raw.data_ptr() + raw.numel():
-                return i
-        raise AssertionError("row outside buffers")
+def minimal_count(local: Rank, remote: Rank, laddr: np.ndarray, raddr: np.ndarray,
+                  length: int) -> int:
+    """Merge finest rows of ``length`` bytes, sorted by local address, that continue each
+    other on both sides inside one buffer each."""
+    def storage(rank: Rank, addr: np.ndarray) -> np.ndarray:
+        starts = np.array([raw.data_ptr() for raw in rank.buffers])
+        ends = starts + np.array([raw.numel() for raw in rank.buffers])
+        index = np.argmax((addr[:, None] >= starts) & (addr[:, None] < ends), axis=1)
+        assert ((addr >= starts[index]) & (addr + length <= ends[index])).all(), \
+            "row outside buffers"
+        return index
 
-    rows = sorted(rows)
-    count, prev = 0, None
-    for laddr, raddr, length, _ in rows:
-        key = (storage(local, laddr), storage(remote, raddr))
-        if prev is None or not (laddr == prev[0] and raddr == prev[1] and key == prev[2]):
-            count += 1
-        prev = (laddr + length, raddr + length, key)
-    return count
+    order = np.argsort(laddr, kind="stable")
+    laddr, raddr = laddr[order], raddr[order]
+    lmem, rmem = storage(local, laddr), storage(remote, raddr)
+    joined = (laddr[1:] == laddr[:-1] + length) & (raddr[1:] == raddr[:-1] + length) \
+        & (lmem[1:] == lmem[:-1]) & (rmem[1:] == rmem[:-1])
+    return int(len(laddr) - joined.sum())
 
 
 def expect_compatible(local_layout: KVCacheLayout, remote_layout: KVCacheLayout,
-                      local_spec: CacheSpec, remote_spec: CacheSpec, full: bool) -> bool:
-    # One head, or one token per block, makes H-vs-N order invisible.
+                      local_spec: CacheSpec, remote_spec: CacheSpec, full: bool,
+                      local_ratio: int = 1, remote_ratio: int = 1) -> bool:
+    # One head, or one token per (kernel) block, makes H-vs-N order invisible.
     local_contig = local_layout.heads_outside_tokens or local_spec.num_heads == 1 \
-        or local_spec.block_size == 1
+        or local_spec.block_size == local_ratio
     remote_contig = remote_layout.heads_outside_tokens or remote_spec.num_heads == 1 \
-        or remote_spec.block_size == 1
+        or remote_spec.block_size == remote_ratio
     if local_contig != remote_contig:
         return False
     return full or remote_contig
@@ -140,6 +166,9 @@ def scenarios(draw: st.DrawFn) -> dict:
         "block_size": draw(st.sampled_from([1, 2, 4])),
         # the other side's blocks are ratio x larger (decode larger when positive)
         "ratio": draw(st.sampled_from([1, 1, 1, 2, 3, -2, -3])),
+        # kernel blocks per logical block on each side (at most this many: kernel_ratio)
+        "local_kernel": draw(st.sampled_from([1, 1, 1, 2, 3, 4, 6])),
+        "remote_kernel": draw(st.sampled_from([1, 1, 1, 2, 3, 4, 6])),
         "head_size": draw(st.sampled_from([1, 2, 3])),
         "pad": draw(st.sampled_from([0, 0, 4, 16])),
         "groups": draw(st.booleans()),
@@ -157,6 +186,19 @@ def block_sizes(s: dict) -> tuple[int, int]:
     ratio = s.get("ratio", 1)
     bigger = s["block_size"] * abs(ratio)
     return (bigger, s["block_size"]) if ratio > 0 else (s["block_size"], bigger)
+
+
+def kernel_ratio(spec: CacheSpec, most: int) -> int:
+    """The most kernel blocks per block, up to ``most``, that split it into whole tokens and
+    its padding into whole elements."""
+    for ratio in range(min(most, spec.block_size), 1, -1):
+        try:
+            kernel_split(spec, 1, spec.block_size // ratio if spec.block_size % ratio == 0
+                         else 0)
+        except ValueError:
+            continue
+        return ratio
+    return 1
 
 
 def spec_for(s: dict, tp: int, block_size: int | None = None) -> CacheSpec:
@@ -181,18 +223,22 @@ def pick_ids(kind: str, count: int, limit: int, rng: np.random.Generator) -> np.
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_descriptors_copy_exactly_the_planned_heads(s: dict) -> None:
-    """Any layout pair, TP pair and block-size pair (one a multiple of the other): the
-    descriptors copy exactly the planned heads of every token, as few as possible."""
+    """Any layout pair, TP pair, block-size pair (one a multiple of the other) and kernel
+    blocks on either side or both: the descriptors copy exactly the planned heads of every
+    token of every logical block, as few as possible."""
     rng = np.random.default_rng(s["seed"])
     local_bs, remote_bs = block_sizes(s)
     local_spec = spec_for(s, s["local_tp"], local_bs)
     remote_spec = spec_for(s, s["remote_tp"], remote_bs)
+    local_kr = kernel_ratio(local_spec, s["local_kernel"])
+    remote_kr = kernel_ratio(remote_spec, s["remote_kernel"])
     storage = s["separate_storage"]
     local = make_rank(local_spec, s["local_layout"], s["local_blocks"], s["layers"],
-                      storage and s["local_layout"].is_layer_compact, rng)
+                      storage and s["local_layout"].is_layer_compact, rng, local_kr)
     plan = read_plan(s["local_rank"], s["local_tp"], s["remote_tp"], s["total"])
     remotes = {piece.remote_rank: make_rank(remote_spec, s["remote_layout"], s["remote_blocks"],
-                                            s["layers"], False, rng) for piece in plan}
+                                            s["layers"], False, rng, remote_kr)
+               for piece in plan}
     small = min(local_bs, remote_bs)
     lr, rr = local_bs // small, remote_bs // small  # blocks per larger block: one is 1
     # f blocks on the smaller-block side, ceil(f / ratio) on the other
@@ -205,7 +251,8 @@ def test_descriptors_copy_exactly_the_planned_heads(s: dict) -> None:
     remote_ids = pick_ids(s["ids"], counts[1], s["remote_blocks"], rng)
     full = all(p.count == local_spec.num_kv_heads == remote_spec.num_kv_heads for p in plan)
     geometries = {rank: r.geometry for rank, r in remotes.items()}
-    if not expect_compatible(s["local_layout"], s["remote_layout"], local_spec, remote_spec, full):
+    if not expect_compatible(s["local_layout"], s["remote_layout"], local_spec, remote_spec, full,
+                             local_kr, remote_kr):
         with pytest.raises(IncompatibleLayoutError, match="layout"):
             build_read_descriptors(local.geometry, geometries, plan, local_ids, remote_ids,
                                    local_tp=s["local_tp"], remote_tp=s["remote_tp"])
@@ -214,29 +261,32 @@ def test_descriptors_copy_exactly_the_planned_heads(s: dict) -> None:
                                     local_tp=s["local_tp"], remote_tp=s["remote_tp"])
     assert sorted(r.remote_rank for r in result) == sorted(remotes)
 
-    # position p of the smaller-block side: (local block, first token, remote block, first token)
-    spans = [(int(local_ids[p // lr]), (p % lr) * small, int(remote_ids[p // rr]),
-              (p % rr) * small) for p in range(fine)]
+    # every token of the f smaller blocks, as logical (block, token) on each side
+    position = np.arange(fine * small)
+    lblock, ltoken = local_ids[position // local_bs], position % local_bs
+    rblock, rtoken = remote_ids[position // remote_bs], position % remote_bs
+    lkernel, lrow = (torch.from_numpy(a) for a in local.kernel_rows(lblock, ltoken))
     expected = [raw.clone() for raw in local.buffers]
     expected_views = [v for v in make_views_like(local, expected)]
+    row = local_spec.content_size * local_spec.itemsize
     for piece in plan:
         remote = remotes[piece.remote_rank]
-        rows = []
+        rkernel, rrow = (torch.from_numpy(a) for a in remote.kernel_rows(rblock, rtoken))
+        laddr, raddr = [], []
         for rh, lh, n in head_ranges(local_spec, remote_spec, piece.remote_head_offset,
                                      piece.local_head_offset, piece.count):
+            lheads, rheads = torch.arange(lh, lh + n)[None], torch.arange(rh, rh + n)[None]
             for layer in range(s["layers"]):
-                for lb, lt, rb, rt in spans:
-                    expected_views[layer][lb, lh:lh + n, lt:lt + small] = \
-                        remote.views[layer][rb, rh:rh + n, rt:rt + small]
-                    for h in range(n):
-                        lrows = token_rows(local, layer, lb, lh + h)[lt:lt + small]
-                        rrows = token_rows(remote, layer, rb, rh + h)[rt:rt + small]
-                        rows += [(la, ra, ln, 0) for (la, ln), (ra, _) in zip(lrows, rrows,
-                                                                              strict=True)]
+                expected_views[layer][lkernel[:, None], lheads, lrow[:, None]] = \
+                    remote.views[layer][rkernel[:, None], rheads, rrow[:, None]]
+                for h in range(n):
+                    laddr.append(token_rows(local, layer, lblock, ltoken, lh + h))
+                    raddr.append(token_rows(remote, layer, rblock, rtoken, rh + h))
         descs = next(r for r in result if r.remote_rank == piece.remote_rank)
         assert descs.local.dtype == np.uint64 and descs.remote.dtype == np.uint64
-        assert len(descs) == minimal_count(local, remote, rows)
-        assert descs.num_bytes == sum(length for _, _, length, _ in rows)
+        lrows, rrows = np.concatenate(laddr), np.concatenate(raddr)
+        assert len(descs) == minimal_count(local, remote, lrows, rrows, row)
+        assert descs.num_bytes == len(lrows) * row
         execute(local, remote, descs.local, descs.remote)
     for got, want in zip(local.buffers, expected, strict=True):
         assert torch.equal(got, want), "decode buffer differs from the view-level expectation"
@@ -255,9 +305,50 @@ def make_views_like(rank: Rank, buffers: list[torch.Tensor]) -> list[torch.Tenso
     return out
 
 
-def llama_like(layout: KVCacheLayout, tp: int = 1) -> Rank:
-    spec = CacheSpec(16, heads_per_rank(tp, 8), 128, torch.bfloat16)
-    return make_rank(spec, layout, 40, 32, False, np.random.default_rng(0))
+def llama_like(layout: KVCacheLayout, tp: int = 1, kernel_ratio: int = 1,
+               block_size: int = 16) -> Rank:
+    spec = CacheSpec(block_size, heads_per_rank(tp, 8), 128, torch.bfloat16)
+    return make_rank(spec, layout, 40, 32, False, np.random.default_rng(0), kernel_ratio)
+
+
+@pytest.mark.parametrize(("layout", "prefill_kr", "decode_kr", "expected"), [
+    # both sides split alike: heads fuse per kernel page and a block's two kernel pages
+    # are adjacent on both sides, so it is still one run per layer and block
+    (KVCacheLayout.LBHNC, 2, 2, 32 * 16),
+    (KVCacheLayout.BLHNC, 2, 2, 16), (KVCacheLayout.BHLNC, 4, 4, 16),
+    # one side split: a head's 16 tokens are one run there, two 8-token runs (apart) on
+    # the other, so every head of every layer of every block is two descriptors
+    (KVCacheLayout.LBHNC, 2, 1, 32 * 16 * 8 * 2), (KVCacheLayout.LBHNC, 1, 2, 32 * 16 * 8 * 2),
+    (KVCacheLayout.BHLNC, 2, 1, 32 * 16 * 8 * 2),
+    # tokens outside heads: LBNHC's r kernel pages [k, H, C] are the bytes of one [N, H, C]
+    # page, so a split costs nothing; BLNHC interleaves layers per kernel block, so a
+    # block's run breaks at every layer of every kernel block on the split side
+    (KVCacheLayout.LBNHC, 2, 1, 32 * 16), (KVCacheLayout.BLNHC, 1, 4, 32 * 16 * 4)])
+def test_kernel_blocks_cost_descriptors_only_where_their_runs_are_apart(
+        layout: KVCacheLayout, prefill_kr: int, decode_kr: int, expected: int) -> None:
+    prefill = llama_like(layout, kernel_ratio=prefill_kr)
+    decode = llama_like(layout, kernel_ratio=decode_kr)
+    ids = np.arange(0, 32, 2)  # logical ids, no two adjacent
+    (descs,) = build_read_descriptors(decode.geometry, {0: prefill.geometry},
+                                      read_plan(0, 1, 1, 8), ids, ids)
+    assert len(descs) == expected
+    assert descs.num_bytes == 16 * 32 * 16 * 8 * 256 * 2
+
+
+def test_kernel_block_ids_are_checked_as_logical_ids() -> None:
+    """40 logical blocks of 2 kernel blocks: id 40 is outside, although 80 kernel blocks
+    exist; a repeated logical id is named as such."""
+    split, plain = llama_like(KVCacheLayout.LBHNC, kernel_ratio=2), \
+        llama_like(KVCacheLayout.LBHNC)
+    for local, remote, lids, rids, side in ((split, plain, [0, 40], [1, 2], "local"),
+                                            (plain, split, [1, 2], [0, 40], "remote")):
+        with pytest.raises(ValueError, match=f"{side} block id 40 at position 1 is outside "
+                                             f"0..39"):
+            build_read_descriptors(local.geometry, {0: remote.geometry},
+                                   read_plan(0, 1, 1, 8), lids, rids)
+    with pytest.raises(ValueError, match="local block id 3 repeats"):
+        build_read_descriptors(split.geometry, {0: plain.geometry}, read_plan(0, 1, 1, 8),
+                               [3, 3], [0, 1])
 
 
 @pytest.mark.parametrize(("layout", "expected"), [

@@ -140,16 +140,15 @@ def test_a_decode_rank_copies_the_whole_latent_from_one_prefill_rank(s: dict) ->
                                       plan, decode_ids, prefill_ids,
                                       local_tp=s["decode_tp"], remote_tp=s["prefill_tp"])
     assert descs.remote_rank == plan[0].remote_rank
-    rows = []
-    for layer in range(s["layers"]):
-        for p in range(fine):
-            lb, lt = int(decode_ids[p // dr]), (p % dr) * small
-            rb, rt = int(prefill_ids[p // pr]), (p % pr) * small
-            mine = token_rows(decode, layer, lb, 0)[lt:lt + small]
-            theirs = token_rows(prefill, layer, rb, 0)[rt:rt + small]
-            rows += [(la, ra, n, 0) for (la, n), (ra, _) in zip(mine, theirs, strict=True)]
-    assert descs.num_bytes == fine * small * s["layers"] * s["latent"] * s["dtype"].itemsize
-    assert len(descs) == minimal_count(decode, prefill, rows)
+    position = np.arange(fine * small)  # every token, as (block, token) on each side
+    mine = [token_rows(decode, layer, decode_ids[position // decode_bs],
+                       position % decode_bs, 0) for layer in range(s["layers"])]
+    theirs = [token_rows(prefill, layer, prefill_ids[position // prefill_bs],
+                         position % prefill_bs, 0) for layer in range(s["layers"])]
+    row = s["latent"] * s["dtype"].itemsize
+    assert descs.num_bytes == fine * small * s["layers"] * row
+    assert len(descs) == minimal_count(decode, prefill, np.concatenate(mine),
+                                       np.concatenate(theirs), row)
     shadow = make_views_like(decode, expected)
     for layer in range(s["layers"]):
         for p in range(fine):

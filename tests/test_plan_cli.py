@@ -59,6 +59,48 @@ def test_plan_explains_a_block_size_mismatch() -> None:
            "other" in odd.stderr
 
 
+def test_plan_explains_kernel_blocks() -> None:
+    """A prefill whose attention kernel sees each 16-token block as two 8-token kernel
+    blocks, the decode unsplit: every head's 16 tokens of a decode block come from two
+    kernel blocks, in which that head's runs are not adjacent (Llama-8B-like: 8 heads of
+    256 elements); only the last head of one block and the first of the next still meet
+    on both sides (9 joints per layer for 10 consecutive blocks)."""
+    args = ("plan", "--tokens", "160", "--prefill-kernel-block-size", "8",
+            "--block-ids", "consecutive")
+    out = kvxfer(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert (result["block_size"], result["kernel_block_size"]) == (16, 8)
+    assert (result["decode_block_size"], result["decode_kernel_block_size"]) == (16, 16)
+    assert result["blocks"] == result["decode_blocks"] == 10  # ids count logical blocks
+    (rank,) = result["decode_ranks"]
+    assert rank["descriptors"] == 10 * 32 * 8 * 2 - 9 * 32
+    assert rank["without_kernel_blocks_descriptors"] == 32
+    assert "same_block_size_descriptors" not in rank
+    assert rank["bytes"] == 160 * 32 * 8 * 256 * 2
+    text = kvxfer(*args).stdout
+    assert "LBHNC TP1 block 16 (kernel 8) (prefill) -> LBHNC TP1 block 16 (decode)" in text
+    assert "each prefill block of 16 tokens is 2 kernel blocks of 8; decode blocks are not " \
+           "split. Block ids stay logical" in text, text
+    assert "without kernel blocks: 32 descriptors (151.00x as many now)" in text
+    # both sides split alike: the kernel blocks of a block stay adjacent, nothing changes
+    both = json.loads(kvxfer(*args, "--decode-kernel-block-size", "8", "--json").stdout)
+    assert both["decode_ranks"][0]["descriptors"] == 32
+    # with a block-size mismatch and a TP change: each baseline on its own
+    mixed = json.loads(kvxfer("plan", "--tokens", "160", "--prefill-layout", "BHLNC",
+                              "--prefill-block-size", "32", "--prefill-kernel-block-size", "8",
+                              "--decode-block-size", "16", "--decode-tp", "2",
+                              "--json").stdout)
+    for rank in mixed["decode_ranks"]:
+        # 5 prefill blocks of 4 kernel blocks x 4 heads x 32 layers of 8-token runs
+        assert rank["descriptors"] == 5 * 4 * 4 * 32
+        assert rank["without_kernel_blocks_descriptors"] == 10 * 4 * 32
+        assert rank["bytes"] == 160 * 32 * 4 * 256 * 2
+    bad = kvxfer("plan", "--decode-kernel-block-size", "5")
+    assert bad.returncode == 1
+    assert "--decode-kernel-block-size 5 must divide the decode block size 16" in bad.stderr
+
+
 def test_plan_explains_a_converted_read() -> None:
     out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
                  "--decode-tp", "2", "--tokens", "160", "--json")

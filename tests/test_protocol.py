@@ -59,9 +59,9 @@ HASH = compat_hash(COMPAT)
 KEY = b"shared secret"
 
 
-def _plan(layout: str = "LBHNC", block_size: int = 16) -> RegionPlan:
+def _plan(layout: str = "LBHNC", block_size: int = 16, kernel: int | None = None) -> RegionPlan:
     spec = CacheSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    _, views = allocate_kv_cache(spec, 8, 4, layout)
+    _, views = allocate_kv_cache(spec, 8, 4, layout, block_size=kernel)
     return plan_regions({f"layers.{i}": v for i, v in enumerate(views)}, spec, 8)
 
 
@@ -73,7 +73,7 @@ def meta(rank: int = 0, tp_size: int = 2, engine_id: str = "prefill-a",
     return AgentMetadata(engine_id=engine_id, tp_rank=rank, tp_size=tp_size,
                          agent_name=f"{engine_id}-rank{rank}", agent_blob=bytes(range(256)) * 4,
                          device_id=0, num_blocks=plan.num_blocks, block_size=plan.block_size,
-                         layout=plan.layout, plan=plan)
+                         layout=plan.layout, plan=plan, kernel_ratio=plan.kernel_ratio)
 
 
 RESPONSE = MetadataResponse("prefill-a", 2, (meta(1), meta(0)))
@@ -342,6 +342,38 @@ def test_strict_payload_decoding_names_the_offender(kind: type[Any], payload: di
     assert named in str(info.value) and PEER in str(info.value)
 
 
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
+def test_a_kernel_block_plan_round_trips_with_its_logical_and_kernel_sizes(layout: str) -> None:
+    """A rank whose views see each 16-token block as four 4-token kernel blocks: the
+    metadata says the logical block size and the ratio, the plan arrives verbatim, and
+    the reader's geometry counts logical blocks of kernel chunks."""
+    from kvxfer.descriptors import SideGeometry
+
+    plan = _plan(layout, 16, kernel=4)
+    response = MetadataResponse("prefill-a", 2, (meta(1, plan=plan), meta(0, plan=plan)))
+    got = decode_payload(decode(encode_message(response, compat=COMPAT)), MetadataResponse)
+    assert got == response
+    first = got.ranks[0]
+    assert (first.block_size, first.kernel_ratio, first.num_blocks) == (16, 4, 8)
+    assert (first.plan.kernel_ratio, first.plan.kernel_block_size) == (4, 4)
+    geometry = SideGeometry.from_plan(first.plan)
+    assert (geometry.block_size, geometry.kernel_ratio, geometry.num_blocks) == (16, 4, 8)
+    assert (meta(plan=PLAN).kernel_ratio, PLAN.kernel_ratio) == (1, 1)  # no split
+
+
+def test_metadata_must_agree_with_its_plans_kernel_ratio() -> None:
+    plan = _plan(kernel=4)
+    fields = {name: getattr(meta(plan=plan), name) for name in AgentMetadata.__struct_fields__}
+    with pytest.raises(ValueError, match=r"AgentMetadata\.kernel_ratio is 1 but its plan says 4"):
+        AgentMetadata(**{**fields, "kernel_ratio": 1})
+    with pytest.raises(ValueError, match="kernel_ratio 3 does not divide its block_size 16"):
+        AgentMetadata(**{**fields, "kernel_ratio": 3,
+                         "plan": msgspec.structs.replace(plan, kernel_ratio=3)})
+    with pytest.raises(ValueError, match="rank 1 splits each block into 4 kernel blocks, rank 0 "
+                                         "into 1"):
+        MetadataResponse("prefill-a", 2, (meta(0), meta(1, plan=plan)))
+
+
 def test_ranks_of_one_engine_share_block_size_and_layout() -> None:
     with pytest.raises(ValueError, match="block size 32 and layout LBHNC, rank 0 has 16"):
         MetadataResponse("prefill-a", 2, (meta(0), meta(1, plan=_plan(block_size=32))))
@@ -454,8 +486,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 7): a change here changes the wire, so it needs a version bump.
-    assert HASH == "3b2148c61fedb24acc85264f39add5d9399a75ad160ecf6e4748f354175524b4"
+    # Pinned (protocol 8): a change here changes the wire, so it needs a version bump.
+    assert HASH == "c72f87c8677358c2cbdfc69b9f7e4af556ae49097b0fa8b80fcaef324b812c32"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -485,7 +517,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 7
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 8
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

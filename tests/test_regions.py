@@ -14,6 +14,7 @@ import itertools
 import re
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -86,12 +87,12 @@ class Built:
     logical: list[torch.Tensor]  # distinct views in first-appearance order of ``caches``
 
 
-def build(s: Setup, device: str = "cpu") -> Built:
+def build(s: Setup, device: str = "cpu", kernel_block_size: int | None = None) -> Built:
     """Allocate the cache and name its layers out of storage order, with one alias."""
     storages, slots = [], []
     for _ in range(s.layers // s.slots_per_storage):
         raw, views = allocate_kv_cache(s.spec(), s.num_blocks, s.slots_per_storage, s.layout,
-                                       device=device)
+                                       device=device, block_size=kernel_block_size)
         storages.append(raw)
         slots.extend(views)
     order = [*range(1, s.layers), 0]  # slot 0 appears last
@@ -137,11 +138,12 @@ def check_regions_cover_views(plan: RegionPlan, logical: list[torch.Tensor]) -> 
     region_bytes = []
     for index, region in enumerate(plan.regions):
         mem = plan.memory[region.mem_index]
-        last_end = region.base_addr + (plan.num_blocks - 1) * region.block_stride + region.block_len
+        last_end = region.base_addr + (plan.num_kernel_blocks - 1) * region.block_stride \
+            + region.block_len
         assert mem.addr <= region.base_addr and last_end <= mem.addr + mem.nbytes, (
             f"region {index} [{region.base_addr:#x}, {last_end:#x}) leaves memory entry "
             f"{region.mem_index}")
-        for b in range(plan.num_blocks):
+        for b in range(plan.num_kernel_blocks):
             start = region.base_addr + b * region.block_stride
             region_bytes.append(torch.arange(start, start + region.block_len, dtype=torch.int64))
     regions_all = torch.cat(region_bytes)
@@ -157,7 +159,7 @@ def check_chunk_geometry(plan: RegionPlan, logical: list[torch.Tensor]) -> None:
                  if region.heads_contiguous else [region.head_start])
         for layer, h in itertools.product(region.layers, heads):
             view = logical[layer]
-            for b in range(plan.num_blocks):
+            for b in range(plan.num_kernel_blocks):
                 address = region.base_addr + region.chunk_offset(layer, h) + b * region.block_stride
                 assert address == view[b, h, 0, 0].data_ptr(), (layer, h, b)
                 if region.heads_contiguous:
@@ -325,6 +327,48 @@ def shared(layout: str, layers: int = 2, **kw: object) -> tuple[Setup, list[torc
     s = Setup(layout, layers, **kw)  # type: ignore[arg-type]
     _, views = allocate_kv_cache(s.spec(), s.num_blocks, layers, layout)
     return s, views
+
+
+KERNEL_SETUPS = [(Setup(layout, layers, padded=padded, groups=groups, separate=separate), ratio)
+                 for layout, layers, padded, groups, separate, ratio in itertools.product(
+                     NAMES, (1, 3), (False, True), (False, True), (False, True), (2, 4))
+                 if not (separate and layers == 1) and not (padded and ratio == 4)]
+
+
+@pytest.mark.parametrize(("s", "ratio"), [pytest.param(s, r, id=f"{s.id()}-r{r}")
+                                          for s, r in KERNEL_SETUPS])
+def test_kernel_block_views_plan_logical_blocks_of_kernel_regions(s: Setup, ratio: int) -> None:
+    """Views at a kernel block size k = block_size / r: the plan counts logical blocks
+    (what ids count) and records r; its regions are those of a cache of k-token blocks
+    and address every byte of the kernel views exactly once."""
+    kernel = s.block_size // ratio
+    built = build(s, kernel_block_size=kernel)
+    assert built.slots[0].shape[:3] == (s.num_blocks * ratio, s.heads, kernel)
+    plan = plan_regions(built.caches, s.spec(), s.num_blocks, layout=s.layout)
+    assert (plan.num_blocks, plan.block_size, plan.kernel_ratio) == (s.num_blocks,
+                                                                     s.block_size, ratio)
+    assert (plan.kernel_block_size, plan.num_kernel_blocks) == (kernel, s.num_blocks * ratio)
+    kernel_spec = dataclasses.replace(
+        s.spec(), block_size=kernel,
+        page_size_padded=s.page // ratio if s.padded else None)
+    as_kernel = plan_regions(built.caches, kernel_spec, s.num_blocks * ratio, layout=s.layout)
+    assert plan.regions == as_kernel.regions and plan.memory == as_kernel.memory
+    assert plan == msgspec.structs.replace(as_kernel, num_blocks=s.num_blocks,
+                                           block_size=s.block_size, kernel_ratio=ratio)
+    check_regions_cover_views(plan, built.logical)
+    check_chunk_geometry(plan, built.logical)
+    assert SideGeometry.from_plan(plan).kernel_ratio == ratio
+
+
+def test_kernel_views_of_the_wrong_count_name_layer_and_kernel_size() -> None:
+    s = Setup("LBHNC", 2)
+    _, views = allocate_kv_cache(s.spec(), s.num_blocks, 2, "LBHNC", block_size=2)
+    with pytest.raises(ValueError, match=r"'k0' has shape \(6, 2, 2, 6\).*needs \(8, 2, 2, 6\)"
+                                         r".*kernel blocks of 2"):
+        plan_regions({"k0": views[0], "k1": views[1]}, s.spec(), 4)
+    odd = torch.zeros(9, s.heads, 3, s.content, dtype=DTYPE)  # 3 does not divide 4
+    with pytest.raises(ValueError, match=r"'odd' has shape \(9, 2, 3, 6\).*needs \(3, 2, 4, 6\)"):
+        plan_regions({"odd": odd}, s.spec(), s.num_blocks)
 
 
 def test_empty_caches_rejected() -> None:

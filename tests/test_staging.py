@@ -1,6 +1,7 @@
 """Converted reads (:mod:`kvxfer.staging`), proven by executing them: the staging
 descriptors run as byte copies into a real host buffer, the conversion places the
-heads, and the decode views must equal a view-level assignment head by head."""
+heads, and the decode views must equal a view-level assignment head by head (token by
+token of each logical block where a side keeps kernel blocks)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from test_descriptors import (
     Rank,
     expect_compatible,
     head_ranges,
+    kernel_ratio,
     make_rank,
     make_views_like,
     pick_ids,
@@ -64,6 +66,9 @@ def conversions(draw: st.DrawFn) -> dict:
             "layers": draw(st.integers(1, 3)), "blocks": draw(st.integers(1, 7)),
             "separate_storage": draw(st.booleans()),
             "ids": draw(st.sampled_from(["random", "consecutive", "all"])),
+            # kernel blocks per block on each side, at most (see kernel_ratio)
+            "local_kernel": draw(st.sampled_from([1, 1, 2, 4])),
+            "remote_kernel": draw(st.sampled_from([1, 1, 2, 4])),
             "seed": draw(st.integers(0, 2**31))}
 
 
@@ -72,17 +77,19 @@ def conversions(draw: st.DrawFn) -> dict:
 def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
     rng = np.random.default_rng(s["seed"])
     local_spec, remote_spec = spec_for(s, s["local_tp"]), spec_for(s, s["remote_tp"])
+    local_kr = kernel_ratio(local_spec, s["local_kernel"])
+    remote_kr = kernel_ratio(remote_spec, s["remote_kernel"])
     local = make_rank(local_spec, s["local_layout"], s["blocks"], s["layers"],
-                      s["separate_storage"] and s["local_layout"].is_layer_compact, rng)
+                      s["separate_storage"] and s["local_layout"].is_layer_compact, rng, local_kr)
     plan = read_plan(s["local_rank"], s["local_tp"], s["remote_tp"], s["total"])
     remotes = {p.remote_rank: make_rank(remote_spec, s["remote_layout"], s["blocks"] + 2,
-                                        s["layers"], False, rng) for p in plan}
+                                        s["layers"], False, rng, remote_kr) for p in plan}
     count = s["blocks"] if s["ids"] == "all" else int(rng.integers(1, s["blocks"] + 1))
     local_ids = pick_ids(s["ids"], count, s["blocks"], rng)
     remote_ids = pick_ids(s["ids"], count, s["blocks"] + 2, rng)
     full = all(p.count == local_spec.num_kv_heads == remote_spec.num_kv_heads for p in plan)
     direct = expect_compatible(s["local_layout"], s["remote_layout"], local_spec, remote_spec,
-                               full)
+                               full, local_kr, remote_kr)
     reads = plan_reads(local.geometry, {r: x.geometry for r, x in remotes.items()}, plan,
                        local_tp=s["local_tp"], remote_tp=s["remote_tp"])
     # byte copies where they place every head, staging only where they cannot
@@ -91,13 +98,19 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
         return
     expected = [raw.clone() for raw in local.buffers]
     expected_views = make_views_like(local, expected)
+    tokens = np.tile(np.arange(s["block_size"]), len(local_ids))  # every token of each block
+    lkernel, lrow = (torch.from_numpy(a) for a in local.kernel_rows(
+        np.repeat(local_ids, s["block_size"]), tokens))
     for piece in plan:
         remote = remotes[piece.remote_rank]
+        rkernel, rrow = (torch.from_numpy(a) for a in remote.kernel_rows(
+            np.repeat(remote_ids, s["block_size"]), tokens))
         for rh, lh, n in head_ranges(local_spec, remote_spec, piece.remote_head_offset,
                                      piece.local_head_offset, piece.count):
+            lheads, rheads = torch.arange(lh, lh + n)[None], torch.arange(rh, rh + n)[None]
             for layer in range(s["layers"]):
-                for lb, rb in zip(local_ids.tolist(), remote_ids.tolist(), strict=True):
-                    expected_views[layer][lb, lh:lh + n] = remote.views[layer][rb, rh:rh + n]
+                expected_views[layer][lkernel[:, None], lheads, lrow[:, None]] = \
+                    remote.views[layer][rkernel[:, None], rheads, rrow[:, None]]
     for read in reads:
         assert isinstance(read, StagedRead)
         run_staged(local, remotes[read.remote_rank], read, local_ids, remote_ids)
@@ -139,21 +152,32 @@ def test_staging_refuses_what_it_cannot_bridge() -> None:
                    remote_tp=1)
 
 
-@pytest.mark.parametrize(("remote_packing", "local_packing", "local_layout"), [
-    ("vllm-cpu-vec", "token", "LBNHC"), ("token", "vllm-cpu-vec", "BLHNC"),
-    ("vllm-cpu-vec", "token", "BHLNC")])
+def logical_blocks(view: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``[B * r, H, k, X]`` kernel blocks as the ``[B, H, r * k, X]`` logical blocks."""
+    return view.unflatten(0, (-1, ratio)).transpose(1, 2).flatten(2, 3)
+
+
+@pytest.mark.parametrize(("remote_packing", "local_packing", "local_layout", "ratios"), [
+    ("vllm-cpu-vec", "token", "LBNHC", (1, 1)), ("token", "vllm-cpu-vec", "BLHNC", (1, 1)),
+    ("vllm-cpu-vec", "token", "BHLNC", (1, 1)),
+    # kernel blocks: a vllm-cpu-vec head block depends on its kernel block size
+    ("vllm-cpu-vec", "token", "LBNHC", (2, 1)), ("token", "vllm-cpu-vec", "BLHNC", (1, 2)),
+    ("vllm-cpu-vec", "vllm-cpu-vec", "LBHNC", (2, 1)),
+    ("vllm-cpu-vec", "vllm-cpu-vec", "BLHNC", (4, 2))])
 def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
-        remote_packing: str, local_packing: str, local_layout: str) -> None:
+        remote_packing: str, local_packing: str, local_layout: str,
+        ratios: tuple[int, int]) -> None:
     """vLLM's CPU packing (K transposed, then V, per head's block) on one side, token
     packing on the other: every K and V element lands where the decode's packing reads
-    it, whether or not the layouts alone would have needed a conversion."""
+    it, whether or not the layouts alone would have needed a conversion; likewise one
+    packing at two kernel block sizes (``ratios``: prefill's, decode's)."""
     from kvxfer.engine.attention import kv_views
     from kvxfer.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(2)
     spec = CacheSpec(4, 2, 3, torch.float32)
-    remote = make_rank(spec, KVCacheLayout.LBHNC, 6, 2, False, rng)
-    local = make_rank(spec, KVCacheLayout[local_layout], 5, 2, False, rng)
+    remote = make_rank(spec, KVCacheLayout.LBHNC, 6, 2, False, rng, ratios[0])
+    local = make_rank(spec, KVCacheLayout[local_layout], 5, 2, False, rng, ratios[1])
     (read,) = plan_reads(replace(local.geometry, kv_packing=local_packing),
                          {0: replace(remote.geometry, kv_packing=remote_packing)},
                          read_plan(0, 1, 1, 2))
@@ -168,8 +192,10 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
         staging.numpy()[offset:offset + length] = src.numpy()[start:start + length]
     read.convert(staging, local.views, torch.from_numpy(lids), remote_packing, local_packing)
     for layer in range(2):
-        want_k, want_v = kv_views(remote.views[layer], remote_packing)
-        got_k, got_v = kv_views(local.views[layer], local_packing)
+        want_k, want_v = (logical_blocks(x, ratios[0])
+                          for x in kv_views(remote.views[layer], remote_packing))
+        got_k, got_v = (logical_blocks(x, ratios[1])
+                        for x in kv_views(local.views[layer], local_packing))
         for got, want in ((got_k[lids], want_k[rids]), (got_v[lids], want_v[rids])):
             # random bytes include NaNs: compare the bits
             assert torch.equal(got.contiguous().view(torch.int32),
@@ -207,6 +233,27 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
         with pytest.raises(StagingTooSmall, match="more than the 128 MiB limit"):
             pool.take([(read, ids, ids)] * 3)  # three buffers of one chunk: never fits
         pool.close()
+
+
+def test_a_packing_per_kernel_block_is_never_cut_by_byte_copies() -> None:
+    """vllm-cpu-vec keeps K transposed per head's kernel block, so a run of tokens is no
+    byte run: at two kernel sizes the read is converted (equal block sizes, above) or,
+    at two block sizes, refused naming both sides."""
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+
+    rng = np.random.default_rng(5)
+    small = make_rank(CacheSpec(4, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    large = make_rank(CacheSpec(8, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    vec = "vllm-cpu-vec"
+    with pytest.raises(IncompatibleLayoutError, match=r"decode has 8, prefill 4 \(a conversion "
+                                                      r"because K and V packed as 'vllm-cpu-vec' "
+                                                      r"lie per kernel block.*decode kernel "
+                                                      r"blocks hold 8 tokens, prefill's 4"):
+        plan_reads(replace(large.geometry, kv_packing=vec),
+                   {0: replace(small.geometry, kv_packing=vec)}, read_plan(0, 1, 1, 2))
+    (direct,) = plan_reads(replace(small.geometry, kv_packing=vec),  # one size: byte copies
+                           {0: replace(small.geometry, kv_packing=vec)}, read_plan(0, 1, 1, 2))
+    assert isinstance(direct, PeerReadPlan)
 
 
 def test_packings_no_conversion_knows_are_refused_naming_both() -> None:

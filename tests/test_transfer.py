@@ -253,6 +253,72 @@ def test_different_block_sizes_move_every_token_to_its_place(
         decode.close()
 
 
+@pytest.mark.parametrize(("prefill_side", "decode_side", "tp"), [
+    # (layout, logical block size, kernel block size or None) of each side
+    (("LBHNC", 16, 8), ("LBHNC", 16, None), (1, 1)),     # prefill kernel blocks
+    (("BLHNC", 16, None), ("BHLNC", 16, 4), (1, 1)),     # decode kernel blocks
+    (("BHLNC", 32, 8), ("LBHNC", 16, 8), (1, 2)),        # both, block sizes differ, TP 1 -> 2
+    (("LBHNC", 8, 2), ("BLHNC", 32, 16), (2, 1)),        # the reverse mismatch, TP 2 -> 1
+    (("LBNHC", 16, 4), ("LBHNC", 16, 8), (1, 2))])       # converted through staging
+def test_kernel_blocks_move_every_token_of_each_logical_block(
+        prefill: PrefillProcess, prefill_side: tuple[str, int, int | None],
+        decode_side: tuple[str, int, int | None], tp: tuple[int, int]) -> None:
+    """Views at a kernel block size on either side or both: ids stay logical (the params
+    count the prefill's logical blocks) and every token of every logical block arrives,
+    compared through the logical blocks of both sides."""
+    tokens = 77  # a last block partly filled on both sides
+    (play, pbs, pkernel), (dlay, dbs, dkernel) = prefill_side, decode_side
+    pcfg = CacheConfig(layout=play, block_size=pbs, kernel_block_size=pkernel, num_blocks=24,
+                       tp=tp[0])
+    dcfg = CacheConfig(layout=dlay, block_size=dbs, kernel_block_size=dkernel, num_blocks=24,
+                       tp=tp[1])
+    remote = prefill.create(pcfg)
+    decode = decode_instance(dcfg)
+    try:
+        rng = np.random.default_rng(pbs * dbs + (pkernel or 0) + 7 * (dkernel or 0))
+        remote_ids = pick(rng, "random", -(-tokens // pbs), 24)
+        local_ids = pick(rng, "random", -(-tokens // dbs), 24)
+        prefill.hold(remote["engine_id"], "kernel", remote_ids, ttl=30)
+        decode.read("kernel", params_for(remote, "kernel", remote_ids, tp_size=tp[0],
+                                         remote_block_size=pbs), local_ids)
+        stats, failed = decode.wait(["kernel"])
+        assert failed == {}
+        seen = replace(pcfg, tp=dcfg.tp)
+        for rank, caches in enumerate(decode.caches):
+            for layer, view in enumerate(caches.values()):
+                got = dcfg.logical(view)
+                want = tokens_of(pattern(seen, rank, layer), remote_ids, tokens)
+                assert torch.equal(tokens_of(got, local_ids, tokens), want), (rank, layer)
+                others = sorted(set(range(24)) - set(local_ids))
+                assert (got[others] == -1).all(), "blocks outside the request changed"
+        assert all(s.num_bytes > 0 and s.descriptors > 0 for s in stats["kernel"])
+        assert prefill.wait_released(remote["engine_id"], {"kernel"}) == {"kernel": "done"}
+    finally:
+        decode.close()
+
+
+def test_ids_counted_at_a_prefills_kernel_block_size_read_nothing(
+        prefill: PrefillProcess) -> None:
+    """A prefill of 16-token blocks seen as 8-token kernel blocks counts 16-token ids: ids
+    counted at 8 (its kernel size, or an 8-token decode's own) are refused."""
+    remote = prefill.create(CacheConfig(layout="LBHNC", block_size=16, kernel_block_size=8,
+                                        num_blocks=8))
+    decode = decode_instance(CacheConfig(layout="LBHNC", block_size=8, num_blocks=8))
+    try:
+        for rid, over in (("unsaid", {}), ("kernel", {"remote_block_size": 8})):
+            prefill.hold(remote["engine_id"], rid, [0], ttl=30)
+            decode.read(rid, params_for(remote, rid, [0], **over), [0])
+        _, failed = decode.wait(["unsaid", "kernel"])
+        assert "its cache has 16-token blocks but kv_transfer_params do not say " \
+               "remote_block_size, so the ids were counted at this decode's 8" in failed["unsaid"]
+        assert "its cache has 16-token blocks but kv_transfer_params say " \
+               "remote_block_size=8" in failed["kernel"]
+        for view in decode.caches[0].values():
+            assert (view == -1).all(), "a refused read must not write anything"
+    finally:
+        decode.close()
+
+
 def test_params_that_miscount_the_prefills_block_size_read_nothing(
         prefill: PrefillProcess) -> None:
     """Ids counted at a block size the prefill's cache does not have would be misread."""

@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-block-size", type=int, default=None, metavar="TOKENS",
                         help="decode tokens per block (default --block-size); one of the "
                              "two block sizes must be a multiple of the other")
+    parser.add_argument("--prefill-kernel-block-size", type=int, default=None, metavar="TOKENS",
+                        help="tokens per kernel block on the prefill: its attention kernel "
+                             "sees each block as consecutive kernel blocks of TOKENS (a "
+                             "divisor of the block size; default: the block size, no split)")
+    parser.add_argument("--decode-kernel-block-size", type=int, default=None, metavar="TOKENS",
+                        help="tokens per kernel block on the decode (as for the prefill)")
     parser.add_argument("--block-ids", choices=["random", "consecutive"], default="random",
                         help="how the request's blocks sit in each cache (default random)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random block ids")
@@ -46,8 +52,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: int,
-                   block_size: int | None = None) -> tuple[Any, Any]:
-    """An address-only cache for one rank: ``torch.empty`` never touches its pages."""
+                   block_size: int | None = None, kernel_block_size: int | None = None
+                   ) -> tuple[Any, Any]:
+    """An address-only cache for one rank: ``torch.empty`` never touches its pages; its
+    views at ``kernel_block_size`` when given."""
     import torch
 
     from kvxfer.descriptors import SideGeometry
@@ -59,7 +67,8 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
                      args.head_size, getattr(torch, args.dtype),
                      latent=getattr(args, "kv_lora_rank", 0) > 0)
     raw = torch.empty(args.layers * num_blocks * spec.page_size_bytes, dtype=torch.uint8)
-    views = reshape_kv_cache(raw, spec, num_blocks, args.layers, layout)
+    views = reshape_kv_cache(raw, spec, num_blocks, args.layers, layout,
+                             block_size=kernel_block_size)
     plan = plan_regions({f"model.layers.{i}": v for i, v in enumerate(views)}, spec, num_blocks,
                         layout)
     return raw, (plan, SideGeometry.from_plan(plan))
@@ -69,8 +78,10 @@ def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
     """Plan every decode rank's reads for one request; raises ValueError if incompatible.
 
     With different block sizes, ``same_block_size_descriptors`` is what the decode
-    would post if it used the prefill's block size: the price of the mismatch. An MLA
-    latent cache (``--kv-lora-rank``) is one head that every rank holds."""
+    would post if it used the prefill's block size (and kernel block size): the price
+    of the mismatch. With kernel blocks on either side, ``without_kernel_blocks_descriptors``
+    is what it would post if neither side split its blocks. An MLA latent cache
+    (``--kv-lora-rank``) is one head that every rank holds."""
     if args.kv_lora_rank:
         if not 0 < args.kv_lora_rank < args.head_size:
             raise ValueError(f"--kv-lora-rank must be positive and below the latent's "
@@ -79,15 +90,31 @@ def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
         args = argparse.Namespace(**{**vars(args), "kv_heads": 1})
     prefill_bs = args.prefill_block_size or args.block_size
     decode_bs = args.decode_block_size or args.block_size
-    result = _plan(args, prefill_bs, decode_bs)
-    if prefill_bs != decode_bs:
-        same = _plan(args, prefill_bs, prefill_bs)
-        for rank, baseline in zip(result["decode_ranks"], same["decode_ranks"], strict=True):
-            rank["same_block_size_descriptors"] = baseline["descriptors"]
+    prefill_k = getattr(args, "prefill_kernel_block_size", None) or prefill_bs
+    decode_k = getattr(args, "decode_kernel_block_size", None) or decode_bs
+    for side, size, kernel in (("prefill", prefill_bs, prefill_k), ("decode", decode_bs,
+                                                                     decode_k)):
+        if kernel <= 0 or size <= 0 or size % kernel:
+            raise ValueError(f"--{side}-kernel-block-size {kernel} must divide the {side} "
+                             f"block size {size}")
+    result = _plan(args, (prefill_bs, prefill_k), (decode_bs, decode_k))
+    baselines = {"same_block_size_descriptors": ((prefill_bs, prefill_k), (prefill_bs, prefill_k)),
+                 "without_kernel_blocks_descriptors": ((prefill_bs, prefill_bs),
+                                                       (decode_bs, decode_bs))}
+    if prefill_bs == decode_bs:
+        del baselines["same_block_size_descriptors"]
+    if (prefill_k, decode_k) == (prefill_bs, decode_bs):
+        del baselines["without_kernel_blocks_descriptors"]
+    for key, (prefill_sizes, decode_sizes) in baselines.items():
+        other = _plan(args, prefill_sizes, decode_sizes)
+        for rank, baseline in zip(result["decode_ranks"], other["decode_ranks"], strict=True):
+            rank[key] = baseline["descriptors"]
     return result
 
 
-def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str, Any]:
+def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
+          decode_sizes: tuple[int, int]) -> dict[str, Any]:
+    """One configuration's reads; each side's sizes are (block size, kernel block size)."""
     import numpy as np
 
     from kvxfer.descriptors import PeerReadPlan, build_requests_descriptors
@@ -95,6 +122,7 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
     from kvxfer.staging import StagedRead, plan_reads
     from kvxfer.topology import notify_plan, read_plan
 
+    (prefill_bs, prefill_k), (decode_bs, decode_k) = prefill_sizes, decode_sizes
     prefill_layout = parse_layout(args.prefill_layout).name
     decode_layout = parse_layout(args.decode_layout or args.prefill_layout).name
     if args.tokens <= 0:
@@ -114,13 +142,13 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
     prefill = {}
     for rank in range(args.prefill_tp):
         raw, prefill[rank] = synthetic_rank(prefill_layout, args.prefill_tp, args,
-                                            2 * blocks["prefill"], prefill_bs)
+                                            2 * blocks["prefill"], prefill_bs, prefill_k)
         keep.append(raw)
     remote_ids = ids("prefill")
     ranks = []
     for rank in range(args.decode_tp):
         raw, (plan, local) = synthetic_rank(decode_layout, args.decode_tp, args,
-                                            2 * blocks["decode"], decode_bs)
+                                            2 * blocks["decode"], decode_bs, decode_k)
         keep.append(raw)
         slices = read_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
         peers = plan_reads(local, {r: g for r, (_, g) in prefill.items()}, slices,
@@ -155,7 +183,9 @@ def _plan(args: argparse.Namespace, prefill_bs: int, decode_bs: int) -> dict[str
             "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "tokens": args.tokens,
             "blocks": blocks["prefill"], "decode_blocks": blocks["decode"],
             "layers": args.layers, "kv_heads": args.kv_heads, "head_size": args.head_size,
-            "block_size": prefill_bs, "decode_block_size": decode_bs, "dtype": args.dtype,
+            "block_size": prefill_bs, "decode_block_size": decode_bs,
+            "kernel_block_size": prefill_k, "decode_kernel_block_size": decode_k,
+            "dtype": args.dtype,
             "kv_lora_rank": args.kv_lora_rank, "decode_ranks": ranks}
 
 
@@ -180,8 +210,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     mismatch = result["block_size"] != result["decode_block_size"]
-    sizes = (f" block {result['block_size']}", f" block {result['decode_block_size']}") \
-        if mismatch else ("", "")
+    kernels = (result["kernel_block_size"], result["decode_kernel_block_size"])
+    split = kernels != (result["block_size"], result["decode_block_size"])
+    sizes = tuple(f" block {size}" + (f" (kernel {kernel})" if kernel != size else "")
+                  if mismatch or split else ""
+                  for size, kernel in ((result["block_size"], kernels[0]),
+                                       (result["decode_block_size"], kernels[1])))
     print(f"{result['prefill_layout']} TP{result['prefill_tp']}{sizes[0]} (prefill) -> "
           f"{result['decode_layout']} TP{result['decode_tp']}{sizes[1]} (decode): "
           f"{result['tokens']} tokens = {result['blocks']} blocks x {result['layers']} layers, "
@@ -192,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  block sizes differ: each {side} block holds {large // small} blocks of the "
               f"other side ({result['decode_blocks']} decode blocks); runs are cut at every "
               f"{small}-token block of both sides, no extra copy")
+    if split:
+        _explain_kernel_blocks(result)
     if result["kv_lora_rank"]:
         latent, rank_dims = result["head_size"], result["kv_lora_rank"]
         print(f"  MLA latent cache: per token and layer one {latent}-element latent "
@@ -218,4 +254,24 @@ def run(args: argparse.Namespace) -> int:
             same = rank["same_block_size_descriptors"]
             print(f"    with equal block sizes: {same} descriptors "
                   f"({rank['descriptors'] / same:.2f}x as many now)")
+        if "without_kernel_blocks_descriptors" in rank:
+            plain = rank["without_kernel_blocks_descriptors"]
+            print(f"    without kernel blocks: {plain} descriptors "
+                  f"({rank['descriptors'] / plain:.2f}x as many now)")
     return 0
+
+
+def _explain_kernel_blocks(result: dict[str, Any]) -> None:
+    """How the ids of a side whose attention kernel splits its blocks are read."""
+    import math
+
+    parts = []
+    for side, size, kernel in (("prefill", result["block_size"], result["kernel_block_size"]),
+                               ("decode", result["decode_block_size"],
+                                result["decode_kernel_block_size"])):
+        parts.append(f"each {side} block of {size} tokens is {size // kernel} kernel blocks of "
+                     f"{kernel}" if kernel != size else f"{side} blocks are not split")
+    unit = math.gcd(result["kernel_block_size"], result["decode_kernel_block_size"])
+    print(f"  kernel blocks: {'; '.join(parts)}. Block ids stay logical; each is expanded to "
+          f"its kernel blocks, runs are cut every {unit} tokens where the two sides' kernel "
+          f"blocks meet and merged again where both sides keep them adjacent; no extra copy")
