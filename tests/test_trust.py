@@ -488,5 +488,7 @@ def test_bench_trust_prints_both_sides_and_removes_its_key(tmp_path: Path) -> No
     assert result["decode_ttft_ms_signed"] > 0 and result["decode_ttft_ms_unsigned"] > 0
     assert result["ratio_signed_to_unsigned"] > 0
     assert len(result["phase_ratios"]) == 2  # the crossover: each start order once
+    low, high = result["ratio_interval_95"]
+    assert 0 < low <= high and result["target_shown"] == (high < 1.02)
     assert result["primitives"]["ticket_verify_us"] > 0
     assert not list(tmp_path.glob("kvxfer-kv-*")), "the temporary key file is removed"

@@ -357,3 +357,24 @@ def test_the_key_file_comes_from_the_flag_then_the_environment(
     assert key_file_from(None) == "/env/key"
     monkeypatch.delenv("KVXFER_KV_KEY_FILE")
     assert key_file_from(None) is None
+
+
+def test_crossover_ratio_is_the_geometric_mean_of_phase_medians() -> None:
+    from kvxfer.bench.trust import crossover_ratio
+
+    # phase medians 1.1 and 1/1.1: an order effect that cancels
+    assert crossover_ratio([[1.0, 1.1, 5.0], [0.1, 1 / 1.1, 1.0]]) == pytest.approx(1.0)
+    assert crossover_ratio([[2.0, 2.0], [8.0]]) == pytest.approx(4.0)
+
+
+def test_the_bootstrap_interval_is_tight_only_when_the_rounds_agree() -> None:
+    from kvxfer.bench.trust import bootstrap_interval
+
+    assert bootstrap_interval([[1.0] * 20, [1.0] * 20]) == (1.0, 1.0)
+    steady = [[1.004, 0.998, 1.001, 1.0] * 10, [0.999, 1.003, 1.0, 1.002] * 10]
+    low, high = bootstrap_interval(steady)
+    assert 0.99 < low <= high < 1.01  # a real 0.1% effect under 0.5% noise: resolved
+    # phases that disagree by 15%, as two pairs of processes did on a busy 2-core machine
+    low, high = bootstrap_interval([[0.90] * 30, [1.24] * 30, [1.09] * 30, [0.99] * 30])
+    assert low < 1.0 < 1.02 < high and high - low > 0.1
+    assert bootstrap_interval(steady, seed=1) == bootstrap_interval(steady, seed=1)

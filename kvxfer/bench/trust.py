@@ -13,7 +13,10 @@ run is a crossover: ``--phases`` phases, each with freshly started pairs, the
 signed one started first on even phases and second on odd ones. A phase's ratio
 is the median of its per-round ratios; the result is the geometric mean over the
 phases, in which an order effect cancels. The figures are medians
-(``--control`` runs both pairs unsigned: the noise floor). Both
+(``--control`` runs both pairs unsigned: the noise floor). A hierarchical bootstrap
+(phases, then rounds within each, resampled with replacement) gives a 95% interval
+for that ratio: a run shows signing under 2% only when the whole interval lies below
+1.02, and an interval wider than the target says the machine cannot resolve it. Both
 prefills are bound to one CPU and both decodes to another (``--no-pin``: not), so
 that CPU placement cannot favour one pair. It
 also times the pure signing
@@ -27,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import random
 import secrets
 import statistics
 import sys
@@ -132,6 +136,23 @@ def _ttft(client: Any, pair: dict[str, str], prompt: list[int]) -> float:
     return first
 
 
+def crossover_ratio(rounds: list[list[float]]) -> float:
+    """The geometric mean over phases of each phase's median per-round ratio."""
+    return math.exp(statistics.fmean(math.log(statistics.median(r)) for r in rounds))
+
+
+def bootstrap_interval(rounds: list[list[float]], resamples: int = 2000, seed: int = 0
+                       ) -> tuple[float, float]:
+    """95% interval of :func:`crossover_ratio`: phases resampled with replacement, then
+    each chosen phase's per-round ratios (so both the pair-to-pair and the request-to-
+    request spread widen it)."""
+    rng = random.Random(seed)
+    draws = sorted(crossover_ratio([rng.choices(phase, k=len(phase))
+                                    for phase in rng.choices(rounds, k=len(rounds))])
+                   for _ in range(resamples))
+    return draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+
+
 def _primitives() -> dict[str, float]:
     """Microseconds per call of each signing step (and its unsigned counterpart)."""
     from kvxfer.protocol import (
@@ -186,27 +207,29 @@ def run(args: argparse.Namespace) -> int:
         return 2
     prompt = _prompt(args.prompt_tokens)
     times: dict[str, list[float]] = {"signed": [], "unsigned": []}
-    phase_ratios: list[float] = []
+    rounds: list[list[float]] = []  # per phase: signed / unsigned of each round
     try:
         with temporary_key_file() as key_file:
             for phase in range(args.phases):
                 # Crossover: which pair starts first alternates (see the module docstring).
                 first = ("signed", "unsigned") if phase % 2 == 0 else ("unsigned", "signed")
                 got = _phase(args, prompt, key_file, first)
-                phase_ratios.append(statistics.median(
-                    a / b for a, b in zip(got["signed"], got["unsigned"], strict=True)))
+                rounds.append([a / b for a, b in zip(got["signed"], got["unsigned"],
+                                                      strict=True)])
                 for side in times:
                     times[side] += got[side]
     except BenchError as exc:
         print(f"kvxfer bench trust: {exc}", file=sys.stderr)
         return 1
     signed, unsigned = (statistics.median(times[s]) for s in ("signed", "unsigned"))
-    ratio = math.exp(statistics.fmean(math.log(r) for r in phase_ratios))
+    ratio, phase_ratios = crossover_ratio(rounds), [statistics.median(r) for r in rounds]
+    low, high = bootstrap_interval(rounds)
     result = {"config": {"model": args.model, "prompt_tokens": args.prompt_tokens,
                          "repeats": args.repeats, "phases": args.phases, "control": args.control,
                          "pinned": args.pin},
               "decode_ttft_ms_signed": 1000 * signed, "decode_ttft_ms_unsigned": 1000 * unsigned,
-              "ratio_signed_to_unsigned": ratio, "phase_ratios": phase_ratios,
+              "ratio_signed_to_unsigned": ratio, "ratio_interval_95": [low, high],
+              "target_shown": high < 1.02, "phase_ratios": phase_ratios,
               "primitives": _primitives()}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -217,6 +240,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  decode time to first token, unsigned  {1000 * unsigned:10.2f} ms")
     print(f"  decode time to first token, signed    {1000 * signed:10.2f} ms")
     print(f"  ratio signed / unsigned (crossover)   {ratio:10.4f}  (target < 1.02)")
+    verdict = ("shown: the whole interval is below 1.02" if high < 1.02 else
+               "not resolved here: the interval is wider than the target" if high - low > 0.02
+               else "not shown: the interval reaches 1.02")
+    print(f"  95% bootstrap interval                {low:10.4f} .. {high:.4f}  ({verdict})")
     print(f"  per phase (signed pair started first on even phases): "
           f"{', '.join(f'{r:.4f}' for r in phase_ratios)}")
     for name, value in result["primitives"].items():

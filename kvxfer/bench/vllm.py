@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,9 +345,14 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
             results[case.name] = measure_case(pre.url, dec.url, case, args.repeats,
                                               1000 * (n + 1), args.decode_tokens)
             print(f"  {connector}: {case.name} done", file=sys.stderr, flush=True)
-        # ~182 blocks of 128 tokens in 1 GiB: 16 fillers of 12 blocks cycle it.
-        for server in (pre, dec):
-            cycle_cache(server.url, 50_000, args.fillers)
+        # ~182 blocks of 128 tokens in 1 GiB: 16 fillers of 12 blocks cycle it. Both
+        # instances at once (each has its own core): minutes of prefill compute each.
+        print(f"  {connector}: cycling both caches with {args.fillers} filler prompts "
+              f"each...", file=sys.stderr, flush=True)
+        with ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(cycle_cache, server.url, 50_000, args.fillers)
+                         for server in (pre, dec)]:
+                done.result()
         case = Case("1500 tokens, fragmented", 1500)
         results[case.name] = measure_case(pre.url, dec.url, case, args.repeats, 90_000,
                                           args.decode_tokens)
@@ -391,6 +397,11 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("interrupted: the vLLM instances were stopped", file=sys.stderr)
             return 130
+        except RuntimeError as exc:  # an instance did not start (its log tail is included)
+            print(f"kvxfer bench vllm: {exc}\n(the instances were stopped; a first start "
+                  f"compiles for minutes: pass --log-dir DIR to keep vLLM's compile cache "
+                  f"for the next run)", file=sys.stderr)
+            return 1
     report = {"connectors": results, "ratios": _ratios(results)}
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
