@@ -397,6 +397,7 @@ class TransferWorker:
     def peer_connecting(self) -> None:
         """The listener served a handshake: progress fast while the peer connects."""
         self._fast_until = time.monotonic() + CONNECT_WINDOW_S
+        self._wake.set()
 
     def close(self) -> None:
         """Stop the thread and release NIXL resources; idempotent."""
@@ -466,6 +467,10 @@ class TransferWorker:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
             self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
+        # Wake the thread now, not at the end of an idle wait: a READ that carries a "done"
+        # notification completes only once this side's agent progresses (it takes the
+        # notification), so up to IDLE_POLL_S of idle wait would add to every read.
+        self._wake.set()
 
     def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
               max_age: float = math.inf) -> float | str:

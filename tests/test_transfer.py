@@ -625,3 +625,36 @@ def test_read_lanes_must_be_positive() -> None:
 
     with pytest.raises(ValueError, match="read_lanes must be at least 1, got 0"):
         TransferWorker("e", 0, 1, CacheConfig().compat(), total_kv_heads=4, read_lanes=0)
+
+
+def test_a_new_lease_wakes_an_idle_prefill_so_reads_do_not_wait_for_its_poll(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READ that carries its "done" notification completes only once the prefill's
+    agent progresses and takes it, so an idle prefill worker must start polling fast when
+    a lease is held, not at the end of its idle wait. Here the idle wait is a minute
+    (and the fast window after a handshake 50 ms): were ``hold`` not to wake the worker,
+    the second read would stay in progress until the wait ran out."""
+    import kvxfer.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "IDLE_POLL_S", 60.0)
+    monkeypatch.setattr(worker_module, "CONNECT_WINDOW_S", 0.05)
+    cfg = CacheConfig()
+    prefill = LoopbackInstance.create("prefill", cfg)
+    decode = decode_instance(cfg)
+    try:
+        for request_id, block in (("warm-up", 0), ("after-idle", 1)):
+            prefill.hold(request_id, [block], ttl=60)
+            decode.read(request_id, prefill.params(request_id, [block]), [block])
+            _, failed = decode.wait([request_id], timeout=20)
+            assert not failed, failed
+            released: dict[str, str] = {}
+            deadline = time.monotonic() + 20
+            while request_id not in released and time.monotonic() < deadline:
+                released.update(prefill.released())
+                time.sleep(0.01)
+            assert released.get(request_id) == "done", released
+            time.sleep(0.3)  # past the fast window: the prefill's worker now waits idle
+        check_blocks(decode, cfg, [0, 1], [0, 1])
+    finally:
+        decode.close()
+        prefill.close()
