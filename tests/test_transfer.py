@@ -297,43 +297,25 @@ def test_kernel_blocks_move_every_token_of_each_logical_block(
         decode.close()
 
 
-def test_ids_counted_at_a_prefills_kernel_block_size_read_nothing(
-        prefill: PrefillProcess) -> None:
-    """A prefill of 16-token blocks seen as 8-token kernel blocks counts 16-token ids: ids
-    counted at 8 (its kernel size, or an 8-token decode's own) are refused."""
-    remote = prefill.create(CacheConfig(layout="LBHNC", block_size=16, kernel_block_size=8,
-                                        num_blocks=8))
-    decode = decode_instance(CacheConfig(layout="LBHNC", block_size=8, num_blocks=8))
-    try:
-        for rid, over in (("unsaid", {}), ("kernel", {"remote_block_size": 8})):
-            prefill.hold(remote["engine_id"], rid, [0], ttl=30)
-            decode.read(rid, params_for(remote, rid, [0], **over), [0])
-        _, failed = decode.wait(["unsaid", "kernel"])
-        assert "its cache has 16-token blocks but kv_transfer_params do not say " \
-               "remote_block_size, so the ids were counted at this decode's 8" in failed["unsaid"]
-        assert "its cache has 16-token blocks but kv_transfer_params say " \
-               "remote_block_size=8" in failed["kernel"]
-        for view in decode.caches[0].values():
-            assert (view == -1).all(), "a refused read must not write anything"
-    finally:
-        decode.close()
-
-
+@pytest.mark.parametrize(("kernel", "decode_size"), [(None, 32), (8, 8)])
 def test_params_that_miscount_the_prefills_block_size_read_nothing(
-        prefill: PrefillProcess) -> None:
-    """Ids counted at a block size the prefill's cache does not have would be misread."""
-    pcfg = CacheConfig(layout="LBHNC", block_size=16, num_blocks=8)
+        prefill: PrefillProcess, kernel: int | None, decode_size: int) -> None:
+    """Ids counted at a block size the prefill's cache does not have would be misread:
+    another decode's size, or (a prefill of 16-token blocks seen as 8-token kernel
+    blocks) its kernel size; ids count logical blocks."""
+    pcfg = CacheConfig(layout="LBHNC", block_size=16, kernel_block_size=kernel, num_blocks=8)
     remote = prefill.create(pcfg)
-    decode = decode_instance(CacheConfig(layout="LBHNC", block_size=32, num_blocks=8))
+    decode = decode_instance(CacheConfig(layout="LBHNC", block_size=decode_size, num_blocks=8))
     try:
-        for rid, over in (("unsaid", {}), ("wrong", {"remote_block_size": 32})):
+        for rid, over in (("unsaid", {}), ("wrong", {"remote_block_size": decode_size})):
             prefill.hold(remote["engine_id"], rid, [0], ttl=30)
             decode.read(rid, params_for(remote, rid, [0], **over), [0])
         _, failed = decode.wait(["unsaid", "wrong"])
         assert "its cache has 16-token blocks but kv_transfer_params do not say " \
-               "remote_block_size, so the ids were counted at this decode's 32" in failed["unsaid"]
+               f"remote_block_size, so the ids were counted at this decode's {decode_size}" \
+               in failed["unsaid"]
         assert "its cache has 16-token blocks but kv_transfer_params say " \
-               "remote_block_size=32" in failed["wrong"]
+               f"remote_block_size={decode_size}" in failed["wrong"]
         for view in decode.caches[0].values():
             assert (view == -1).all(), "a refused read must not write anything"
         assert prefill.wait_released(remote["engine_id"], {"unsaid", "wrong"}) == \
