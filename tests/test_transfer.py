@@ -221,6 +221,20 @@ def tokens_of(view: torch.Tensor, ids: list[int], count: int) -> torch.Tensor:
     return blocks.permute(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[3])[:, :count]
 
 
+def check_tokens(decode: LoopbackInstance, prefill_cfg: CacheConfig, remote_ids: list[int],
+                 local_ids: list[int], tokens: int) -> None:
+    """The first ``tokens`` tokens of the prefill's blocks, for each decode rank's heads, are
+    in the decode's blocks, seen per logical block; the decode's other blocks untouched."""
+    seen = replace(prefill_cfg, tp=decode.cfg.tp)
+    others = sorted(set(range(decode.cfg.num_blocks)) - set(local_ids))
+    for rank, caches in enumerate(decode.caches):
+        for layer, view in enumerate(caches.values()):
+            got = decode.cfg.logical(view)
+            want = tokens_of(pattern(seen, rank, layer), remote_ids, tokens)
+            assert torch.equal(tokens_of(got, local_ids, tokens), want), (rank, layer)
+            assert (got[others] == -1).all(), "blocks outside the request changed"
+
+
 @pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_bs", "decode_bs", "tp"), [
     ("LBHNC", "BLHNC", 16, 32, (1, 1)), ("BHLNC", "LBHNC", 32, 8, (1, 2)),
     ("LBNHC", "LBNHC", 8, 32, (1, 1))])
@@ -241,13 +255,7 @@ def test_different_block_sizes_move_every_token_to_its_place(
                                         remote_block_size=prefill_bs), local_ids)
         _, failed = decode.wait(["mixed"])
         assert failed == {}
-        seen = replace(pcfg, tp=dcfg.tp)
-        for rank, caches in enumerate(decode.caches):
-            for layer, view in enumerate(caches.values()):
-                want = tokens_of(pattern(seen, rank, layer), remote_ids, tokens)
-                assert torch.equal(tokens_of(view, local_ids, tokens), want), (rank, layer)
-                others = sorted(set(range(24)) - set(local_ids))
-                assert (view[others] == -1).all(), "blocks outside the request changed"
+        check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
         assert prefill.wait_released(remote["engine_id"], {"mixed"}) == {"mixed": "done"}
     finally:
         decode.close()
@@ -283,14 +291,7 @@ def test_kernel_blocks_move_every_token_of_each_logical_block(
                                          remote_block_size=pbs), local_ids)
         stats, failed = decode.wait(["kernel"])
         assert failed == {}
-        seen = replace(pcfg, tp=dcfg.tp)
-        for rank, caches in enumerate(decode.caches):
-            for layer, view in enumerate(caches.values()):
-                got = dcfg.logical(view)
-                want = tokens_of(pattern(seen, rank, layer), remote_ids, tokens)
-                assert torch.equal(tokens_of(got, local_ids, tokens), want), (rank, layer)
-                others = sorted(set(range(24)) - set(local_ids))
-                assert (got[others] == -1).all(), "blocks outside the request changed"
+        check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
         assert all(s.num_bytes > 0 and s.descriptors > 0 for s in stats["kernel"])
         assert prefill.wait_released(remote["engine_id"], {"kernel"}) == {"kernel": "done"}
     finally:
