@@ -97,55 +97,90 @@ class StagedRead:
         return merge_runs(local, remote, np.zeros(len(remote), dtype=np.int64), rmem, lengths,
                           np.array([staging_device], dtype=U64), geo.devices, self.remote_rank)
 
-    def convert(self, staging: torch.Tensor, local_views: Sequence[torch.Tensor],
+    def convert(self, staging: torch.Tensor, groups: Sequence[tuple[int, torch.Tensor]],
                 local_ids: torch.Tensor, remote_packing: str = "token",
                 local_packing: str = "token") -> None:
-        """Copy the staged heads into ``local_views`` (this rank's ``[B, H, N, C]`` views, by
-        logical layer, at its kernel block size) at logical blocks ``local_ids`` (request
-        order, as the READ was built)."""
+        """Copy the staged heads into this rank's views (its ``[B, H, N, C]`` views by
+        logical layer, at its kernel block size, as :func:`layer_groups` of them) at
+        logical blocks ``local_ids`` (request order, as the READ was built).
+
+        One copy per logical block, head range and layer group: views that are one
+        allocation at a fixed layer stride are one group, so a block's layers move in
+        one call; indexing every view with the ids instead costs a few times more
+        (measured about 1.8 vs 5.3 GB/s on one thread)."""
         from kvxfer.engine.attention import kv_views
 
-        first = local_views[0]
+        first = groups[0][1]
         geo, local = self.remote, self.local
         count = len(local_ids) * geo.kernel_ratio  # staged kernel blocks
         elems = geo.chunk_len // first.element_size()
         typed = staging[: len(local_ids) * self.bytes_per_block].view(first.dtype)
         staged = typed.view(count, geo.num_layers, len(self.chunks), elems)
-        content = first.shape[3]
-        kernel_ids = (local_ids[:, None] * local.kernel_ratio
-                      + torch.arange(local.kernel_ratio)).reshape(-1)
+        content, r_in, r_out = first.shape[-1], geo.kernel_ratio, local.kernel_ratio
         # K and V move together (one copy per head range) where both sides lay them out
         # alike in a kernel block: the same packing, and per token or at one kernel size
         together = remote_packing == local_packing and (
-            local_packing == TOKEN_PACKING or geo.kernel_ratio == local.kernel_ratio)
-        for layer, view in enumerate(local_views):
+            local_packing == TOKEN_PACKING or r_in == r_out)
+        blocks = local_ids.tolist()
+        for layer, group in groups:  # group: [kernel blocks, G, H, N, C]
+            part = staged[:, layer:layer + group.shape[1]]
             if geo.heads_contiguous:  # chunk = one view head, [N, C]
-                heads = staged[:, layer].view(count, len(self.chunks), geo.kernel_block_size,
-                                              content)
+                heads = part.reshape(count, group.shape[1], len(self.chunks),
+                                     geo.kernel_block_size, content)
             else:  # chunk = the page, [N, H, C]
-                heads = staged[:, layer, 0].view(count, geo.kernel_block_size, -1, content) \
-                    .permute(0, 2, 1, 3)
-            pairs = [(view, heads)] if together else \
-                list(zip(kv_views(view, local_packing), kv_views(heads, remote_packing),
-                         strict=True))
+                heads = part[:, :, 0].reshape(count, group.shape[1], geo.kernel_block_size,
+                                              -1, content).permute(0, 1, 3, 2, 4)
             for r0, l0, n in self.heads:
                 s0 = self.chunks.index(r0) if geo.heads_contiguous else r0
-                for dst, src in pairs:
-                    dst[kernel_ids, l0:l0 + n] = rekernel(src[:, s0:s0 + n], geo.kernel_ratio,
-                                                          local.kernel_ratio)
+                for position, block in enumerate(blocks):
+                    dst = group[block * r_out:(block + 1) * r_out, :, l0:l0 + n]
+                    src = heads[position * r_in:(position + 1) * r_in, :, s0:s0 + n]
+                    pairs = [(dst, src)] if together else zip(
+                        kv_views(dst, local_packing), kv_views(src, remote_packing),
+                        strict=True)
+                    for d, s in pairs:
+                        d.copy_(rekernel(s, r_in, r_out))
+
+
+def layer_groups(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """``(first layer, [B, G, H, N, C] view)`` covering ``views`` (``[B, H, N, C]`` each) in
+    order: consecutive views of one allocation with equal shapes and strides, spaced
+    by one layer stride, become one view with the layers as its second dim; any other
+    view is a group of its own."""
+    groups: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    while start < len(views):
+        first, end = views[start], start + 1
+        step = views[end].data_ptr() - first.data_ptr() if end < len(views) else 0
+        while end < len(views) and _same_shape(first, views[end]) and step > 0 and \
+                views[end].data_ptr() - views[end - 1].data_ptr() == step and \
+                step % first.element_size() == 0:
+            end += 1
+        size = (first.shape[0], end - start, *first.shape[1:])
+        stride = (first.stride(0), step // first.element_size() if end - start > 1 else 1,
+                  *first.stride()[1:])
+        groups.append((start, first.as_strided(size, stride)))
+        start = end
+    return groups
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def rekernel(blocks: torch.Tensor, from_ratio: int, to_ratio: int) -> torch.Tensor:
-    """``[n * from_ratio, H, k, X]`` kernel blocks (``from_ratio`` per logical block, in
-    order) regrouped as ``[n * to_ratio, H, k * from_ratio // to_ratio, X]``: the same
-    logical blocks' tokens at another kernel block size."""
+    """``[n * from_ratio, ..., k, X]`` kernel blocks (``from_ratio`` per logical block, in
+    order; any dims between, such as layers and heads) regrouped as
+    ``[n * to_ratio, ..., k * from_ratio // to_ratio, X]``: the same logical blocks'
+    tokens at another kernel block size."""
     if from_ratio == to_ratio:
         return blocks
-    kernels, heads, tokens, width = blocks.shape
+    kernels, *mid, tokens, width = blocks.shape
     count = kernels // from_ratio
-    logical = blocks.reshape(count, from_ratio, heads, tokens, width).transpose(1, 2)
-    return logical.reshape(count, heads, to_ratio, -1, width).transpose(1, 2) \
-        .reshape(count * to_ratio, heads, -1, width)
+    logical = blocks.reshape(count, from_ratio, *mid, tokens, width).movedim(1, -3)
+    regrouped = logical.reshape(count, *mid, to_ratio, -1, width).movedim(-3, 1)
+    return regrouped.reshape(count * to_ratio, *mid, -1, width)
 
 
 def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int,

@@ -132,11 +132,13 @@ class StagingPool:
             self._agent.deregister(staging.handles)
         self._bytes -= staging.buffer.numel()
 
-    def place_landed(self, job: StagedJob, views: Sequence[torch.Tensor]) -> bool | str:
-        """Start placing every part that landed (once each); True when all are placed,
-        False while some are not yet, or why a placement failed."""
+    def place_landed(self, job: StagedJob, groups: Sequence[tuple[int, torch.Tensor]]
+                     ) -> bool | str:
+        """Start placing every part that landed (once each) into the rank's view ``groups``
+        (:func:`kvxfer.staging.layer_groups`); True when all are placed, False while some
+        are not yet, or why a placement failed."""
         for part in job.parts:
-            self._start_placing(part, views)
+            self._start_placing(part, groups)
             if part.placed is None or not part.placed.done():
                 return False
             error = part.placed.exception()
@@ -144,7 +146,7 @@ class StagingPool:
                 return f"{type(error).__name__}: {error}"
         return True
 
-    def _start_placing(self, part: Part, views: Sequence[torch.Tensor]) -> None:
+    def _start_placing(self, part: Part, groups: Sequence[tuple[int, torch.Tensor]]) -> None:
         if part.placed is not None or part.transfer is None:
             return
         try:
@@ -158,7 +160,7 @@ class StagingPool:
                                                  thread_name_prefix=f"kvxfer-convert-{self._name}")
         plan = part.plan
         part.placed = self._converter.submit(
-            plan.convert, part.staging.buffer[part.offset:], views,
+            plan.convert, part.staging.buffer[part.offset:], groups,
             torch.from_numpy(part.local_ids), plan.remote.kv_packing, plan.local.kv_packing)
 
     def settle(self, job: StagedJob, engine_id: str) -> None:

@@ -92,7 +92,7 @@ from kvxfer.protocol import (
     encode_notif,
 )
 from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
-from kvxfer.staging import StagedRead, plan_reads
+from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.staging_pool import StagedJob, StagingPool
 from kvxfer.tickets import TICKET_KEY, LeaseClaims
 from kvxfer.topology import notify_plan, read_plan
@@ -331,7 +331,8 @@ class TransferWorker:
         self._lane_pool: ThreadPoolExecutor | None = None
         self._plan: RegionPlan | None = None
         self._geometry: SideGeometry | None = None
-        self._views: list[torch.Tensor] = []  # by logical layer: where converted reads land
+        # where converted reads land: the views by logical layer, as layer groups
+        self._views: list[tuple[int, torch.Tensor]] = []
         self._local_cuda = False  # the memory kind of the registered cache
         self._staging = StagingPool(self._agent, f"r{rank}")  # converted reads land here
         self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
@@ -380,7 +381,7 @@ class TransferWorker:
             self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
                                                  thread_name_prefix=f"kvxfer-lane-r{self.rank}")
         self._plan, self._geometry = plan, SideGeometry.from_plan(plan, self.compat.kv_packing)
-        self._views = [view for _, view in distinct_views(caches)]
+        self._views = layer_groups([view for _, view in distinct_views(caches)])
         return plan
 
     def metadata(self) -> AgentMetadata:

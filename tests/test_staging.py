@@ -26,7 +26,7 @@ from test_descriptors import (
 )
 
 from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan, validate_block_ids
-from kvxfer.staging import StagedRead, plan_reads
+from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.topology import read_plan
 
 
@@ -46,7 +46,7 @@ def run_staged(local: Rank, remote: Rank, plan: StagedRead, local_ids: np.ndarra
         offset = laddr - staging.data_ptr()
         start = raddr - src.data_ptr()
         dst[offset:offset + length] = src.numpy()[start:start + length]
-    plan.convert(staging, local.views, torch.from_numpy(lids))
+    plan.convert(staging, layer_groups(local.views), torch.from_numpy(lids))
     return len(descs)
 
 
@@ -190,7 +190,8 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
                                                  strict=True):
         offset, start = laddr - staging.data_ptr(), raddr - src.data_ptr()
         staging.numpy()[offset:offset + length] = src.numpy()[start:start + length]
-    read.convert(staging, local.views, torch.from_numpy(lids), remote_packing, local_packing)
+    read.convert(staging, layer_groups(local.views), torch.from_numpy(lids), remote_packing,
+                 local_packing)
     for layer in range(2):
         want_k, want_v = (logical_blocks(x, ratios[0])
                           for x in kv_views(remote.views[layer], remote_packing))
@@ -265,3 +266,24 @@ def test_packings_no_conversion_knows_are_refused_naming_both() -> None:
                                                       "as 'vllm-cpu-amx'; kvxfer converts only"):
         plan_reads(side.geometry, {0: replace(side.geometry, kv_packing="vllm-cpu-amx")},
                    read_plan(0, 1, 1, 2))
+
+
+def test_layer_groups_join_views_of_one_allocation_and_keep_others_apart() -> None:
+    """A converted read places a block's layers in one copy only where the views are one
+    allocation at a fixed layer stride; any other view is its own group, and each group
+    sees exactly its views' elements."""
+    from kvxfer.staging import layer_groups
+
+    raw = torch.arange(3 * 5 * 2 * 4 * 6, dtype=torch.float32).view(3, 5, 4, 2, 6)
+    joined = [raw[layer].permute(0, 2, 1, 3) for layer in range(3)]  # LBNHC, [B, H, N, C]
+    separate = torch.zeros(5, 2, 4, 6)
+    odd = torch.zeros(5, 2, 4, 6)[:, :1]  # another shape: never joined
+    groups = layer_groups([*joined, separate, separate.clone(), odd])
+    assert [(first, group.shape[1]) for first, group in groups] == [(0, 3), (3, 1), (4, 1),
+                                                                    (5, 1)]
+    (_, stacked) = groups[0]
+    for layer, view in enumerate(joined):
+        assert torch.equal(stacked[:, layer], view)
+    stacked[2, 1].fill_(-1)  # a view, not a copy
+    assert bool((joined[1][2] == -1).all()) and not bool((joined[0][2] == -1).any())
+    assert layer_groups(joined[:1])[0][1].shape == (5, 1, 2, 4, 6)

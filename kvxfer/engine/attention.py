@@ -25,20 +25,21 @@ PACKINGS = ("token", "vllm-cpu-vec")
 
 
 def kv_views(cache: torch.Tensor, packing: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and the V parts of a ``[B, H, N, C]`` cache view, each ``[B, H, N, D]``."""
-    head_dim = cache.shape[3] // 2
+    """The K and the V parts of a ``[..., H, N, C]`` cache view (``[B, H, N, C]``, or with
+    more leading dims, such as a block's layers), each ``[..., H, N, D]``."""
+    head_dim = cache.shape[-1] // 2
     if packing == "token":
         return cache[..., :head_dim], cache[..., head_dim:]
     if packing != "vllm-cpu-vec":
         raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
-    blocks, heads, block_size, content = cache.shape
-    if block_size > 1 and (cache.stride(3) != 1 or cache.stride(2) != content):
+    *lead, heads, block_size, content = cache.shape
+    if block_size > 1 and (cache.stride(-1) != 1 or cache.stride(-2) != content):
         raise ValueError("kv_packing 'vllm-cpu-vec' needs each head's block contiguous: a "
                          "layout with heads outside tokens (LBHNC, BLHNC, BHLNC)")
-    s_b, s_h, offset = cache.stride(0), cache.stride(1), cache.storage_offset()
-    size = (blocks, heads, block_size, head_dim)
-    keys = cache.as_strided(size, (s_b, s_h, 1, block_size), offset)  # [D, N] in memory
-    values = cache.as_strided(size, (s_b, s_h, head_dim, 1), offset + block_size * head_dim)
+    outer, offset = cache.stride()[:-2], cache.storage_offset()
+    size = (*lead, heads, block_size, head_dim)
+    keys = cache.as_strided(size, (*outer, 1, block_size), offset)  # [D, N] in memory
+    values = cache.as_strided(size, (*outer, head_dim, 1), offset + block_size * head_dim)
     return keys, values
 
 
