@@ -146,7 +146,6 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from kvxfer.api_key import ApiKeyError, load_key
-    from kvxfer.server import PortInUse, Settings, serve
 
     if not 0 <= args.port < 65536:
         return _fail(f"--port {args.port} is not a TCP port")
@@ -180,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         kv_key = None if key_file is None else load_kv_key(key_file)
     except KvKeyError as exc:
         return _fail(str(exc))
+    from kvxfer.server import PortInUse, Settings, serve  # torch: after the quick checks
+
     settings = Settings(
         role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port, tp=args.tp,
