@@ -2,7 +2,8 @@
 """One entry point for a fresh checkout: set up a local virtual environment, then
 run the tests or the demo.
 
-    python3 dev.py test [pytest args...]   # the whole test suite (what CI runs)
+    python3 dev.py test [pytest args...]   # the main test suite (what CI runs first)
+    python3 dev.py test-heavy [pytest args] # the long real-model runs (CI runs them too)
     python3 dev.py demo [demo args...]     # a prefill/decode pair behind the proxy
     python3 dev.py run  CMD [args...]      # any command inside the environment
     python3 dev.py setup                   # only (re)build .venv
@@ -128,8 +129,10 @@ def main(argv: list[str]) -> int:
     python = str(_bin("python"))
     if command in ("setup", "setup-vllm"):
         return 0
-    if command == "test":
-        return _exec([python, "-m", "pytest", *rest])
+    if command == "test":  # the heavy tier apart, so the main suite stays short
+        return _exec([python, "-m", "pytest", "-m", "not heavy", *rest])
+    if command == "test-heavy":
+        return _exec([python, "-m", "pytest", "-m", "heavy", *rest])
     if command == "test-vllm":
         return _exec([python, "-m", "pytest", "tests_vllm", *rest])
     if command == "demo":
@@ -139,7 +142,8 @@ def main(argv: list[str]) -> int:
             print("dev.py run needs a command, e.g. `python3 dev.py run kvxfer --help`")
             return 2
         return _exec(rest)
-    print(f"unknown command {command!r}; use test, demo, run, setup, test-vllm or setup-vllm",
+    print(f"unknown command {command!r}; use test, test-heavy, demo, run, setup, test-vllm or "
+          f"setup-vllm",
           file=sys.stderr)
     return 2
 

@@ -73,13 +73,15 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
 
 
 @pytest.mark.parametrize("env", [
-    pytest.param({}, id="default-smollm2"),
+    pytest.param({}, marks=pytest.mark.heavy, id="default-smollm2"),
     pytest.param({"KVXFER_KV_CACHE_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "1",
-                  "DECODER_TP_SIZE": "3"}, id="smollm2-bhlnc-tp1-to-tp3"),
+                  "DECODER_TP_SIZE": "3"}, marks=pytest.mark.heavy,
+                 id="smollm2-bhlnc-tp1-to-tp3"),
     pytest.param({"MODEL": GGUF_FILE, "PREFILLER_TP_SIZE": "3",
-                  "DECODER_TP_SIZE": "1"}, id="smollm2-gguf-path-tp3-to-tp1"),
+                  "DECODER_TP_SIZE": "1"}, marks=pytest.mark.heavy,
+                 id="smollm2-gguf-path-tp3-to-tp1"),
     pytest.param({"PREFILLER_BLOCK_SIZE": "16", "DECODER_BLOCK_SIZE": "32"},
-                 id="smollm2-block16-to-block32"),
+                 marks=pytest.mark.heavy, id="smollm2-block16-to-block32"),
     pytest.param({**TINY, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
                  id="tiny-tp1-to-tp2"),
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
@@ -148,6 +150,7 @@ def test_accuracy_script_refuses_a_warm_cache_over_several_decodes(tmp_path: Pat
     assert result.returncode == 2 and "NUM_DECODE_INSTANCES=1" in result.stdout, result.stdout
 
 
+@pytest.mark.heavy
 def test_sweep_prints_one_line_per_configuration(tmp_path: Path) -> None:
     env = {**TINY, "SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"}
     result = run_script([str(SWEEP)], env, tmp_path)

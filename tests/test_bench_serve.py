@@ -10,9 +10,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from sidecars import ROOT
 
 
+@pytest.mark.heavy
 def test_bench_serve_measures_each_cell_and_explains_the_rest() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "bench", "serve", "--json", "--model",

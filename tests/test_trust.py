@@ -477,6 +477,7 @@ def test_without_a_key_the_side_channel_warns_at_start_up(tmp_path: Path) -> Non
     assert "no --kv-key-file" in log and "unauthenticated" in log, log
 
 
+@pytest.mark.heavy
 def test_bench_trust_prints_both_sides_and_removes_its_key(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "trust", "--repeats",
                            "2", "--prompt-tokens", "64", "--num-blocks", "32", "--phases",
