@@ -143,8 +143,7 @@ def main(argv: list[str]) -> int:
             return 2
         return _exec(rest)
     print(f"unknown command {command!r}; use test, test-heavy, demo, run, setup, test-vllm or "
-          f"setup-vllm",
-          file=sys.stderr)
+          "setup-vllm", file=sys.stderr)
     return 2
 
 

@@ -152,19 +152,20 @@ def layer_groups(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]
     while start < len(views):
         first, end = views[start], start + 1
         step = views[end].data_ptr() - first.data_ptr() if end < len(views) else 0
-        while end < len(views) and _same_shape(first, views[end]) and step > 0 and \
-                views[end].data_ptr() - views[end - 1].data_ptr() == step and \
-                step % first.element_size() == 0:
-            end += 1
-        size = (first.shape[0], end - start, *first.shape[1:])
-        stride = (first.stride(0), step // first.element_size() if end - start > 1 else 1,
-                  *first.stride()[1:])
-        groups.append((start, first.as_strided(size, stride)))
+        if step > 0 and step % first.element_size() == 0:
+            while end < len(views) and _alike(first, views[end]) and \
+                    views[end].data_ptr() - views[end - 1].data_ptr() == step:
+                end += 1
+        layer_stride = step // first.element_size() if end - start > 1 else 1
+        groups.append((start, first.as_strided((first.shape[0], end - start, *first.shape[1:]),
+                                               (first.stride(0), layer_stride,
+                                                *first.stride()[1:]))))
         start = end
     return groups
 
 
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, strides and dtype, in the same allocation."""
     return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and \
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 

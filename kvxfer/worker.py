@@ -332,7 +332,7 @@ class TransferWorker:
         self._plan: RegionPlan | None = None
         self._geometry: SideGeometry | None = None
         # where converted reads land: the views by logical layer, as layer groups
-        self._views: list[tuple[int, torch.Tensor]] = []
+        self._view_groups: list[tuple[int, torch.Tensor]] = []
         self._local_cuda = False  # the memory kind of the registered cache
         self._staging = StagingPool(self._agent, f"r{rank}")  # converted reads land here
         self._staging_wait: list[tuple[_Read, _Peer]] = []  # converted reads short of staging
@@ -381,7 +381,7 @@ class TransferWorker:
             self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
                                                  thread_name_prefix=f"kvxfer-lane-r{self.rank}")
         self._plan, self._geometry = plan, SideGeometry.from_plan(plan, self.compat.kv_packing)
-        self._views = layer_groups([view for _, view in distinct_views(caches)])
+        self._view_groups = layer_groups([view for _, view in distinct_views(caches)])
         return plan
 
     def metadata(self) -> AgentMetadata:
@@ -718,7 +718,7 @@ class TransferWorker:
             job.transfers.append(part.transfer)
             job.num_bytes += part.descs.num_bytes
             job.descriptors += len(part.descs)
-            self._staging.place_landed(job.staged, self._views)
+            self._staging.place_landed(job.staged, self._view_groups)
         return True
 
     def _retry_staged(self) -> None:
@@ -830,7 +830,7 @@ class TransferWorker:
                     states.append(transfer.state())
                 except Exception as exc:
                     states.append(f"ERR: {exc}")
-            placed = self._staging.place_landed(job.staged, self._views)
+            placed = self._staging.place_landed(job.staged, self._view_groups)
             if all(s == "DONE" for s in states) and placed is not False:
                 self._inflight.remove(job)
                 self._release_transfers(job)

@@ -255,9 +255,9 @@ def _key(r: dict[str, Any]) -> tuple[Any, ...]:
 
 def _vs_native(rows: list[dict[str, Any]]) -> None:
     """A row's speed over its native row's (native time / its time: 0.5 costs twice as
-    long), when the run has both: a block-size row's
-    native one has equal block sizes (the smaller), a converted row's the twin layouts
-    (:data:`TWIN`) that byte copies serve."""
+    long), when the run has both: a block-size row's native one has equal block sizes
+    (the smaller), a converted row's the twin layouts (:data:`TWIN`) that byte copies
+    serve."""
     by_key = {_key(r): r for r in rows}
     for r in rows:
         small = min(r["prefill_block_size"], r["decode_block_size"])
