@@ -193,7 +193,8 @@ class KVConnector:
                  lease_ttl: float = 120.0, lease_max_age: float | None = None,
                  failure_policy: str = "recompute", read_lanes: int = 2,
                  nixl_backends: tuple[str, ...] = ("UCX",),
-                 kv_read_timeout: float = 10.0, hmac_key: bytes | None = None) -> None:
+                 kv_read_timeout: float = 10.0, hmac_key: bytes | None = None,
+                 host_reads: bool = True) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if failure_policy not in FAILURE_POLICIES:
@@ -220,6 +221,7 @@ class KVConnector:
             queue.SimpleQueue()
         self.kv_read_timeout = kv_read_timeout
         self.nixl_backends = nixl_backends
+        self.host_reads = host_reads  # converted reads on one host (kvxfer.host_reads)
         # Copy threads for the whole instance, shared by its in-process TP ranks (which
         # already read at once); only decode ranks read, a prefill's lanes would idle.
         self.read_lanes = max(1, read_lanes // engine.tp) if role == "decode" else 1
@@ -254,7 +256,7 @@ class KVConnector:
                                     total_kv_heads=self.engine.config.num_key_value_heads,
                                     read_lanes=self.read_lanes, hmac_key=self._key,
                                     nixl_backends=self.nixl_backends,
-                                    **self._read_deadlines())
+                                    host_reads=self.host_reads, **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)

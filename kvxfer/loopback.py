@@ -49,6 +49,7 @@ class CacheConfig:
     read_lanes: int = 1
     kv_lora_rank: int = 0
     kernel_block_size: int | None = None
+    host_reads: bool = True  # offer and use host reads (kvxfer.host_reads)
 
     @property
     def kernel_ratio(self) -> int:
@@ -127,7 +128,8 @@ class LoopbackInstance:
             caches = {f"model.layers.{i}.self_attn": v for i, v in enumerate(views)}
             worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
                                     total_kv_heads=cfg.total_kv_heads,
-                                    read_lanes=cfg.lanes_per_rank if role == "decode" else 1)
+                                    read_lanes=cfg.lanes_per_rank if role == "decode" else 1,
+                                    host_reads=cfg.host_reads)
             worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
             inst.workers.append(worker)
             inst.caches.append(caches)
@@ -232,6 +234,9 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
                                                    fill=args.get("fill", "pattern"), host=host)
                     instances[inst.engine_id] = inst
                     conn.send(("ok", {"engine_id": inst.engine_id, "port": inst.port}))
+                elif op == "drop":
+                    instances.pop(args["engine_id"]).close()
+                    conn.send(("ok", None))
                 elif op == "hold":
                     instances[args["engine_id"]].hold(args["request_id"], args["block_ids"],
                                                       args["ttl"])
@@ -275,6 +280,10 @@ class PrefillProcess:
 
     def create(self, cfg: CacheConfig, fill: str = "pattern") -> dict[str, Any]:
         return dict(self._call("create", cfg=asdict(cfg), fill=fill))
+
+    def drop(self, engine_id: str) -> None:
+        """Close one instance (its memory goes back to the system)."""
+        self._call("drop", engine_id=engine_id)
 
     def hold(self, engine_id: str, request_id: str, block_ids: list[int], ttl: float) -> None:
         self._call("hold", engine_id=engine_id, request_id=request_id,

@@ -70,7 +70,9 @@ from kvxfer.regions import RegionPlan
 #   8: RegionPlan.kernel_ratio and AgentMetadata.kernel_ratio: a rank's views may see each
 #      logical block (what block ids count, block_size) as kernel_ratio kernel blocks,
 #      the blocks its regions address; ids stay logical on the wire.
-KVXFER_PROTOCOL_VERSION: int = 8
+#   9: AgentMetadata.host_reads (HostReads): a prefill rank offers that a decode on its
+#      host copies converted reads straight from its memory (kvxfer.host_reads).
+KVXFER_PROTOCOL_VERSION: int = 9
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
@@ -328,6 +330,26 @@ def compat_diff(here: CompatInfo, peer: CompatInfo) -> tuple[FieldDiff, ...]:
 
 # -- messages -------------------------------------------------------------------------------
 
+class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A prefill rank's offer that a decode on its host may copy from its memory with
+    ``process_vm_readv`` (:mod:`kvxfer.host_reads`). ``host`` names the host and pid
+    namespace (a pid means nothing outside them); ``canary`` is what a reader must find
+    at ``canary_addr`` of ``pid`` before it trusts that pid to be this rank's process."""
+
+    host: str
+    pid: int
+    canary_addr: int
+    canary: bytes
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "HostReads.host must not be empty")
+        _require(self.pid > 0, f"HostReads.pid must be positive, got {self.pid}")
+        _require(self.canary_addr > 0,
+                 f"HostReads.canary_addr must be positive, got {self.canary_addr}")
+        _require(8 <= len(self.canary) <= 64,
+                 f"HostReads.canary must be 8 to 64 bytes, got {len(self.canary)}")
+
+
 class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a decode rank needs to READ from one prefill TP rank.
 
@@ -357,6 +379,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backends: tuple[str, ...] = ("UCX",)
     kv_packing: str = TOKEN_PACKING  # how this rank packs K and V (see TOKEN_PACKING)
     kernel_ratio: int = 1  # kernel blocks per logical block (RegionPlan.kernel_ratio)
+    host_reads: HostReads | None = None  # None: read it over NIXL only
 
     def __post_init__(self) -> None:
         _require(bool(self.engine_id), "AgentMetadata.engine_id must not be empty")

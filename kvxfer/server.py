@@ -137,6 +137,7 @@ class Settings:
     lease_max_age: float | None = None  # None: 4 * lease_ttl
     read_lanes: int = 2
     nixl_backends: tuple[str, ...] = ("UCX",)  # what each rank's NIXL agent runs
+    host_reads: bool = True  # offer and use host reads of converted reads (kvxfer.host_reads)
     served_model_names: tuple[str, ...] = ()
     # the side channel's shared key (kvxfer.kv_key); None: unauthenticated, loopback only
     kv_key: bytes | None = field(default=None, repr=False)
@@ -201,7 +202,8 @@ class Sidecar:
             advertise_host=self.side_channel_advertised, lease_ttl=settings.lease_ttl,
             lease_max_age=settings.lease_max_age,
             failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
-            nixl_backends=settings.nixl_backends, kv_read_timeout=settings.kv_read_timeout)
+            nixl_backends=settings.nixl_backends, kv_read_timeout=settings.kv_read_timeout,
+            host_reads=settings.host_reads)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,

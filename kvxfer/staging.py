@@ -20,6 +20,9 @@ torch. Where the two sides pack K and V differently inside a head's block, K and
 V are taken apart through each side's packing
 (:func:`kvxfer.engine.attention.kv_views`) and copied one after the other.
 
+Where the prefill is a process on the decode's host, :mod:`kvxfer.host_reads` does the
+same conversion without staging, with a byte map it takes from :meth:`StagedRead.convert`.
+
 Logical block sizes must be equal on a converted path (checked when planning);
 kernel block sizes may differ. Staging holds the prefill's kernel blocks, each
 logical block's in order; the conversion regroups their tokens into the decode's

@@ -46,7 +46,10 @@ Where byte copies cannot place a prefill rank's heads, that rank is read through
 staging (:mod:`kvxfer.staging`, :mod:`kvxfer.staging_pool`): its parts land in
 registered host buffers, a converter thread places them into this rank's views, and
 "done" follows once every part landed; such a read waits behind earlier ones for
-staging space. Each READ names both sides' memory kinds, as the handshake sent them.
+staging space. Where the prefill rank is a process on this host and offers it, such a
+rank is host-read instead (:mod:`kvxfer.host_reads`): its bytes are copied straight into
+their places on the worker thread, no staging, and "done" follows the copy. Each READ
+names both sides' memory kinds, as the handshake sent them.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only. With ``hmac_key`` every "done"
 notification is signed, and one that does not verify is ignored (logged, counted), so
@@ -80,6 +83,7 @@ from kvxfer.descriptors import (
     validate_block_ids,
 )
 from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
+from kvxfer.host_reads import Canary, HostRead, HostReadError, check_offer, plan_host_read
 from kvxfer.layout import CacheSpec, KVCacheLayout
 from kvxfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.protocol import (
@@ -218,6 +222,7 @@ class ReadStats:
     descriptors: int
     seconds: float
     lanes: int = 1  # agents (threads) that copied it; see read lanes in the module doc
+    host_ranks: int = 0  # prefill ranks it host-read (kvxfer.host_reads) instead of staging
 
 
 @dataclass
@@ -272,6 +277,12 @@ class _Peer:
     plans: list[PeerReadPlan | StagedRead]
     expected_readers: dict[int, int]
     remote_cuda: dict[int, bool] = field(default_factory=dict)  # each rank's memory kind
+    host: dict[int, HostRead] = field(default_factory=dict)  # ranks host-read, not staged
+
+    def staged(self) -> list[StagedRead]:
+        """The converted reads that go through staging (not host-read)."""
+        return [p for p in self.plans if isinstance(p, StagedRead)
+                and p.remote_rank not in self.host]
 
 
 @dataclass(frozen=True)
@@ -281,6 +292,7 @@ class _Handshake:
     metas: dict[int, AgentMetadata]
     plans: list[PeerReadPlan | StagedRead]
     notify: dict[int, int]
+    host: dict[int, HostRead]
 
 
 @dataclass
@@ -296,6 +308,8 @@ class _Read:
     unnotified: bool = False  # read, but some "done" could not be sent
     posted: float | None = None  # when its READs were posted (after any staging wait)
     staged: StagedJob = field(default_factory=StagedJob)  # a converted read's parts
+    host: list[tuple[HostRead, np.ndarray, np.ndarray]] = field(default_factory=list)
+    host_ranks: set[int] = field(default_factory=set)  # host-read (told after the copy)
 
 
 @dataclass
@@ -315,7 +329,8 @@ class TransferWorker:
                  total_kv_heads: int, handshake_timeout: float = 5.0,
                  handshake_retries: int = 2, read_timeout: float = 30.0,
                  hmac_key: bytes | None = None, read_lanes: int = 1,
-                 nixl_backends: Sequence[str] = DEFAULT_BACKENDS) -> None:
+                 nixl_backends: Sequence[str] = DEFAULT_BACKENDS,
+                 host_reads: bool = True) -> None:
         if read_lanes < 1:
             raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
@@ -327,6 +342,9 @@ class TransferWorker:
         self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
         self._agent = NixlAgent(f"{engine_id}-rank{rank}", nixl_backends)
         self.read_lanes = read_lanes
+        # offer (prefill) and use (decode) host reads of converted reads on one host
+        self.host_reads = host_reads
+        self._canary: Canary | None = None
         self._lanes: list[NixlAgent] = []   # extra agents; see the module docstring
         self._lane_pool: ThreadPoolExecutor | None = None
         self._plan: RegionPlan | None = None
@@ -381,6 +399,8 @@ class TransferWorker:
             self._lane_pool = ThreadPoolExecutor(max_workers=len(self._lanes),
                                                  thread_name_prefix=f"kvxfer-lane-r{self.rank}")
         self._plan, self._geometry = plan, SideGeometry.from_plan(plan, self.compat.kv_packing)
+        if self.host_reads and not self._local_cuda:
+            self._canary = Canary()
         self._view_groups = layer_groups([view for _, view in distinct_views(caches)])
         return plan
 
@@ -393,7 +413,8 @@ class TransferWorker:
                              device_id=device, num_blocks=plan.num_blocks,
                              block_size=plan.block_size, layout=plan.layout, plan=plan,
                              backends=self._agent.backends, kv_packing=self.compat.kv_packing,
-                             kernel_ratio=plan.kernel_ratio)
+                             kernel_ratio=plan.kernel_ratio,
+                             host_reads=self._canary.offer() if self._canary else None)
 
     def peer_connecting(self) -> None:
         """The listener served a handshake: progress fast while the peer connects."""
@@ -630,8 +651,7 @@ class TransferWorker:
         """Build this request's descriptors and post one READ per prefill rank. A
         converted read queues behind those already waiting for staging (first come, first
         served), unless it is one of them (``retried``)."""
-        if self._staging_wait and not retried and \
-                any(isinstance(p, StagedRead) for p in peer.plans):
+        if self._staging_wait and not retried and peer.staged():
             self._staging_wait.append((job, peer))
             return
         try:
@@ -655,6 +675,8 @@ class TransferWorker:
             self._staging_wait.append((job, peer))
             return
         job.posted = time.monotonic()  # the READ timeout counts from here
+        if not self._host_copy(job, peer):
+            return
         if self._lanes and not job.staged.parts and \
                 sum(len(d) for d in descs) >= LANE_MIN_DESCRIPTORS:
             self._read_in_lanes(job, peer, descs)
@@ -688,7 +710,11 @@ class TransferWorker:
         direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
         descs = build_requests_descriptors(direct, job.local_block_ids,
                                            job.remote.remote_block_ids) if direct else []
-        staged = [p for p in peer.plans if isinstance(p, StagedRead)]
+        job.host = [(peer.host[plan.remote_rank], *validate_block_ids(
+            job.local_block_ids, job.remote.remote_block_ids, plan.local.num_blocks,
+            plan.remote.num_blocks)) for plan in peer.plans
+            if isinstance(plan, StagedRead) and plan.remote_rank in peer.host]
+        staged = peer.staged()
         if not staged:
             return descs
         pairs = [validate_block_ids(job.local_block_ids, job.remote.remote_block_ids,
@@ -700,6 +726,25 @@ class TransferWorker:
             return None
         job.staged = taken  # from here on _fail gives the buffers back
         return descs
+
+    def _host_copy(self, job: _Read, peer: _Peer) -> bool:
+        """Copy the request's host-read ranks (each copy ends within the call); False
+        when one failed (the job failed)."""
+        for runs, local_ids, remote_ids in job.host:
+            try:
+                num_bytes, _ = runs.copy(local_ids, remote_ids, self._lane_pool,
+                                         1 + len(self._lanes))
+            except Exception as exc:  # HostReadError, or a bug: this request only
+                self._fail(job, f"prefill {peer.engine_id} rank {runs.remote_rank} at "
+                                f"{peer.address}: host read failed: {exc}", notify=True)
+                if isinstance(exc, HostReadError) and exc.gone:
+                    self._forget_dead(peer, str(exc))
+                return False
+            job.host_ranks.add(runs.remote_rank)
+            job.lanes = max(job.lanes, 1 + len(self._lanes))
+            job.num_bytes += num_bytes
+            job.descriptors += len(local_ids) * runs.runs_per_block
+        return True
 
     def _post_parts(self, job: _Read, peer: _Peer) -> bool:
         """Post a converted read's parts one after the other, each placed as soon as it
@@ -839,7 +884,7 @@ class TransferWorker:
                                     f"{job.remote.remote_engine_id} failed: {placed}",
                                notify=True)
                     continue
-                staged = {p.plan.remote_rank for p in job.staged.parts}
+                staged = {p.plan.remote_rank for p in job.staged.parts} | job.host_ranks
                 self._staging.settle(job.staged, job.remote.remote_engine_id)
                 peer = self._peers.get(job.remote.remote_engine_id)
                 if peer is not None:  # ranks nobody reads still hold the blocks, and ranks
@@ -855,7 +900,8 @@ class TransferWorker:
                     if job.unnotified:
                         self._results.unnotified.add(job.request_id)
                     self._results.stats[job.request_id] = ReadStats(
-                        job.num_bytes, job.descriptors, now - job.started, job.lanes)
+                        job.num_bytes, job.descriptors, now - job.started, job.lanes,
+                        len(job.host_ranks))
                 self._results_ready.set()
             elif all(s == "DONE" for s in states) and \
                     now - (job.posted or job.started) > self.read_timeout:
@@ -932,11 +978,34 @@ class TransferWorker:
             raise TransferError(f"decode layout {local.layout} and prefill layout "
                                 f"{staged[0].remote.layout} need a converted read, which only "
                                 f"host (CPU) caches support so far")
+        host = self._plan_host_reads(staged, metas) if staged and self.host_reads else {}
         for plan in staged:
+            if plan.remote_rank in host:
+                continue
             log.info("rank %d reads prefill %s rank %d through staging (%s -> %s): %d bytes "
                      "per block", self.rank, remote.remote_engine_id, plan.remote_rank,
                      plan.remote.layout, local.layout, plan.bytes_per_block)
-        return _Handshake(metas, plans, notify)
+        return _Handshake(metas, plans, notify, host)
+
+    def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]
+                         ) -> dict[int, HostRead]:
+        """The converted reads that can be host reads (:mod:`kvxfer.host_reads`), by rank."""
+        host: dict[int, HostRead] = {}
+        for plan in staged:
+            offer = metas[plan.remote_rank].host_reads
+            why = "its cache is not host memory" if any(
+                m.is_cuda for m in metas[plan.remote_rank].plan.memory) else check_offer(offer)
+            runs = None if why or offer is None else \
+                plan_host_read(plan, self._view_groups, offer)
+            if runs is None:
+                log.info("rank %d: prefill rank %d is not host-read: %s", self.rank,
+                         plan.remote_rank, why or "its runs are too short to pay")
+                continue
+            host[plan.remote_rank] = runs
+            log.info("rank %d host-reads prefill rank %d (%s -> %s): %d runs, %d bytes per "
+                     "block", self.rank, plan.remote_rank, plan.remote.layout,
+                     plan.local.layout, runs.runs_per_block, runs.bytes_per_block)
+        return host
 
     def _connect(self, remote: RemoteParams, shake: _Handshake) -> _Peer:
         """Worker thread: load the peer's agents and warm each connection."""
@@ -958,7 +1027,7 @@ class TransferWorker:
                 self._quietly_remove(name)
             raise TransferError(f"NIXL could not connect to rank {rank}: {exc}") from exc
         peer = _Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
-                     shake.plans, shake.notify, kinds)
+                     shake.plans, shake.notify, kinds, shake.host)
         self._peers[peer.engine_id] = peer
         self._dead.pop(peer.engine_id, None)
         log.info("rank %d connected to %s at %s (ranks %s)", self.rank, peer.engine_id,

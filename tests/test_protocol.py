@@ -342,6 +342,24 @@ def test_strict_payload_decoding_names_the_offender(kind: type[Any], payload: di
     assert named in str(info.value) and PEER in str(info.value)
 
 
+def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
+    """AgentMetadata.host_reads (protocol 9): absent means NIXL only; an offer arrives
+    verbatim; a bad one fails decoding with the field named, like any other."""
+    from kvxfer.protocol import HostReads
+
+    offer = HostReads(host="boot/pid:[4026531836]", pid=4242, canary_addr=0x7F0000001000,
+                      canary=bytes(range(16)))
+    with_offer = msgspec.structs.replace(meta(0), host_reads=offer)
+    response = MetadataResponse("prefill-a", 2, (meta(1), with_offer))
+    got = decode_payload(decode(encode_message(response, compat=COMPAT)), MetadataResponse)
+    assert got == response and got.ranks[1].host_reads == offer
+    assert got.ranks[0].host_reads is None
+    as_dict = msgspec.to_builtins(with_offer)
+    as_dict["host_reads"]["pid"] = 0
+    with pytest.raises(msgspec.ValidationError, match=r"HostReads\.pid must be positive"):
+        msgspec.convert(as_dict, AgentMetadata)
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
 def test_a_kernel_block_plan_round_trips_with_its_logical_and_kernel_sizes(layout: str) -> None:
     """A rank whose views see each 16-token block as four 4-token kernel blocks: the
@@ -414,8 +432,8 @@ V = KVXFER_PROTOCOL_VERSION
     (b"done:req-1", BadMagic, "b'done:req"),
     (MAGIC + b"\x92\x01", MalformedMessage, "notification"),
     (encode_notif(ReadDone("r", "d", 0, 1, True))[:-2], MalformedMessage, "truncated"),
-    (MAGIC + msgspec.msgpack.encode({"version": 9, "done": GOOD_NOTE}), VersionMismatch,
-     "protocol 9"),
+    (MAGIC + msgspec.msgpack.encode({"version": V + 1, "done": GOOD_NOTE}), VersionMismatch,
+     f"protocol {V + 1}"),
     (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE, "x": 1}}),
      MalformedMessage, "`x`"),
     (MAGIC + msgspec.msgpack.encode({"version": V, "done": {**GOOD_NOTE, "ok": "yes"}}),
@@ -486,8 +504,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 8): a change here changes the wire, so it needs a version bump.
-    assert HASH == "c72f87c8677358c2cbdfc69b9f7e4af556ae49097b0fa8b80fcaef324b812c32"
+    # Pinned (protocol 9): a change here changes the wire, so it needs a version bump.
+    assert HASH == "30f08ab5df7b7341b2acf2e4b5a7d854df751f70d672a4d4c5bd5f28a9cf0edd"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -517,7 +535,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 8
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 9
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

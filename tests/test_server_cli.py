@@ -41,7 +41,8 @@ def test_help_lists_roles_and_flags() -> None:
     for text in ("prefill", "decode", "both", "--side-channel-port", "--tp",
                  "--kv-cache-layout", "KVXFER_KV_CACHE_LAYOUT", "--block-size", "--num-blocks",
                  "--kv-load-failure-policy", "--lease-ttl", "--served-model-name", "ready",
-                 "--api-key", "--api-key-file", "KVXFER_API_KEY", "--kv-read-timeout"):
+                 "--api-key", "--api-key-file", "KVXFER_API_KEY", "--kv-read-timeout",
+                 "--no-host-reads"):
         assert text in done.stdout, f"{text!r} missing from --help"
 
 

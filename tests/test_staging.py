@@ -6,6 +6,7 @@ token of each logical block where a side keeps kernel blocks)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -25,7 +26,9 @@ from test_descriptors import (
     spec_for,
 )
 
+from kvxfer import host_reads
 from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan, validate_block_ids
+from kvxfer.host_reads import Canary, plan_host_read
 from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.topology import read_plan
 
@@ -69,6 +72,8 @@ def conversions(draw: st.DrawFn) -> dict:
             # kernel blocks per block on each side, at most (see kernel_ratio)
             "local_kernel": draw(st.sampled_from([1, 1, 2, 4])),
             "remote_kernel": draw(st.sampled_from([1, 1, 2, 4])),
+            # ranges per host-read call: Linux's limit, or few enough to cut every block
+            "iov_max": draw(st.sampled_from([1024, 3])),
             "seed": draw(st.integers(0, 2**31))}
 
 
@@ -111,11 +116,26 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
             for layer in range(s["layers"]):
                 expected_views[layer][lkernel[:, None], lheads, lrow[:, None]] = \
                     remote.views[layer][rkernel[:, None], rheads, rrow[:, None]]
+    # the same reads as host reads (kvxfer.host_reads), this process standing in for the
+    # prefill's, into buffers of their own
+    host = [raw.clone() for raw in local.buffers]
+    host_groups = layer_groups(make_views_like(local, host))
+    canary = Canary()
+    offer = canary.offer()
+    assert offer is not None
     for read in reads:
         assert isinstance(read, StagedRead)
         run_staged(local, remotes[read.remote_rank], read, local_ids, remote_ids)
+        with mock.patch.object(host_reads, "IOV_MAX", s["iov_max"]):
+            runs = plan_host_read(read, host_groups, offer, min_run_bytes=0)
+            assert runs is not None and runs.bytes_per_block == read.placed_per_block
+            lids, rids = validate_block_ids(local_ids, remote_ids, read.local.num_blocks,
+                                            read.remote.num_blocks)
+            assert runs.copy(lids, rids)[0] == len(lids) * read.placed_per_block
     for got, want in zip(local.buffers, expected, strict=True):
         assert torch.equal(got, want), "decode buffer differs from the view-level expectation"
+    for got, want in zip(host, expected, strict=True):
+        assert torch.equal(got, want), "a host read differs from the view-level expectation"
 
 
 def test_tokens_outside_heads_read_whole_pages_in_one_run_per_block() -> None:

@@ -57,16 +57,18 @@ def pick(rng: np.random.Generator, kind: str, count: int, limit: int) -> list[in
     return [int(x) for x in rng.choice(limit, size=count, replace=False)]
 
 
+# converted: tokens outside heads split for a TP change, or the two sides order heads and
+# tokens differently (kvxfer.staging; with these small heads, runs are too short for
+# host reads, see test_converted_reads_are_host_read_on_one_host)
+CONVERTED = [("LBNHC", "LBNHC", 1, 2), ("BLNHC", "BLNHC", 2, 1), ("LBNHC", "BLNHC", 2, 4),
+             ("BLNHC", "LBHNC", 1, 2), ("LBHNC", "LBNHC", 1, 1), ("BHLNC", "BLNHC", 4, 2),
+             ("BLNHC", "BHLNC", 1, 1)]
 CASES = (
     [(lay, lay, 1, 1) for lay in ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")]
     + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC")
        for p, d in ((1, 2), (2, 1), (1, 4), (4, 2))]
     + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1)]
-    # converted through staging: tokens outside heads split for a TP change, or the two
-    # sides order heads and tokens differently (kvxfer.staging)
-    + [("LBNHC", "LBNHC", 1, 2), ("BLNHC", "BLNHC", 2, 1), ("LBNHC", "BLNHC", 2, 4),
-       ("BLNHC", "LBHNC", 1, 2), ("LBHNC", "LBNHC", 1, 1), ("BHLNC", "BLNHC", 4, 2),
-       ("BLNHC", "BHLNC", 1, 1)]
+    + CONVERTED
 )
 
 
@@ -96,6 +98,38 @@ def test_two_requests_in_flight_arrive_byte_exact(prefill: PrefillProcess, prefi
         assert released == {"req-a": "done", "req-b": "done"}
         assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
         assert all(s.num_bytes > 0 and s.descriptors > 0 for s in stats["a"] + stats["b"])
+    finally:
+        decode.close()
+
+
+@pytest.mark.parametrize("host_reads", [True, False], ids=["host", "staged"])
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"),
+                         CONVERTED)
+def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, prefill_layout: str,
+                                                  decode_layout: str, prefill_tp: int,
+                                                  decode_tp: int, host_reads: bool) -> None:
+    """With heads large enough for runs to pay (32 float32 elements), a prefill process on
+    this host is host-read (kvxfer.host_reads) unless either side turned it off; both
+    paths are byte-exact, and both end the lease with "done"."""
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24, head_size=32,
+                       host_reads=host_reads)
+    dcfg = replace(pcfg, layout=decode_layout, tp=decode_tp, num_blocks=20, host_reads=True)
+    remote = prefill.create(pcfg)
+    decode = decode_instance(dcfg)
+    try:
+        rng = np.random.default_rng(CONVERTED.index((prefill_layout, decode_layout, prefill_tp,
+                                                     decode_tp)))
+        remote_ids, local_ids = pick(rng, "random", 7, 24), pick(rng, "random", 7, 20)
+        prefill.hold(remote["engine_id"], "req", remote_ids, ttl=30)
+        decode.read("r", params_for(remote, "req", remote_ids, tp_size=prefill_tp), local_ids)
+        stats, failed = decode.wait(["r"])
+        assert failed == {}
+        check_blocks(decode, pcfg, local_ids, remote_ids)
+        assert prefill.wait_released(remote["engine_id"], {"req"}) == {"req": "done"}
+        assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
+        host_ranks = [s.host_ranks for s in stats["r"]]
+        assert all(h > 0 for h in host_ranks) if host_reads else host_ranks == [0] * decode_tp
+        assert all(w._staging.held == 0 for w in decode.workers)
     finally:
         decode.close()
 
@@ -411,10 +445,10 @@ def test_prefill_killed_fails_its_request_and_others_continue(prefill: PrefillPr
 
 
 def kill_during_reads(big: CacheConfig, reader_cfg: CacheConfig, warm: list[int],
-                      warm_local: list[int], count: int, delay_s: float) -> list[int]:
+                      warm_local: list[int], count: int, delay_s: float) -> list[Any]:
     """Kill a prefill ``delay_s`` after a stream of ``count`` reads started: each read
     completes with the right bytes or fails naming the peer; nothing hangs. Returns the
-    lanes each warm-up read used."""
+    warm-up read's ReadStats (one per rank)."""
     doomed, reader = PrefillProcess(), decode_instance(reader_cfg)
     try:
         victim = doomed.create(big)
@@ -439,7 +473,7 @@ def kill_during_reads(big: CacheConfig, reader_cfg: CacheConfig, warm: list[int]
                     assert torch.equal(view[[2 * i, 2 * i + 1]],
                                        pattern(big, 0, layer)[[i % 12, (i + 5) % 12]])
         print(f"killed mid-stream: {len(stats)} reads completed, {len(failed)} failed")
-        return [s.lanes for s in warm_stats["warm"]]
+        return list(warm_stats["warm"])
     finally:
         reader.close()
         doomed.close()
@@ -454,14 +488,17 @@ def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: t
     good_read(prefill, remote, cfg, decode, "after-kill-running")
 
 
-def test_prefill_killed_during_converted_reads(prefill: PrefillProcess, pair: tuple) -> None:
-    """The same through staging (LBHNC prefill, LBNHC decode): every converted read
-    completes with the right bytes or fails naming the peer, the worker keeps serving, and
-    the staging of failed reads is freed once the dead prefill is forgotten."""
+@pytest.mark.parametrize("host_reads", [True, False], ids=["host", "staged"])
+def test_prefill_killed_during_converted_reads(prefill: PrefillProcess, pair: tuple,
+                                               host_reads: bool) -> None:
+    """The same for converted reads (LBHNC prefill, LBNHC decode), host-read or through
+    staging: every one completes with the right bytes or fails naming the peer (a host
+    read of a process that is gone, or half gone, fails), and the worker keeps serving."""
     remote, cfg, decode = pair
-    big = CacheConfig(head_size=4096, num_blocks=12)
-    kill_during_reads(big, replace(big, num_blocks=40, layout="LBNHC"), [0], [39], count=20,
-                      delay_s=0.003)
+    big = CacheConfig(head_size=4096, num_blocks=12, host_reads=host_reads)
+    warm = kill_during_reads(big, replace(big, num_blocks=40, layout="LBNHC"), [0], [39],
+                             count=20, delay_s=0.003)
+    assert [s.host_ranks for s in warm] == [1 if host_reads else 0]
     good_read(prefill, remote, cfg, decode, "after-kill-converted")
 
 
@@ -597,9 +634,9 @@ def test_lanes_that_lose_the_prefill_fail_the_request_naming_it(prefill: Prefill
     remote, cfg, decode = pair
     big = CacheConfig(head_size=1024, num_layers=40, num_blocks=12)
     # warm-up: 2 runs x 40 layers = 80 descriptors, enough to use both lanes
-    lanes = kill_during_reads(big, replace(big, num_blocks=40, read_lanes=2), [0, 2], [37, 39],
-                              count=12, delay_s=0.01)
-    assert lanes == [2]
+    warm = kill_during_reads(big, replace(big, num_blocks=40, read_lanes=2), [0, 2], [37, 39],
+                             count=12, delay_s=0.01)
+    assert [s.lanes for s in warm] == [2]
     good_read(prefill, remote, cfg, decode, "after-lane-kill")
 
 

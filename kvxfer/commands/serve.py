@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with its own NIXL agent, shared by this instance's TP ranks "
                              "(each rank gets max(1, N // tp)); NIXL's cma transport copies in "
                              "the posting thread (default 2)")
+    parser.add_argument("--no-host-reads", dest="host_reads", action="store_false",
+                        help="KV in host memory: neither offer nor use host reads. By "
+                             "default a decode whose read needs a layout conversion copies "
+                             "it straight from a prefill process on the same host "
+                             "(process_vm_readv, as NIXL's cma transport does; the same "
+                             "user or ptrace rights needed), instead of READing it into "
+                             "staging and copying it again")
     parser.add_argument("--nixl-backends", default="UCX", metavar="NAMES",
                         help="comma-separated NIXL backends each rank's agent runs (default "
                              "UCX); a decode reads only from a prefill that runs one of them, "
@@ -189,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, kv_load_failure_policy=args.kv_load_failure_policy,
         lease_ttl=args.lease_ttl, lease_max_age=args.lease_max_age,
         read_lanes=args.read_lanes, nixl_backends=backends, kv_key=kv_key,
+        host_reads=args.host_reads,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
         drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,

@@ -9,6 +9,8 @@ Every key is optional::
      "kv_read_timeout": 10, "handshake_timeout": 5,
      "read_wait": 0.05,                 # a step waits this long for a claim or READ in flight
      "read_lanes": 1,                   # copy threads of a decode's READ (host memory)
+     "host_reads": true,                # converted reads from a prefill on this host are
+                                        # copied straight into place (kvxfer.host_reads)
      "kv_key_file": null,               # the shared KV key: signs side channel and tickets
      "model_id": null}                  # what peers must share (default: the served name)
 
@@ -44,6 +46,7 @@ class ConnectorSettings:
     # Copy threads of a READ. vLLM binds a CPU worker to its cores (one, here): lanes on
     # one core only take turns, so 1 unless the worker may use more cores.
     read_lanes: int = 1
+    host_reads: bool = True
     kv_key_file: str | None = None
     model_id: str | None = None
 
@@ -78,6 +81,9 @@ class ConnectorSettings:
         if values.get("read_lanes", 1) < 1:
             raise SettingsError(f"kv_connector_extra_config.read_lanes must be at least 1, got "
                                 f"{values['read_lanes']}")
+        if not isinstance(values.get("host_reads", True), bool):
+            raise SettingsError(f"kv_connector_extra_config.host_reads must be true or false, "
+                                f"got {values['host_reads']!r}")
         for name in ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout",
                      "read_wait"):
             if name not in values or (values[name] is None and name == "lease_max_age"):

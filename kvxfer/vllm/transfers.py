@@ -80,7 +80,8 @@ class WorkerSide:
                                      total_kv_heads=total_kv_heads,
                                      handshake_timeout=settings.handshake_timeout,
                                      read_timeout=settings.kv_read_timeout, hmac_key=key,
-                                     read_lanes=settings.read_lanes)
+                                     read_lanes=settings.read_lanes,
+                                     host_reads=settings.host_reads)
         self.listener: HandshakeListener | None = None
         self.sender = ReleaseSender(HandshakeClient(f"{engine_id}-r{rank}", compat,
                                                     hmac_key=key))

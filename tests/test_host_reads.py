@@ -1,0 +1,151 @@
+"""Host reads (:mod:`kvxfer.host_reads`): who may be read, and what happens when the
+process behind an offer is not the one that made it. The byte map itself is proven in
+tests/test_staging.py (against the view-level expectation) and over real processes in
+tests/test_transfer.py."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from msgspec.structs import replace as changed
+
+from kvxfer.host_reads import Canary, HostReadError, check_offer, copy_vectors, verify_canary
+from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess
+from kvxfer.protocol import HostReads
+
+
+def _offer_from_child(conn: mp.connection.Connection) -> None:
+    canary = Canary()
+    conn.send(canary.offer())
+    conn.recv()  # hold the canary until told to exit
+
+
+def test_an_offer_is_checked_against_the_process_it_names() -> None:
+    canary = Canary()
+    offer = canary.offer()
+    assert offer is not None and offer.pid == os.getpid()
+    assert check_offer(offer) is None
+    assert check_offer(None) == "the prefill does not offer host reads"
+    assert check_offer(changed(offer, host="another/host")) == \
+        "the prefill runs on another host or in another pid namespace"
+    forged = changed(offer, canary=bytes(b ^ 1 for b in offer.canary))
+    assert check_offer(forged) == f"pid {offer.pid} is not the prefill process (its canary differs)"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    ended = changed(offer, pid=int(gone.stdout))  # a process that exited (pid not reused yet)
+    assert "no such process" in (check_offer(ended) or "")
+
+
+def test_a_prefill_process_that_ended_fails_the_check_after_a_copy() -> None:
+    """A pid outlives its process: after the prefill exits, its offer no longer verifies,
+    so nothing read under that pid is taken for the prefill's bytes."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_offer_from_child, args=(child,), daemon=True)
+    process.start()
+    try:
+        offer = parent.recv()
+        verify_canary(offer)  # the live child passes
+        parent.send("exit")
+        process.join(timeout=30)
+        with pytest.raises(HostReadError) as err:
+            verify_canary(offer)
+        assert err.value.gone
+    finally:
+        process.kill()
+        process.join(timeout=10)
+
+
+def test_copy_vectors_reports_an_unmapped_range_and_copies_nothing_as_success() -> None:
+    canary = Canary()
+    offer = canary.offer()
+    assert offer is not None
+    got = np.zeros(16, dtype=np.uint8)
+    with pytest.raises(HostReadError, match="not mapped") as err:
+        copy_vectors(offer.pid, np.array([[got.ctypes.data, 16]], dtype=np.uint64),
+                     np.array([[8, 16]], dtype=np.uint64))  # page 0 is never mapped
+    assert err.value.gone
+
+
+def test_malformed_offers_are_refused_when_decoded() -> None:
+    for bad, why in ((dict(host=""), "host must not be empty"), (dict(pid=0), "pid must be"),
+                     (dict(canary_addr=0), "canary_addr must be"),
+                     (dict(canary=b"x"), "canary must be 8 to 64 bytes")):
+        fields = {"host": "h", "pid": 5, "canary_addr": 4096, "canary": bytes(16), **bad}
+        with pytest.raises(ValueError, match=why):
+            HostReads(**fields)
+
+
+def test_a_decode_that_cannot_host_read_falls_back_to_staging(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real prefill process that offers host reads, a decode that sees it on another
+    host: the converted read goes through staging, byte-exact, and ends the lease."""
+    from test_transfer import check_blocks, params_for
+
+    import kvxfer.host_reads
+
+    monkeypatch.setattr(kvxfer.host_reads, "host_identity", lambda: "elsewhere/ns")
+    prefill = PrefillProcess()
+    pcfg = CacheConfig(layout="LBHNC", head_size=32, num_blocks=12)
+    decode = LoopbackInstance.create("decode", replace(pcfg, layout="LBNHC"), fill="sentinel")
+    try:
+        remote = prefill.create(pcfg)
+        prefill.hold(remote["engine_id"], "req", [3, 7, 1], ttl=30)
+        decode.read("r", params_for(remote, "req", [3, 7, 1]), [0, 5, 9])
+        stats, failed = decode.wait(["r"])
+        assert failed == {}
+        assert [s.host_ranks for s in stats["r"]] == [0]
+        check_blocks(decode, pcfg, [0, 5, 9], [3, 7, 1])
+        assert prefill.wait_released(remote["engine_id"], {"req"}) == {"req": "done"}
+    finally:
+        decode.close()
+        prefill.close()
+
+
+READ_AS_CHILD = """
+import json, sys
+from kvxfer.host_reads import check_offer
+from kvxfer.protocol import HostReads
+o = json.loads(sys.argv[1])
+print(check_offer(HostReads(o["host"], o["pid"], o["addr"], bytes.fromhex(o["canary"]))))
+"""
+
+
+def _undumpable_offer(conn: mp.connection.Connection) -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: like a setuid program
+    _offer_from_child(conn)
+
+
+def test_a_reader_without_the_right_to_read_the_prefill_is_told_why() -> None:
+    """As root, the reader runs as another user (nobody); otherwise the prefill makes
+    itself undumpable, which also takes the right away from a reader of the same user."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    root = os.geteuid() == 0
+    process = ctx.Process(target=_offer_from_child if root else _undumpable_offer,
+                          args=(child,), daemon=True)
+    process.start()
+    try:
+        offer = parent.recv()
+        wire = {"host": offer.host, "pid": offer.pid, "addr": offer.canary_addr,
+                "canary": offer.canary.hex()}
+        import json
+
+        user = {"user": 65534, "group": 65534} if root else {}
+        out = subprocess.run([sys.executable, "-c", READ_AS_CHILD, json.dumps(wire)],
+                             capture_output=True, text=True, timeout=60, check=False, **user)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == f"reading process {offer.pid}: not permitted (another " \
+                                     f"user, or ptrace is restricted)", out.stdout
+        parent.send("exit")
+    finally:
+        process.join(timeout=10)
+        process.kill()
