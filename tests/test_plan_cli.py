@@ -108,13 +108,23 @@ def test_plan_explains_a_converted_read() -> None:
     for rank in json.loads(out.stdout)["decode_ranks"]:
         # tokens outside heads: each rank reads whole pages (all 8 heads), keeps its 4
         (part,) = rank["converted"]
+        host = part.pop("host_read")
         assert part == {"prefill_rank": 0, "staging_bytes": 10 * 32 * 16 * 8 * 256 * 2,
                         "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2}
         assert rank["bytes"] == part["staging_bytes"]
+        # on one host: per layer page, 16 tokens' 4 heads (one range each on the decode,
+        # heads outside tokens there) and the 15 gaps of the other 4 heads between them,
+        # read into a sink: one prefill range per page, split where a block's 2,528
+        # ranges are cut into calls of at most 1,024 (3 calls, 2 cuts per block)
+        assert host == {"local_ranges": 10 * 32 * (16 * 4 + 15),
+                        "remote_ranges": 10 * (32 + 2),
+                        "read_bytes": 10 * 32 * (16 + 15) * 4 * 256 * 2, "calls": 10 * 3}
     text = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
-                  "--decode-tp", "2", "--tokens", "160")
-    assert "converted through staging from prefill rank 0: reads 20.0 MiB into a staging " \
-           "buffer, places 10.0 MiB of it with one local copy" in text.stdout
+                  "--decode-tp", "2", "--tokens", "160").stdout
+    assert "prefill on this host: a host read copies 19.4 MiB straight into place, 340 " \
+           "ranges into 25280 in 30 system calls, no staging" in text, text
+    assert "elsewhere: reads 20.0 MiB into a staging buffer, places 10.0 MiB of it with " \
+           "one local copy" in text
 
 
 def test_plan_incompatible_configuration_is_a_plain_error() -> None:
@@ -181,6 +191,26 @@ def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> 
     assert native["bytes"] == bigger["bytes"] == smaller["bytes"] == 64 * 2 * 8 * 256 * 2
     # 4 prefill blocks x 2 layers x 8 heads of 16 tokens, each its own run on one side
     assert bigger["descriptors"] == 4 * 2 * 8
-    assert "vs_native" not in native and "vs_native" not in smaller  # no BHLNC 16->16 ran
-    assert bigger["vs_native"] == round(native["ms_median"] / bigger["ms_median"], 2)
+    # each mismatch ran in alternation with its equal-size counterpart
+    assert "vs_native" not in native
+    for row in (bigger, smaller):
+        assert row["vs_native"] == round(row["native_ms_median"] / row["ms_median"], 2)
     assert bigger["vs_large_read"] > 0
+
+
+def test_bench_transfer_runs_a_converted_case_as_a_host_read_and_through_staging() -> None:
+    """Both paths of one converted case, each next to its native twin (LBHNC), and the
+    table names the path."""
+    args = ("bench", "transfer", "--cases", "LBHNC/LBNHC:1:1", "--tokens", "64", "--layers",
+            "2", "--repeats", "1")
+    out = kvxfer(*args, "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    host, staged = json.loads(out.stdout)["rows"]
+    assert (host["path"], staged["path"]) == ("host", "staged")
+    # a host read moves only what is placed; staging reads the same heads whole here
+    assert host["bytes"] == staged["bytes"] == 64 * 2 * 8 * 256 * 2
+    assert host["descriptors"] == 64 * 2 * 8  # one range per token and head
+    for row in (host, staged):
+        assert row["vs_native"] == round(row["native_ms_median"] / row["ms_median"], 2)
+    text = kvxfer(*args, "--host-reads", "off").stdout
+    assert "LBHNC/LBNHC* staged 1->1" in text and " host " not in text, text

@@ -55,7 +55,8 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
                    block_size: int | None = None, kernel_block_size: int | None = None
                    ) -> tuple[Any, Any]:
     """An address-only cache for one rank: ``torch.empty`` never touches its pages; its
-    views at ``kernel_block_size`` when given."""
+    views at ``kernel_block_size`` when given. (raw, (plan, geometry)); the views are
+    ``raw.views``."""
     import torch
 
     from kvxfer.descriptors import SideGeometry
@@ -71,6 +72,7 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
                              block_size=kernel_block_size)
     plan = plan_regions({f"model.layers.{i}": v for i, v in enumerate(views)}, spec, num_blocks,
                         layout)
+    raw.views = views  # type: ignore[attr-defined]
     return raw, (plan, SideGeometry.from_plan(plan))
 
 
@@ -118,8 +120,10 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
     import numpy as np
 
     from kvxfer.descriptors import PeerReadPlan, build_requests_descriptors
+    from kvxfer.host_reads import plan_host_read
     from kvxfer.layout import parse_layout
-    from kvxfer.staging import StagedRead, plan_reads
+    from kvxfer.protocol import HostReads
+    from kvxfer.staging import StagedRead, layer_groups, plan_reads
     from kvxfer.topology import notify_plan, read_plan
 
     (prefill_bs, prefill_k), (decode_bs, decode_k) = prefill_sizes, decode_sizes
@@ -159,9 +163,18 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
         converted = []
         for staged in (p for p in peers if isinstance(p, StagedRead)):
             descs.append(staged.descriptors(np.asarray(remote_ids, dtype=np.int64), 1 << 40))
+            # what a prefill process on this host would offer (only counted here)
+            offer = HostReads("this host", 1, 1, bytes(16))
+            host = plan_host_read(staged, layer_groups(raw.views), offer)
             converted.append({"prefill_rank": staged.remote_rank,
                               "staging_bytes": len(remote_ids) * staged.bytes_per_block,
-                              "placed_bytes": len(remote_ids) * staged.placed_per_block})
+                              "placed_bytes": len(remote_ids) * staged.placed_per_block,
+                              # on one host: copied straight into place (kvxfer.host_reads)
+                              "host_read": None if host is None else {
+                                  "local_ranges": len(remote_ids) * len(host.local.off),
+                                  "remote_ranges": len(remote_ids) * len(host.remote.off),
+                                  "read_bytes": len(remote_ids) * host.read_per_block,
+                                  "calls": len(host.copy_calls(len(remote_ids)))}})
         lengths = np.concatenate([d.local[:, 1] for d in descs]) if descs else np.zeros(0)
         notified = notify_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
         ranks.append({
@@ -246,10 +259,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"    tells prefill rank{'s' * (len(rank['frees_only']) > 1)} {told} to free "
                   f"the request's blocks without reading them (their copy is read elsewhere)")
         for part in rank["converted"]:
-            print(f"    converted through staging from prefill rank {part['prefill_rank']}: "
-                  f"reads {_human(part['staging_bytes'])} into a staging buffer, places "
-                  f"{_human(part['placed_bytes'])} of it with one local copy (tokens outside "
-                  f"heads, or heads and tokens ordered differently on the two sides)")
+            print(f"    converted from prefill rank {part['prefill_rank']} (tokens outside "
+                  f"heads, or heads and tokens ordered differently on the two sides):")
+            host = part["host_read"]
+            if host is not None:
+                print(f"      prefill on this host: a host read copies "
+                      f"{_human(host['read_bytes'])} straight into place, "
+                      f"{host['remote_ranges']} ranges into {host['local_ranges']} in "
+                      f"{host['calls']} system calls, no staging (about the cost of a direct "
+                      f"read)")
+            print(f"      {'elsewhere' if host else 'always'}: reads "
+                  f"{_human(part['staging_bytes'])} into a staging buffer, places "
+                  f"{_human(part['placed_bytes'])} of it with one local copy (about 2-3x "
+                  f"the time of a direct read: every byte crosses memory twice)")
         if "same_block_size_descriptors" in rank:
             same = rank["same_block_size_descriptors"]
             print(f"    with equal block sizes: {same} descriptors "
