@@ -38,6 +38,7 @@ import errno as errno_codes
 import itertools
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -124,11 +125,13 @@ def verify_canary(offer: HostReads) -> None:
                             gone=True)
 
 
-def copy_vectors(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
+def copy_vectors(pid: int, local: np.ndarray, remote: np.ndarray, want: int | None = None
+                 ) -> None:
     """One ``process_vm_readv`` of ``remote`` ranges of ``pid`` into ``local`` ranges
     (``[n, 2]`` uint64 (address, length) arrays, C order, at most IOV_MAX rows each,
-    equal byte totals); raises :class:`HostReadError` unless every byte was copied."""
-    want = int(local[:, 1].sum())
+    equal byte totals, ``want`` when the caller knows it); raises
+    :class:`HostReadError` unless every byte was copied."""
+    want = int(local[:, 1].sum()) if want is None else want
     got = _readv()(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
     if got == want:
         return
@@ -176,6 +179,7 @@ class HostRead:
     bytes_per_block: int  # placed into the views
     read_per_block: int  # read from the prefill (placed, and bridged gaps)
     sink: np.ndarray
+    runs: tuple[np.ndarray, ...]  # the wanted runs before bridging (see merged)
 
     @property
     def runs_per_block(self) -> int:
@@ -193,8 +197,9 @@ class HostRead:
         def run(lo: int, hi: int) -> int:
             local, remote = self.local.at(local_ids[lo:hi]), self.remote.at(remote_ids[lo:hi])
             calls = self.copy_calls(hi - lo)
-            for l0, l1, r0, r1 in calls:
-                copy_vectors(self.offer.pid, local[l0:l1], remote[r0:r1])
+            wants = np.add.reduceat(local[:, 1], [c[0] for c in calls]).tolist()
+            for (l0, l1, r0, r1), want in zip(calls, wants, strict=True):
+                copy_vectors(self.offer.pid, local[l0:l1], remote[r0:r1], int(want))
             return len(calls)
 
         futures = [pool.submit(run, *share) for share in shares[1:]] if pool else []
@@ -233,13 +238,25 @@ def plan_host_read(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
     runs = _runs(plan, groups)
     if runs is None or runs[4].mean() < min_run_bytes:
         return None
-    placed = int(runs[4].sum())
+    return _assembled(plan.remote_rank, offer, runs)
+
+
+def merged(reads: Sequence[HostRead]) -> HostRead:
+    """One read of several ranks' reads of one prefill rank (in-process TP ranks of one
+    decode instance, the same block ids): their runs in prefill order, so that the
+    heads one rank would skip are the next rank's, not a sink's."""
+    runs = [np.concatenate([r.runs[i] for r in reads]) for i in range(5)]
+    order = np.argsort(runs[0], kind="stable")
+    return _assembled(reads[0].remote_rank, reads[0].offer, tuple(r[order] for r in runs))
+
+
+def _assembled(remote_rank: int, offer: HostReads, runs: tuple[np.ndarray, ...]) -> HostRead:
     sink = np.zeros(BRIDGE_BYTES or 1, dtype=np.uint8)
     roff, rstep, loff, lstep, length = _bridged(*runs, sink.ctypes.data)
     cuts, lstart, rstart = _cut(roff, rstep, loff, lstep, length)
     local, remote = _rows(loff, lstep, length, lstart), _rows(roff, rstep, length, rstart)
-    return HostRead(plan.remote_rank, offer, local, remote, cuts, placed, int(length.sum()),
-                    sink)
+    return HostRead(remote_rank, offer, local, remote, cuts, int(runs[4].sum()),
+                    int(length.sum()), sink, runs)
 
 
 def _runs(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]]
@@ -343,3 +360,129 @@ def _element_offsets(shape: Sequence[int], strides: Sequence[int]) -> torch.Tens
         view[dim] = size
         offsets += torch.arange(size, dtype=torch.int64).view(view) * stride
     return offsets
+
+
+# -- in-process TP ranks share one copy -------------------------------------------------
+
+MEET_S = 0.02  # how long a rank waits for its in-process siblings before copying alone
+SHARES_PER_RANK = 2  # a meeting's blocks are cut into this many shares per member
+
+
+@dataclass
+class _Meeting:
+    ids: tuple[bytes, bytes]  # the request's (local, remote) block ids
+    reads: dict[int, HostRead]  # by decode rank
+    members: int
+    cond: threading.Condition
+    open: bool = True  # still waiting for members
+    shares: list[tuple[int, int]] | None = None  # block ranges, once closed
+    taken: int = 0
+    done: int = 0
+    error: BaseException | None = None
+    read: HostRead | None = None  # the merged read of ``reads``
+
+
+class SharedCopies:
+    """Where the in-process TP ranks of one decode instance meet to host-read one prefill
+    rank for one request. Alone, each rank would read the prefill's split pages whole (its
+    heads into place, the others' into a sink); together, one merged copy writes every
+    member's heads and its blocks are cut into shares that the members' threads take in
+    turn, so the prefill's bytes are read once.
+
+    A rank joins with the request's key and block ids and waits up to MEET_S for the other
+    ranks registered for that prefill rank (:meth:`register`); then every rank that came
+    copies shares until none is left and waits for the rest. Only ranks that joined with
+    the same ids are written, so a rank that comes late (or with other ids) copies alone;
+    a share that fails fails every member. Thread-safe; one per process (:data:`SHARED`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, str, int], set[int]] = {}
+        self._meetings: dict[tuple[str, str, str, int], _Meeting] = {}
+        # merged reads by their parts' ids; the parts are kept, so no id is reused meanwhile
+        self._merged: dict[tuple[int, ...], tuple[tuple[HostRead, ...], HostRead]] = {}
+
+    def register(self, engine: str, prefill: str, prefill_rank: int, rank: int) -> None:
+        """Decode rank ``rank`` of ``engine`` host-reads ``prefill_rank`` of ``prefill``."""
+        with self._lock:
+            self._ranks.setdefault((engine, prefill, prefill_rank), set()).add(rank)
+
+    def unregister(self, engine: str, prefill: str, rank: int) -> None:
+        with self._lock:
+            for key in [k for k in self._ranks if k[:2] == (engine, prefill)]:
+                self._ranks[key].discard(rank)
+                if not self._ranks[key]:
+                    del self._ranks[key]
+            self._merged.clear()
+
+    def copy(self, engine: str, prefill: str, request: str, rank: int, read: HostRead,
+             local_ids: np.ndarray, remote_ids: np.ndarray, pool: Executor | None = None,
+             threads: int = 1) -> tuple[int, int, int]:
+        """Copy this rank's part of ``request``, with its siblings where they come: (bytes
+        placed for this rank, calls it made, ranks that copied together; 1: alone)."""
+        key = (engine, prefill, request, read.remote_rank)
+        ids = (np.asarray(local_ids, dtype=np.int64).tobytes(),
+               np.asarray(remote_ids, dtype=np.int64).tobytes())
+        with self._lock:
+            members = len(self._ranks.get((engine, prefill, read.remote_rank), ()))
+            meeting = self._meetings.get(key)
+            if members < 2 or (meeting is not None and (not meeting.open or meeting.ids != ids)):
+                meeting = None  # alone: no siblings, or too late, or other ids
+            elif meeting is None:
+                meeting = _Meeting(ids, {}, members, threading.Condition(self._lock))
+                self._meetings[key] = meeting
+            if meeting is not None:
+                meeting.reads[rank] = read
+                if len(meeting.reads) >= meeting.members:
+                    self._close(key, meeting, len(local_ids))
+                else:
+                    meeting.cond.wait_for(lambda: not meeting.open, MEET_S)
+                    if meeting.open:  # the others are late: go with whoever came
+                        self._close(key, meeting, len(local_ids))
+        if meeting is None or len(meeting.reads) == 1:
+            return (*read.copy(local_ids, remote_ids, pool, threads), 1)
+        calls = self._take_shares(meeting, local_ids, remote_ids)
+        return len(local_ids) * read.bytes_per_block, calls, len(meeting.reads)
+
+    def _close(self, key: tuple[str, str, str, int], meeting: _Meeting, count: int) -> None:
+        """Stop waiting (caller holds the lock): merge the reads, cut the shares."""
+        meeting.open = False
+        del self._meetings[key]
+        parts = tuple(meeting.reads[r] for r in sorted(meeting.reads))
+        cached = self._merged.get(tuple(map(id, parts)))
+        if cached is not None and all(a is b for a, b in zip(cached[0], parts, strict=True)):
+            meeting.read = cached[1]
+        elif len(parts) > 1:
+            meeting.read = merged(parts)
+            self._merged[tuple(map(id, parts))] = (parts, meeting.read)
+        pieces = min(count, SHARES_PER_RANK * len(parts))
+        bounds = np.linspace(0, count, pieces + 1).astype(int)
+        meeting.shares = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        meeting.cond.notify_all()
+
+    def _take_shares(self, meeting: _Meeting, local_ids: np.ndarray,
+                     remote_ids: np.ndarray) -> int:
+        """Copy shares until none is left, then wait for the others' (calls made here)."""
+        assert meeting.shares is not None and meeting.read is not None
+        calls = 0
+        while True:
+            with self._lock:
+                if meeting.taken == len(meeting.shares) or meeting.error is not None:
+                    meeting.cond.wait_for(lambda: meeting.done == meeting.taken)
+                    if meeting.error is not None:
+                        raise meeting.error
+                    return calls
+                lo, hi = meeting.shares[meeting.taken]
+                meeting.taken += 1
+            try:
+                calls += meeting.read.copy(local_ids[lo:hi], remote_ids[lo:hi])[1]
+            except BaseException as exc:
+                with self._lock:
+                    meeting.error = meeting.error or exc
+            with self._lock:
+                meeting.done += 1
+                meeting.cond.notify_all()
+
+
+SHARED = SharedCopies()

@@ -83,7 +83,14 @@ from kvxfer.descriptors import (
     validate_block_ids,
 )
 from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
-from kvxfer.host_reads import Canary, HostRead, HostReadError, check_offer, plan_host_read
+from kvxfer.host_reads import (
+    SHARED,
+    Canary,
+    HostRead,
+    HostReadError,
+    check_offer,
+    plan_host_read,
+)
 from kvxfer.layout import CacheSpec, KVCacheLayout
 from kvxfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.protocol import (
@@ -223,6 +230,7 @@ class ReadStats:
     seconds: float
     lanes: int = 1  # agents (threads) that copied it; see read lanes in the module doc
     host_ranks: int = 0  # prefill ranks it host-read (kvxfer.host_reads) instead of staging
+    host_members: int = 0  # in-process decode ranks that shared those copies (1: alone)
 
 
 @dataclass
@@ -310,6 +318,7 @@ class _Read:
     staged: StagedJob = field(default_factory=StagedJob)  # a converted read's parts
     host: list[tuple[HostRead, np.ndarray, np.ndarray]] = field(default_factory=list)
     host_ranks: set[int] = field(default_factory=set)  # host-read (told after the copy)
+    host_members: int = 0  # in-process ranks that copied it together (SharedCopies)
 
 
 @dataclass
@@ -428,6 +437,8 @@ class TransferWorker:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        for engine_id in list(self._peers):
+            SHARED.unregister(self.engine_id, engine_id, self.rank)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lane_pool is not None:
             self._lane_pool.shutdown(wait=True)
@@ -732,8 +743,9 @@ class TransferWorker:
         when one failed (the job failed)."""
         for runs, local_ids, remote_ids in job.host:
             try:
-                num_bytes, _ = runs.copy(local_ids, remote_ids, self._lane_pool,
-                                         1 + len(self._lanes))
+                num_bytes, _, members = SHARED.copy(
+                    self.engine_id, peer.engine_id, job.remote.remote_request_id, self.rank,
+                    runs, local_ids, remote_ids, self._lane_pool, 1 + len(self._lanes))
             except Exception as exc:  # HostReadError, or a bug: this request only
                 self._fail(job, f"prefill {peer.engine_id} rank {runs.remote_rank} at "
                                 f"{peer.address}: host read failed: {exc}", notify=True)
@@ -741,6 +753,7 @@ class TransferWorker:
                     self._forget_dead(peer, str(exc))
                 return False
             job.host_ranks.add(runs.remote_rank)
+            job.host_members = max(job.host_members, members)
             job.lanes = max(job.lanes, 1 + len(self._lanes))
             job.num_bytes += num_bytes
             job.descriptors += len(local_ids) * runs.runs_per_block
@@ -901,7 +914,7 @@ class TransferWorker:
                         self._results.unnotified.add(job.request_id)
                     self._results.stats[job.request_id] = ReadStats(
                         job.num_bytes, job.descriptors, now - job.started, job.lanes,
-                        len(job.host_ranks))
+                        len(job.host_ranks), job.host_members)
                 self._results_ready.set()
             elif all(s == "DONE" for s in states) and \
                     now - (job.posted or job.started) > self.read_timeout:
@@ -1030,6 +1043,8 @@ class TransferWorker:
                      shake.plans, shake.notify, kinds, shake.host)
         self._peers[peer.engine_id] = peer
         self._dead.pop(peer.engine_id, None)
+        for prefill_rank in peer.host:  # in-process sibling ranks share those copies
+            SHARED.register(self.engine_id, peer.engine_id, prefill_rank, self.rank)
         log.info("rank %d connected to %s at %s (ranks %s)", self.rank, peer.engine_id,
                  peer.address, sorted(agents))
         return peer
@@ -1048,6 +1063,7 @@ class TransferWorker:
 
     def _drop_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id, None)
+        SHARED.unregister(self.engine_id, engine_id, self.rank)
         if peer is not None:
             for name in peer.agents.values():
                 self._quietly_remove(name)

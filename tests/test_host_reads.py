@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,3 +150,126 @@ def test_a_reader_without_the_right_to_read_the_prefill_is_told_why() -> None:
     finally:
         process.join(timeout=10)
         process.kill()
+
+
+def _siblings() -> tuple[list[Any], Any, list[Any], Canary]:
+    """Two decode ranks (LBNHC, TP 2) of one LBNHC TP 1 prefill, in this process: their
+    host reads, the prefill's rank and the decode ranks."""
+    import torch
+    from test_descriptors import make_rank
+
+    from kvxfer.host_reads import plan_host_read
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.staging import layer_groups, plan_reads
+    from kvxfer.topology import read_plan
+
+    rng = np.random.default_rng(7)
+    remote = make_rank(CacheSpec(4, 4, 8, torch.float32), KVCacheLayout.LBNHC, 12, 3, False,
+                       rng)
+    ranks = [make_rank(CacheSpec(4, 2, 8, torch.float32), KVCacheLayout.LBNHC, 10, 3, False,
+                       rng) for _ in range(2)]
+    canary = Canary()
+    offer = canary.offer()
+    assert offer is not None
+    reads = []
+    for rank, local in enumerate(ranks):
+        (staged,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(rank, 2, 1, 4),
+                               local_tp=2, remote_tp=1)
+        reads.append(plan_host_read(staged, layer_groups(local.views), offer))
+    return reads, remote, ranks, canary
+
+
+def _expected(reads: list[Any], ranks: list[Any], lids: np.ndarray, rids: np.ndarray
+              ) -> list[Any]:
+    """Each rank's buffers after its host read alone (proven in test_staging), from copies."""
+    saved = [[raw.clone() for raw in r.buffers] for r in ranks]
+    for read in reads:
+        read.copy(lids, rids)
+    after = [[raw.clone() for raw in r.buffers] for r in ranks]
+    for rank, buffers in zip(ranks, saved, strict=True):
+        for raw, old in zip(rank.buffers, buffers, strict=True):
+            raw.copy_(old)
+    return after
+
+
+def _together(shared: Any, reads: list[Any], ids: list[tuple[np.ndarray, np.ndarray]],
+              request: str = "req") -> list[Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(shared.copy, "decode", "prefill", request, rank, read, *pair)
+                   for rank, (read, pair) in enumerate(zip(reads, ids, strict=True))]
+        return [f.exception() or f.result() for f in futures]
+
+
+def test_sibling_ranks_copy_one_merged_read_together() -> None:
+    """Two in-process decode ranks of one prefill rank: one copy writes both ranks' heads
+    (the prefill's pages are read once, no sink), byte for byte what each alone writes."""
+    from kvxfer.host_reads import SharedCopies
+
+    reads, _, ranks, _canary = _siblings()
+    lids, rids = np.array([4, 0, 9, 2, 7]), np.array([11, 3, 5, 0, 8])
+    want = _expected(reads, ranks, lids, rids)
+    shared = SharedCopies()
+    for rank in (0, 1):
+        shared.register("decode", "prefill", 0, rank)
+    results = _together(shared, reads, [(lids, rids)] * 2)
+    assert [r[2] for r in results] == [2, 2], results
+    assert [r[0] for r in results] == [5 * read.bytes_per_block for read in reads]
+    for rank, expect in zip(ranks, want, strict=True):
+        for got, raw in zip(rank.buffers, expect, strict=True):
+            assert torch_equal(got, raw)
+    merged_read = shared._merged[tuple(map(id, reads))][1]
+    assert merged_read.read_per_block == merged_read.bytes_per_block  # nothing into a sink
+    assert all(r.read_per_block > r.bytes_per_block for r in reads)  # alone: half a sink
+
+
+def test_a_sibling_that_is_late_or_has_other_ids_copies_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only ranks that joined with the same ids are written by a shared copy: a rank that
+    comes after the wait, or with other block ids, copies its own heads alone."""
+    from kvxfer import host_reads
+    from kvxfer.host_reads import SharedCopies
+
+    reads, _, ranks, _canary = _siblings()
+    lids, rids = np.array([1, 2, 3]), np.array([4, 5, 6])
+    other = (np.array([7, 8, 9]), np.array([4, 5, 6]))
+    shared = SharedCopies()
+    for rank in (0, 1):
+        shared.register("decode", "prefill", 0, rank)
+    monkeypatch.setattr(host_reads, "MEET_S", 0.01)
+    assert shared.copy("decode", "prefill", "late", 0, reads[0], lids, rids)[2] == 1
+    assert shared.copy("decode", "prefill", "late", 1, reads[1], lids, rids)[2] == 1
+    want = _expected(reads, ranks, lids, rids)
+    results = _together(shared, reads, [(lids, rids), other], request="mixed")
+    assert [r[2] for r in results] == [1, 1]
+    for got, raw in zip(ranks[0].buffers, want[0], strict=True):
+        assert torch_equal(got, raw)
+    assert shared._meetings == {}  # nothing left waiting
+
+
+def test_a_share_that_fails_fails_every_sibling() -> None:
+    """The prefill process went away: every member of the shared copy raises (none reports
+    a success), and the next request meets afresh."""
+    from msgspec.structs import replace as changed
+
+    from kvxfer.host_reads import SharedCopies
+
+    reads, _, _, canary = _siblings()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = [replace(r, offer=changed(r.offer, pid=int(gone.stdout))) for r in reads]
+    shared = SharedCopies()
+    for rank in (0, 1):
+        shared.register("decode", "prefill", 0, rank)
+    pair = (np.array([0, 1]), np.array([2, 3]))
+    results = _together(shared, dead, [pair] * 2)
+    assert all(isinstance(r, HostReadError) and "no such process" in str(r) for r in results)
+    assert [r[2] for r in _together(shared, reads, [pair] * 2, request="next")] == [2, 2]
+    del canary
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

@@ -120,15 +120,24 @@ def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, pref
         rng = np.random.default_rng(CONVERTED.index((prefill_layout, decode_layout, prefill_tp,
                                                      decode_tp)))
         remote_ids, local_ids = pick(rng, "random", 7, 24), pick(rng, "random", 7, 20)
+        # warm-up: every rank handshakes on its own, so the first read may not be shared
+        spare = next(b for b in range(20) if b not in local_ids)
+        prefill.hold(remote["engine_id"], "warm", [0], ttl=30)
+        decode.read("w", params_for(remote, "warm", [0], tp_size=prefill_tp), [spare])
+        assert decode.wait(["w"])[1] == {}
         prefill.hold(remote["engine_id"], "req", remote_ids, ttl=30)
         decode.read("r", params_for(remote, "req", remote_ids, tp_size=prefill_tp), local_ids)
         stats, failed = decode.wait(["r"])
         assert failed == {}
-        check_blocks(decode, pcfg, local_ids, remote_ids)
-        assert prefill.wait_released(remote["engine_id"], {"req"}) == {"req": "done"}
+        check_blocks(decode, pcfg, [spare, *local_ids], [0, *remote_ids])
+        assert prefill.wait_released(remote["engine_id"], {"warm", "req"}) == \
+            {"warm": "done", "req": "done"}
         assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
         host_ranks = [s.host_ranks for s in stats["r"]]
         assert all(h > 0 for h in host_ranks) if host_reads else host_ranks == [0] * decode_tp
+        # the decode ranks that read one prefill rank copy it together (SharedCopies)
+        together = max(1, decode_tp // prefill_tp) if host_reads else 0
+        assert [s.host_members for s in stats["r"]] == [together] * decode_tp
         assert all(w._staging.held == 0 for w in decode.workers)
     finally:
         decode.close()
