@@ -176,14 +176,22 @@ class HostRead:
     local: Rows
     remote: Rows
     cuts: tuple[tuple[int, int], ...]  # (local row, remote row) bounds, first (0, 0)
-    bytes_per_block: int  # placed into the views
-    read_per_block: int  # read from the prefill (placed, and bridged gaps)
     sink: np.ndarray
     runs: tuple[np.ndarray, ...]  # the wanted runs before bridging (see merged)
 
     @property
     def runs_per_block(self) -> int:
         return len(self.local.off)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes placed into the views."""
+        return int(self.runs[4].sum())
+
+    @property
+    def read_per_block(self) -> int:
+        """Bytes read from the prefill: those placed and the bridged gaps."""
+        return int(self.remote.length.sum())
 
     def copy(self, local_ids: np.ndarray, remote_ids: np.ndarray,
              pool: Executor | None = None, threads: int = 1) -> tuple[int, int]:
@@ -255,8 +263,7 @@ def _assembled(remote_rank: int, offer: HostReads, runs: tuple[np.ndarray, ...])
     roff, rstep, loff, lstep, length = _bridged(*runs, sink.ctypes.data)
     cuts, lstart, rstart = _cut(roff, rstep, loff, lstep, length)
     local, remote = _rows(loff, lstep, length, lstart), _rows(roff, rstep, length, rstart)
-    return HostRead(remote_rank, offer, local, remote, cuts, int(runs[4].sum()),
-                    int(length.sum()), sink, runs)
+    return HostRead(remote_rank, offer, local, remote, cuts, sink, runs)
 
 
 def _runs(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]]

@@ -721,18 +721,15 @@ class TransferWorker:
         direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
         descs = build_requests_descriptors(direct, job.local_block_ids,
                                            job.remote.remote_block_ids) if direct else []
-        job.host = [(peer.host[plan.remote_rank], *validate_block_ids(
-            job.local_block_ids, job.remote.remote_block_ids, plan.local.num_blocks,
-            plan.remote.num_blocks)) for plan in peer.plans
-            if isinstance(plan, StagedRead) and plan.remote_rank in peer.host]
-        staged = peer.staged()
+        converted = [(plan, *validate_block_ids(job.local_block_ids, job.remote.remote_block_ids,
+                                                plan.local.num_blocks, plan.remote.num_blocks))
+                     for plan in peer.plans if isinstance(plan, StagedRead)]
+        job.host = [(peer.host[plan.remote_rank], local, remote)
+                    for plan, local, remote in converted if plan.remote_rank in peer.host]
+        staged = [read for read in converted if read[0].remote_rank not in peer.host]
         if not staged:
             return descs
-        pairs = [validate_block_ids(job.local_block_ids, job.remote.remote_block_ids,
-                                    plan.local.num_blocks, plan.remote.num_blocks)
-                 for plan in staged]
-        taken = self._staging.take([(plan, local, remote) for plan, (local, remote)
-                                    in zip(staged, pairs, strict=True)])
+        taken = self._staging.take(staged)
         if taken is None:
             return None
         job.staged = taken  # from here on _fail gives the buffers back

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from msgspec.structs import replace as changed
 
 from kvxfer.host_reads import Canary, HostReadError, check_offer, copy_vectors, verify_canary
@@ -155,7 +156,6 @@ def test_a_reader_without_the_right_to_read_the_prefill_is_told_why() -> None:
 def _siblings() -> tuple[list[Any], Any, list[Any], Canary]:
     """Two decode ranks (LBNHC, TP 2) of one LBNHC TP 1 prefill, in this process: their
     host reads, the prefill's rank and the decode ranks."""
-    import torch
     from test_descriptors import make_rank
 
     from kvxfer.host_reads import plan_host_read
@@ -218,7 +218,7 @@ def test_sibling_ranks_copy_one_merged_read_together() -> None:
     assert [r[0] for r in results] == [5 * read.bytes_per_block for read in reads]
     for rank, expect in zip(ranks, want, strict=True):
         for got, raw in zip(rank.buffers, expect, strict=True):
-            assert torch_equal(got, raw)
+            assert torch.equal(got, raw)
     merged_read = shared._merged[tuple(map(id, reads))][1]
     assert merged_read.read_per_block == merged_read.bytes_per_block  # nothing into a sink
     assert all(r.read_per_block > r.bytes_per_block for r in reads)  # alone: half a sink
@@ -244,7 +244,7 @@ def test_a_sibling_that_is_late_or_has_other_ids_copies_alone(
     results = _together(shared, reads, [(lids, rids), other], request="mixed")
     assert [r[2] for r in results] == [1, 1]
     for got, raw in zip(ranks[0].buffers, want[0], strict=True):
-        assert torch_equal(got, raw)
+        assert torch.equal(got, raw)
     assert shared._meetings == {}  # nothing left waiting
 
 
@@ -267,9 +267,3 @@ def test_a_share_that_fails_fails_every_sibling() -> None:
     assert all(isinstance(r, HostReadError) and "no such process" in str(r) for r in results)
     assert [r[2] for r in _together(shared, reads, [pair] * 2, request="next")] == [2, 2]
     del canary
-
-
-def torch_equal(a: Any, b: Any) -> bool:
-    import torch
-
-    return bool(torch.equal(a, b))

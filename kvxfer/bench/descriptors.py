@@ -43,9 +43,9 @@ def _case(layout: str, prefill_tp: int, decode_tp: int, args: argparse.Namespace
     capacity = 2 * blocks
     keep, remotes = [], {}
     for rank in range(prefill_tp):
-        raw, (_, remotes[rank]) = synthetic_rank(layout, prefill_tp, args, capacity)
-        keep.append(raw)
-    raw, (_, local) = synthetic_rank(layout, decode_tp, args, capacity)
+        views, (_, remotes[rank]) = synthetic_rank(layout, prefill_tp, args, capacity)
+        keep.append(views)
+    views, (_, local) = synthetic_rank(layout, decode_tp, args, capacity)
     try:
         peers = plan_peer_reads(local, remotes, read_plan(0, decode_tp, prefill_tp, args.kv_heads),
                                 local_tp=decode_tp, remote_tp=prefill_tp)

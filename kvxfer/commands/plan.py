@@ -55,8 +55,8 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
                    block_size: int | None = None, kernel_block_size: int | None = None
                    ) -> tuple[Any, Any]:
     """An address-only cache for one rank: ``torch.empty`` never touches its pages; its
-    views at ``kernel_block_size`` when given. (raw, (plan, geometry)); the views are
-    ``raw.views``."""
+    views at ``kernel_block_size`` when given: (its views, which keep the buffer alive,
+    (plan, geometry))."""
     import torch
 
     from kvxfer.descriptors import SideGeometry
@@ -72,8 +72,7 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
                              block_size=kernel_block_size)
     plan = plan_regions({f"model.layers.{i}": v for i, v in enumerate(views)}, spec, num_blocks,
                         layout)
-    raw.views = views  # type: ignore[attr-defined]
-    return raw, (plan, SideGeometry.from_plan(plan))
+    return views, (plan, SideGeometry.from_plan(plan))
 
 
 def plan_configuration(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,15 +144,15 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
     keep = []  # keep the synthetic buffers alive while their addresses are used
     prefill = {}
     for rank in range(args.prefill_tp):
-        raw, prefill[rank] = synthetic_rank(prefill_layout, args.prefill_tp, args,
-                                            2 * blocks["prefill"], prefill_bs, prefill_k)
-        keep.append(raw)
+        views, prefill[rank] = synthetic_rank(prefill_layout, args.prefill_tp, args,
+                                              2 * blocks["prefill"], prefill_bs, prefill_k)
+        keep.append(views)
     remote_ids = ids("prefill")
     ranks = []
     for rank in range(args.decode_tp):
-        raw, (plan, local) = synthetic_rank(decode_layout, args.decode_tp, args,
-                                            2 * blocks["decode"], decode_bs, decode_k)
-        keep.append(raw)
+        views, (plan, local) = synthetic_rank(decode_layout, args.decode_tp, args,
+                                              2 * blocks["decode"], decode_bs, decode_k)
+        keep.append(views)
         slices = read_plan(rank, args.decode_tp, args.prefill_tp, args.kv_heads)
         peers = plan_reads(local, {r: g for r, (_, g) in prefill.items()}, slices,
                            local_tp=args.decode_tp, remote_tp=args.prefill_tp)
@@ -165,7 +164,7 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
             descs.append(staged.descriptors(np.asarray(remote_ids, dtype=np.int64), 1 << 40))
             # what a prefill process on this host would offer (only counted here)
             offer = HostReads("this host", 1, 1, bytes(16))
-            host = plan_host_read(staged, layer_groups(raw.views), offer)
+            host = plan_host_read(staged, layer_groups(views), offer)
             converted.append({"prefill_rank": staged.remote_rank,
                               "staging_bytes": len(remote_ids) * staged.bytes_per_block,
                               "placed_bytes": len(remote_ids) * staged.placed_per_block,
