@@ -139,6 +139,7 @@ class StagingPool:
         are not yet, or why a placement failed."""
         for part in job.parts:
             self._start_placing(part, groups)
+        for part in job.parts:
             if part.placed is None or not part.placed.done():
                 return False
             error = part.placed.exception()

@@ -307,3 +307,54 @@ def test_layer_groups_join_views_of_one_allocation_and_keep_others_apart() -> No
     stacked[2, 1].fill_(-1)  # a view, not a copy
     assert bool((joined[1][2] == -1).all()) and not bool((joined[0][2] == -1).any())
     assert layer_groups(joined[:1])[0][1].shape == (5, 1, 2, 4, 6)
+
+
+def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
+    """A converted read's parts land one after the other while earlier ones are placed:
+    each landed part must be queued for placing as soon as the pool sees it, not only
+    after the placements before it finished (which left the converter idle between
+    READs and placed the tail one part per worker-loop tick)."""
+    import threading
+
+    from kvxfer import staging_pool
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.nixl_agent import NixlAgent
+    from kvxfer.staging_pool import StagingPool
+
+    rng = np.random.default_rng(5)
+    remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
+    local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 12, 2, False, rng)
+    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8),
+                         local_tp=2, remote_tp=1)
+    assert isinstance(read, StagedRead)
+
+    class Landed:
+        def state(self) -> str:
+            return "DONE"
+
+    started: list[int] = []
+    release = threading.Event()
+
+    def convert(self: StagedRead, staging: torch.Tensor, *_: object) -> None:
+        started.append(staging.data_ptr())
+        assert release.wait(10)
+
+    ids = np.arange(4)
+    with NixlAgent("staging-pool-order") as agent, \
+            mock.patch.object(staging_pool, "PART_BYTES", read.bytes_per_block), \
+            mock.patch.object(StagedRead, "convert", convert):
+        pool = StagingPool(agent, "test")
+        job = pool.take([(read, ids, ids)])
+        assert job is not None and len(job.parts) == 4
+        for part in job.parts:
+            part.transfer = Landed()
+        assert pool.place_landed(job, layer_groups(local.views)) is False
+        assert all(part.placed is not None for part in job.parts)  # all queued, none done
+        release.set()
+        for part in job.parts:
+            assert part.placed is not None
+            part.placed.result(timeout=10)
+        assert pool.place_landed(job, layer_groups(local.views)) is True
+        assert len(started) == 4
+        pool.settle(job, "prefill")
+        pool.close()
