@@ -261,6 +261,21 @@ def validate_block_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
     return local, remote
 
 
+def validate_paired_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
+                        remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
+                        remote_num_blocks: int, local_block_size: int, remote_block_size: int
+                        ) -> tuple[IntArray, IntArray]:
+    """Both lists of logical ids as int64 arrays in request (token) order, for block sizes
+    one a multiple of the other: the side with the larger blocks has ``ceil(n / ratio)`` ids
+    for ``n`` on the other; ValueError names a bad id or count."""
+    small = min(local_block_size, remote_block_size)
+    local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
+                                 remote_num_blocks, local_block_size // small,
+                                 remote_block_size // small)
+    _no_repeats(np.sort(local))
+    return local, remote
+
+
 def _checked_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
                  remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
                  remote_num_blocks: int, local_ratio: int, remote_ratio: int
@@ -343,11 +358,8 @@ def pair_blocks(local_block_ids: Sequence[int] | npt.ArrayLike,
         local, remote = validate_block_ids(local_block_ids, remote_block_ids,
                                            local_num_blocks, remote_num_blocks)
         return BlockPairs(local, None, remote, None)
-    small = min(local_block_size, remote_block_size)
-    local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
-                                 remote_num_blocks, local_block_size // small,
-                                 remote_block_size // small)
-    _no_repeats(np.sort(local))
+    local, remote = validate_paired_ids(local_block_ids, remote_block_ids, local_num_blocks,
+                                        remote_num_blocks, local_block_size, remote_block_size)
     local_kernel = local_block_size // local_kernel_ratio
     remote_kernel = remote_block_size // remote_kernel_ratio
     unit = pairing_unit(local_kernel, remote_kernel)

@@ -242,7 +242,10 @@ def plan_host_read(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
                    offer: HostReads, min_run_bytes: int = MIN_RUN_BYTES) -> HostRead | None:
     """``plan``'s ranges from the offering process into this rank's view ``groups``
     (:func:`kvxfer.staging.layer_groups`), or None where host reads would not pay
-    (elements of odd size, runs shorter than ``min_run_bytes`` on average)."""
+    (elements of odd size, runs shorter than ``min_run_bytes`` on average) or where the
+    two sides' logical block sizes differ."""
+    if plan.local.block_size != plan.remote.block_size:
+        return None  # a block's runs are not one template shifted by its id
     runs = _runs(plan, groups)
     if runs is None or runs[4].mean() < min_run_bytes:
         return None

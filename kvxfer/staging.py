@@ -23,10 +23,12 @@ V are taken apart through each side's packing
 Where the prefill is a process on the decode's host, :mod:`kvxfer.host_reads` does the
 same conversion without staging, with a byte map it takes from :meth:`StagedRead.convert`.
 
-Logical block sizes must be equal on a converted path (checked when planning);
-kernel block sizes may differ. Staging holds the prefill's kernel blocks, each
-logical block's in order; the conversion regroups their tokens into the decode's
-kernel blocks (K and V apart where a packing depends on the kernel block size).
+Block sizes may differ, logical (one a multiple of the other) and kernel alike.
+Staging holds the prefill's kernel blocks, each logical block's in order; the
+conversion copies the request's tokens in order into the decode's kernel blocks,
+whole kernel blocks where both sides' hold the same tokens, else each overlap of
+two kernel blocks (K and V apart where a packing depends on the kernel block
+size).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from kvxfer.descriptors import (
     check_packings,
     merge_runs,
     plan_peer_reads,
+    validate_block_ids,
+    validate_paired_ids,
 )
 from kvxfer.protocol import TOKEN_PACKING
 from kvxfer.topology import HeadSlice
@@ -59,7 +63,9 @@ class StagedRead:
     ``chunks`` are the remote chunk indices read for every layer and kernel block
     (view heads where the remote's heads are contiguous, else the single page ``0``);
     ``heads`` are (remote view head, local view head, count) ranges to place. Block ids
-    given to it are logical; staging slots are per remote kernel block.
+    given to it are logical; staging slots are per remote kernel block. The two sides'
+    logical block sizes may differ (one a multiple of the other): a request's tokens
+    then pair in order, as :func:`~kvxfer.descriptors.pair_blocks` pairs them.
     """
 
     remote_rank: int
@@ -70,16 +76,40 @@ class StagedRead:
 
     @property
     def bytes_per_block(self) -> int:
-        """Staging bytes one (logical) request block needs: what the READ moves."""
+        """Staging bytes one remote (logical) block needs: what the READ moves for it."""
         geo = self.remote
         return geo.kernel_ratio * geo.num_layers * len(self.chunks) * geo.chunk_len
 
     @property
     def placed_per_block(self) -> int:
-        """Bytes of one request block this rank keeps (its heads) once converted."""
+        """Bytes of one remote block this rank keeps (its heads) once converted."""
         geo = self.remote
         per_head = geo.chunk_len // (1 if geo.heads_contiguous else geo.num_view_heads)
         return geo.kernel_ratio * geo.num_layers * sum(n for _, _, n in self.heads) * per_head
+
+    def ids(self, local_block_ids: Sequence[int] | np.ndarray,
+            remote_block_ids: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A request's logical ids, validated, in the order the READ stages them: pairs
+        sorted by local id at equal block sizes, request (token) order otherwise."""
+        local, remote = self.local, self.remote
+        if local.block_size == remote.block_size:
+            return validate_block_ids(local_block_ids, remote_block_ids, local.num_blocks,
+                                      remote.num_blocks)
+        return validate_paired_ids(local_block_ids, remote_block_ids, local.num_blocks,
+                                   remote.num_blocks, local.block_size, remote.block_size)
+
+    def parts(self, local_count: int, remote_count: int, part_bytes: int
+              ) -> list[tuple[slice, slice]]:
+        """(local ids, remote ids) slices of a request (:meth:`ids`) cut into parts of
+        about ``part_bytes`` of staging, each whole blocks on both sides."""
+        local_per = max(1, self.remote.block_size // self.local.block_size)
+        remote_per = max(1, self.local.block_size // self.remote.block_size)
+        step = max(1, part_bytes // (remote_per * self.bytes_per_block))  # larger blocks
+        units = -(-remote_count // remote_per) if remote_per > 1 else \
+            -(-local_count // local_per)
+        return [(slice(u * local_per, min((u + step) * local_per, local_count)),
+                 slice(u * remote_per, min((u + step) * remote_per, remote_count)))
+                for u in range(0, units, step)]
 
     def descriptors(self, remote_ids: np.ndarray, staging_addr: int,
                     staging_device: int = 0) -> RankDescriptors:
@@ -102,29 +132,32 @@ class StagedRead:
 
     def convert(self, staging: torch.Tensor, groups: Sequence[tuple[int, torch.Tensor]],
                 local_ids: torch.Tensor, remote_packing: str = "token",
-                local_packing: str = "token") -> None:
+                local_packing: str = "token", remote_blocks: int | None = None) -> None:
         """Copy the staged heads into this rank's views (its ``[B, H, N, C]`` views by
         logical layer, at its kernel block size, as :func:`layer_groups` of them) at
-        logical blocks ``local_ids`` (request order, as the READ was built).
+        logical blocks ``local_ids`` (request order, as the READ was built), from
+        ``remote_blocks`` staged remote blocks (default: one per local block).
 
-        One copy per logical block, head range and layer group: views that are one
-        allocation at a fixed layer stride are one group, so a block's layers move in
-        one call; indexing every view with the ids instead costs a few times more
-        (measured about 1.8 vs 5.3 GB/s on one thread)."""
+        One copy per :func:`token_segments` run, head range and layer group: views that
+        are one allocation at a fixed layer stride are one group, so a block's layers
+        move in one call; indexing every view with the ids instead costs a few times
+        more (measured about 1.8 vs 5.3 GB/s on one thread)."""
         from kvxfer.engine.attention import kv_views
 
         first = groups[0][1]
-        geo, local = self.remote, self.local
-        count = len(local_ids) * geo.kernel_ratio  # staged kernel blocks
+        geo = self.remote
+        remote_blocks = len(local_ids) if remote_blocks is None else remote_blocks
+        count = remote_blocks * geo.kernel_ratio  # staged kernel blocks
         elems = geo.chunk_len // first.element_size()
-        typed = staging[: len(local_ids) * self.bytes_per_block].view(first.dtype)
+        typed = staging[: remote_blocks * self.bytes_per_block].view(first.dtype)
         staged = typed.view(count, geo.num_layers, len(self.chunks), elems)
-        content, r_in, r_out = first.shape[-1], geo.kernel_ratio, local.kernel_ratio
+        content = first.shape[-1]
+        segments = token_segments(np.asarray(local_ids, dtype=np.int64), remote_blocks,
+                                  self.local, geo)
         # K and V move together (one copy per head range) where both sides lay them out
-        # alike in a kernel block: the same packing, and per token or at one kernel size
-        together = remote_packing == local_packing and (
-            local_packing == TOKEN_PACKING or r_in == r_out)
-        blocks = local_ids.tolist()
+        # alike for the rows copied: per token, or whole kernel blocks of one packing
+        together = (remote_packing == local_packing == TOKEN_PACKING,
+                    remote_packing == local_packing)
         for layer, group in groups:  # group: [kernel blocks, G, H, N, C]
             part = staged[:, layer:layer + group.shape[1]]
             if geo.heads_contiguous:  # chunk = one view head, [N, C]
@@ -135,14 +168,56 @@ class StagedRead:
                                               -1, content).permute(0, 1, 3, 2, 4)
             for r0, l0, n in self.heads:
                 s0 = self.chunks.index(r0) if geo.heads_contiguous else r0
-                for position, block in enumerate(blocks):
-                    dst = group[block * r_out:(block + 1) * r_out, :, l0:l0 + n]
-                    src = heads[position * r_in:(position + 1) * r_in, :, s0:s0 + n]
-                    pairs = [(dst, src)] if together else zip(
+                for seg in segments:
+                    dst = group[seg.local:seg.local + seg.kernels, :, l0:l0 + n]
+                    src = heads[seg.remote:seg.remote + seg.kernels, :, s0:s0 + n]
+                    pairs = [(dst, src)] if together[seg.whole] else zip(
                         kv_views(dst, local_packing), kv_views(src, remote_packing),
                         strict=True)
                     for d, s in pairs:
-                        d.copy_(rekernel(s, r_in, r_out))
+                        if seg.whole:
+                            d.copy_(s)
+                        else:
+                            d[..., seg.local_row:seg.local_row + seg.rows, :].copy_(
+                                s[..., seg.remote_row:seg.remote_row + seg.rows, :])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows of a request copied in one call: ``kernels`` whole kernel blocks from staged
+    kernel block ``remote`` on into local kernel blocks ``local`` on (``whole``), or
+    ``rows`` tokens from row ``remote_row`` of one staged kernel block into row
+    ``local_row`` of one local one."""
+
+    local: int
+    remote: int
+    kernels: int = 1
+    whole: bool = True
+    local_row: int = 0
+    remote_row: int = 0
+    rows: int = 0
+
+
+def token_segments(local_ids: np.ndarray, remote_blocks: int, local: SideGeometry,
+                   remote: SideGeometry) -> list[Segment]:
+    """How the request's tokens go from staging (``remote_blocks`` remote blocks' kernel
+    blocks in order) into the local kernel blocks of logical ``local_ids``, in token order
+    up to the shorter side's end. Where both sides' kernel blocks hold the same tokens,
+    whole kernel blocks move, consecutive local ones in one segment; otherwise each
+    overlap of a local and a staged kernel block is a segment of rows."""
+    kl, kr = local.kernel_block_size, remote.kernel_block_size
+    tokens = min(len(local_ids) * local.block_size, remote_blocks * remote.block_size)
+    kernel = (local_ids[:, None] * local.kernel_ratio
+              + np.arange(local.kernel_ratio, dtype=np.int64)).reshape(-1)
+    if kl == kr:
+        ids = kernel[:tokens // kl]
+        starts = np.flatnonzero(np.concatenate([[True], np.diff(ids) != 1]))
+        counts = np.diff(np.append(starts, len(ids)))
+        return [Segment(int(ids[s]), int(s), int(c)) for s, c in zip(starts, counts, strict=True)]
+    bounds = np.union1d(np.arange(0, tokens, kl), np.arange(0, tokens, kr))
+    ends = np.append(bounds[1:], tokens)
+    return [Segment(int(kernel[a // kl]), int(a // kr), 1, False, int(a % kl), int(a % kr),
+                    int(b - a)) for a, b in zip(bounds.tolist(), ends.tolist(), strict=True)]
 
 
 def layer_groups(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
@@ -173,33 +248,13 @@ def _alike(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def rekernel(blocks: torch.Tensor, from_ratio: int, to_ratio: int) -> torch.Tensor:
-    """``[n * from_ratio, ..., k, X]`` kernel blocks (``from_ratio`` per logical block, in
-    order; any dims between, such as layers and heads) regrouped as
-    ``[n * to_ratio, ..., k * from_ratio // to_ratio, X]``: the same logical blocks'
-    tokens at another kernel block size."""
-    if from_ratio == to_ratio:
-        return blocks
-    kernels, *mid, tokens, width = blocks.shape
-    count = kernels // from_ratio
-    logical = blocks.reshape(count, from_ratio, *mid, tokens, width).movedim(1, -3)
-    regrouped = logical.reshape(count, *mid, to_ratio, -1, width).movedim(-3, 1)
-    return regrouped.reshape(count * to_ratio, *mid, -1, width)
-
-
 def plan_staged_read(local: SideGeometry, remote: SideGeometry, remote_rank: int,
-                     slices: Sequence[HeadSlice], why: str = "") -> StagedRead:
+                     slices: Sequence[HeadSlice]) -> StagedRead:
     """A :class:`StagedRead` for ``slices`` of ``remote_rank``; raises
-    :class:`IncompatibleLayoutError` when even staging cannot bridge the two (``why``:
-    the reason byte copies could not, for the message)."""
+    :class:`IncompatibleLayoutError` when even staging cannot bridge the two."""
     if local.num_layers != remote.num_layers:
         raise IncompatibleLayoutError(
             f"decode has {local.num_layers} layers but prefill has {remote.num_layers}")
-    if local.block_size != remote.block_size:
-        raise IncompatibleLayoutError(
-            f"decode layout {local.layout} and prefill layout {remote.layout} need a "
-            f"conversion, which needs equal block sizes; decode has {local.block_size}, "
-            f"prefill {remote.block_size}" + (f" (a conversion because {why})" if why else ""))
     if local.separate_kv_head_groups != remote.separate_kv_head_groups:
         raise IncompatibleLayoutError(
             "one side keeps K and V in separate head groups and the other packs them; "
@@ -239,6 +294,6 @@ def plan_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
         try:
             out.extend(plan_peer_reads(local, remotes, pieces, local_tp=local_tp,
                                        remote_tp=remote_tp))
-        except ConversionNeeded as exc:
-            out.append(plan_staged_read(local, remotes[rank], rank, pieces, str(exc)))
+        except ConversionNeeded:
+            out.append(plan_staged_read(local, remotes[rank], rank, pieces))
     return out

@@ -57,6 +57,7 @@ class Part:
     staging: Staging
     offset: int
     local_ids: np.ndarray
+    remote_blocks: int  # staged in this part, the remote ids' blocks paired with local_ids
     descs: RankDescriptors
     transfer: Any = None  # the posted READ
     placed: Future[None] | None = None
@@ -83,8 +84,9 @@ class StagingPool:
     def take(self, reads: Sequence[tuple[StagedRead, np.ndarray, np.ndarray]]
              ) -> StagedJob | None:
         """Buffers for ``(plan, local ids, remote ids)`` reads (ids paired, in staging
-        order), cut into parts; None while the buffers in use leave too little room."""
-        needs = [len(local) * plan.bytes_per_block for plan, local, _ in reads]
+        order: :meth:`~kvxfer.staging.StagedRead.ids`), cut into parts; None while the
+        buffers in use leave too little room."""
+        needs = [len(remote) * plan.bytes_per_block for plan, _, remote in reads]
         if sum(buffer_size(n) for n in needs) > self.limit:
             raise StagingTooSmall(
                 f"converting this read needs {sum(needs) >> 20} MiB of staging, more than "
@@ -102,13 +104,11 @@ class StagingPool:
             self._free.extend(job.stagings)
             raise
         for (plan, local, remote), staging in zip(reads, job.stagings, strict=True):
-            per_part = max(1, PART_BYTES // plan.bytes_per_block)
-            for start in range(0, len(local), per_part):
-                offset = start * plan.bytes_per_block
-                descs = plan.descriptors(remote[start:start + per_part],
-                                         staging.buffer.data_ptr() + offset)
-                job.parts.append(Part(plan, staging, offset, local[start:start + per_part],
-                                      descs))
+            for lpart, rpart in plan.parts(len(local), len(remote), PART_BYTES):
+                offset = rpart.start * plan.bytes_per_block
+                descs = plan.descriptors(remote[rpart], staging.buffer.data_ptr() + offset)
+                job.parts.append(Part(plan, staging, offset, local[lpart],
+                                      rpart.stop - rpart.start, descs))
         return job
 
     def _take(self, nbytes: int) -> Staging | None:
@@ -162,7 +162,8 @@ class StagingPool:
         plan = part.plan
         part.placed = self._converter.submit(
             plan.convert, part.staging.buffer[part.offset:], groups,
-            torch.from_numpy(part.local_ids), plan.remote.kv_packing, plan.local.kv_packing)
+            torch.from_numpy(part.local_ids), plan.remote.kv_packing, plan.local.kv_packing,
+            part.remote_blocks)
 
     def settle(self, job: StagedJob, engine_id: str) -> None:
         """Wait for placements still running (a failed read's blocks are about to be

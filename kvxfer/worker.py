@@ -80,7 +80,6 @@ from kvxfer.descriptors import (
     RankDescriptors,
     SideGeometry,
     build_requests_descriptors,
-    validate_block_ids,
 )
 from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
 from kvxfer.host_reads import (
@@ -721,8 +720,7 @@ class TransferWorker:
         direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
         descs = build_requests_descriptors(direct, job.local_block_ids,
                                            job.remote.remote_block_ids) if direct else []
-        converted = [(plan, *validate_block_ids(job.local_block_ids, job.remote.remote_block_ids,
-                                                plan.local.num_blocks, plan.remote.num_blocks))
+        converted = [(plan, *plan.ids(job.local_block_ids, job.remote.remote_block_ids))
                      for plan in peer.plans if isinstance(plan, StagedRead)]
         job.host = [(peer.host[plan.remote_rank], local, remote)
                     for plan, local, remote in converted if plan.remote_rank in peer.host]

@@ -110,7 +110,8 @@ def test_plan_explains_a_converted_read() -> None:
         (part,) = rank["converted"]
         host = part.pop("host_read")
         assert part == {"prefill_rank": 0, "staging_bytes": 10 * 32 * 16 * 8 * 256 * 2,
-                        "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2}
+                        "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2,
+                        "host_read_unavailable": None}
         assert rank["bytes"] == part["staging_bytes"]
         # on one host: per layer page, 16 tokens' 4 heads (one range each on the decode,
         # heads outside tokens there) and the 15 gaps of the other 4 heads between them,
@@ -127,12 +128,30 @@ def test_plan_explains_a_converted_read() -> None:
            "one local copy" in text
 
 
+def test_plan_explains_a_converted_read_across_block_sizes() -> None:
+    """A converted read between two block sizes goes through staging (a host read's byte
+    map is one template per block, which needs one block size); the plan says so."""
+    out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
+                 "--decode-tp", "2", "--prefill-block-size", "16", "--decode-block-size", "32",
+                 "--tokens", "160", "--json")
+    assert out.returncode == 0, out.stderr
+    for rank in json.loads(out.stdout)["decode_ranks"]:
+        assert rank["converted"] == [{
+            "prefill_rank": 0, "staging_bytes": 10 * 32 * 16 * 8 * 256 * 2,
+            "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2, "host_read": None,
+            "host_read_unavailable": "the two sides' block sizes differ"}]
+    text = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
+                  "--decode-tp", "2", "--prefill-block-size", "16", "--decode-block-size", "32",
+                  "--tokens", "160").stdout
+    assert "always (the two sides' block sizes differ: no host read): reads 20.0 MiB" in text
+
+
 def test_plan_incompatible_configuration_is_a_plain_error() -> None:
     out = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
-                 "--decode-tp", "2", "--prefill-block-size", "16", "--decode-block-size", "32")
+                 "--decode-tp", "2", "--prefill-block-size", "16", "--decode-block-size", "24")
     assert out.returncode == 1
-    assert "decode layout LBHNC and prefill layout LBNHC need a conversion, which needs " \
-           "equal block sizes; decode has 32, prefill 16" in out.stderr
+    assert "decode block size 24 and prefill block size 16: one must be a multiple of the " \
+           "other" in out.stderr
 
 
 def test_plan_explains_an_mla_latent_cache() -> None:

@@ -17,6 +17,7 @@ from test_descriptors import (
     LAYOUTS,
     TP_PAIRS,
     Rank,
+    block_sizes,
     expect_compatible,
     head_ranges,
     kernel_ratio,
@@ -27,7 +28,7 @@ from test_descriptors import (
 )
 
 from kvxfer import host_reads
-from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan, validate_block_ids
+from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan
 from kvxfer.host_reads import Canary, plan_host_read
 from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.topology import read_plan
@@ -36,9 +37,8 @@ from kvxfer.topology import read_plan
 def run_staged(local: Rank, remote: Rank, plan: StagedRead, local_ids: np.ndarray,
                remote_ids: np.ndarray) -> int:
     """READ into staging by byte copies, then convert; the number of descriptors."""
-    lids, rids = validate_block_ids(local_ids, remote_ids, plan.local.num_blocks,
-                                    plan.remote.num_blocks)
-    staging = torch.zeros(len(lids) * plan.bytes_per_block, dtype=torch.uint8)
+    lids, rids = plan.ids(local_ids, remote_ids)
+    staging = torch.zeros(len(rids) * plan.bytes_per_block, dtype=torch.uint8)
     descs = plan.descriptors(rids, staging.data_ptr())
     assert int(descs.local[:, 1].sum()) == staging.numel()
     dst = staging.numpy()
@@ -49,7 +49,8 @@ def run_staged(local: Rank, remote: Rank, plan: StagedRead, local_ids: np.ndarra
         offset = laddr - staging.data_ptr()
         start = raddr - src.data_ptr()
         dst[offset:offset + length] = src.numpy()[start:start + length]
-    plan.convert(staging, layer_groups(local.views), torch.from_numpy(lids))
+    plan.convert(staging, layer_groups(local.views), torch.from_numpy(lids),
+                 remote_blocks=len(rids))
     return len(descs)
 
 
@@ -65,6 +66,8 @@ def conversions(draw: st.DrawFn) -> dict:
             "local_layout": draw(st.sampled_from(LAYOUTS)),
             "remote_layout": draw(st.sampled_from(LAYOUTS)),
             "block_size": draw(st.sampled_from([2, 4])), "head_size": draw(st.sampled_from([1, 3])),
+            # the other side's blocks are ratio x larger (decode larger when positive)
+            "ratio": draw(st.sampled_from([1, 1, 2, 4, -2, -4])),
             "pad": draw(st.sampled_from([0, 4])), "groups": draw(st.booleans()),
             "layers": draw(st.integers(1, 3)), "blocks": draw(st.integers(1, 7)),
             "separate_storage": draw(st.booleans()),
@@ -81,7 +84,9 @@ def conversions(draw: st.DrawFn) -> dict:
 @given(conversions())
 def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
     rng = np.random.default_rng(s["seed"])
-    local_spec, remote_spec = spec_for(s, s["local_tp"]), spec_for(s, s["remote_tp"])
+    local_bs, remote_bs = block_sizes(s)
+    local_spec = spec_for(s, s["local_tp"], local_bs)
+    remote_spec = spec_for(s, s["remote_tp"], remote_bs)
     local_kr = kernel_ratio(local_spec, s["local_kernel"])
     remote_kr = kernel_ratio(remote_spec, s["remote_kernel"])
     local = make_rank(local_spec, s["local_layout"], s["blocks"], s["layers"],
@@ -89,9 +94,14 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
     plan = read_plan(s["local_rank"], s["local_tp"], s["remote_tp"], s["total"])
     remotes = {p.remote_rank: make_rank(remote_spec, s["remote_layout"], s["blocks"] + 2,
                                         s["layers"], False, rng, remote_kr) for p in plan}
-    count = s["blocks"] if s["ids"] == "all" else int(rng.integers(1, s["blocks"] + 1))
-    local_ids = pick_ids(s["ids"], count, s["blocks"], rng)
-    remote_ids = pick_ids(s["ids"], count, s["blocks"] + 2, rng)
+    small = min(local_bs, remote_bs)
+    lr, rr = local_bs // small, remote_bs // small  # blocks per larger block: one is 1
+    # f blocks on the smaller-block side, ceil(f / ratio) on the other
+    most = min(s["blocks"] * lr // rr if lr >= rr else s["blocks"],
+               (s["blocks"] + 2) * rr // lr if rr >= lr else s["blocks"] + 2)
+    fine = most if s["ids"] == "all" else int(rng.integers(1, most + 1))
+    local_ids = pick_ids(s["ids"], -(-fine // lr), s["blocks"], rng)
+    remote_ids = pick_ids(s["ids"], -(-fine // rr), s["blocks"] + 2, rng)
     full = all(p.count == local_spec.num_kv_heads == remote_spec.num_kv_heads for p in plan)
     direct = expect_compatible(s["local_layout"], s["remote_layout"], local_spec, remote_spec,
                                full, local_kr, remote_kr)
@@ -103,13 +113,13 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
         return
     expected = [raw.clone() for raw in local.buffers]
     expected_views = make_views_like(local, expected)
-    tokens = np.tile(np.arange(s["block_size"]), len(local_ids))  # every token of each block
+    position = np.arange(fine * small)  # every token, in order on both sides
     lkernel, lrow = (torch.from_numpy(a) for a in local.kernel_rows(
-        np.repeat(local_ids, s["block_size"]), tokens))
+        local_ids[position // local_bs], position % local_bs))
     for piece in plan:
         remote = remotes[piece.remote_rank]
         rkernel, rrow = (torch.from_numpy(a) for a in remote.kernel_rows(
-            np.repeat(remote_ids, s["block_size"]), tokens))
+            remote_ids[position // remote_bs], position % remote_bs))
         for rh, lh, n in head_ranges(local_spec, remote_spec, piece.remote_head_offset,
                                      piece.local_head_offset, piece.count):
             lheads, rheads = torch.arange(lh, lh + n)[None], torch.arange(rh, rh + n)[None]
@@ -128,13 +138,15 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
         run_staged(local, remotes[read.remote_rank], read, local_ids, remote_ids)
         with mock.patch.object(host_reads, "IOV_MAX", s["iov_max"]):
             runs = plan_host_read(read, host_groups, offer, min_run_bytes=0)
+            if local_bs != remote_bs:  # not one template per block: read through staging
+                assert runs is None
+                continue
             assert runs is not None and runs.bytes_per_block == read.placed_per_block
-            lids, rids = validate_block_ids(local_ids, remote_ids, read.local.num_blocks,
-                                            read.remote.num_blocks)
+            lids, rids = read.ids(local_ids, remote_ids)
             assert runs.copy(lids, rids)[0] == len(lids) * read.placed_per_block
     for got, want in zip(local.buffers, expected, strict=True):
         assert torch.equal(got, want), "decode buffer differs from the view-level expectation"
-    for got, want in zip(host, expected, strict=True):
+    for got, want in zip(host if local_bs == remote_bs else [], expected, strict=False):
         assert torch.equal(got, want), "a host read differs from the view-level expectation"
 
 
@@ -161,9 +173,9 @@ def test_staging_refuses_what_it_cannot_bridge() -> None:
 
     rng = np.random.default_rng(1)
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 4, 2, False, rng)
-    local = make_rank(CacheSpec(8, 4, 2, torch.float16), KVCacheLayout.LBHNC, 4, 2, False, rng)
-    with pytest.raises(IncompatibleLayoutError, match="need a conversion, which needs equal "
-                                                      "block sizes; decode has 8, prefill 4"):
+    local = make_rank(CacheSpec(6, 4, 2, torch.float16), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    with pytest.raises(IncompatibleLayoutError, match="decode block size 6 and prefill block "
+                                                      "size 4: one must be a multiple"):
         plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8), local_tp=2,
                    remote_tp=1)
     wider = make_rank(CacheSpec(4, 4, 3, torch.float16), KVCacheLayout.LBHNC, 4, 2, False, rng)
@@ -177,33 +189,47 @@ def logical_blocks(view: torch.Tensor, ratio: int) -> torch.Tensor:
     return view.unflatten(0, (-1, ratio)).transpose(1, 2).flatten(2, 3)
 
 
-@pytest.mark.parametrize(("remote_packing", "local_packing", "local_layout", "ratios"), [
-    ("vllm-cpu-vec", "token", "LBNHC", (1, 1)), ("token", "vllm-cpu-vec", "BLHNC", (1, 1)),
-    ("vllm-cpu-vec", "token", "BHLNC", (1, 1)),
+@pytest.mark.parametrize(("remote_packing", "local_packing", "local_layout", "ratios", "sizes"), [
+    ("vllm-cpu-vec", "token", "LBNHC", (1, 1), (4, 4)),
+    ("token", "vllm-cpu-vec", "BLHNC", (1, 1), (4, 4)),
+    ("vllm-cpu-vec", "token", "BHLNC", (1, 1), (4, 4)),
     # kernel blocks: a vllm-cpu-vec head block depends on its kernel block size
-    ("vllm-cpu-vec", "token", "LBNHC", (2, 1)), ("token", "vllm-cpu-vec", "BLHNC", (1, 2)),
-    ("vllm-cpu-vec", "vllm-cpu-vec", "LBHNC", (2, 1)),
-    ("vllm-cpu-vec", "vllm-cpu-vec", "BLHNC", (4, 2))])
+    ("vllm-cpu-vec", "token", "LBNHC", (2, 1), (4, 4)),
+    ("token", "vllm-cpu-vec", "BLHNC", (1, 2), (4, 4)),
+    ("vllm-cpu-vec", "vllm-cpu-vec", "LBHNC", (2, 1), (4, 4)),
+    ("vllm-cpu-vec", "vllm-cpu-vec", "BLHNC", (4, 2), (4, 4)),
+    # block sizes: a token-packing prefill of small blocks feeding vLLM's CPU cache of
+    # larger ones (a kvxfer sidecar at 16 -> vLLM at 128, scaled down), and the reverse
+    ("token", "vllm-cpu-vec", "LBHNC", (1, 1), (2, 8)),
+    ("vllm-cpu-vec", "token", "LBNHC", (1, 1), (8, 2)),
+    ("vllm-cpu-vec", "vllm-cpu-vec", "LBHNC", (1, 1), (2, 4)),
+    # one kernel size, two block sizes: whole kernel blocks, local ones in request order
+    ("token", "token", "LBNHC", (1, 2), (2, 4))])
 def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
         remote_packing: str, local_packing: str, local_layout: str,
-        ratios: tuple[int, int]) -> None:
+        ratios: tuple[int, int], sizes: tuple[int, int]) -> None:
     """vLLM's CPU packing (K transposed, then V, per head's block) on one side, token
     packing on the other: every K and V element lands where the decode's packing reads
     it, whether or not the layouts alone would have needed a conversion; likewise one
-    packing at two kernel block sizes (``ratios``: prefill's, decode's)."""
+    packing at two kernel block sizes (``ratios``: prefill's, decode's) or two block sizes
+    (``sizes``: prefill's, decode's; the request's tokens in order on both sides)."""
     from kvxfer.engine.attention import kv_views
     from kvxfer.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(2)
-    spec = CacheSpec(4, 2, 3, torch.float32)
-    remote = make_rank(spec, KVCacheLayout.LBHNC, 6, 2, False, rng, ratios[0])
-    local = make_rank(spec, KVCacheLayout[local_layout], 5, 2, False, rng, ratios[1])
+    remote = make_rank(CacheSpec(sizes[0], 2, 3, torch.float32), KVCacheLayout.LBHNC, 6 * 4,
+                       2, False, rng, ratios[0])
+    local = make_rank(CacheSpec(sizes[1], 2, 3, torch.float32), KVCacheLayout[local_layout],
+                      5 * 4, 2, False, rng, ratios[1])
     (read,) = plan_reads(replace(local.geometry, kv_packing=local_packing),
                          {0: replace(remote.geometry, kv_packing=remote_packing)},
                          read_plan(0, 1, 1, 2))
     assert isinstance(read, StagedRead)
-    lids, rids = np.array([4, 0, 2]), np.array([1, 5, 3])
-    staging = torch.zeros(len(lids) * read.bytes_per_block, dtype=torch.uint8)
+    tokens = 11  # the last block of each side partly used
+    lids = np.array([4, 0, 2, 19, 7, 11])[:-(-tokens // sizes[1])]
+    rids = np.array([1, 5, 3, 23, 8, 12])[:-(-tokens // sizes[0])]
+    lids, rids = read.ids(lids, rids)
+    staging = torch.zeros(len(rids) * read.bytes_per_block, dtype=torch.uint8)
     descs = read.descriptors(rids, staging.data_ptr())
     src = remote.buffers[0]
     for (laddr, length, _), (raddr, _, _) in zip(descs.local.tolist(), descs.remote.tolist(),
@@ -211,13 +237,15 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
         offset, start = laddr - staging.data_ptr(), raddr - src.data_ptr()
         staging.numpy()[offset:offset + length] = src.numpy()[start:start + length]
     read.convert(staging, layer_groups(local.views), torch.from_numpy(lids), remote_packing,
-                 local_packing)
+                 local_packing, len(rids))
+    count = min(len(lids) * sizes[1], len(rids) * sizes[0])  # tokens paired
     for layer in range(2):
-        want_k, want_v = (logical_blocks(x, ratios[0])
+        want_k, want_v = (logical_blocks(x, ratios[0])[rids].transpose(0, 1).flatten(1, 2)
                           for x in kv_views(remote.views[layer], remote_packing))
-        got_k, got_v = (logical_blocks(x, ratios[1])
+        got_k, got_v = (logical_blocks(x, ratios[1])[lids].transpose(0, 1).flatten(1, 2)
                         for x in kv_views(local.views[layer], local_packing))
-        for got, want in ((got_k[lids], want_k[rids]), (got_v[lids], want_v[rids])):
+        for got, want in ((got_k[:, :count], want_k[:, :count]),
+                          (got_v[:, :count], want_v[:, :count])):
             # random bytes include NaNs: compare the bits
             assert torch.equal(got.contiguous().view(torch.int32),
                                want.contiguous().view(torch.int32))
@@ -258,20 +286,18 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
 
 def test_a_packing_per_kernel_block_is_never_cut_by_byte_copies() -> None:
     """vllm-cpu-vec keeps K transposed per head's kernel block, so a run of tokens is no
-    byte run: at two kernel sizes the read is converted (equal block sizes, above) or,
-    at two block sizes, refused naming both sides."""
+    byte run: at two kernel or block sizes the read is converted (exactly: the property
+    test above), at one it is byte copies."""
     from kvxfer.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(5)
     small = make_rank(CacheSpec(4, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
     large = make_rank(CacheSpec(8, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
     vec = "vllm-cpu-vec"
-    with pytest.raises(IncompatibleLayoutError, match=r"decode has 8, prefill 4 \(a conversion "
-                                                      r"because K and V packed as 'vllm-cpu-vec' "
-                                                      r"lie per kernel block.*decode kernel "
-                                                      r"blocks hold 8 tokens, prefill's 4"):
-        plan_reads(replace(large.geometry, kv_packing=vec),
-                   {0: replace(small.geometry, kv_packing=vec)}, read_plan(0, 1, 1, 2))
+    for local, remote in ((large, small), (small, large)):
+        (read,) = plan_reads(replace(local.geometry, kv_packing=vec),
+                             {0: replace(remote.geometry, kv_packing=vec)}, read_plan(0, 1, 1, 2))
+        assert isinstance(read, StagedRead)
     (direct,) = plan_reads(replace(small.geometry, kv_packing=vec),  # one size: byte copies
                            {0: replace(small.geometry, kv_packing=vec)}, read_plan(0, 1, 1, 2))
     assert isinstance(direct, PeerReadPlan)

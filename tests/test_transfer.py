@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from kvxfer import protocol
+from kvxfer.layout import parse_layout
 from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
 
 
@@ -228,21 +229,6 @@ def test_hash_mismatch_names_the_differing_field(prefill: PrefillProcess, pair: 
         other.close()
 
 
-def test_a_conversion_across_block_sizes_is_refused_naming_both(prefill: PrefillProcess
-                                                                 ) -> None:
-    remote = prefill.create(CacheConfig(layout="LBNHC", num_blocks=8, block_size=16))
-    decode = decode_instance(CacheConfig(layout="LBHNC", tp=2, num_blocks=8, block_size=32))
-    try:
-        decode.read("s", params_for(remote, "s", [0], remote_block_size=16), [0])
-        _, failed = decode.wait(["s"])
-        assert "decode layout LBHNC and prefill layout LBNHC need a conversion, which needs " \
-               "equal block sizes; decode has 32, prefill 16" in failed["s"]
-        for view in decode.caches[0].values():
-            assert (view == -1).all()
-    finally:
-        decode.close()
-
-
 def test_out_of_range_remote_block_ids_fail_that_request_only(prefill: PrefillProcess,
                                                               pair: tuple) -> None:
     remote, cfg, decode = pair
@@ -280,10 +266,16 @@ def check_tokens(decode: LoopbackInstance, prefill_cfg: CacheConfig, remote_ids:
 
 @pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_bs", "decode_bs", "tp"), [
     ("LBHNC", "BLHNC", 16, 32, (1, 1)), ("BHLNC", "LBHNC", 32, 8, (1, 2)),
-    ("LBNHC", "LBNHC", 8, 32, (1, 1))])
+    ("LBNHC", "LBNHC", 8, 32, (1, 1)),
+    # converted through staging (a host read needs one block size): a head split of a
+    # tokens-outside-heads prefill, heads and tokens ordered differently, both
+    ("LBNHC", "LBNHC", 16, 32, (1, 2)), ("LBHNC", "LBNHC", 32, 16, (1, 1)),
+    ("BLNHC", "BHLNC", 8, 32, (2, 1))])
 def test_different_block_sizes_move_every_token_to_its_place(
         prefill: PrefillProcess, prefill_layout: str, decode_layout: str, prefill_bs: int,
         decode_bs: int, tp: tuple[int, int]) -> None:
+    """The request's tokens pair in order across two block sizes, one a multiple of the
+    other, read directly where byte copies place them and through staging where not."""
     tokens = 77  # a last block partly filled on both sides
     pcfg = CacheConfig(layout=prefill_layout, block_size=prefill_bs, num_blocks=24, tp=tp[0])
     dcfg = CacheConfig(layout=decode_layout, block_size=decode_bs, num_blocks=24, tp=tp[1])
@@ -296,9 +288,14 @@ def test_different_block_sizes_move_every_token_to_its_place(
         prefill.hold(remote["engine_id"], "mixed", remote_ids, ttl=30)
         decode.read("mixed", params_for(remote, "mixed", remote_ids, tp_size=tp[0],
                                         remote_block_size=prefill_bs), local_ids)
-        _, failed = decode.wait(["mixed"])
+        stats, failed = decode.wait(["mixed"])
         assert failed == {}
         check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
+        assert all(s.host_ranks == 0 and s.descriptors > 0 for s in stats["mixed"])
+        # converted reads took staging and gave it back to the pool; direct ones took none
+        outside = [parse_layout(x).heads_outside_tokens for x in (prefill_layout, decode_layout)]
+        converted = outside[0] != outside[1] or (tp[0] != tp[1] and not outside[0])
+        assert all(bool(w._staging._free) == converted for w in decode.workers)
         assert prefill.wait_released(remote["engine_id"], {"mixed"}) == {"mixed": "done"}
     finally:
         decode.close()
@@ -310,7 +307,8 @@ def test_different_block_sizes_move_every_token_to_its_place(
     (("BLHNC", 16, None), ("BHLNC", 16, 4), (1, 1)),     # decode kernel blocks
     (("BHLNC", 32, 8), ("LBHNC", 16, 8), (1, 2)),        # both, block sizes differ, TP 1 -> 2
     (("LBHNC", 8, 2), ("BLHNC", 32, 16), (2, 1)),        # the reverse mismatch, TP 2 -> 1
-    (("LBNHC", 16, 4), ("LBHNC", 16, 8), (1, 2))])       # converted through staging
+    (("LBNHC", 16, 4), ("LBHNC", 16, 8), (1, 2)),        # converted through staging
+    (("LBNHC", 8, 4), ("LBHNC", 32, 16), (1, 2))])       # the same, block sizes differ
 def test_kernel_blocks_move_every_token_of_each_logical_block(
         prefill: PrefillProcess, prefill_side: tuple[str, int, int | None],
         decode_side: tuple[str, int, int | None], tp: tuple[int, int]) -> None:

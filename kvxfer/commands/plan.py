@@ -169,6 +169,9 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
                               "staging_bytes": len(remote_ids) * staged.bytes_per_block,
                               "placed_bytes": len(remote_ids) * staged.placed_per_block,
                               # on one host: copied straight into place (kvxfer.host_reads)
+                              "host_read_unavailable": None if host is not None else (
+                                  "the two sides' block sizes differ" if prefill_bs != decode_bs
+                                  else "its ranges are too short to pay"),
                               "host_read": None if host is None else {
                                   "local_ranges": len(remote_ids) * len(host.local.off),
                                   "remote_ranges": len(remote_ids) * len(host.remote.off),
@@ -268,7 +271,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{host['calls']} system calls, no staging (measured 0.8-1.5x the time "
                       f"of a direct read; in-process decode ranks of one prefill rank share "
                       f"one copy)")
-            print(f"      {'elsewhere' if host else 'always'}: reads "
+            where = "elsewhere" if host else \
+                f"always ({part['host_read_unavailable']}: no host read)"
+            print(f"      {where}: reads "
                   f"{_human(part['staging_bytes'])} into a staging buffer, places "
                   f"{_human(part['placed_bytes'])} of it with one local copy (about 2-3x "
                   f"the time of a direct read: every byte crosses memory twice)")
