@@ -82,7 +82,6 @@ every rank reported finished or failed.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import queue
@@ -581,13 +580,13 @@ class KVConnector:
         """The prompt's local blocks past the ``cached`` prefix and the params naming the
         prefill's blocks past it (its block size may differ: descriptors pair them)."""
         local_size = self.engine.block_size
-        remote_size = item.remote.remote_block_size or local_size
         local = self.engine.block_ids(item.request_id)[cached // local_size:
                                                        -(-len(item.prompt) // local_size)]
         if not cached:
             return local, item.remote
-        return local, dataclasses.replace(
-            item.remote, remote_block_ids=item.remote.remote_block_ids[cached // remote_size:])
+        remote = item.remote
+        size = remote.remote_block_size or local_size
+        return local, remote.tokens(cached, len(remote.remote_block_ids) * size, local_size)
 
     def _skip_read(self, item: _Pending) -> None:
         """The prefix cache holds the KV of every token the decode needs: read nothing,

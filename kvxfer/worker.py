@@ -69,7 +69,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -218,6 +218,23 @@ class RemoteParams:
     @property
     def address(self) -> str:
         return endpoint(self.remote_host, self.remote_port)
+
+    def tokens(self, start: int, end: int, local_block_size: int) -> RemoteParams:
+        """These params narrowed to the prefill blocks that hold the prompt's tokens
+        ``[start, end)`` (a decode's prefix-cache hit skips the first ``start``; the
+        prefill's block size may differ from the decode's ``local_block_size``); ValueError
+        when ``start`` falls inside a prefill block or the lease holds too few blocks."""
+        size = self.remote_block_size or local_block_size
+        if start % size:
+            raise ValueError(f"the decode holds the first {start} tokens, which end inside "
+                             f"a {size}-token block of the prefill; a READ starts at a "
+                             f"prefill block")
+        first, last = start // size, -(-end // size)
+        if last > len(self.remote_block_ids):
+            raise ValueError(f"the prefill leased {len(self.remote_block_ids)} blocks of "
+                             f"{size} tokens, but the prompt's first {end} tokens need {last}: "
+                             f"the two instances disagree on the prompt or the block size")
+        return replace(self, remote_block_ids=self.remote_block_ids[first:last])
 
 
 @dataclass(frozen=True)

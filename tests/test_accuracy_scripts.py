@@ -91,6 +91,10 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
                   "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
+    # a converted read across block sizes: a head split of a tokens-outside-heads prefill
+    pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "LBNHC", "PREFILLER_TP_SIZE": "1",
+                  "DECODER_TP_SIZE": "2", "PREFILLER_BLOCK_SIZE": "16",
+                  "DECODER_BLOCK_SIZE": "32"}, id="tiny-lbnhc-tp1-to-tp2-block16-to-block32"),
     pytest.param({**TINY_MLA, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
                  id="tiny-mla-tp1-to-tp2"),
     # the second prefill rank is only told to free; LBNHC needs no conversion for one head

@@ -575,6 +575,31 @@ def test_malformed_params_raise_before_anything_starts(pair: tuple) -> None:
             decode.workers[0].start_read("m", params, [0])
 
 
+@pytest.mark.parametrize(("remote_size", "start", "end", "ids"), [
+    (None, 32, 75, (2, 3, 4)),     # the decode's own size: its hit of 2 blocks skipped
+    (8, 32, 75, (4, 5, 6, 7, 8, 9)),  # smaller prefill blocks: 4 of them per decode block
+    (32, 32, 75, (1, 2)),          # larger ones: the hit ends at a prefill block
+    (32, 0, 16, (0,))])            # a prompt shorter than one prefill block
+def test_params_narrow_to_the_prefill_blocks_holding_a_token_range(
+        remote_size: int | None, start: int, end: int, ids: tuple[int, ...]) -> None:
+    from kvxfer.worker import RemoteParams
+
+    params = RemoteParams("e", "h", 1, tuple(range(10)), "r", 1, remote_block_size=remote_size)
+    assert params.tokens(start, end, 16).remote_block_ids == ids
+
+
+def test_params_refuse_a_token_range_the_lease_cannot_serve() -> None:
+    from kvxfer.worker import RemoteParams
+
+    params = RemoteParams("e", "h", 1, (0, 1, 2), "r", 1, remote_block_size=32)
+    with pytest.raises(ValueError, match="the first 16 tokens, which end inside a 32-token "
+                                         "block of the prefill"):
+        params.tokens(16, 64, 16)
+    with pytest.raises(ValueError, match="leased 3 blocks of 32 tokens, but the prompt's first "
+                                         "97 tokens need 4"):
+        params.tokens(0, 97, 16)
+
+
 def test_nothing_listening_is_reported_with_the_address(pair: tuple) -> None:
     _, _, decode = pair
     with socket.socket() as probe:

@@ -1,7 +1,9 @@
-"""A vLLM decode with KvxferConnector that meets a prefill it cannot read from (another
-model, another way of packing K and V) fails the request by its policy with an error
-naming the peer and the field; nothing hangs and neither side keeps blocks. Another block
-size is a vLLM prefill with ``--block-size 64`` (the decode has vLLM's CPU default, 128)."""
+"""A vLLM decode with KvxferConnector and prefills that differ from it. One it cannot read
+from (another model) fails the request by its policy with an error naming the peer and
+the field; nothing hangs and neither side keeps blocks. One that keeps another block size
+(a vLLM prefill with ``--block-size 64``, a kvxfer sidecar with 16-token blocks; the decode
+has vLLM's CPU default, 128) or packs K and V otherwise (a sidecar) is read and converted:
+the answer is the single vLLM instance's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from kvxfer.bench.vllm import (
     VllmServer,
     kv_transfer_config,
     model_directory,
-    prefill,
     prompt_ids,
 )
 
@@ -64,40 +65,56 @@ def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmSer
     wait_idle(decode)
 
 
-def test_prefill_of_another_block_size_fails_cleanly(
+def test_a_prefill_of_another_block_size_feeds_the_decode(
         kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path) -> None:
-    _, decode = kvxfer_pair
+    """A vLLM prefill at 64-token blocks, the decode at 128: the decode pairs each of its
+    blocks with the two prefill blocks holding its tokens and converts (vLLM's CPU packing
+    keeps K transposed per block, so a 128-token block is no two 64-token ones byte for
+    byte), token- and log-probability-exact against one instance."""
+    alone_server, decode = kvxfer_pair
     config = kv_transfer_config("kvxfer", {"model_id": smollm2_id()})
     other = VllmServer("kvxfer-prefill-block64", vllm_python, model_directory(), config, 0,
                        log_dir, block_size=64)
     try:
         other.start()
-        prompt = prompt_ids(200, 3)
-        line = failed_load_line(decode, prompt, prefill(other.url, prompt))
-        assert "keeps 64-token blocks, this decode 128: KvxferConnector reads only equal " \
-               "block sizes" in line, line
-        wait_idle(other)  # the decode released the lease: the prefill freed its blocks
+        with proxy_for(other, decode, log_dir) as proxy:
+            for tokens in (200, 700):
+                body = {"prompt": prompt_ids(tokens, 3), "max_tokens": 8, "temperature": 0,
+                        "logprobs": 1}
+                alone = completion(alone_server.url, body)["choices"][0]
+                reads = metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count")
+                got = completion(proxy, body)["choices"][0]
+                assert metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count") == reads + 1
+                assert got["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+                worst = max(abs(a - b) for a, b in zip(
+                    got["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"],
+                    strict=True))
+                assert worst <= 1e-4, f"log-probabilities differ by up to {worst}"
+        wait_idle(other)  # the decode's "done" ended the lease: the prefill freed its blocks
         wait_idle(decode)
     finally:
         other.stop()
 
 
-@pytest.mark.parametrize("packing", ["vllm-cpu-vec", "token"])
+@pytest.mark.parametrize(("packing", "block_size"),
+                         [("vllm-cpu-vec", 128), ("token", 128), ("token", 16)])
 def test_a_kvxfer_sidecar_prefill_feeds_a_vllm_decode(
-        kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path, packing: str) -> None:
-    """One protocol across two engines: kvxfer's reference engine (128-token blocks,
-    float32) prefills, a vLLM decode with KvxferConnector reads it, and the answer is
-    vLLM's own. With ``--kv-packing vllm-cpu-vec`` the sidecar keeps its cache as vLLM's
-    CPU backend does and the bytes are copied as they are; with its own ``token``
-    packing the decode converts them (kvxfer.staging)."""
+        kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path, packing: str,
+        block_size: int) -> None:
+    """One protocol across two engines: kvxfer's reference engine (float32) prefills, a
+    vLLM decode with KvxferConnector (128-token blocks) reads it, and the answer is
+    vLLM's own. With ``--kv-packing vllm-cpu-vec`` and 128-token blocks the sidecar keeps
+    its cache as vLLM's CPU backend does and the bytes are copied as they are; with its
+    own ``token`` packing the decode converts them (kvxfer.staging), also from the
+    sidecar's default 16-token blocks."""
     alone_server, decode = kvxfer_pair
-    spec = Spec(role="prefill", block_size=128, num_blocks=16,
+    spec = Spec(role="prefill", block_size=block_size, num_blocks=2048 // block_size,
                 extra=("--model", "smollm2-135m-instruct", "--dtype", "float32",
                        "--kv-packing", packing, "--served-model-name", SERVED_NAME))
     body = {"prompt": "Q: What is the capital of France? Answer in a sentence.\nA:",
             "max_tokens": 16, "temperature": 0}
     alone = completion(alone_server.url, body)["choices"][0]["text"]
-    sidecar_logs = log_dir / f"sidecar-{packing}-packing"
+    sidecar_logs = log_dir / f"sidecar-{packing}-packing-{block_size}"
     sidecar_logs.mkdir(exist_ok=True)
     with sidecars(sidecar_logs, [spec]) as (sidecar,), \
             proxy_for(sidecar, decode, log_dir) as proxy:

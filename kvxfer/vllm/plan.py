@@ -32,8 +32,8 @@ class Load:
     """Decode: read the prefill's KV named by ``params`` into ``local_block_ids``.
 
     The first ``skip_blocks`` blocks of the prompt were found in this instance's
-    prefix cache: the READ covers ``remote_block_ids[skip_blocks:]`` only, one
-    remote block per local one.
+    prefix cache: the READ covers the prefill's blocks past their tokens only (its
+    blocks may be of another size: :meth:`kvxfer.worker.RemoteParams.tokens`).
     """
 
     request_id: str

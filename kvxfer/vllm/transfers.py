@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvxfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
@@ -171,27 +171,22 @@ class WorkerSide:
         if not load.local_block_ids:  # nothing to read: the prefill may free it now
             self._release(full, "the decode did not need it (prefix cache hit or aborted)")
             return
-        if full.remote_block_size not in (None, self.block_size):
-            self._fail(load, f"prefill {full.remote_engine_id} at {full.address} keeps "
-                             f"{full.remote_block_size}-token blocks, this decode "
-                             f"{self.block_size}: KvxferConnector reads only equal block "
-                             f"sizes; run both with the same --block-size")
-            self._release(full, "the decode cannot read another block size")
-            return
         try:
             lease = self.book.claim(full.claims(), full.lease_ticket)
         except (LeaseRefused, ValueError) as exc:  # maybe another request's: never release
             self._fail(load, f"lease {full.remote_request_id} of prefill "
                              f"{full.remote_engine_id} refused: {exc}")
             return
-        end = load.skip_blocks + len(load.local_block_ids)
-        if len(full.remote_block_ids) < end:
-            self._fail(load, f"prefill {full.remote_engine_id} at {full.address} leased "
-                             f"{len(full.remote_block_ids)} blocks, but the prompt needs {end}: "
-                             f"the two instances disagree on the prompt or the block size")
+        # the tokens this load covers, which the prefill's blocks (of its own size) hold
+        end = (load.skip_blocks + len(load.local_block_ids)) * self.block_size
+        if full.remote_num_tokens is not None:
+            end = min(end, full.remote_num_tokens)
+        try:
+            remote = full.tokens(load.skip_blocks * self.block_size, end, self.block_size)
+        except ValueError as exc:
+            self._fail(load, f"prefill {full.remote_engine_id} at {full.address}: {exc}")
             self._release(full, "the decode could not use the lease")
             return
-        remote = replace(full, remote_block_ids=full.remote_block_ids[load.skip_blocks:end])
         self._loads[load.request_id] = _Load(load, remote, lease)
 
         def claimed(ack: RenewAck | None, sent_at: float, why: str) -> None:
