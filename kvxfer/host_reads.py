@@ -38,7 +38,6 @@ import errno as errno_codes
 import itertools
 import os
 import secrets
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -48,6 +47,7 @@ import numpy as np
 import torch
 
 from kvxfer.protocol import HostReads
+from kvxfer.siblings import Meeting, Siblings
 from kvxfer.staging import StagedRead
 
 IOV_MAX = 1024  # iovecs per side in one call (Linux UIO_MAXIOV)
@@ -374,56 +374,43 @@ def _element_offsets(shape: Sequence[int], strides: Sequence[int]) -> torch.Tens
 
 # -- in-process TP ranks share one copy -------------------------------------------------
 
-MEET_S = 0.02  # how long a rank waits for its in-process siblings before copying alone
 SHARES_PER_RANK = 2  # a meeting's blocks are cut into this many shares per member
 
 
 @dataclass
-class _Meeting:
-    ids: tuple[bytes, bytes]  # the request's (local, remote) block ids
-    reads: dict[int, HostRead]  # by decode rank
-    members: int
-    cond: threading.Condition
-    open: bool = True  # still waiting for members
-    shares: list[tuple[int, int]] | None = None  # block ranges, once closed
+class _Shares:
+    """A closed meeting's copy: the merged read of its members' reads, cut into shares of
+    its blocks that the members' threads take in turn."""
+
+    read: HostRead
+    shares: list[tuple[int, int]]
     taken: int = 0
     done: int = 0
     error: BaseException | None = None
-    read: HostRead | None = None  # the merged read of ``reads``
 
 
 class SharedCopies:
     """Where the in-process TP ranks of one decode instance meet to host-read one prefill
-    rank for one request. Alone, each rank would read the prefill's split pages whole (its
-    heads into place, the others' into a sink); together, one merged copy writes every
-    member's heads and its blocks are cut into shares that the members' threads take in
-    turn, so the prefill's bytes are read once.
-
-    A rank joins with the request's key and block ids and waits up to MEET_S for the other
-    ranks registered for that prefill rank (:meth:`register`); then every rank that came
-    copies shares until none is left and waits for the rest. Only ranks that joined with
-    the same ids are written, so a rank that comes late (or with other ids) copies alone;
-    a share that fails fails every member. Thread-safe; one per process (:data:`SHARED`).
+    rank for one request (:mod:`kvxfer.siblings`). Alone, each rank would read the
+    prefill's split pages whole (its heads into place, the others' into a sink); together,
+    one merged copy writes every member's heads and its blocks are cut into shares that
+    the members' threads take in turn, so the prefill's bytes are read once. Every rank
+    that came copies shares until none is left and waits for the rest; a share that
+    fails fails every member. Thread-safe; one per process (:data:`SHARED`).
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ranks: dict[tuple[str, str, int], set[int]] = {}
-        self._meetings: dict[tuple[str, str, str, int], _Meeting] = {}
+        self.siblings: Siblings[HostRead] = Siblings()
         # merged reads by their parts' ids; the parts are kept, so no id is reused meanwhile
         self._merged: dict[tuple[int, ...], tuple[tuple[HostRead, ...], HostRead]] = {}
 
     def register(self, engine: str, prefill: str, prefill_rank: int, rank: int) -> None:
         """Decode rank ``rank`` of ``engine`` host-reads ``prefill_rank`` of ``prefill``."""
-        with self._lock:
-            self._ranks.setdefault((engine, prefill, prefill_rank), set()).add(rank)
+        self.siblings.register(engine, prefill, prefill_rank, rank)
 
     def unregister(self, engine: str, prefill: str, rank: int) -> None:
-        with self._lock:
-            for key in [k for k in self._ranks if k[:2] == (engine, prefill)]:
-                self._ranks[key].discard(rank)
-                if not self._ranks[key]:
-                    del self._ranks[key]
+        self.siblings.unregister(engine, prefill, rank)
+        with self.siblings.lock:
             self._merged.clear()
 
     def copy(self, engine: str, prefill: str, request: str, rank: int, read: HostRead,
@@ -431,67 +418,51 @@ class SharedCopies:
              threads: int = 1) -> tuple[int, int, int]:
         """Copy this rank's part of ``request``, with its siblings where they come: (bytes
         placed for this rank, calls it made, ranks that copied together; 1: alone)."""
-        key = (engine, prefill, request, read.remote_rank)
-        ids = (np.asarray(local_ids, dtype=np.int64).tobytes(),
-               np.asarray(remote_ids, dtype=np.int64).tobytes())
-        with self._lock:
-            members = len(self._ranks.get((engine, prefill, read.remote_rank), ()))
-            meeting = self._meetings.get(key)
-            if members < 2 or (meeting is not None and (not meeting.open or meeting.ids != ids)):
-                meeting = None  # alone: no siblings, or too late, or other ids
-            elif meeting is None:
-                meeting = _Meeting(ids, {}, members, threading.Condition(self._lock))
-                self._meetings[key] = meeting
-            if meeting is not None:
-                meeting.reads[rank] = read
-                if len(meeting.reads) >= meeting.members:
-                    self._close(key, meeting, len(local_ids))
-                else:
-                    meeting.cond.wait_for(lambda: not meeting.open, MEET_S)
-                    if meeting.open:  # the others are late: go with whoever came
-                        self._close(key, meeting, len(local_ids))
-        if meeting is None or len(meeting.reads) == 1:
+        count = len(local_ids)
+        meeting = self.siblings.join((engine, prefill, request, read.remote_rank), rank,
+                                     local_ids, remote_ids, read,
+                                     lambda m: self._close(m, count))
+        if meeting is None or len(meeting.joined) == 1:
             return (*read.copy(local_ids, remote_ids, pool, threads), 1)
         calls = self._take_shares(meeting, local_ids, remote_ids)
-        return len(local_ids) * read.bytes_per_block, calls, len(meeting.reads)
+        return count * read.bytes_per_block, calls, len(meeting.joined)
 
-    def _close(self, key: tuple[str, str, str, int], meeting: _Meeting, count: int) -> None:
-        """Stop waiting (caller holds the lock): merge the reads, cut the shares."""
-        meeting.open = False
-        del self._meetings[key]
-        parts = tuple(meeting.reads[r] for r in sorted(meeting.reads))
+    def _close(self, meeting: Meeting[HostRead], count: int) -> None:
+        """Merge the members' reads and cut the shares (the siblings' lock is held)."""
+        parts = tuple(meeting.joined[r] for r in sorted(meeting.joined))
         cached = self._merged.get(tuple(map(id, parts)))
         if cached is not None and all(a is b for a, b in zip(cached[0], parts, strict=True)):
-            meeting.read = cached[1]
+            read = cached[1]
         elif len(parts) > 1:
-            meeting.read = merged(parts)
-            self._merged[tuple(map(id, parts))] = (parts, meeting.read)
+            read = merged(parts)
+            self._merged[tuple(map(id, parts))] = (parts, read)
+        else:
+            read = parts[0]
         pieces = min(count, SHARES_PER_RANK * len(parts))
         bounds = np.linspace(0, count, pieces + 1).astype(int)
-        meeting.shares = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-        meeting.cond.notify_all()
+        meeting.state = _Shares(read, [(a, b) for a, b in itertools.pairwise(bounds) if b > a])
 
-    def _take_shares(self, meeting: _Meeting, local_ids: np.ndarray,
+    def _take_shares(self, meeting: Meeting[HostRead], local_ids: np.ndarray,
                      remote_ids: np.ndarray) -> int:
         """Copy shares until none is left, then wait for the others' (calls made here)."""
-        assert meeting.shares is not None and meeting.read is not None
+        work: _Shares = meeting.state
         calls = 0
         while True:
-            with self._lock:
-                if meeting.taken == len(meeting.shares) or meeting.error is not None:
-                    meeting.cond.wait_for(lambda: meeting.done == meeting.taken)
-                    if meeting.error is not None:
-                        raise meeting.error
+            with self.siblings.lock:
+                if work.taken == len(work.shares) or work.error is not None:
+                    meeting.cond.wait_for(lambda: work.done == work.taken)
+                    if work.error is not None:
+                        raise work.error
                     return calls
-                lo, hi = meeting.shares[meeting.taken]
-                meeting.taken += 1
+                lo, hi = work.shares[work.taken]
+                work.taken += 1
             try:
-                calls += meeting.read.copy(local_ids[lo:hi], remote_ids[lo:hi])[1]
+                calls += work.read.copy(local_ids[lo:hi], remote_ids[lo:hi])[1]
             except BaseException as exc:
-                with self._lock:
-                    meeting.error = meeting.error or exc
-            with self._lock:
-                meeting.done += 1
+                with self.siblings.lock:
+                    work.error = work.error or exc
+            with self.siblings.lock:
+                work.done += 1
                 meeting.cond.notify_all()
 
 

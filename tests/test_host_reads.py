@@ -228,7 +228,7 @@ def test_a_sibling_that_is_late_or_has_other_ids_copies_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Only ranks that joined with the same ids are written by a shared copy: a rank that
     comes after the wait, or with other block ids, copies its own heads alone."""
-    from kvxfer import host_reads
+    from kvxfer import siblings
     from kvxfer.host_reads import SharedCopies
 
     reads, _, ranks, _canary = _siblings()
@@ -237,7 +237,7 @@ def test_a_sibling_that_is_late_or_has_other_ids_copies_alone(
     shared = SharedCopies()
     for rank in (0, 1):
         shared.register("decode", "prefill", 0, rank)
-    monkeypatch.setattr(host_reads, "MEET_S", 0.01)
+    monkeypatch.setattr(siblings, "MEET_S", 0.01)
     assert shared.copy("decode", "prefill", "late", 0, reads[0], lids, rids)[2] == 1
     assert shared.copy("decode", "prefill", "late", 1, reads[1], lids, rids)[2] == 1
     want = _expected(reads, ranks, lids, rids)
@@ -245,7 +245,7 @@ def test_a_sibling_that_is_late_or_has_other_ids_copies_alone(
     assert [r[2] for r in results] == [1, 1]
     for got, raw in zip(ranks[0].buffers, want[0], strict=True):
         assert torch.equal(got, raw)
-    assert shared._meetings == {}  # nothing left waiting
+    assert shared.siblings.waiting == 0  # nothing left waiting
 
 
 def test_a_share_that_fails_fails_every_sibling() -> None:
