@@ -14,8 +14,9 @@ thread calls the pool; the converter thread only runs placements.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,21 @@ class Staging:
     handles: list[Any]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a staged part's heads go: ``plan``'s heads into view ``groups``. ``guard``
+    (a shared read's other member: :meth:`kvxfer.shared_staging.StagedMeeting.writing`)
+    says whether the placement may still start."""
+
+    plan: StagedRead
+    groups: Sequence[tuple[int, torch.Tensor]]
+    guard: Callable[[], AbstractContextManager[bool]] | None = None
+
+
+# a converted read from one prefill rank: (plan, local ids, remote ids, placements)
+StagedPiece = tuple[StagedRead, np.ndarray, np.ndarray, tuple[Placement, ...]]
+
+
 @dataclass
 class Part:
     """One READ of a converted read: some of its blocks, into ``staging`` at ``offset``."""
@@ -59,8 +75,18 @@ class Part:
     local_ids: np.ndarray
     remote_blocks: int  # staged in this part, the remote ids' blocks paired with local_ids
     descs: RankDescriptors
+    placements: tuple[Placement, ...]
     transfer: Any = None  # the posted READ
     placed: Future[None] | None = None
+
+    def place(self) -> None:
+        """Converter thread: copy the landed part's heads into every placement."""
+        staging, ids = self.staging.buffer[self.offset:], torch.from_numpy(self.local_ids)
+        for target in self.placements:
+            with target.guard() if target.guard else nullcontext(True) as allowed:
+                if allowed:
+                    target.plan.convert(staging, target.groups, ids, self.plan.remote.kv_packing,
+                                        target.plan.local.kv_packing, self.remote_blocks)
 
 
 @dataclass
@@ -81,12 +107,11 @@ class StagingPool:
         self._bytes = 0  # allocated: free, in use or held
         self._converter: ThreadPoolExecutor | None = None
 
-    def take(self, reads: Sequence[tuple[StagedRead, np.ndarray, np.ndarray]]
-             ) -> StagedJob | None:
-        """Buffers for ``(plan, local ids, remote ids)`` reads (ids paired, in staging
-        order: :meth:`~kvxfer.staging.StagedRead.ids`), cut into parts; None while the
-        buffers in use leave too little room."""
-        needs = [len(remote) * plan.bytes_per_block for plan, _, remote in reads]
+    def take(self, reads: Sequence[StagedPiece]) -> StagedJob | None:
+        """Buffers for ``(plan, local ids, remote ids, placements)`` reads (ids paired, in
+        staging order: :meth:`~kvxfer.staging.StagedRead.ids`), cut into parts; None while
+        the buffers in use leave too little room."""
+        needs = [len(remote) * plan.bytes_per_block for plan, _, remote, _ in reads]
         if sum(buffer_size(n) for n in needs) > self.limit:
             raise StagingTooSmall(
                 f"converting this read needs {sum(needs) >> 20} MiB of staging, more than "
@@ -103,12 +128,13 @@ class StagingPool:
         except Exception:
             self._free.extend(job.stagings)
             raise
-        for (plan, local, remote), staging in zip(reads, job.stagings, strict=True):
+        for (plan, local, remote, placements), staging in zip(reads, job.stagings,
+                                                              strict=True):
             for lpart, rpart in plan.parts(len(local), len(remote), PART_BYTES):
                 offset = rpart.start * plan.bytes_per_block
                 descs = plan.descriptors(remote[rpart], staging.buffer.data_ptr() + offset)
                 job.parts.append(Part(plan, staging, offset, local[lpart],
-                                      rpart.stop - rpart.start, descs))
+                                      rpart.stop - rpart.start, descs, placements))
         return job
 
     def _take(self, nbytes: int) -> Staging | None:
@@ -132,13 +158,11 @@ class StagingPool:
             self._agent.deregister(staging.handles)
         self._bytes -= staging.buffer.numel()
 
-    def place_landed(self, job: StagedJob, groups: Sequence[tuple[int, torch.Tensor]]
-                     ) -> bool | str:
-        """Start placing every part that landed (once each) into the rank's view ``groups``
-        (:func:`kvxfer.staging.layer_groups`); True when all are placed, False while some
-        are not yet, or why a placement failed."""
+    def place_landed(self, job: StagedJob) -> bool | str:
+        """Start placing every part that landed (once each) into its placements; True when
+        all are placed, False while some are not yet, or why a placement failed."""
         for part in job.parts:
-            self._start_placing(part, groups)
+            self._start_placing(part)
         for part in job.parts:
             if part.placed is None or not part.placed.done():
                 return False
@@ -147,7 +171,7 @@ class StagingPool:
                 return f"{type(error).__name__}: {error}"
         return True
 
-    def _start_placing(self, part: Part, groups: Sequence[tuple[int, torch.Tensor]]) -> None:
+    def _start_placing(self, part: Part) -> None:
         if part.placed is not None or part.transfer is None:
             return
         try:
@@ -159,11 +183,7 @@ class StagingPool:
         if self._converter is None:
             self._converter = ThreadPoolExecutor(max_workers=1,
                                                  thread_name_prefix=f"kvxfer-convert-{self._name}")
-        plan = part.plan
-        part.placed = self._converter.submit(
-            plan.convert, part.staging.buffer[part.offset:], groups,
-            torch.from_numpy(part.local_ids), plan.remote.kv_packing, plan.local.kv_packing,
-            part.remote_blocks)
+        part.placed = self._converter.submit(part.place)
 
     def settle(self, job: StagedJob, engine_id: str) -> None:
         """Wait for placements still running (a failed read's blocks are about to be

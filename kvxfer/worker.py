@@ -60,6 +60,7 @@ from the listener's thread when a decode asks (one claimer per lease, at most
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -102,8 +103,9 @@ from kvxfer.protocol import (
     encode_notif,
 )
 from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
+from kvxfer.shared_staging import SHARED_STAGING, StagedMeeting, Target
 from kvxfer.staging import StagedRead, layer_groups, plan_reads
-from kvxfer.staging_pool import StagedJob, StagingPool
+from kvxfer.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
 from kvxfer.tickets import TICKET_KEY, LeaseClaims
 from kvxfer.topology import notify_plan, read_plan
 
@@ -246,7 +248,8 @@ class ReadStats:
     seconds: float
     lanes: int = 1  # agents (threads) that copied it; see read lanes in the module doc
     host_ranks: int = 0  # prefill ranks it host-read (kvxfer.host_reads) instead of staging
-    host_members: int = 0  # in-process decode ranks that shared those copies (1: alone)
+    # in-process decode ranks that shared its converted reads, host or staged (1: alone)
+    members: int = 0
 
 
 @dataclass
@@ -302,6 +305,7 @@ class _Peer:
     expected_readers: dict[int, int]
     remote_cuda: dict[int, bool] = field(default_factory=dict)  # each rank's memory kind
     host: dict[int, HostRead] = field(default_factory=dict)  # ranks host-read, not staged
+    shared: set[int] = field(default_factory=set)  # staged ranks read with sibling ranks
 
     def staged(self) -> list[StagedRead]:
         """The converted reads that go through staging (not host-read)."""
@@ -334,7 +338,12 @@ class _Read:
     staged: StagedJob = field(default_factory=StagedJob)  # a converted read's parts
     host: list[tuple[HostRead, np.ndarray, np.ndarray]] = field(default_factory=list)
     host_ranks: set[int] = field(default_factory=set)  # host-read (told after the copy)
-    host_members: int = 0  # in-process ranks that copied it together (SharedCopies)
+    members: int = 0  # in-process ranks that shared its converted reads (siblings)
+    # a staged read shared with sibling ranks: this rank's pieces (its shares, kept while
+    # it waits for staging) and the meetings, each settled once every member's share ended
+    pieces: list[StagedPiece] | None = None
+    meetings: list[StagedMeeting] = field(default_factory=list)
+    shares_ended: bool = False
 
 
 @dataclass
@@ -455,6 +464,7 @@ class TransferWorker:
         self._thread.join(timeout=10)
         for engine_id in list(self._peers):
             SHARED.unregister(self.engine_id, engine_id, self.rank)
+            SHARED_STAGING.unregister(self.engine_id, engine_id, self.rank)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lane_pool is not None:
             self._lane_pool.shutdown(wait=True)
@@ -744,11 +754,36 @@ class TransferWorker:
         staged = [read for read in converted if read[0].remote_rank not in peer.host]
         if not staged:
             return descs
-        taken = self._staging.take(staged)
+        if job.pieces is None:  # once: a read that waits for staging keeps its shares
+            job.pieces = [piece for read in staged for piece in self._pieces(job, peer, *read)]
+        taken = self._staging.take(job.pieces)
         if taken is None:
             return None
         job.staged = taken  # from here on _fail gives the buffers back
         return descs
+
+    def _pieces(self, job: _Read, peer: _Peer, plan: StagedRead, local: np.ndarray,
+                remote: np.ndarray) -> list[StagedPiece]:
+        """What this rank READs of one staged prefill rank and where it places it: all of
+        it into its own views, or, shared with its in-process siblings
+        (:mod:`kvxfer.shared_staging`), its share into every member's views."""
+        alone = [(plan, local, remote, (Placement(plan, self._view_groups),))]
+        if plan.remote_rank not in peer.shared:
+            return alone
+        meeting = SHARED_STAGING.join(self.engine_id, peer.engine_id,
+                                      job.remote.remote_request_id,
+                                      Target(self.rank, plan, self._view_groups, self._wake),
+                                      local, remote)
+        if meeting is None:
+            return alone
+        job.meetings.append(meeting)
+        job.members = max(job.members, len(meeting.targets))
+        placements = tuple(Placement(t.plan, t.groups, None if t.rank == self.rank else
+                                     functools.partial(meeting.writing, t.rank))
+                           for t in meeting.targets.values())
+        lshare, rshare = meeting.shares[self.rank]
+        return [(plan, local[lshare], remote[rshare], placements)] \
+            if rshare.stop > rshare.start else []
 
     def _host_copy(self, job: _Read, peer: _Peer) -> bool:
         """Copy the request's host-read ranks (each copy ends within the call); False
@@ -765,7 +800,7 @@ class TransferWorker:
                     self._forget_dead(peer, str(exc))
                 return False
             job.host_ranks.add(runs.remote_rank)
-            job.host_members = max(job.host_members, members)
+            job.members = max(job.members, members)
             job.lanes = max(job.lanes, 1 + len(self._lanes))
             job.num_bytes += num_bytes
             job.descriptors += len(local_ids) * runs.runs_per_block
@@ -788,7 +823,7 @@ class TransferWorker:
             job.transfers.append(part.transfer)
             job.num_bytes += part.descs.num_bytes
             job.descriptors += len(part.descs)
-            self._staging.place_landed(job.staged, self._view_groups)
+            self._staging.place_landed(job.staged)
         return True
 
     def _retry_staged(self) -> None:
@@ -900,34 +935,21 @@ class TransferWorker:
                     states.append(transfer.state())
                 except Exception as exc:
                     states.append(f"ERR: {exc}")
-            placed = self._staging.place_landed(job.staged, self._view_groups)
+            placed = self._staging.place_landed(job.staged)
             if all(s == "DONE" for s in states) and placed is not False:
+                if placed is True and not job.shares_ended:  # this rank's shares are placed
+                    job.shares_ended = True
+                    for meeting in job.meetings:
+                        meeting.end_share(self.rank)
+                if placed is True and not all(m.settled for m in job.meetings):
+                    if now - (job.posted or job.started) > self.read_timeout:
+                        self._inflight.remove(job)
+                        self._fail(job, f"prefill {job.remote.remote_engine_id}: a sibling "
+                                        f"decode rank's share of the read did not end within "
+                                        f"{self.read_timeout:.0f} s", notify=True)
+                    continue  # a sibling's share is still read or placed
                 self._inflight.remove(job)
-                self._release_transfers(job)
-                if placed is not True:
-                    self._fail(job, f"placing the read from prefill "
-                                    f"{job.remote.remote_engine_id} failed: {placed}",
-                               notify=True)
-                    continue
-                staged = {p.plan.remote_rank for p in job.staged.parts} | job.host_ranks
-                self._staging.settle(job.staged, job.remote.remote_engine_id)
-                peer = self._peers.get(job.remote.remote_engine_id)
-                if peer is not None:  # ranks nobody reads still hold the blocks, and ranks
-                    # read through staging were not told with the READ: release them
-                    read = {p.remote_rank for p in peer.plans} - staged
-                    if not self._notify(job, [r for r in peer.agents if r not in read],
-                                        ok=True):
-                        job.unnotified = True
-                elif staged:  # nobody to tell: the connector releases over the side channel
-                    job.unnotified = True
-                with self._lock:
-                    self._results.finished.append(job.request_id)
-                    if job.unnotified:
-                        self._results.unnotified.add(job.request_id)
-                    self._results.stats[job.request_id] = ReadStats(
-                        job.num_bytes, job.descriptors, now - job.started, job.lanes,
-                        len(job.host_ranks), job.host_members)
-                self._results_ready.set()
+                self._finish(job, placed, now)
             elif all(s == "DONE" for s in states) and \
                     now - (job.posted or job.started) > self.read_timeout:
                 # every byte landed, the placing copy is slow: not the prefill's fault
@@ -945,6 +967,35 @@ class TransferWorker:
                 if peer is not None:
                     self._forget_dead(peer, reason)
 
+    def _finish(self, job: _Read, placed: bool | str, now: float) -> None:
+        """A read whose READs all landed and whose parts were placed (``placed`` True), or
+        whose placing failed (why): report it, and tell the prefill ranks not told yet."""
+        self._release_transfers(job)
+        engine = job.remote.remote_engine_id
+        failed = next((m.error for m in job.meetings if m.error is not None), None)
+        if placed is not True or failed is not None:
+            self._fail(job, f"placing the read from prefill {engine} failed: {placed}"
+                       if placed is not True else f"prefill {engine}: a sibling decode rank's "
+                       f"share of the read failed: {failed}", notify=True)
+            return
+        self._staging.settle(job.staged, engine)
+        peer = self._peers.get(engine)
+        if peer is not None:  # ranks nobody reads still hold the blocks, and ranks read
+            # through staging or host reads were not told with a READ: release them
+            read = {p.remote_rank for p in peer.plans if isinstance(p, PeerReadPlan)}
+            if not self._notify(job, [r for r in peer.agents if r not in read], ok=True):
+                job.unnotified = True
+        elif job.staged.parts or job.host_ranks or job.meetings:
+            job.unnotified = True  # nobody to tell: the connector releases over the side channel
+        with self._lock:
+            self._results.finished.append(job.request_id)
+            if job.unnotified:
+                self._results.unnotified.add(job.request_id)
+            self._results.stats[job.request_id] = ReadStats(
+                job.num_bytes, job.descriptors, now - job.started, job.lanes,
+                len(job.host_ranks), job.members)
+        self._results_ready.set()
+
     def _release_transfers(self, job: _Read) -> None:
         for transfer in job.transfers:
             try:
@@ -960,6 +1011,9 @@ class TransferWorker:
         peer is considered dead) the request is reported ``unnotified``."""
         self._release_transfers(job)
         self._staging.settle(job.staged, job.remote.remote_engine_id)
+        for meeting in job.meetings:  # siblings fail too, and place nothing more here
+            meeting.end_share(self.rank, reason)
+            meeting.close(self.rank)
         log.warning("read for request %s failed: %s", job.request_id, reason)
         peer = self._peers.get(job.remote.remote_engine_id)
         told = notify and peer is not None and self._notify(job, list(peer.agents), ok=False)
@@ -1057,6 +1111,11 @@ class TransferWorker:
         self._dead.pop(peer.engine_id, None)
         for prefill_rank in peer.host:  # in-process sibling ranks share those copies
             SHARED.register(self.engine_id, peer.engine_id, prefill_rank, self.rank)
+        for plan in peer.staged():  # and the staged reads of pages that hold every head
+            if not plan.remote.heads_contiguous:
+                SHARED_STAGING.register(self.engine_id, peer.engine_id, plan.remote_rank,
+                                        self.rank)
+                peer.shared.add(plan.remote_rank)
         log.info("rank %d connected to %s at %s (ranks %s)", self.rank, peer.engine_id,
                  peer.address, sorted(agents))
         return peer
@@ -1076,6 +1135,7 @@ class TransferWorker:
     def _drop_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id, None)
         SHARED.unregister(self.engine_id, engine_id, self.rank)
+        SHARED_STAGING.unregister(self.engine_id, engine_id, self.rank)
         if peer is not None:
             for name in peer.agents.values():
                 self._quietly_remove(name)

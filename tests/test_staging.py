@@ -256,7 +256,7 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
     read's buffer is reused; a failed read's is held until its prefill is dropped."""
     from kvxfer.layout import CacheSpec, KVCacheLayout
     from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.staging_pool import CHUNK_BYTES, StagingPool, StagingTooSmall
+    from kvxfer.staging_pool import CHUNK_BYTES, Placement, StagingPool, StagingTooSmall
 
     rng = np.random.default_rng(3)
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
@@ -265,22 +265,23 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
                          local_tp=2, remote_tp=1)
     assert isinstance(read, StagedRead)
     ids = np.arange(4)
+    here = (Placement(read, layer_groups(local.views)),)
     with NixlAgent("staging-pool-test") as agent:
         pool = StagingPool(agent, "test", limit=2 * CHUNK_BYTES)
-        first, second = pool.take([(read, ids, ids)]), pool.take([(read, ids, ids)])
+        first, second = pool.take([(read, ids, ids, here)]), pool.take([(read, ids, ids, here)])
         assert first is not None and second is not None
-        assert pool.take([(read, ids, ids)]) is None  # both buffers in use: wait
+        assert pool.take([(read, ids, ids, here)]) is None  # both buffers in use: wait
         buffer = first.stagings[0].buffer
         pool.settle(first, "prefill-a")  # never posted: straight back to the pool
-        again = pool.take([(read, ids, ids)])
+        again = pool.take([(read, ids, ids, here)])
         assert again is not None and again.stagings[0].buffer is buffer  # reused
         second.parts[0].transfer = object()  # posted, never landed: a READ may still write
         pool.settle(second, "prefill-b")
-        assert pool.held == 1 and pool.take([(read, ids, ids)]) is None
+        assert pool.held == 1 and pool.take([(read, ids, ids, here)]) is None
         pool.drop_held("prefill-b")
-        assert pool.held == 0 and pool.take([(read, ids, ids)]) is not None
+        assert pool.held == 0 and pool.take([(read, ids, ids, here)]) is not None
         with pytest.raises(StagingTooSmall, match="more than the 128 MiB limit"):
-            pool.take([(read, ids, ids)] * 3)  # three buffers of one chunk: never fits
+            pool.take([(read, ids, ids, here)] * 3)  # three buffers of one chunk: never fits
         pool.close()
 
 
@@ -345,7 +346,7 @@ def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
     from kvxfer import staging_pool
     from kvxfer.layout import CacheSpec, KVCacheLayout
     from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.staging_pool import StagingPool
+    from kvxfer.staging_pool import Placement, StagingPool
 
     rng = np.random.default_rng(5)
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
@@ -366,21 +367,22 @@ def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
         assert release.wait(10)
 
     ids = np.arange(4)
+    here = (Placement(read, layer_groups(local.views)),)
     with NixlAgent("staging-pool-order") as agent, \
             mock.patch.object(staging_pool, "PART_BYTES", read.bytes_per_block), \
             mock.patch.object(StagedRead, "convert", convert):
         pool = StagingPool(agent, "test")
-        job = pool.take([(read, ids, ids)])
+        job = pool.take([(read, ids, ids, here)])
         assert job is not None and len(job.parts) == 4
         for part in job.parts:
             part.transfer = Landed()
-        assert pool.place_landed(job, layer_groups(local.views)) is False
+        assert pool.place_landed(job) is False
         assert all(part.placed is not None for part in job.parts)  # all queued, none done
         release.set()
         for part in job.parts:
             assert part.placed is not None
             part.placed.result(timeout=10)
-        assert pool.place_landed(job, layer_groups(local.views)) is True
+        assert pool.place_landed(job) is True
         assert len(started) == 4
         pool.settle(job, "prefill")
         pool.close()

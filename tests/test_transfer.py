@@ -136,9 +136,16 @@ def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, pref
         assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
         host_ranks = [s.host_ranks for s in stats["r"]]
         assert all(h > 0 for h in host_ranks) if host_reads else host_ranks == [0] * decode_tp
-        # the decode ranks that read one prefill rank copy it together (SharedCopies)
-        together = max(1, decode_tp // prefill_tp) if host_reads else 0
-        assert [s.host_members for s in stats["r"]] == [together] * decode_tp
+        # the decode ranks that read one prefill rank copy it together (SharedCopies), or,
+        # through staging, READ the pages that hold every head once between them
+        pages = not parse_layout(prefill_layout).heads_outside_tokens
+        together = max(1, decode_tp // prefill_tp) if host_reads else \
+            decode_tp // prefill_tp if pages and decode_tp > prefill_tp else 0
+        assert [s.members for s in stats["r"]] == [together] * decode_tp
+        if not host_reads and together:  # the pages were read once
+            pages_bytes = 7 * pcfg.num_layers * pcfg.block_size * 4 * \
+                (pcfg.total_kv_heads // prefill_tp) * pcfg.spec().content_size
+            assert sum(s.num_bytes for s in stats["r"]) == prefill_tp * pages_bytes
         assert all(w._staging.held == 0 for w in decode.workers)
     finally:
         decode.close()
@@ -550,6 +557,52 @@ def test_a_converted_read_that_fails_fails_alone(prefill: PrefillProcess,
         _, failed = decode.wait(["after"], timeout=20)
         assert failed == {}
         check_blocks_subset(decode, cfg, [4], [4])
+    finally:
+        decode.close()
+
+
+def test_a_shared_staged_read_whose_share_fails_fails_every_member(
+        prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two in-process decode ranks share the staged read of an LBNHC prefill's pages; one
+    rank's READ fails: both report the request failed (the other's heads lack that share)
+    and the prefill is told by both, so its lease ends at once; the next shared read of
+    another prefill is whole."""
+    cfg = CacheConfig(layout="LBNHC", num_blocks=12, host_reads=False)
+    remote = prefill.create(cfg)
+    decode = decode_instance(replace(cfg, tp=2))
+    try:
+        prefill.hold(remote["engine_id"], "warm", [1], ttl=30)
+        decode.read("warm", params_for(remote, "warm", [1]), [5])  # handshakes + connect
+        assert decode.wait(["warm"])[1] == {}
+        monkeypatch.setattr(decode.workers[1]._agent, "read", lambda *a, **k: FailedRead())
+        prefill.hold(remote["engine_id"], "lost", [2, 3, 4, 6], ttl=30)
+        decode.read("lost", params_for(remote, "lost", [2, 3, 4, 6]), [2, 3, 4, 6])
+        left = {0: "a sibling decode rank's share of the read failed",
+                1: "NIXL_ERR_REMOTE_DISCONNECT"}
+        deadline = time.monotonic() + 20
+        while left and time.monotonic() < deadline:
+            for rank in list(left):
+                result = decode.workers[rank].poll()
+                assert "lost" not in result.finished, f"rank {rank} reported a success"
+                if "lost" in result.failed:
+                    assert left.pop(rank) in result.failed["lost"], result.failed
+            time.sleep(0.005)
+        assert not left, f"ranks {sorted(left)} never reported the failed read"
+        assert prefill.wait_released(remote["engine_id"], {"warm", "lost"}) == \
+            {"warm": "done", "lost": "done"}  # both said they will not read: freed at once
+        monkeypatch.undo()
+        other = prefill.create(cfg)  # the failed prefill is avoided for a few seconds
+        prefill.hold(other["engine_id"], "again", [10], ttl=30)  # each rank handshakes alone
+        decode.read("again", params_for(other, "again", [10]), [10])
+        assert decode.wait(["again"])[1] == {}
+        prefill.hold(other["engine_id"], "after", [7, 8, 9], ttl=30)
+        decode.read("after", params_for(other, "after", [7, 8, 9]), [7, 8, 9])
+        stats, failed = decode.wait(["after"], timeout=20)
+        assert failed == {} and [s.members for s in stats["after"]] == [2, 2]
+        for rank, caches in enumerate(decode.caches):  # each rank's heads, whole
+            for layer, view in enumerate(caches.values()):
+                want = pattern(replace(cfg, tp=2), rank, layer)[[7, 8, 9]]
+                assert torch.equal(view[[7, 8, 9]].float(), want), (rank, layer)
     finally:
         decode.close()
 

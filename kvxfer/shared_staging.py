@@ -1,0 +1,154 @@
+"""In-process TP ranks of one decode share a staged read of one prefill rank.
+
+Where the prefill keeps tokens outside heads (LBNHC, BLNHC: one page holds every head of
+its tokens), each decode rank of a TP split READs the request's whole pages through
+staging to keep its own heads (:mod:`kvxfer.staging`): two ranks move every byte twice,
+over the network too. Ranks of one instance in one process meet instead
+(:mod:`kvxfer.siblings`): the request's blocks are cut into one share per member, each
+member READs its share's pages once into its own staging, and its converter places every
+member's heads from them (a :class:`Target` per member).
+
+A member's read ends only when every share ended (placed, or failed: then every member
+fails), since another member's converter may still write into its blocks until then. A
+member that gives up closes its target first (:meth:`StagedMeeting.close`): no placement
+into its views starts after that, and the call returns once none is running.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvxfer.siblings import Meeting, Siblings
+from kvxfer.staging import StagedRead
+
+
+@dataclass(frozen=True)
+class Target:
+    """One member: its read plan, the view groups its heads go to, and the event that
+    wakes its worker thread."""
+
+    rank: int
+    plan: StagedRead
+    groups: Sequence[tuple[int, torch.Tensor]]
+    wake: threading.Event
+
+
+class StagedMeeting:
+    """A closed meeting's shared read: the members' targets, each member's share of the
+    request (local and remote id slices), which shares ended and how."""
+
+    def __init__(self, targets: dict[int, Target],
+                 shares: dict[int, tuple[slice, slice]]) -> None:
+        self.targets, self.shares = targets, shares
+        self._cond = threading.Condition()
+        self._ended: dict[int, str | None] = {}  # by member: None, or why its share failed
+        self._closed: set[int] = set()  # members whose views take no more placements
+        self._running: Counter[int] = Counter()  # placements running, by target member
+
+    @property
+    def settled(self) -> bool:
+        """Every share ended."""
+        with self._cond:
+            return len(self._ended) == len(self.shares)
+
+    @property
+    def error(self) -> str | None:
+        """Why a share failed (the first), if one did."""
+        with self._cond:
+            return next((why for why in self._ended.values() if why is not None), None)
+
+    def end_share(self, rank: int, error: str | None = None) -> None:
+        """Member ``rank``'s share ended: placed into every member, or failed (``error``);
+        the first call counts. Wakes every member."""
+        with self._cond:
+            if rank in self._ended:
+                return
+            self._ended[rank] = error
+        for target in self.targets.values():
+            target.wake.set()
+
+    @contextmanager
+    def writing(self, rank: int) -> Iterator[bool]:
+        """Guard one placement into member ``rank``'s views: True to go ahead, False when
+        that member closed its target."""
+        with self._cond:
+            if rank in self._closed:
+                allowed = False
+            else:
+                self._running[rank] += 1
+                allowed = True
+        try:
+            yield allowed
+        finally:
+            if allowed:
+                with self._cond:
+                    self._running[rank] -= 1
+                    self._cond.notify_all()
+
+    def close(self, rank: int) -> None:
+        """Member ``rank`` gives up: no placement into its views starts from now on;
+        returns once none is running."""
+        with self._cond:
+            self._closed.add(rank)
+            self._cond.wait_for(lambda: self._running[rank] == 0)
+
+
+def cut_shares(plan: StagedRead, local_count: int, remote_count: int, ranks: Sequence[int]
+               ) -> dict[int, tuple[slice, slice]]:
+    """One contiguous share of the request per member, in whole blocks of both sides
+    (:meth:`~kvxfer.staging.StagedRead.parts`), as even as the blocks allow."""
+    units = plan.parts(local_count, remote_count, 1)  # one block of the larger size each
+    bounds = np.linspace(0, len(units), len(ranks) + 1).astype(int)
+    shares = {}
+    for rank, lo, hi in zip(ranks, bounds[:-1], bounds[1:], strict=True):
+        if hi > lo:
+            shares[rank] = (slice(units[lo][0].start, units[hi - 1][0].stop),
+                            slice(units[lo][1].start, units[hi - 1][1].stop))
+        else:
+            shares[rank] = (slice(0, 0), slice(0, 0))
+    return shares
+
+
+class SharedStaging:
+    """Where the staged reads of a process's decode ranks meet (:data:`SHARED_STAGING`)."""
+
+    def __init__(self) -> None:
+        self.siblings: Siblings[Target] = Siblings()
+
+    def register(self, engine: str, prefill: str, prefill_rank: int, rank: int) -> None:
+        """Decode rank ``rank`` of ``engine`` reads ``prefill_rank`` of ``prefill``'s pages
+        through staging and shares them with its siblings."""
+        self.siblings.register(engine, prefill, prefill_rank, rank)
+
+    def unregister(self, engine: str, prefill: str, rank: int) -> None:
+        self.siblings.unregister(engine, prefill, rank)
+
+    def join(self, engine: str, prefill: str, request: str, target: Target,
+             local_ids: np.ndarray, remote_ids: np.ndarray) -> StagedMeeting | None:
+        """The shared read ``target``'s member takes part in, or None: it reads alone
+        (no sibling, or it came late, or with other ids)."""
+        plan = target.plan
+        meeting = self.siblings.join((engine, prefill, request, plan.remote_rank), target.rank,
+                                     local_ids, remote_ids, target,
+                                     lambda m: _close(m, len(local_ids), len(remote_ids)))
+        if meeting is None or len(meeting.joined) == 1:
+            return None
+        state: StagedMeeting = meeting.state
+        return state
+
+
+def _close(meeting: Meeting[Target], local_count: int, remote_count: int) -> None:
+    ranks = sorted(meeting.joined)
+    plan = meeting.joined[ranks[0]].plan
+    meeting.state = StagedMeeting(dict(meeting.joined),
+                                  cut_shares(plan, local_count, remote_count, ranks))
+
+
+SHARED_STAGING = SharedStaging()
