@@ -46,7 +46,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from kvxfer.protocol import HostReads
+from kvxfer.protocol import HostReads, SharedRegion
 from kvxfer.siblings import Meeting, Siblings
 from kvxfer.staging import StagedRead
 
@@ -92,12 +92,13 @@ class Canary:
         self.value = secrets.token_bytes(CANARY_BYTES)
         self._buffer = np.frombuffer(bytearray(self.value), dtype=np.uint8)
 
-    def offer(self) -> HostReads | None:
+    def offer(self, memory: tuple[SharedRegion, ...] = ()) -> HostReads | None:
+        """The offer of this process, with the shared buffers a reader may map."""
         host = host_identity()
         if host is None:
             return None
         return HostReads(host=host, pid=os.getpid(), canary_addr=self._buffer.ctypes.data,
-                         canary=self.value)
+                         canary=self.value, memory=memory)
 
 
 def check_offer(offer: HostReads | None) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -249,12 +250,16 @@ def reshape_kv_cache(raw: torch.Tensor, spec: CacheSpec, num_blocks: int,
 
 def allocate_kv_cache(spec: CacheSpec, num_blocks: int, num_layer_slots: int,
                       layout: KVCacheLayout | str, device: str | torch.device = "cpu",
-                      block_size: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Allocate a zeroed byte buffer for the cache and return it with its per-layer views."""
+                      block_size: int | None = None,
+                      zeros: Callable[[int], torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Allocate a zeroed byte buffer for the cache (with ``zeros(nbytes)`` when given, e.g.
+    memory a reader on this host may map) and return it with its per-layer views."""
     _positive("num_blocks", num_blocks)
     _positive("num_layer_slots", num_layer_slots)
-    raw = torch.zeros(num_layer_slots * num_blocks * spec.page_size_bytes,
-                      dtype=torch.uint8, device=device)
+    nbytes = num_layer_slots * num_blocks * spec.page_size_bytes
+    raw = zeros(nbytes) if zeros is not None else \
+        torch.zeros(nbytes, dtype=torch.uint8, device=device)
     return raw, reshape_kv_cache(raw, spec, num_blocks, num_layer_slots, layout, block_size)
 
 

@@ -50,6 +50,7 @@ class CacheConfig:
     kv_lora_rank: int = 0
     kernel_block_size: int | None = None
     host_reads: bool = True  # offer and use host reads (kvxfer.host_reads)
+    shared_memory: bool = True  # a prefill's cache in mappable memory (kvxfer.mapped_reads)
 
     @property
     def kernel_ratio(self) -> int:
@@ -110,15 +111,19 @@ class LoopbackInstance:
     def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
                host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
         from kvxfer.handshake import HandshakeListener
+        from kvxfer.mapped_reads import shared_zeros
         from kvxfer.worker import TransferWorker
 
         engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:10]}"
         layout = parse_layout(cfg.layout)
         spec = cfg.spec()
         inst = cls(role, cfg, engine_id, [], [], [])
+        # a prefill's cache in memory that a decode on this host may map (mapped_reads)
+        shared = role == "prefill" and cfg.host_reads and cfg.shared_memory
         for rank in range(cfg.tp):
             raw, views = allocate_kv_cache(spec, cfg.num_blocks, cfg.num_layers, layout,
-                                           block_size=cfg.kernel_block_size)
+                                           block_size=cfg.kernel_block_size,
+                                           zeros=shared_zeros if shared else None)
             for layer, view in enumerate(views):
                 if fill == "pattern":  # the pattern of each logical block's tokens
                     logical_view(view, cfg.kernel_ratio).copy_(

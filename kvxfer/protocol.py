@@ -72,7 +72,9 @@ from kvxfer.regions import RegionPlan
 #      the blocks its regions address; ids stay logical on the wire.
 #   9: AgentMetadata.host_reads (HostReads): a prefill rank offers that a decode on its
 #      host copies converted reads straight from its memory (kvxfer.host_reads).
-KVXFER_PROTOCOL_VERSION: int = 9
+#  10: HostReads.memory (SharedRegion): the shared buffers (memfds) the rank's cache lies
+#      in, which a decode on its host may map (kvxfer.mapped_reads).
+KVXFER_PROTOCOL_VERSION: int = 10
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
@@ -330,9 +332,25 @@ def compat_diff(here: CompatInfo, peer: CompatInfo) -> tuple[FieldDiff, ...]:
 
 # -- messages -------------------------------------------------------------------------------
 
+class SharedRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A buffer of the prefill's cache that a reader on its host may map: descriptor
+    ``fd`` of the prefill process, mapped there at ``addr`` for ``size`` bytes."""
+
+    fd: int
+    addr: int
+    size: int
+
+    def __post_init__(self) -> None:
+        _require(self.fd >= 0, f"SharedRegion.fd must not be negative, got {self.fd}")
+        _require(self.addr > 0, f"SharedRegion.addr must be positive, got {self.addr}")
+        _require(0 < self.size < 2**62, f"SharedRegion.size must be positive, got "
+                 f"{self.size}")
+
+
 class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A prefill rank's offer that a decode on its host may copy from its memory with
-    ``process_vm_readv`` (:mod:`kvxfer.host_reads`). ``host`` names the host and pid
+    ``process_vm_readv`` (:mod:`kvxfer.host_reads`), or map the shared buffers its cache
+    lies in (``memory``, :mod:`kvxfer.mapped_reads`). ``host`` names the host and pid
     namespace (a pid means nothing outside them); ``canary`` is what a reader must find
     at ``canary_addr`` of ``pid`` before it trusts that pid to be this rank's process."""
 
@@ -340,6 +358,7 @@ class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pid: int
     canary_addr: int
     canary: bytes
+    memory: tuple[SharedRegion, ...] = ()
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "HostReads.host must not be empty")
@@ -348,6 +367,8 @@ class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"HostReads.canary_addr must be positive, got {self.canary_addr}")
         _require(8 <= len(self.canary) <= 64,
                  f"HostReads.canary must be 8 to 64 bytes, got {len(self.canary)}")
+        _require(len(self.memory) <= 64,
+                 f"HostReads.memory may name at most 64 buffers, got {len(self.memory)}")
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

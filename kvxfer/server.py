@@ -73,6 +73,7 @@ from kvxfer.engine_loop import (
     Sink,
     Submission,
 )
+from kvxfer.mapped_reads import shared_zeros
 from kvxfer.metrics import CONTENT_TYPE, SidecarMetrics
 from kvxfer.netutil import DRAINING_HEADER, advertised_host, bare_host, listen_tcp
 from kvxfer.openai_api import (
@@ -189,7 +190,10 @@ class Sidecar:
             settings.model, seed=settings.seed, tp=settings.tp, layout=settings.kv_cache_layout,
             block_size=settings.block_size, num_blocks=settings.num_blocks,
             dtype=settings.dtype, device=settings.device, kv_packing=settings.kv_packing,
-            enable_prefix_caching=settings.enable_prefix_caching)
+            enable_prefix_caching=settings.enable_prefix_caching,
+            # a decode on this host may map a prefill's cache (kvxfer.mapped_reads)
+            cache_zeros=shared_zeros if settings.host_reads and settings.role == "prefill"
+            and settings.device == "cpu" else None)
         self.served_names = settings.served_model_names or (self.engine.model_name,)
         self.engine_id = new_engine_id(settings.role)
         self.metrics = SidecarMetrics(role=settings.role, engine_id=self.engine_id,

@@ -100,22 +100,6 @@ class StagedMeeting:
             self._cond.wait_for(lambda: self._running[rank] == 0)
 
 
-def cut_shares(plan: StagedRead, local_count: int, remote_count: int, ranks: Sequence[int]
-               ) -> dict[int, tuple[slice, slice]]:
-    """One contiguous share of the request per member, in whole blocks of both sides
-    (:meth:`~kvxfer.staging.StagedRead.parts`), as even as the blocks allow."""
-    units = plan.parts(local_count, remote_count, 1)  # one block of the larger size each
-    bounds = np.linspace(0, len(units), len(ranks) + 1).astype(int)
-    shares = {}
-    for rank, lo, hi in zip(ranks, bounds[:-1], bounds[1:], strict=True):
-        if hi > lo:
-            shares[rank] = (slice(units[lo][0].start, units[hi - 1][0].stop),
-                            slice(units[lo][1].start, units[hi - 1][1].stop))
-        else:
-            shares[rank] = (slice(0, 0), slice(0, 0))
-    return shares
-
-
 class SharedStaging:
     """Where the staged reads of a process's decode ranks meet (:data:`SHARED_STAGING`)."""
 
@@ -146,9 +130,8 @@ class SharedStaging:
 
 def _close(meeting: Meeting[Target], local_count: int, remote_count: int) -> None:
     ranks = sorted(meeting.joined)
-    plan = meeting.joined[ranks[0]].plan
-    meeting.state = StagedMeeting(dict(meeting.joined),
-                                  cut_shares(plan, local_count, remote_count, ranks))
+    shares = meeting.joined[ranks[0]].plan.shares(local_count, remote_count, len(ranks))
+    meeting.state = StagedMeeting(dict(meeting.joined), dict(zip(ranks, shares, strict=True)))
 
 
 SHARED_STAGING = SharedStaging()

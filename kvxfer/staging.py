@@ -33,6 +33,7 @@ size).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,6 +112,16 @@ class StagedRead:
                  slice(u * remote_per, min((u + step) * remote_per, remote_count)))
                 for u in range(0, units, step)]
 
+    def shares(self, local_count: int, remote_count: int, count: int
+               ) -> list[tuple[slice, slice]]:
+        """A request (:meth:`ids`) cut into ``count`` contiguous shares of whole blocks of
+        both sides, as even as the blocks allow (empty ones where there are fewer)."""
+        units = self.parts(local_count, remote_count, 1)  # one block of the larger size each
+        bounds = np.linspace(0, len(units), count + 1).astype(int)
+        return [(slice(units[lo][0].start, units[hi - 1][0].stop),
+                 slice(units[lo][1].start, units[hi - 1][1].stop)) if hi > lo
+                else (slice(0, 0), slice(0, 0)) for lo, hi in itertools.pairwise(bounds)]
+
     def descriptors(self, remote_ids: np.ndarray, staging_addr: int,
                     staging_device: int = 0) -> RankDescriptors:
         """Remote chunks of logical ``remote_ids`` (request order) into staging at
@@ -131,12 +142,28 @@ class StagedRead:
                           np.array([staging_device], dtype=U64), geo.devices, self.remote_rank)
 
     def convert(self, staging: torch.Tensor, groups: Sequence[tuple[int, torch.Tensor]],
-                local_ids: torch.Tensor, remote_packing: str = "token",
+                local_ids: torch.Tensor | np.ndarray, remote_packing: str = "token",
                 local_packing: str = "token", remote_blocks: int | None = None) -> None:
         """Copy the staged heads into this rank's views (its ``[B, H, N, C]`` views by
         logical layer, at its kernel block size, as :func:`layer_groups` of them) at
         logical blocks ``local_ids`` (request order, as the READ was built), from
-        ``remote_blocks`` staged remote blocks (default: one per local block).
+        ``remote_blocks`` staged remote blocks (default: one per local block)."""
+        remote_blocks = len(local_ids) if remote_blocks is None else remote_blocks
+        count = remote_blocks * self.remote.kernel_ratio  # staged kernel blocks
+        first = groups[0][1]
+        typed = staging[: remote_blocks * self.bytes_per_block].view(first.dtype)
+        staged = typed.view(count, self.remote.num_layers, len(self.chunks),
+                            self.remote.chunk_len // first.element_size())
+        self.place(staged, self.chunks, np.arange(count), groups, local_ids, remote_packing,
+                   local_packing)
+
+    def place(self, source: torch.Tensor, chunks: Sequence[int], rows: np.ndarray,
+              groups: Sequence[tuple[int, torch.Tensor]], local_ids: torch.Tensor | np.ndarray,
+              remote_packing: str = "token", local_packing: str = "token") -> None:
+        """Copy this rank's heads of the request's remote kernel blocks, rows ``rows`` of
+        ``source`` in token order (``[kernel blocks, layers, chunks, chunk elements]``
+        holding remote chunks ``chunks``: staging, or the prefill's memory itself,
+        :mod:`kvxfer.mapped_reads`), into view ``groups`` at logical blocks ``local_ids``.
 
         One copy per :func:`token_segments` run, head range and layer group: views that
         are one allocation at a fixed layer stride are one group, so a block's layers
@@ -144,30 +171,23 @@ class StagedRead:
         more (measured about 1.8 vs 5.3 GB/s on one thread)."""
         from kvxfer.engine.attention import kv_views
 
-        first = groups[0][1]
-        geo = self.remote
-        remote_blocks = len(local_ids) if remote_blocks is None else remote_blocks
-        count = remote_blocks * geo.kernel_ratio  # staged kernel blocks
-        elems = geo.chunk_len // first.element_size()
-        typed = staging[: remote_blocks * self.bytes_per_block].view(first.dtype)
-        staged = typed.view(count, geo.num_layers, len(self.chunks), elems)
-        content = first.shape[-1]
-        segments = token_segments(np.asarray(local_ids, dtype=np.int64), remote_blocks,
-                                  self.local, geo)
+        geo, content = self.remote, groups[0][1].shape[-1]
+        count = source.shape[0]
+        segments = token_segments(np.asarray(local_ids, dtype=np.int64), rows, self.local, geo)
         # K and V move together (one copy per head range) where both sides lay them out
         # alike for the rows copied: per token, or whole kernel blocks of one packing
         together = (remote_packing == local_packing == TOKEN_PACKING,
                     remote_packing == local_packing)
         for layer, group in groups:  # group: [kernel blocks, G, H, N, C]
-            part = staged[:, layer:layer + group.shape[1]]
+            part = source[:, layer:layer + group.shape[1]]
             if geo.heads_contiguous:  # chunk = one view head, [N, C]
-                heads = part.reshape(count, group.shape[1], len(self.chunks),
+                heads = part.reshape(count, group.shape[1], len(chunks),
                                      geo.kernel_block_size, content)
             else:  # chunk = the page, [N, H, C]
                 heads = part[:, :, 0].reshape(count, group.shape[1], geo.kernel_block_size,
                                               -1, content).permute(0, 1, 3, 2, 4)
             for r0, l0, n in self.heads:
-                s0 = self.chunks.index(r0) if geo.heads_contiguous else r0
+                s0 = chunks.index(r0) if geo.heads_contiguous else r0
                 for seg in segments:
                     dst = group[seg.local:seg.local + seg.kernels, :, l0:l0 + n]
                     src = heads[seg.remote:seg.remote + seg.kernels, :, s0:s0 + n]
@@ -184,9 +204,9 @@ class StagedRead:
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows of a request copied in one call: ``kernels`` whole kernel blocks from staged
+    """Rows of a request copied in one call: ``kernels`` whole kernel blocks from source
     kernel block ``remote`` on into local kernel blocks ``local`` on (``whole``), or
-    ``rows`` tokens from row ``remote_row`` of one staged kernel block into row
+    ``rows`` tokens from row ``remote_row`` of one source kernel block into row
     ``local_row`` of one local one."""
 
     local: int
@@ -198,26 +218,29 @@ class Segment:
     rows: int = 0
 
 
-def token_segments(local_ids: np.ndarray, remote_blocks: int, local: SideGeometry,
+def token_segments(local_ids: np.ndarray, rows: np.ndarray, local: SideGeometry,
                    remote: SideGeometry) -> list[Segment]:
-    """How the request's tokens go from staging (``remote_blocks`` remote blocks' kernel
-    blocks in order) into the local kernel blocks of logical ``local_ids``, in token order
-    up to the shorter side's end. Where both sides' kernel blocks hold the same tokens,
-    whole kernel blocks move, consecutive local ones in one segment; otherwise each
-    overlap of a local and a staged kernel block is a segment of rows."""
+    """How the request's tokens go from the remote kernel blocks at ``rows`` of a source
+    (token order) into the local kernel blocks of logical ``local_ids``, in token order up
+    to the shorter side's end. Where both sides' kernel blocks hold the same tokens, whole
+    kernel blocks move, consecutive ones on both sides in one segment; otherwise each
+    overlap of a local and a remote kernel block is a segment of rows."""
     kl, kr = local.kernel_block_size, remote.kernel_block_size
-    tokens = min(len(local_ids) * local.block_size, remote_blocks * remote.block_size)
+    tokens = min(len(local_ids) * local.block_size, len(rows) * kr)
     kernel = (local_ids[:, None] * local.kernel_ratio
               + np.arange(local.kernel_ratio, dtype=np.int64)).reshape(-1)
     if kl == kr:
-        ids = kernel[:tokens // kl]
-        starts = np.flatnonzero(np.concatenate([[True], np.diff(ids) != 1]))
+        ids, source = kernel[:tokens // kl], np.asarray(rows[:tokens // kl], dtype=np.int64)
+        starts = np.flatnonzero(np.concatenate([[True], (np.diff(ids) != 1)
+                                                | (np.diff(source) != 1)]))
         counts = np.diff(np.append(starts, len(ids)))
-        return [Segment(int(ids[s]), int(s), int(c)) for s, c in zip(starts, counts, strict=True)]
+        return [Segment(int(ids[s]), int(source[s]), int(c))
+                for s, c in zip(starts, counts, strict=True)]
     bounds = np.union1d(np.arange(0, tokens, kl), np.arange(0, tokens, kr))
     ends = np.append(bounds[1:], tokens)
-    return [Segment(int(kernel[a // kl]), int(a // kr), 1, False, int(a % kl), int(a % kr),
-                    int(b - a)) for a, b in zip(bounds.tolist(), ends.tolist(), strict=True)]
+    return [Segment(int(kernel[a // kl]), int(rows[a // kr]), 1, False, int(a % kl),
+                    int(a % kr), int(b - a))
+            for a, b in zip(bounds.tolist(), ends.tolist(), strict=True)]
 
 
 def layer_groups(views: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:

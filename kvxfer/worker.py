@@ -92,6 +92,7 @@ from kvxfer.host_reads import (
     plan_host_read,
 )
 from kvxfer.layout import CacheSpec, KVCacheLayout
+from kvxfer.mapped_reads import MappedRead, map_prefill, shared_regions
 from kvxfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.protocol import (
     AgentMetadata,
@@ -247,9 +248,10 @@ class ReadStats:
     descriptors: int
     seconds: float
     lanes: int = 1  # agents (threads) that copied it; see read lanes in the module doc
-    host_ranks: int = 0  # prefill ranks it host-read (kvxfer.host_reads) instead of staging
+    host_ranks: int = 0  # prefill ranks read on this host (kvxfer.host_reads) instead of staging
     # in-process decode ranks that shared its converted reads, host or staged (1: alone)
     members: int = 0
+    mapped_ranks: int = 0  # of host_ranks, those read from their mapped cache (mapped_reads)
 
 
 @dataclass
@@ -304,7 +306,8 @@ class _Peer:
     plans: list[PeerReadPlan | StagedRead]
     expected_readers: dict[int, int]
     remote_cuda: dict[int, bool] = field(default_factory=dict)  # each rank's memory kind
-    host: dict[int, HostRead] = field(default_factory=dict)  # ranks host-read, not staged
+    # ranks host-read or read from their mapped cache, not staged
+    host: dict[int, HostRead | MappedRead] = field(default_factory=dict)
     shared: set[int] = field(default_factory=set)  # staged ranks read with sibling ranks
 
     def staged(self) -> list[StagedRead]:
@@ -320,7 +323,7 @@ class _Handshake:
     metas: dict[int, AgentMetadata]
     plans: list[PeerReadPlan | StagedRead]
     notify: dict[int, int]
-    host: dict[int, HostRead]
+    host: dict[int, HostRead | MappedRead]
 
 
 @dataclass
@@ -336,7 +339,9 @@ class _Read:
     unnotified: bool = False  # read, but some "done" could not be sent
     posted: float | None = None  # when its READs were posted (after any staging wait)
     staged: StagedJob = field(default_factory=StagedJob)  # a converted read's parts
-    host: list[tuple[HostRead, np.ndarray, np.ndarray]] = field(default_factory=list)
+    host: list[tuple[HostRead | MappedRead, np.ndarray, np.ndarray]] = \
+        field(default_factory=list)
+    mapped_ranks: int = 0  # of host_ranks, those read from the prefill's mapped cache
     host_ranks: set[int] = field(default_factory=set)  # host-read (told after the copy)
     members: int = 0  # in-process ranks that shared its converted reads (siblings)
     # a staged read shared with sibling ranks: this rank's pieces (its shares, kept while
@@ -448,7 +453,8 @@ class TransferWorker:
                              block_size=plan.block_size, layout=plan.layout, plan=plan,
                              backends=self._agent.backends, kv_packing=self.compat.kv_packing,
                              kernel_ratio=plan.kernel_ratio,
-                             host_reads=self._canary.offer() if self._canary else None)
+                             host_reads=self._canary.offer(shared_regions(plan.memory))
+                             if self._canary else None)
 
     def peer_connecting(self) -> None:
         """The listener served a handshake: progress fast while the peer connects."""
@@ -788,11 +794,19 @@ class TransferWorker:
     def _host_copy(self, job: _Read, peer: _Peer) -> bool:
         """Copy the request's host-read ranks (each copy ends within the call); False
         when one failed (the job failed)."""
+        threads = 1 + len(self._lanes)
         for runs, local_ids, remote_ids in job.host:
             try:
-                num_bytes, _, members = SHARED.copy(
-                    self.engine_id, peer.engine_id, job.remote.remote_request_id, self.rank,
-                    runs, local_ids, remote_ids, self._lane_pool, 1 + len(self._lanes))
+                if isinstance(runs, MappedRead):
+                    num_bytes, copies = runs.copy(self._view_groups, local_ids, remote_ids,
+                                                  self._lane_pool, threads)
+                    members = 1
+                    job.mapped_ranks += 1
+                else:
+                    num_bytes, _, members = SHARED.copy(
+                        self.engine_id, peer.engine_id, job.remote.remote_request_id,
+                        self.rank, runs, local_ids, remote_ids, self._lane_pool, threads)
+                    copies = len(local_ids) * runs.runs_per_block
             except Exception as exc:  # HostReadError, or a bug: this request only
                 self._fail(job, f"prefill {peer.engine_id} rank {runs.remote_rank} at "
                                 f"{peer.address}: host read failed: {exc}", notify=True)
@@ -801,9 +815,9 @@ class TransferWorker:
                 return False
             job.host_ranks.add(runs.remote_rank)
             job.members = max(job.members, members)
-            job.lanes = max(job.lanes, 1 + len(self._lanes))
+            job.lanes = max(job.lanes, threads)
             job.num_bytes += num_bytes
-            job.descriptors += len(local_ids) * runs.runs_per_block
+            job.descriptors += copies
         return True
 
     def _post_parts(self, job: _Read, peer: _Peer) -> bool:
@@ -993,7 +1007,7 @@ class TransferWorker:
                 self._results.unnotified.add(job.request_id)
             self._results.stats[job.request_id] = ReadStats(
                 job.num_bytes, job.descriptors, now - job.started, job.lanes,
-                len(job.host_ranks), job.members)
+                len(job.host_ranks), job.members, job.mapped_ranks)
         self._results_ready.set()
 
     def _release_transfers(self, job: _Read) -> None:
@@ -1067,18 +1081,35 @@ class TransferWorker:
         return _Handshake(metas, plans, notify, host)
 
     def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]
-                         ) -> dict[int, HostRead]:
-        """The converted reads that can be host reads (:mod:`kvxfer.host_reads`), by rank."""
-        host: dict[int, HostRead] = {}
+                         ) -> dict[int, HostRead | MappedRead]:
+        """The converted reads that can be read on this host, by rank: from the prefill's
+        mapped cache (:mod:`kvxfer.mapped_reads`) where it offers one, else host reads
+        (:mod:`kvxfer.host_reads`)."""
+        host: dict[int, HostRead | MappedRead] = {}
         for plan in staged:
             offer = metas[plan.remote_rank].host_reads
             why = "its cache is not host memory" if any(
                 m.is_cuda for m in metas[plan.remote_rank].plan.memory) else check_offer(offer)
-            runs = None if why or offer is None else \
-                plan_host_read(plan, self._view_groups, offer)
+            if why or offer is None:
+                log.info("rank %d: prefill rank %d is not read on this host: %s", self.rank,
+                         plan.remote_rank, why)
+                continue
+            try:
+                mapped = map_prefill(plan, offer, self._view_groups[0][1].dtype)
+            except HostReadError as exc:
+                log.info("rank %d: prefill rank %d's cache is not mapped: %s", self.rank,
+                         plan.remote_rank, exc)
+                mapped = None
+            if mapped is not None:
+                host[plan.remote_rank] = mapped
+                log.info("rank %d reads prefill rank %d (%s -> %s) from its mapped cache, "
+                         "%d bytes per block", self.rank, plan.remote_rank, plan.remote.layout,
+                         plan.local.layout, plan.placed_per_block)
+                continue
+            runs = plan_host_read(plan, self._view_groups, offer)
             if runs is None:
-                log.info("rank %d: prefill rank %d is not host-read: %s", self.rank,
-                         plan.remote_rank, why or "its runs are too short to pay")
+                log.info("rank %d: prefill rank %d is not host-read: its runs are too short "
+                         "to pay, or the block sizes differ", self.rank, plan.remote_rank)
                 continue
             host[plan.remote_rank] = runs
             log.info("rank %d host-reads prefill rank %d (%s -> %s): %d runs, %d bytes per "
@@ -1109,8 +1140,9 @@ class TransferWorker:
                      shake.plans, shake.notify, kinds, shake.host)
         self._peers[peer.engine_id] = peer
         self._dead.pop(peer.engine_id, None)
-        for prefill_rank in peer.host:  # in-process sibling ranks share those copies
-            SHARED.register(self.engine_id, peer.engine_id, prefill_rank, self.rank)
+        for prefill_rank, runs in peer.host.items():  # in-process siblings share those copies
+            if isinstance(runs, HostRead):
+                SHARED.register(self.engine_id, peer.engine_id, prefill_rank, self.rank)
         for plan in peer.staged():  # and the staged reads of pages that hold every head
             if not plan.remote.heads_contiguous:
                 SHARED_STAGING.register(self.engine_id, peer.engine_id, plan.remote_rank,

@@ -15,6 +15,7 @@ expectation then addresses each logical block's token ``t`` as kernel block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -59,15 +60,17 @@ class Rank:
 
 
 def make_rank(spec: CacheSpec, layout: KVCacheLayout, num_blocks: int, layers: int,
-              separate_storage: bool, rng: np.random.Generator, kernel_ratio: int = 1) -> Rank:
+              separate_storage: bool, rng: np.random.Generator, kernel_ratio: int = 1,
+              zeros: Any = None) -> Rank:
     kernel = spec.block_size // kernel_ratio
     if separate_storage:
-        pairs = [allocate_kv_cache(spec, num_blocks, 1, layout, block_size=kernel)
+        pairs = [allocate_kv_cache(spec, num_blocks, 1, layout, block_size=kernel, zeros=zeros)
                  for _ in range(layers)]
         buffers = [raw for raw, _ in pairs]
         views = [v[0] for _, v in pairs]
     else:
-        raw, views = allocate_kv_cache(spec, num_blocks, layers, layout, block_size=kernel)
+        raw, views = allocate_kv_cache(spec, num_blocks, layers, layout, block_size=kernel,
+                                       zeros=zeros)
         buffers = [raw]
     for raw in buffers:
         raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))

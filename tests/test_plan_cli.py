@@ -111,7 +111,7 @@ def test_plan_explains_a_converted_read() -> None:
         host = part.pop("host_read")
         assert part == {"prefill_rank": 0, "staging_bytes": 10 * 32 * 16 * 8 * 256 * 2,
                         "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2,
-                        "host_read_unavailable": None}
+                        "host_read_unavailable": None, "mapped": True}
         assert rank["bytes"] == part["staging_bytes"]
         # on one host: per layer page, 16 tokens' 4 heads (one range each on the decode,
         # heads outside tokens there) and the 15 gaps of the other 4 heads between them,
@@ -122,8 +122,10 @@ def test_plan_explains_a_converted_read() -> None:
                         "read_bytes": 10 * 32 * (16 + 15) * 4 * 256 * 2, "calls": 10 * 3}
     text = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
                   "--decode-tp", "2", "--tokens", "160").stdout
-    assert "prefill on this host: a host read copies 19.4 MiB straight into place, 340 " \
-           "ranges into 25280 in 30 system calls, no staging" in text, text
+    assert "prefill on this host, its cache in shared memory (kvxfer's sidecars): one local " \
+           "copy of 10.0 MiB from its cache mapped into the decode" in text, text
+    assert "prefill on this host, without shared memory: a host read copies 19.4 MiB " \
+           "straight into place, 340 ranges into 25280 in 30 system calls, no staging" in text
     assert "elsewhere: reads 20.0 MiB into a staging buffer, places 10.0 MiB of it with " \
            "one local copy" in text
 
@@ -139,7 +141,7 @@ def test_plan_explains_a_converted_read_across_block_sizes() -> None:
         assert rank["converted"] == [{
             "prefill_rank": 0, "staging_bytes": 10 * 32 * 16 * 8 * 256 * 2,
             "placed_bytes": 10 * 32 * 16 * 4 * 256 * 2, "host_read": None,
-            "host_read_unavailable": "the two sides' block sizes differ"}]
+            "host_read_unavailable": "the two sides' block sizes differ", "mapped": True}]
     text = kvxfer("plan", "--prefill-layout", "LBNHC", "--decode-layout", "LBHNC",
                   "--decode-tp", "2", "--prefill-block-size", "16", "--decode-block-size", "32",
                   "--tokens", "160").stdout
@@ -217,19 +219,26 @@ def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> 
     assert bigger["vs_large_read"] > 0
 
 
-def test_bench_transfer_runs_a_converted_case_as_a_host_read_and_through_staging() -> None:
-    """Both paths of one converted case, each next to its native twin (LBHNC), and the
-    table names the path."""
+def test_bench_transfer_runs_a_converted_case_on_each_path() -> None:
+    """Every path of one converted case, each next to its native twin (LBHNC), and the
+    table names the path: the prefill's mapped cache (what kvxfer does on one host), a
+    host read of a prefill without shared memory, and staging (across machines)."""
     args = ("bench", "transfer", "--cases", "LBHNC/LBNHC:1:1", "--tokens", "64", "--layers",
             "2", "--repeats", "1")
-    out = kvxfer(*args, "--json")
+    out = kvxfer(*args, "--host-reads", "all", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
-    host, staged = json.loads(out.stdout)["rows"]
-    assert (host["path"], staged["path"]) == ("host", "staged")
-    # a host read moves only what is placed; staging reads the same heads whole here
-    assert host["bytes"] == staged["bytes"] == 64 * 2 * 8 * 256 * 2
+    mapped, host, staged = json.loads(out.stdout)["rows"]
+    assert (mapped["path"], host["path"], staged["path"]) == ("mapped", "host", "staged")
+    # mapped and host reads move only what is placed; staging reads the same heads whole
+    assert mapped["bytes"] == host["bytes"] == staged["bytes"] == 64 * 2 * 8 * 256 * 2
     assert host["descriptors"] == 64 * 2 * 8  # one range per token and head
-    for row in (host, staged):
+    assert mapped["descriptors"] == 2  # one copy per thread (2 read lanes)
+    for row in (mapped, host, staged):
         assert row["vs_native"] == round(row["native_ms_median"] / row["ms_median"], 2)
     text = kvxfer(*args, "--host-reads", "off").stdout
-    assert "LBHNC/LBNHC* staged 1->1" in text and " host " not in text, text
+    rows = [line.split()[1] for line in text.splitlines() if line.startswith("LBHNC/LBNHC*")]
+    assert rows == ["staged"], text
+    paths = [r["path"] for r in json.loads(kvxfer(*args, "--json").stdout)["rows"]]
+    assert paths == ["mapped", "staged"]  # the default: kvxfer's own path on one host, and staging
+
+

@@ -343,12 +343,14 @@ def test_strict_payload_decoding_names_the_offender(kind: type[Any], payload: di
 
 
 def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
-    """AgentMetadata.host_reads (protocol 9): absent means NIXL only; an offer arrives
-    verbatim; a bad one fails decoding with the field named, like any other."""
-    from kvxfer.protocol import HostReads
+    """AgentMetadata.host_reads (protocol 9, its shared buffers 10): absent means NIXL only;
+    an offer arrives verbatim; a bad one fails decoding with the field named, like any
+    other."""
+    from kvxfer.protocol import HostReads, SharedRegion
 
     offer = HostReads(host="boot/pid:[4026531836]", pid=4242, canary_addr=0x7F0000001000,
-                      canary=bytes(range(16)))
+                      canary=bytes(range(16)),
+                      memory=(SharedRegion(fd=7, addr=0x7F1000000000, size=1 << 30),))
     with_offer = msgspec.structs.replace(meta(0), host_reads=offer)
     response = MetadataResponse("prefill-a", 2, (meta(1), with_offer))
     got = decode_payload(decode(encode_message(response, compat=COMPAT)), MetadataResponse)
@@ -357,6 +359,13 @@ def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
     as_dict = msgspec.to_builtins(with_offer)
     as_dict["host_reads"]["pid"] = 0
     with pytest.raises(msgspec.ValidationError, match=r"HostReads\.pid must be positive"):
+        msgspec.convert(as_dict, AgentMetadata)
+    as_dict["host_reads"]["pid"] = 4242
+    as_dict["host_reads"]["memory"][0]["size"] = 0
+    with pytest.raises(msgspec.ValidationError, match=r"SharedRegion\.size must be positive"):
+        msgspec.convert(as_dict, AgentMetadata)
+    as_dict["host_reads"]["memory"] = [{"fd": 7, "addr": 4096, "size": 4096}] * 65
+    with pytest.raises(msgspec.ValidationError, match=r"at most 64 buffers, got 65"):
         msgspec.convert(as_dict, AgentMetadata)
 
 
@@ -504,8 +513,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 9): a change here changes the wire, so it needs a version bump.
-    assert HASH == "30f08ab5df7b7341b2acf2e4b5a7d854df751f70d672a4d4c5bd5f28a9cf0edd"
+    # Pinned (protocol 10): a change here changes the wire, so it needs a version bump.
+    assert HASH == "982ca6842bea83304c78150880baf631d7b6c94f7bd263a72b97b26805d061f4"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -535,7 +544,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 9
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 10
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

@@ -13,7 +13,7 @@ import torch
 from test_descriptors import make_rank
 
 from kvxfer.layout import CacheSpec, KVCacheLayout
-from kvxfer.shared_staging import StagedMeeting, Target, cut_shares
+from kvxfer.shared_staging import StagedMeeting, Target
 from kvxfer.staging import StagedRead, plan_reads
 from kvxfer.topology import read_plan
 
@@ -41,15 +41,15 @@ def page_read(decode_bs: int, prefill_bs: int) -> StagedRead:
     ((4, 4), (1, 1), {0: ((0, 0), (0, 0)), 1: ((0, 1), (0, 1))})])
 def test_shares_are_whole_blocks_of_both_sides(sizes: tuple[int, int], counts: tuple[int, int],
                                                want: dict[int, tuple]) -> None:
-    shares = cut_shares(page_read(*sizes), *counts, [0, 1])
-    got = {rank: ((lo.start, lo.stop), (ro.start, ro.stop)) for rank, (lo, ro) in shares.items()}
+    shares = page_read(*sizes).shares(*counts, 2)
+    got = {rank: ((lo.start, lo.stop), (ro.start, ro.stop)) for rank, (lo, ro) in enumerate(shares)}
     assert got == want
 
 
 def meeting() -> StagedMeeting:
     read = page_read(4, 4)
     targets = {rank: Target(rank, read, [], threading.Event()) for rank in (0, 1)}
-    return StagedMeeting(targets, cut_shares(read, 4, 4, [0, 1]))
+    return StagedMeeting(targets, dict(enumerate(read.shares(4, 4, 2))))
 
 
 def test_a_member_that_closes_is_written_no_more_and_waits_for_running_writes() -> None:

@@ -30,6 +30,7 @@ from test_descriptors import (
 from kvxfer import host_reads
 from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan
 from kvxfer.host_reads import Canary, plan_host_read
+from kvxfer.mapped_reads import map_prefill, shared_regions, shared_zeros
 from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.topology import read_plan
 
@@ -92,8 +93,10 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
     local = make_rank(local_spec, s["local_layout"], s["blocks"], s["layers"],
                       s["separate_storage"] and s["local_layout"].is_layer_compact, rng, local_kr)
     plan = read_plan(s["local_rank"], s["local_tp"], s["remote_tp"], s["total"])
+    # the prefill's cache in shared memory, so that a mapped read runs too
     remotes = {p.remote_rank: make_rank(remote_spec, s["remote_layout"], s["blocks"] + 2,
-                                        s["layers"], False, rng, remote_kr) for p in plan}
+                                        s["layers"], False, rng, remote_kr, shared_zeros)
+               for p in plan}
     small = min(local_bs, remote_bs)
     lr, rr = local_bs // small, remote_bs // small  # blocks per larger block: one is 1
     # f blocks on the smaller-block side, ceil(f / ratio) on the other
@@ -126,16 +129,23 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
             for layer in range(s["layers"]):
                 expected_views[layer][lkernel[:, None], lheads, lrow[:, None]] = \
                     remote.views[layer][rkernel[:, None], rheads, rrow[:, None]]
-    # the same reads as host reads (kvxfer.host_reads), this process standing in for the
-    # prefill's, into buffers of their own
-    host = [raw.clone() for raw in local.buffers]
+    # the same reads as host reads (kvxfer.host_reads) and from the mapped cache
+    # (kvxfer.mapped_reads), this process standing in for the prefill's, into buffers of
+    # their own
+    host, mapped = [raw.clone() for raw in local.buffers], [raw.clone() for raw in local.buffers]
     host_groups = layer_groups(make_views_like(local, host))
+    mapped_groups = layer_groups(make_views_like(local, mapped))
     canary = Canary()
-    offer = canary.offer()
-    assert offer is not None
     for read in reads:
         assert isinstance(read, StagedRead)
-        run_staged(local, remotes[read.remote_rank], read, local_ids, remote_ids)
+        remote = remotes[read.remote_rank]
+        offer = canary.offer(shared_regions(remote.plan.memory))
+        assert offer is not None and offer.memory
+        from_map = map_prefill(read, offer, s["dtype"])
+        assert from_map is not None  # one allocation: its chunks lie at fixed strides
+        lids, rids = read.ids(local_ids, remote_ids)
+        assert from_map.copy(mapped_groups, lids, rids)[0] == len(rids) * read.placed_per_block
+        run_staged(local, remote, read, local_ids, remote_ids)
         with mock.patch.object(host_reads, "IOV_MAX", s["iov_max"]):
             runs = plan_host_read(read, host_groups, offer, min_run_bytes=0)
             if local_bs != remote_bs:  # not one template per block: read through staging
@@ -146,6 +156,8 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
             assert runs.copy(lids, rids)[0] == len(lids) * read.placed_per_block
     for got, want in zip(local.buffers, expected, strict=True):
         assert torch.equal(got, want), "decode buffer differs from the view-level expectation"
+    for got, want in zip(mapped, expected, strict=True):
+        assert torch.equal(got, want), "a mapped read differs from the view-level expectation"
     for got, want in zip(host if local_bs == remote_bs else [], expected, strict=False):
         assert torch.equal(got, want), "a host read differs from the view-level expectation"
 

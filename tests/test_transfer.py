@@ -103,17 +103,20 @@ def test_two_requests_in_flight_arrive_byte_exact(prefill: PrefillProcess, prefi
         decode.close()
 
 
-@pytest.mark.parametrize("host_reads", [True, False], ids=["host", "staged"])
+@pytest.mark.parametrize("path", ["mapped", "host", "staged"])
 @pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"),
                          CONVERTED)
 def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, prefill_layout: str,
                                                   decode_layout: str, prefill_tp: int,
-                                                  decode_tp: int, host_reads: bool) -> None:
-    """With heads large enough for runs to pay (32 float32 elements), a prefill process on
-    this host is host-read (kvxfer.host_reads) unless either side turned it off; both
-    paths are byte-exact, and both end the lease with "done"."""
+                                                  decode_tp: int, path: str) -> None:
+    """A prefill process on this host whose cache is in shareable memory is read from its
+    mapped cache (kvxfer.mapped_reads); one whose cache is not, with heads large enough for
+    runs to pay (32 float32 elements), is host-read (kvxfer.host_reads); one that turned
+    host reads off is read through staging. Every path is byte-exact and ends the lease
+    with "done"."""
+    host_reads = path != "staged"
     pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24, head_size=32,
-                       host_reads=host_reads)
+                       host_reads=host_reads, shared_memory=path == "mapped")
     dcfg = replace(pcfg, layout=decode_layout, tp=decode_tp, num_blocks=20, host_reads=True)
     remote = prefill.create(pcfg)
     decode = decode_instance(dcfg)
@@ -136,11 +139,15 @@ def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, pref
         assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
         host_ranks = [s.host_ranks for s in stats["r"]]
         assert all(h > 0 for h in host_ranks) if host_reads else host_ranks == [0] * decode_tp
-        # the decode ranks that read one prefill rank copy it together (SharedCopies), or,
-        # through staging, READ the pages that hold every head once between them
+        mapped = [s.mapped_ranks for s in stats["r"]]
+        assert mapped == (host_ranks if path == "mapped" else [0] * decode_tp)
+        # the decode ranks that host-read one prefill rank copy it together (SharedCopies),
+        # or, through staging, READ the pages that hold every head once between them; each
+        # copies its own heads out of a mapped cache
         pages = not parse_layout(prefill_layout).heads_outside_tokens
-        together = max(1, decode_tp // prefill_tp) if host_reads else \
-            decode_tp // prefill_tp if pages and decode_tp > prefill_tp else 0
+        together = {"mapped": 1, "host": max(1, decode_tp // prefill_tp),
+                    "staged": decode_tp // prefill_tp if pages and decode_tp > prefill_tp
+                    else 0}[path]
         assert [s.members for s in stats["r"]] == [together] * decode_tp
         if not host_reads and together:  # the pages were read once
             pages_bytes = 7 * pcfg.num_layers * pcfg.block_size * 4 * \
@@ -271,20 +278,24 @@ def check_tokens(decode: LoopbackInstance, prefill_cfg: CacheConfig, remote_ids:
             assert (got[others] == -1).all(), "blocks outside the request changed"
 
 
-@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_bs", "decode_bs", "tp"), [
-    ("LBHNC", "BLHNC", 16, 32, (1, 1)), ("BHLNC", "LBHNC", 32, 8, (1, 2)),
-    ("LBNHC", "LBNHC", 8, 32, (1, 1)),
-    # converted through staging (a host read needs one block size): a head split of a
-    # tokens-outside-heads prefill, heads and tokens ordered differently, both
-    ("LBNHC", "LBNHC", 16, 32, (1, 2)), ("LBHNC", "LBNHC", 32, 16, (1, 1)),
-    ("BLNHC", "BHLNC", 8, 32, (2, 1))])
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_bs", "decode_bs", "tp",
+                          "path"), [
+    ("LBHNC", "BLHNC", 16, 32, (1, 1), "direct"), ("BHLNC", "LBHNC", 32, 8, (1, 2), "direct"),
+    ("LBNHC", "LBNHC", 8, 32, (1, 1), "direct"),
+    # converted: a head split of a tokens-outside-heads prefill, heads and tokens ordered
+    # differently, both; from the prefill's mapped cache, or through staging (a host read's
+    # byte map needs one block size, so a prefill without shared memory is staged too)
+    ("LBNHC", "LBNHC", 16, 32, (1, 2), "mapped"), ("LBNHC", "LBNHC", 16, 32, (1, 2), "staged"),
+    ("LBHNC", "LBNHC", 32, 16, (1, 1), "mapped"), ("LBHNC", "LBNHC", 32, 16, (1, 1), "staged"),
+    ("BLNHC", "BHLNC", 8, 32, (2, 1), "mapped"), ("BLNHC", "BHLNC", 8, 32, (2, 1), "staged")])
 def test_different_block_sizes_move_every_token_to_its_place(
         prefill: PrefillProcess, prefill_layout: str, decode_layout: str, prefill_bs: int,
-        decode_bs: int, tp: tuple[int, int]) -> None:
+        decode_bs: int, tp: tuple[int, int], path: str) -> None:
     """The request's tokens pair in order across two block sizes, one a multiple of the
-    other, read directly where byte copies place them and through staging where not."""
+    other, read directly where byte copies place them, else converted."""
     tokens = 77  # a last block partly filled on both sides
-    pcfg = CacheConfig(layout=prefill_layout, block_size=prefill_bs, num_blocks=24, tp=tp[0])
+    pcfg = CacheConfig(layout=prefill_layout, block_size=prefill_bs, num_blocks=24, tp=tp[0],
+                       shared_memory=path == "mapped")
     dcfg = CacheConfig(layout=decode_layout, block_size=decode_bs, num_blocks=24, tp=tp[1])
     remote = prefill.create(pcfg)
     decode = decode_instance(dcfg)
@@ -298,11 +309,10 @@ def test_different_block_sizes_move_every_token_to_its_place(
         stats, failed = decode.wait(["mixed"])
         assert failed == {}
         check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
-        assert all(s.host_ranks == 0 and s.descriptors > 0 for s in stats["mixed"])
-        # converted reads took staging and gave it back to the pool; direct ones took none
-        outside = [parse_layout(x).heads_outside_tokens for x in (prefill_layout, decode_layout)]
-        converted = outside[0] != outside[1] or (tp[0] != tp[1] and not outside[0])
-        assert all(bool(w._staging._free) == converted for w in decode.workers)
+        assert all(s.descriptors > 0 for s in stats["mixed"])
+        assert [s.mapped_ranks > 0 for s in stats["mixed"]] == [path == "mapped"] * tp[1]
+        # staged reads took staging and gave it back to the pool; the others took none
+        assert all(bool(w._staging._free) == (path == "staged") for w in decode.workers)
         assert prefill.wait_released(remote["engine_id"], {"mixed"}) == {"mixed": "done"}
     finally:
         decode.close()
@@ -532,7 +542,7 @@ def test_a_converted_read_that_fails_fails_alone(prefill: PrefillProcess,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Its failure is reported (not raised out of the worker loop), its staging is freed
     once the failed prefill is forgotten, and the worker goes on reading from others."""
-    cfg = CacheConfig(layout="LBHNC", num_blocks=8)
+    cfg = CacheConfig(layout="LBHNC", num_blocks=8, host_reads=False)  # through staging
     remote = prefill.create(cfg)
     decode = decode_instance(replace(cfg, layout="LBNHC"))
     try:

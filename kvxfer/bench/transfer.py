@@ -63,11 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"BLHNC:1:2 or LBHNC:1:1:16:32 (prefill and decode block sizes; "
                              f"default --block-size) (default all; with --transport tcp "
                              f"{TCP_CASES})")
-    parser.add_argument("--host-reads", choices=["both", "on", "off"], default="both",
-                        help="converted cases: both runs each with host reads (a prefill on "
-                             "this host is copied straight into place, kvxfer.host_reads) and "
-                             "through staging; on or off runs one (default both; --transport "
-                             "tcp: off)")
+    parser.add_argument("--host-reads", choices=["both", "on", "off", "all"], default="both",
+                        help="converted cases: both runs each on this host as kvxfer does (from "
+                             "the prefill's mapped cache, kvxfer.mapped_reads) and through "
+                             "staging, as across machines; on or off runs one; all adds host "
+                             "reads of a prefill without shared memory (process_vm_readv, "
+                             "kvxfer.host_reads) (default both; --transport tcp: off)")
     parser.add_argument("--transport", choices=["default", "tcp"], default="default",
                         help="default: UCX's own choice (cma on one host); tcp: also every "
                              "case with UCX_TLS=tcp, the ratio printed beside (default "
@@ -159,7 +160,7 @@ class _Run:
     """One case's prefill instance (in the prefill process) and decode instance (here)."""
 
     def __init__(self, prefill: Any, case: tuple[str, int, int, int, int],
-                 args: argparse.Namespace, host_reads: bool) -> None:
+                 args: argparse.Namespace, path: str) -> None:
         import numpy as np
 
         from kvxfer.loopback import CacheConfig, LoopbackInstance
@@ -173,7 +174,7 @@ class _Run:
         base = CacheConfig(layout=prefill_layout, total_kv_heads=args.kv_heads,
                            num_layers=args.layers, block_size=prefill_bs,
                            head_size=args.head_size, num_blocks=self.pcap, dtype=args.dtype,
-                           host_reads=host_reads)
+                           host_reads=path != "staged", shared_memory=path == "mapped")
         self.pcfg = CacheConfig(**{**base.__dict__, "tp": prefill_tp})
         dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp, "read_lanes": args.read_lanes,
                               "block_size": decode_bs, "num_blocks": self.dcap,
@@ -222,10 +223,11 @@ class _Run:
         gbps = nbytes / median / 1e9
         target = 0.9 if prefill_layout in COALESCING else 0.75
         converted = _converted(self.case)
-        host = sum(s.host_ranks for s in stats)
+        host, mapped = (sum(s.host_ranks for s in stats), sum(s.mapped_ranks for s in stats))
         return {"layout": layout, "prefill_layout": prefill_layout,
                 "decode_layout": decode_layout, "converted": converted,
-                "path": ("host" if host else "staged") if converted else "direct",
+                "path": ("mapped" if mapped else "host" if host else "staged") if converted
+                else "direct",
                 "prefill_tp": prefill_tp, "decode_tp": decode_tp,
                 "prefill_block_size": prefill_bs, "decode_block_size": decode_bs,
                 "bytes": nbytes, "descriptors": sum(s.descriptors for s in stats),
@@ -244,7 +246,7 @@ class _Run:
 
 
 def _case(prefill: Any, case: tuple[str, int, int, int, int], args: argparse.Namespace,
-          host_reads: bool = True) -> dict[str, Any]:
+          path: str = "mapped") -> dict[str, Any]:
     """A case's row. A converted or block-size case runs in alternation with its native
     counterpart (:func:`_native_case`), request by request (ABBA), so that drifts of a
     noisy machine hit both alike; ``vs_native`` is the counterpart's median time over
@@ -252,9 +254,9 @@ def _case(prefill: Any, case: tuple[str, int, int, int, int], args: argparse.Nam
     native = _native_case(case)
     runs: list[_Run] = []
     try:
-        runs.append(_Run(prefill, case, args, host_reads))
+        runs.append(_Run(prefill, case, args, path))
         if native is not None:
-            runs.append(_Run(prefill, native, args, True))
+            runs.append(_Run(prefill, native, args, "mapped"))
         walls: list[list[float]] = [[] for _ in runs]
         stats: list[Any] = []
         for i in range(args.repeats + 1):  # the first request of each is the warm-up
@@ -328,18 +330,20 @@ def _rows(cases: list[tuple[str, int, int, int, int]], args: argparse.Namespace,
         prefill = PrefillProcess() if args.prefill_netns is None else PrefillProcess(
             args.prefill_netns, args.prefill_host, ucx_devices=_netns().DEVICE)
         try:
-            return [_case(prefill, case, args, host_reads)
-                    for case in cases for host_reads in _host_modes(case, args)]
+            return [_case(prefill, case, args, path)
+                    for case in cases for path in _paths(case, args)]
         finally:
             prefill.close()
 
 
-def _host_modes(case: tuple[str, int, int, int, int], args: argparse.Namespace
-                ) -> tuple[bool, ...]:
-    """The host-read settings a case runs with (only converted cases differ)."""
-    if not _converted(case) or args.host_reads == "on":
-        return (True,)
-    return (True, False) if args.host_reads == "both" else (False,)
+def _paths(case: tuple[str, int, int, int, int], args: argparse.Namespace
+           ) -> tuple[str, ...]:
+    """The paths a case runs with (only converted cases differ): from the prefill's mapped
+    cache, a host read of a prefill without shared memory, or through staging."""
+    if not _converted(case):
+        return ("mapped",)
+    return {"on": ("mapped",), "off": ("staged",), "both": ("mapped", "staged"),
+            "all": ("mapped", "host", "staged")}[args.host_reads]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,10 +381,11 @@ def run(args: argparse.Namespace) -> int:
               f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS':4} "
               f"{native}")
     if any(r["converted"] for r in rows):
-        print("* converted. path host: copied from the prefill process straight into place "
-              "(kvxfer.host_reads), MiB counts the bytes placed, descs the ranges; staged: "
-              "READ into staging, then one local copy (kvxfer.staging), MiB counts what the "
-              "READ moved")
+        print("* converted. path mapped: one local copy from the prefill's cache mapped into "
+              "the decode (kvxfer.mapped_reads), MiB counts the bytes placed, descs the copy "
+              "threads; host: copied from the prefill process straight into place with "
+              "process_vm_readv (kvxfer.host_reads), descs the ranges; staged: READ into "
+              "staging, then one local copy (kvxfer.staging), MiB counts what the READ moved")
     if any("vs_native" in r for r in rows):
         print("xnative: the native counterpart's time over this case's, the two run in "
               "alternation, request by request (converted: the twin layouts; block sizes: "

@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,7 +81,8 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int = 256,
                  dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                  tokenizer: Tokenizer | None = None, model_name: str = TINY_MODEL,
-                 kv_packing: str = "token", enable_prefix_caching: bool = False) -> None:
+                 kv_packing: str = "token", enable_prefix_caching: bool = False,
+                 cache_zeros: Callable[[int], torch.Tensor] | None = None) -> None:
         check_tp(config, tp)
         self.config, self.tp, self.model_name = config, tp, model_name
         self.dtype = parse_dtype(dtype)
@@ -109,8 +110,10 @@ class LLMEngine:
         self.kv_buffers: list[torch.Tensor] = []
         self.kv_caches: list[dict[str, torch.Tensor]] = []
         for rank in range(tp):
+            # cache_zeros(nbytes): where the cache's bytes come from (default: torch.zeros)
             raw, views = allocate_kv_cache(self.cache_spec(rank), num_blocks,
-                                           config.num_hidden_layers, self.layout, device)
+                                           config.num_hidden_layers, self.layout, device,
+                                           zeros=cache_zeros)
             self.kv_buffers.append(raw)
             self.kv_caches.append({layer_name(i): v for i, v in enumerate(views)})
         self.max_model_len = min(config.max_position_embeddings, num_blocks * block_size)

@@ -1,0 +1,250 @@
+"""Converted reads on one host, from the prefill's cache mapped into the decode.
+
+A host read (:mod:`kvxfer.host_reads`) moves every byte once, but through the kernel:
+``process_vm_readv`` pins the prefill's pages for each call and costs about 0.1 us per
+range on the decode side, and a layout conversion cuts a request into many short
+ranges (every 512-byte head of a token, LBHNC -> LBNHC: 524,288 of them for 2,048
+Llama-8B-like tokens). Where the prefill keeps its cache in memory that can be shared,
+the decode maps it once per peer and a request is one local copy of its blocks with
+torch, the conversion done by the copy itself (:meth:`StagedRead.place` on the mapped
+memory, shared out between the decode's copy threads): no system call per request,
+no pinning, no ranges.
+
+Prefill side: :func:`shared_zeros` allocates a cache buffer in a sealed ``memfd`` (it can
+neither shrink nor grow, so a mapping of it never faults past its end); the rank offers
+the buffers its registered memory lies in with its host-read offer (``HostReads.memory``).
+
+Decode side: :func:`map_prefill`, after the offer's canary proved the pid and the right to
+read it, opens a pidfd of the prefill, checks the canary again (the pidfd is that
+process), takes each offered descriptor with ``pidfd_getfd`` (which needs the same
+ptrace right as ``process_vm_readv``), checks its seals and size, and maps it read-only.
+A plan whose chunks do not lie at fixed strides in one buffer is not mapped (host reads
+or staging instead). The mapping lives as long as the peer: the memory stays valid even
+if the prefill exits, and what a lease holds is what the prefill wrote into it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+
+from kvxfer.host_reads import HostReadError, verify_canary
+from kvxfer.protocol import HostReads, SharedRegion
+from kvxfer.regions import MemoryRegion
+from kvxfer.staging import StagedRead
+
+PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+# -- the prefill side: caches in memory a reader can map ---------------------------------
+
+_lock = threading.Lock()
+_buffers: dict[int, tuple[int, int]] = {}  # memfd -> (address, size) of its mapping
+
+
+def shared_zeros(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zeroed bytes in a sealed memfd mapping, offered to readers on this host
+    (:func:`shared_regions`); the descriptor is closed when the memory is freed. Plain
+    memory where this system has no memfd."""
+    try:
+        fd = os.memfd_create("kvxfer-kv-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError):
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    try:
+        os.ftruncate(fd, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    tensor = torch.frombuffer(memory, dtype=torch.uint8)
+    with _lock:
+        _buffers[fd] = (tensor.data_ptr(), nbytes)
+    weakref.finalize(memory, _forget, fd)
+    return tensor
+
+
+def _forget(fd: int) -> None:
+    with _lock:
+        _buffers.pop(fd, None)
+    os.close(fd)
+
+
+def shared_regions(memory: Sequence[MemoryRegion]) -> tuple[SharedRegion, ...]:
+    """The shared buffers (:func:`shared_zeros`) that registered ``memory`` lies in."""
+    with _lock:
+        buffers = list(_buffers.items())
+    return tuple(SharedRegion(fd, addr, size) for fd, (addr, size) in buffers
+                 if any(addr <= m.addr and m.addr + m.nbytes <= addr + size for m in memory))
+
+
+# -- the decode side: the prefill's buffers, mapped -------------------------------------
+
+@cache
+def _syscall() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    fn.restype = ctypes.c_long
+    return fn
+
+
+def _take_descriptor(pidfd: int, fd: int, pid: int) -> int:
+    got = int(_syscall()(ctypes.c_long(PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd),
+                         ctypes.c_long(0)))
+    if got < 0:
+        raise HostReadError(f"taking descriptor {fd} of process {pid}: "
+                            f"{os.strerror(ctypes.get_errno())}")
+    return got
+
+
+class _Mapping:
+    """One of a prefill's shared buffers, mapped read-only here."""
+
+    def __init__(self, offer: HostReads, region: SharedRegion) -> None:
+        try:
+            pidfd = os.pidfd_open(offer.pid)
+        except OSError as exc:
+            raise HostReadError(f"process {offer.pid}: {exc.strerror}", gone=True) from exc
+        try:
+            verify_canary(offer)  # the pidfd names the process that offered the buffer
+            fd = _take_descriptor(pidfd, region.fd, offer.pid)
+        finally:
+            os.close(pidfd)
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                raise HostReadError(f"descriptor {region.fd} of process {offer.pid} is not a "
+                                    f"sealed buffer: it could shrink under a reader")
+            if os.fstat(fd).st_size < region.size:
+                raise HostReadError(f"descriptor {region.fd} of process {offer.pid} holds "
+                                    f"{os.fstat(fd).st_size} bytes, not {region.size}")
+            self.memory = mmap.mmap(fd, region.size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                    mmap.PROT_READ)
+        except OSError as exc:
+            raise HostReadError(f"mapping descriptor {region.fd} of process {offer.pid}: "
+                                f"{exc}") from exc
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only memory: nothing here writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
+        self.region = region
+
+
+_mappings: weakref.WeakValueDictionary[tuple[str, int, bytes, int], _Mapping] = \
+    weakref.WeakValueDictionary()  # in-process decode ranks of one prefill share them
+
+
+def _mapping(offer: HostReads, region: SharedRegion) -> _Mapping:
+    key = (offer.host, offer.pid, offer.canary, region.fd)
+    with _lock:
+        found = _mappings.get(key)
+    if found is None or found.region != region:
+        found = _Mapping(offer, region)
+        with _lock:
+            _mappings[key] = found
+    return found
+
+
+@dataclass(frozen=True)
+class MappedRead:
+    """One prefill rank's converted read from its mapped cache: ``source`` is every one of
+    its kernel blocks as ``[kernel blocks, layers, chunks, chunk elements]``."""
+
+    plan: StagedRead
+    source: torch.Tensor
+    mapping: _Mapping  # keeps the memory mapped while the read is planned
+
+    @property
+    def remote_rank(self) -> int:
+        return self.plan.remote_rank
+
+    def copy(self, groups: Sequence[tuple[int, torch.Tensor]], local_ids: np.ndarray,
+             remote_ids: np.ndarray, pool: Executor | None = None, threads: int = 1
+             ) -> tuple[int, int]:
+        """Copy the request's heads into view ``groups``; (bytes placed, threads that
+        copied). With ``pool``, the blocks are cut into ``threads`` shares, all but the
+        first copied there, the first here (torch's copy releases the GIL); returns once
+        every share ended."""
+        plan, ratio = self.plan, self.plan.remote.kernel_ratio
+        shares = [share for share in plan.shares(len(local_ids), len(remote_ids),
+                                                 max(1, threads if pool else 1))
+                  if share[1].stop > share[1].start]
+
+        def run(local: slice, remote: slice) -> None:
+            rows = (np.asarray(remote_ids[remote], dtype=np.int64)[:, None] * ratio
+                    + np.arange(ratio, dtype=np.int64)).reshape(-1)
+            plan.place(self.source, range(self.source.shape[2]), rows, groups,
+                       local_ids[local], plan.remote.kv_packing, plan.local.kv_packing)
+
+        futures = [pool.submit(run, *share) for share in shares[1:]] if pool else []
+        errors = []
+        for share in shares[:1]:
+            try:
+                run(*share)
+            except Exception as exc:
+                errors.append(exc)
+        for future in futures:  # wait for every share: none may still write on failure
+            try:
+                future.result()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return len(remote_ids) * plan.placed_per_block, len(shares)
+
+
+def map_prefill(plan: StagedRead, offer: HostReads, dtype: torch.dtype) -> MappedRead | None:
+    """``plan``'s read from the offering process's mapped cache, or None where its offer
+    holds no buffer around the plan's chunks or they do not lie at fixed strides; raises
+    :class:`HostReadError` when mapping an offered buffer fails."""
+    geo = plan.remote
+    strides = _fixed_strides(geo.base, geo.block_stride)
+    size = torch.empty((), dtype=dtype).element_size()
+    if strides is None or geo.chunk_len % size:
+        return None
+    base, layer, chunk, block = strides
+    kernels = geo.num_blocks * geo.kernel_ratio
+    chunks = geo.base.shape[1]
+    end = base + (kernels - 1) * block + (geo.num_layers - 1) * layer + (chunks - 1) * chunk \
+        + geo.chunk_len
+    region = next((r for r in offer.memory if r.addr <= base and end <= r.addr + r.size), None)
+    if region is None or any(x % size for x in (base - region.addr, layer, chunk, block)):
+        return None
+    mapping = _mapping(offer, region)
+    source = mapping.bytes.view(dtype).as_strided(
+        (kernels, geo.num_layers, chunks, geo.chunk_len // size),
+        (block // size, layer // size, chunk // size, 1), (base - region.addr) // size)
+    return MappedRead(plan, source, mapping)
+
+
+def mappable(plan: StagedRead) -> bool:
+    """Whether ``plan``'s chunks lie at fixed strides, as one mapping needs (kvxfer's own
+    caches: one allocation per rank)."""
+    return _fixed_strides(plan.remote.base, plan.remote.block_stride) is not None
+
+
+def _fixed_strides(base: np.ndarray, block_stride: np.ndarray
+                   ) -> tuple[int, int, int, int] | None:
+    """(first chunk's address, layer stride, chunk stride, block stride) where every chunk
+    of ``base`` (``[layers, chunks]``) lies at fixed, non-negative strides and every block
+    stride is one; else None."""
+    first = int(base[0, 0])
+    layer = int(base[1, 0] - first) if base.shape[0] > 1 else 0
+    chunk = int(base[0, 1] - first) if base.shape[1] > 1 else 0
+    grid = first + np.arange(base.shape[0])[:, None] * layer \
+        + np.arange(base.shape[1])[None] * chunk
+    if min(layer, chunk) < 0 or not (base == grid).all() or \
+            not (block_stride == block_stride[0, 0]).all() or block_stride[0, 0] <= 0:
+        return None
+    return first, layer, chunk, int(block_stride[0, 0])

@@ -1,0 +1,112 @@
+"""Converted reads from a prefill's mapped cache (:mod:`kvxfer.mapped_reads`): what a
+prefill offers, and every way an offer is refused before anything is mapped. The reads
+themselves are proven byte-exact in test_staging (every conversion) and across real
+processes in test_transfer."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from msgspec.structs import replace
+from test_descriptors import make_rank
+
+from kvxfer.host_reads import Canary, HostReadError
+from kvxfer.layout import CacheSpec, KVCacheLayout
+from kvxfer.mapped_reads import _Mapping, map_prefill, shared_regions, shared_zeros
+from kvxfer.protocol import SharedRegion
+from kvxfer.regions import MemoryRegion
+from kvxfer.staging import StagedRead, plan_reads
+from kvxfer.topology import read_plan
+
+
+def test_a_shared_buffer_is_offered_while_it_lives() -> None:
+    buffer = shared_zeros(1 << 16)
+    inside = [MemoryRegion(buffer.data_ptr() + 4096, 8192, 0)]
+    (region,) = shared_regions(inside)
+    assert (region.addr, region.size) == (buffer.data_ptr(), 1 << 16)
+    assert shared_regions([MemoryRegion(buffer.data_ptr() + (1 << 16), 4096, 0)]) == ()
+    fd = region.fd
+    os.fstat(fd)  # open
+    del buffer
+    gc.collect()
+    assert shared_regions(inside) == ()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with the memory
+
+
+def test_a_mapping_sees_the_prefills_bytes_as_they_change() -> None:
+    buffer = shared_zeros(1 << 16)
+    canary = Canary()
+    offer = canary.offer(shared_regions([MemoryRegion(buffer.data_ptr(), 1 << 16, 0)]))
+    assert offer is not None
+    mapping = _Mapping(offer, offer.memory[0])
+    assert mapping.bytes.data_ptr() != buffer.data_ptr()  # a second mapping, not an alias
+    buffer[100:103] = torch.tensor([7, 8, 9], dtype=torch.uint8)
+    assert mapping.bytes[100:103].tolist() == [7, 8, 9]
+
+
+def test_offers_that_cannot_be_mapped_are_refused_naming_why() -> None:
+    canary = Canary()
+    offer = canary.offer()
+    assert offer is not None
+    loose = os.memfd_create("unsealed")  # it could shrink under a reader
+    os.ftruncate(loose, 4096)
+    sealed = shared_zeros(4096)
+    (real,) = shared_regions([MemoryRegion(sealed.data_ptr(), 4096, 0)])
+    reading, writing = os.pipe()
+    try:
+        for region, why in (
+                (SharedRegion(loose, 4096, 4096), "is not a sealed buffer"),
+                (replace(real, size=8192), "holds 4096 bytes, not 8192"),
+                (SharedRegion(reading, 4096, 4096), "mapping descriptor"),
+                (SharedRegion(999_999, 4096, 4096), "taking descriptor 999999 of process")):
+            with pytest.raises(HostReadError, match=why):
+                _Mapping(replace(offer, memory=(region,)), region)
+        with pytest.raises(HostReadError, match="its canary differs"):
+            _Mapping(replace(offer, canary=bytes(16), memory=(real,)), real)
+    finally:
+        for fd in (loose, reading, writing):
+            os.close(fd)
+
+
+def test_a_process_that_ended_is_not_mapped() -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    canary = Canary()
+    offer = canary.offer()
+    assert offer is not None
+    region = SharedRegion(3, 4096, 4096)
+    with pytest.raises(HostReadError, match=f"process {gone.stdout.strip()}") as info:
+        _Mapping(replace(offer, pid=int(gone.stdout), memory=(region,)), region)
+    assert info.value.gone
+
+
+def _read(separate: bool) -> tuple[StagedRead, object]:
+    rng = np.random.default_rng(0)
+    remote = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBNHC, 6, 3, separate,
+                       rng, zeros=shared_zeros)
+    local = make_rank(CacheSpec(4, 2, 2, torch.float16), KVCacheLayout.LBHNC, 6, 3, False, rng)
+    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 4),
+                         local_tp=2, remote_tp=1)
+    assert isinstance(read, StagedRead)
+    return read, remote
+
+
+def test_only_a_cache_whose_chunks_lie_at_fixed_strides_in_an_offered_buffer_is_mapped() -> None:
+    canary = Canary()
+    read, remote = _read(separate=False)
+    offer = canary.offer(shared_regions(remote.plan.memory))  # type: ignore[attr-defined]
+    assert offer is not None
+    assert map_prefill(read, offer, torch.float16) is not None
+    assert map_prefill(read, replace(offer, memory=()), torch.float16) is None  # not offered
+    # one buffer per layer: no fixed layer stride (host reads or staging instead)
+    apart, remote_apart = _read(separate=True)
+    offer = canary.offer(shared_regions(remote_apart.plan.memory))  # type: ignore[attr-defined]
+    assert offer is not None and len(offer.memory) == 3
+    assert map_prefill(apart, offer, torch.float16) is None
