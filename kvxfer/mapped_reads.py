@@ -108,10 +108,15 @@ def _take_descriptor(pidfd: int, fd: int, pid: int) -> int:
     return got
 
 
-class _Mapping:
-    """One of a prefill's shared buffers, mapped read-only here."""
+POPULATE_MAX = 16 << 30  # a larger window is faulted in as it is read, not when mapped
 
-    def __init__(self, offer: HostReads, region: SharedRegion) -> None:
+
+class _Mapping:
+    """A window of one of a prefill's shared buffers, mapped read-only here: its bytes
+    ``[start, start + len(bytes))`` in the prefill's addresses."""
+
+    def __init__(self, offer: HostReads, region: SharedRegion, offset: int, length: int
+                 ) -> None:
         try:
             pidfd = os.pidfd_open(offer.pid)
         except OSError as exc:
@@ -125,11 +130,11 @@ class _Mapping:
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
                 raise HostReadError(f"descriptor {region.fd} of process {offer.pid} is not a "
                                     f"sealed buffer: it could shrink under a reader")
-            if os.fstat(fd).st_size < region.size:
+            if os.fstat(fd).st_size < max(region.size, offset + length):
                 raise HostReadError(f"descriptor {region.fd} of process {offer.pid} holds "
                                     f"{os.fstat(fd).st_size} bytes, not {region.size}")
-            self.memory = mmap.mmap(fd, region.size, mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                    mmap.PROT_READ)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if length <= POPULATE_MAX else 0)
+            self.memory = mmap.mmap(fd, length, flags, mmap.PROT_READ, offset=offset)
         except OSError as exc:
             raise HostReadError(f"mapping descriptor {region.fd} of process {offer.pid}: "
                                 f"{exc}") from exc
@@ -138,19 +143,23 @@ class _Mapping:
         with warnings.catch_warnings():  # read-only memory: nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
-        self.region = region
+        self.start = region.addr + offset
 
 
-_mappings: weakref.WeakValueDictionary[tuple[str, int, bytes, int], _Mapping] = \
-    weakref.WeakValueDictionary()  # in-process decode ranks of one prefill share them
+# mappings by (host, pid, canary, descriptor, offset, length): in-process decode ranks of
+# one prefill share them while any of them plans a read from them
+_mappings: weakref.WeakValueDictionary[tuple[str, int, bytes, int, int, int], _Mapping] = \
+    weakref.WeakValueDictionary()
 
 
-def _mapping(offer: HostReads, region: SharedRegion) -> _Mapping:
-    key = (offer.host, offer.pid, offer.canary, region.fd)
+def _mapping(offer: HostReads, region: SharedRegion, start: int, end: int) -> _Mapping:
+    """The window of ``region`` that holds prefill addresses ``[start, end)``."""
+    offset = (start - region.addr) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    key = (offer.host, offer.pid, offer.canary, region.fd, offset, end - region.addr - offset)
     with _lock:
         found = _mappings.get(key)
-    if found is None or found.region != region:
-        found = _Mapping(offer, region)
+    if found is None:
+        found = _Mapping(offer, region, key[4], key[5])
         with _lock:
             _mappings[key] = found
     return found
@@ -221,10 +230,10 @@ def map_prefill(plan: StagedRead, offer: HostReads, dtype: torch.dtype) -> Mappe
     region = next((r for r in offer.memory if r.addr <= base and end <= r.addr + r.size), None)
     if region is None or any(x % size for x in (base - region.addr, layer, chunk, block)):
         return None
-    mapping = _mapping(offer, region)
+    mapping = _mapping(offer, region, base, end)  # only the bytes the plan names
     source = mapping.bytes.view(dtype).as_strided(
         (kernels, geo.num_layers, chunks, geo.chunk_len // size),
-        (block // size, layer // size, chunk // size, 1), (base - region.addr) // size)
+        (block // size, layer // size, chunk // size, 1), (base - mapping.start) // size)
     return MappedRead(plan, source, mapping)
 
 

@@ -45,7 +45,7 @@ def test_a_mapping_sees_the_prefills_bytes_as_they_change() -> None:
     canary = Canary()
     offer = canary.offer(shared_regions([MemoryRegion(buffer.data_ptr(), 1 << 16, 0)]))
     assert offer is not None
-    mapping = _Mapping(offer, offer.memory[0])
+    mapping = _Mapping(offer, offer.memory[0], 0, 1 << 16)
     assert mapping.bytes.data_ptr() != buffer.data_ptr()  # a second mapping, not an alias
     buffer[100:103] = torch.tensor([7, 8, 9], dtype=torch.uint8)
     assert mapping.bytes[100:103].tolist() == [7, 8, 9]
@@ -67,9 +67,9 @@ def test_offers_that_cannot_be_mapped_are_refused_naming_why() -> None:
                 (SharedRegion(reading, 4096, 4096), "mapping descriptor"),
                 (SharedRegion(999_999, 4096, 4096), "taking descriptor 999999 of process")):
             with pytest.raises(HostReadError, match=why):
-                _Mapping(replace(offer, memory=(region,)), region)
+                _Mapping(replace(offer, memory=(region,)), region, 0, 4096)
         with pytest.raises(HostReadError, match="its canary differs"):
-            _Mapping(replace(offer, canary=bytes(16), memory=(real,)), real)
+            _Mapping(replace(offer, canary=bytes(16), memory=(real,)), real, 0, 4096)
     finally:
         for fd in (loose, reading, writing):
             os.close(fd)
@@ -83,7 +83,7 @@ def test_a_process_that_ended_is_not_mapped() -> None:
     assert offer is not None
     region = SharedRegion(3, 4096, 4096)
     with pytest.raises(HostReadError, match=f"process {gone.stdout.strip()}") as info:
-        _Mapping(replace(offer, pid=int(gone.stdout), memory=(region,)), region)
+        _Mapping(replace(offer, pid=int(gone.stdout), memory=(region,)), region, 0, 4096)
     assert info.value.gone
 
 
