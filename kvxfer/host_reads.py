@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_codes
+import functools
 import itertools
 import os
 import secrets
@@ -49,6 +50,7 @@ import torch
 from kvxfer.protocol import HostReads, SharedRegion
 from kvxfer.siblings import Meeting, Siblings
 from kvxfer.staging import StagedRead
+from kvxfer.threads import run_all
 
 IOV_MAX = 1024  # iovecs per side in one call (Linux UIO_MAXIOV)
 MIN_RUN_BYTES = 128  # shorter average runs: per-run costs make staging cheaper
@@ -211,20 +213,7 @@ class HostRead:
                 copy_vectors(self.offer.pid, local[l0:l1], remote[r0:r1], int(want))
             return len(calls)
 
-        futures = [pool.submit(run, *share) for share in shares[1:]] if pool else []
-        calls, errors = 0, []
-        for share in shares[:1]:
-            try:
-                calls += run(*share)
-            except Exception as exc:
-                errors.append(exc)
-        for future in futures:  # wait for every share: none may still write on failure
-            try:
-                calls += future.result()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        calls = sum(run_all([functools.partial(run, *share) for share in shares], pool))
         verify_canary(self.offer)  # the bytes came from the prefill, not a pid's new owner
         return len(local_ids) * self.bytes_per_block, calls
 

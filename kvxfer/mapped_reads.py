@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import threading
@@ -44,6 +45,7 @@ from kvxfer.host_reads import HostReadError, verify_canary
 from kvxfer.protocol import HostReads, SharedRegion
 from kvxfer.regions import MemoryRegion
 from kvxfer.staging import StagedRead
+from kvxfer.threads import run_all
 
 PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -108,9 +110,6 @@ def _take_descriptor(pidfd: int, fd: int, pid: int) -> int:
     return got
 
 
-POPULATE_MAX = 16 << 30  # a larger window is faulted in as it is read, not when mapped
-
-
 class _Mapping:
     """A window of one of a prefill's shared buffers, mapped read-only here: its bytes
     ``[start, start + len(bytes))`` in the prefill's addresses."""
@@ -133,8 +132,10 @@ class _Mapping:
             if os.fstat(fd).st_size < max(region.size, offset + length):
                 raise HostReadError(f"descriptor {region.fd} of process {offer.pid} holds "
                                     f"{os.fstat(fd).st_size} bytes, not {region.size}")
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if length <= POPULATE_MAX else 0)
-            self.memory = mmap.mmap(fd, length, flags, mmap.PROT_READ, offset=offset)
+            # not MAP_POPULATE: faulting a page the prefill never touched would allocate
+            # it here; a page is faulted in once, when a lease first reads it
+            self.memory = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ,
+                                    offset=offset)
         except OSError as exc:
             raise HostReadError(f"mapping descriptor {region.fd} of process {offer.pid}: "
                                 f"{exc}") from exc
@@ -167,10 +168,12 @@ def _mapping(offer: HostReads, region: SharedRegion, start: int, end: int) -> _M
 
 @dataclass(frozen=True)
 class MappedRead:
-    """One prefill rank's converted read from its mapped cache: ``source`` is every one of
-    its kernel blocks as ``[kernel blocks, layers, chunks, chunk elements]``."""
+    """One prefill rank's converted read from its mapped cache into this rank's view
+    ``groups``: ``source`` is every one of the prefill rank's kernel blocks, as
+    ``[kernel blocks, layers, chunks, chunk elements]``."""
 
     plan: StagedRead
+    groups: Sequence[tuple[int, torch.Tensor]]
     source: torch.Tensor
     mapping: _Mapping  # keeps the memory mapped while the read is planned
 
@@ -178,46 +181,33 @@ class MappedRead:
     def remote_rank(self) -> int:
         return self.plan.remote_rank
 
-    def copy(self, groups: Sequence[tuple[int, torch.Tensor]], local_ids: np.ndarray,
-             remote_ids: np.ndarray, pool: Executor | None = None, threads: int = 1
-             ) -> tuple[int, int]:
-        """Copy the request's heads into view ``groups``; (bytes placed, threads that
-        copied). With ``pool``, the blocks are cut into ``threads`` shares, all but the
-        first copied there, the first here (torch's copy releases the GIL); returns once
-        every share ended."""
+    def copy(self, local_ids: np.ndarray, remote_ids: np.ndarray,
+             pool: Executor | None = None, threads: int = 1) -> tuple[int, int]:
+        """Copy the request's heads into place; (bytes placed, copy threads). With ``pool``,
+        the blocks are cut into ``threads`` shares, all but the first copied there, the
+        first here (torch's copy releases the GIL); returns once every share ended."""
         plan, ratio = self.plan, self.plan.remote.kernel_ratio
-        shares = [share for share in plan.shares(len(local_ids), len(remote_ids),
-                                                 max(1, threads if pool else 1))
-                  if share[1].stop > share[1].start]
 
         def run(local: slice, remote: slice) -> None:
             rows = (np.asarray(remote_ids[remote], dtype=np.int64)[:, None] * ratio
                     + np.arange(ratio, dtype=np.int64)).reshape(-1)
-            plan.place(self.source, range(self.source.shape[2]), rows, groups,
+            plan.place(self.source, range(self.source.shape[2]), rows, self.groups,
                        local_ids[local], plan.remote.kv_packing, plan.local.kv_packing)
 
-        futures = [pool.submit(run, *share) for share in shares[1:]] if pool else []
-        errors = []
-        for share in shares[:1]:
-            try:
-                run(*share)
-            except Exception as exc:
-                errors.append(exc)
-        for future in futures:  # wait for every share: none may still write on failure
-            try:
-                future.result()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        shares = [share for share in plan.shares(len(local_ids), len(remote_ids),
+                                                 max(1, threads if pool else 1))
+                  if share[1].stop > share[1].start]
+        run_all([functools.partial(run, *share) for share in shares], pool)
         return len(remote_ids) * plan.placed_per_block, len(shares)
 
 
-def map_prefill(plan: StagedRead, offer: HostReads, dtype: torch.dtype) -> MappedRead | None:
-    """``plan``'s read from the offering process's mapped cache, or None where its offer
-    holds no buffer around the plan's chunks or they do not lie at fixed strides; raises
-    :class:`HostReadError` when mapping an offered buffer fails."""
-    geo = plan.remote
+def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
+                offer: HostReads) -> MappedRead | None:
+    """``plan``'s read from the offering process's mapped cache into view ``groups``
+    (:func:`kvxfer.staging.layer_groups`), or None where its offer holds no buffer around
+    the plan's chunks or they do not lie at fixed strides; raises :class:`HostReadError`
+    when mapping an offered buffer fails."""
+    geo, dtype = plan.remote, groups[0][1].dtype
     strides = _fixed_strides(geo.base, geo.block_stride)
     size = torch.empty((), dtype=dtype).element_size()
     if strides is None or geo.chunk_len % size:
@@ -234,7 +224,7 @@ def map_prefill(plan: StagedRead, offer: HostReads, dtype: torch.dtype) -> Mappe
     source = mapping.bytes.view(dtype).as_strided(
         (kernels, geo.num_layers, chunks, geo.chunk_len // size),
         (block // size, layer // size, chunk // size, 1), (base - mapping.start) // size)
-    return MappedRead(plan, source, mapping)
+    return MappedRead(plan, groups, source, mapping)
 
 
 def mappable(plan: StagedRead) -> bool:

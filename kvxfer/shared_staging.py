@@ -10,8 +10,9 @@ member's heads from them (a :class:`Target` per member).
 
 A member's read ends only when every share ended (placed, or failed: then every member
 fails), since another member's converter may still write into its blocks until then. A
-member that gives up closes its target first (:meth:`StagedMeeting.close`): no placement
-into its views starts after that, and the call returns once none is running.
+member that gives up ends its share with the reason, then closes its target
+(:meth:`StagedMeeting.close`): no placement into its views starts after that, and the call
+returns once none is running; only then does it report the failure.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class Meeting(Generic[T]):
     joined: dict[int, T] = field(default_factory=dict)
     open: bool = True  # still waiting for members
     state: Any = None
+    error: BaseException | None = None  # raised by on_close: every member raises it
 
 
 class Siblings(Generic[T]):
@@ -86,15 +87,22 @@ class Siblings(Generic[T]):
                 meeting.cond.wait_for(lambda: not meeting.open, MEET_S)
             if meeting.open:  # all came, or the others are late: go with whoever came
                 self._close(key, meeting, on_close)
+            if meeting.error is not None:
+                raise meeting.error
             return meeting
 
     def _close(self, key: Key, meeting: Meeting[T],
                on_close: Callable[[Meeting[T]], None]) -> None:
-        """Stop waiting (caller holds the lock)."""
+        """Stop waiting (caller holds the lock); an error of ``on_close`` is every
+        member's."""
         meeting.open = False
         del self._meetings[key]
-        on_close(meeting)
-        meeting.cond.notify_all()
+        try:
+            on_close(meeting)
+        except Exception as exc:
+            meeting.error = exc
+        finally:
+            meeting.cond.notify_all()
 
     @property
     def waiting(self) -> int:

@@ -175,9 +175,10 @@ class StagedRead:
         count = source.shape[0]
         segments = token_segments(np.asarray(local_ids, dtype=np.int64), rows, self.local, geo)
         # K and V move together (one copy per head range) where both sides lay them out
-        # alike for the rows copied: per token, or whole kernel blocks of one packing
-        together = (remote_packing == local_packing == TOKEN_PACKING,
-                    remote_packing == local_packing)
+        # alike for the rows copied: whole kernel blocks of one packing, or rows of tokens
+        # packed per token on both sides
+        whole_together = remote_packing == local_packing
+        rows_together = remote_packing == local_packing == TOKEN_PACKING
         for layer, group in groups:  # group: [kernel blocks, G, H, N, C]
             part = source[:, layer:layer + group.shape[1]]
             if geo.heads_contiguous:  # chunk = one view head, [N, C]
@@ -191,7 +192,8 @@ class StagedRead:
                 for seg in segments:
                     dst = group[seg.local:seg.local + seg.kernels, :, l0:l0 + n]
                     src = heads[seg.remote:seg.remote + seg.kernels, :, s0:s0 + n]
-                    pairs = [(dst, src)] if together[seg.whole] else zip(
+                    together = whole_together if seg.whole else rows_together
+                    pairs = [(dst, src)] if together else zip(
                         kv_views(dst, local_packing), kv_views(src, remote_packing),
                         strict=True)
                     for d, s in pairs:

@@ -61,8 +61,16 @@ class Placement:
     guard: Callable[[], AbstractContextManager[bool]] | None = None
 
 
-# a converted read from one prefill rank: (plan, local ids, remote ids, placements)
-StagedPiece = tuple[StagedRead, np.ndarray, np.ndarray, tuple[Placement, ...]]
+@dataclass(frozen=True)
+class StagedPiece:
+    """What a rank READs of one prefill rank through staging: ``remote_ids``' blocks,
+    paired with ``local_ids`` (in staging order: :meth:`~kvxfer.staging.StagedRead.ids`),
+    placed into ``placements``."""
+
+    plan: StagedRead
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+    placements: tuple[Placement, ...]
 
 
 @dataclass
@@ -108,10 +116,9 @@ class StagingPool:
         self._converter: ThreadPoolExecutor | None = None
 
     def take(self, reads: Sequence[StagedPiece]) -> StagedJob | None:
-        """Buffers for ``(plan, local ids, remote ids, placements)`` reads (ids paired, in
-        staging order: :meth:`~kvxfer.staging.StagedRead.ids`), cut into parts; None while
-        the buffers in use leave too little room."""
-        needs = [len(remote) * plan.bytes_per_block for plan, _, remote, _ in reads]
+        """Buffers for ``reads``, cut into parts; None while the buffers in use leave too
+        little room."""
+        needs = [len(read.remote_ids) * read.plan.bytes_per_block for read in reads]
         if sum(buffer_size(n) for n in needs) > self.limit:
             raise StagingTooSmall(
                 f"converting this read needs {sum(needs) >> 20} MiB of staging, more than "
@@ -128,13 +135,13 @@ class StagingPool:
         except Exception:
             self._free.extend(job.stagings)
             raise
-        for (plan, local, remote, placements), staging in zip(reads, job.stagings,
-                                                              strict=True):
+        for read, staging in zip(reads, job.stagings, strict=True):
+            plan, local, remote = read.plan, read.local_ids, read.remote_ids
             for lpart, rpart in plan.parts(len(local), len(remote), PART_BYTES):
                 offset = rpart.start * plan.bytes_per_block
                 descs = plan.descriptors(remote[rpart], staging.buffer.data_ptr() + offset)
                 job.parts.append(Part(plan, staging, offset, local[lpart],
-                                      rpart.stop - rpart.start, descs, placements))
+                                      rpart.stop - rpart.start, descs, read.placements))
         return job
 
     def _take(self, nbytes: int) -> Staging | None:

@@ -107,6 +107,7 @@ from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_region
 from kvxfer.shared_staging import SHARED_STAGING, StagedMeeting, Target
 from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
+from kvxfer.threads import run_all
 from kvxfer.tickets import TICKET_KEY, LeaseClaims
 from kvxfer.topology import notify_plan, read_plan
 
@@ -349,6 +350,7 @@ class _Read:
     pieces: list[StagedPiece] | None = None
     meetings: list[StagedMeeting] = field(default_factory=list)
     shares_ended: bool = False
+    converted: bool = False  # some prefill rank is read without a READ that tells it
 
 
 @dataclass
@@ -471,6 +473,10 @@ class TransferWorker:
         for engine_id in list(self._peers):
             SHARED.unregister(self.engine_id, engine_id, self.rank)
             SHARED_STAGING.unregister(self.engine_id, engine_id, self.rank)
+        for job in [*self._inflight, *(job for job, _ in self._staging_wait)]:
+            for meeting in job.meetings:  # siblings stop waiting and writing here
+                meeting.end_share(self.rank, f"decode rank {self.rank} is closing")
+                meeting.close(self.rank)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._lane_pool is not None:
             self._lane_pool.shutdown(wait=True)
@@ -757,6 +763,7 @@ class TransferWorker:
                      for plan in peer.plans if isinstance(plan, StagedRead)]
         job.host = [(peer.host[plan.remote_rank], local, remote)
                     for plan, local, remote in converted if plan.remote_rank in peer.host]
+        job.converted = bool(converted)
         staged = [read for read in converted if read[0].remote_rank not in peer.host]
         if not staged:
             return descs
@@ -773,7 +780,7 @@ class TransferWorker:
         """What this rank READs of one staged prefill rank and where it places it: all of
         it into its own views, or, shared with its in-process siblings
         (:mod:`kvxfer.shared_staging`), its share into every member's views."""
-        alone = [(plan, local, remote, (Placement(plan, self._view_groups),))]
+        alone = [StagedPiece(plan, local, remote, (Placement(plan, self._view_groups),))]
         if plan.remote_rank not in peer.shared:
             return alone
         meeting = SHARED_STAGING.join(self.engine_id, peer.engine_id,
@@ -788,7 +795,7 @@ class TransferWorker:
                                      functools.partial(meeting.writing, t.rank))
                            for t in meeting.targets.values())
         lshare, rshare = meeting.shares[self.rank]
-        return [(plan, local[lshare], remote[rshare], placements)] \
+        return [StagedPiece(plan, local[lshare], remote[rshare], placements)] \
             if rshare.stop > rshare.start else []
 
     def _host_copy(self, job: _Read, peer: _Peer) -> bool:
@@ -797,16 +804,16 @@ class TransferWorker:
         threads = 1 + len(self._lanes)
         for runs, local_ids, remote_ids in job.host:
             try:
-                if isinstance(runs, MappedRead):
-                    num_bytes, copies = runs.copy(self._view_groups, local_ids, remote_ids,
-                                                  self._lane_pool, threads)
-                    members = 1
-                    job.mapped_ranks += 1
-                else:
+                if isinstance(runs, HostRead):  # with its in-process siblings, where they come
                     num_bytes, _, members = SHARED.copy(
                         self.engine_id, peer.engine_id, job.remote.remote_request_id,
                         self.rank, runs, local_ids, remote_ids, self._lane_pool, threads)
                     copies = len(local_ids) * runs.runs_per_block
+                else:
+                    num_bytes, copies = runs.copy(local_ids, remote_ids, self._lane_pool,
+                                                  threads)
+                    members = 1
+                    job.mapped_ranks += 1
             except Exception as exc:  # HostReadError, or a bug: this request only
                 self._fail(job, f"prefill {peer.engine_id} rank {runs.remote_rank} at "
                                 f"{peer.address}: host read failed: {exc}", notify=True)
@@ -877,22 +884,13 @@ class TransferWorker:
             job.descriptors += len(rank_descs)
         assert self._lane_pool is not None
         job.lanes = sum(1 for part in parts if part)
-        futures = [self._lane_pool.submit(self._copy_parts, agent, part)
-                   for agent, part in zip(agents[1:], parts[1:], strict=True)]
-        errors = []
         try:
-            self._copy_parts(self._agent, parts[0])
+            run_all([functools.partial(self._copy_parts, agent, part)
+                     for agent, part in zip(agents, parts, strict=True)], self._lane_pool)
         except Exception as exc:
-            errors.append(exc)
-        for future in futures:  # wait for every lane: none may still write on failure
-            try:
-                future.result()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
             self._fail(job, f"prefill {peer.engine_id} at {peer.address}: READ failed: "
-                            f"{errors[0]}", notify=True)
-            self._forget_dead(peer, str(errors[0]))
+                            f"{exc}", notify=True)
+            self._forget_dead(peer, str(exc))
             return
         if not self._notify(job, [d.remote_rank for d in descs], ok=True):
             log.warning("request %s was read, but not every prefill rank could be told",
@@ -951,8 +949,10 @@ class TransferWorker:
                     states.append(f"ERR: {exc}")
             placed = self._staging.place_landed(job.staged)
             if all(s == "DONE" for s in states) and placed is not False:
-                if placed is True and not job.shares_ended:  # this rank's shares are placed
+                if placed is True and not job.shares_ended:  # this rank's parts are placed
                     job.shares_ended = True
+                    # every READ landed: its staging goes back now, not after the siblings
+                    self._staging.settle(job.staged, job.remote.remote_engine_id)
                     for meeting in job.meetings:
                         meeting.end_share(self.rank)
                 if placed is True and not all(m.settled for m in job.meetings):
@@ -999,8 +999,8 @@ class TransferWorker:
             read = {p.remote_rank for p in peer.plans if isinstance(p, PeerReadPlan)}
             if not self._notify(job, [r for r in peer.agents if r not in read], ok=True):
                 job.unnotified = True
-        elif job.staged.parts or job.host_ranks or job.meetings:
-            job.unnotified = True  # nobody to tell: the connector releases over the side channel
+        elif job.converted:  # nobody to tell: the connector releases over the side channel
+            job.unnotified = True
         with self._lock:
             self._results.finished.append(job.request_id)
             if job.unnotified:
@@ -1095,10 +1095,10 @@ class TransferWorker:
                          plan.remote_rank, why)
                 continue
             try:
-                mapped = map_prefill(plan, offer, self._view_groups[0][1].dtype)
-            except HostReadError as exc:
-                log.info("rank %d: prefill rank %d's cache is not mapped: %s", self.rank,
-                         plan.remote_rank, exc)
+                mapped = map_prefill(plan, self._view_groups, offer)
+            except Exception as exc:  # HostReadError, or anything else: read it otherwise
+                log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s", self.rank,
+                         plan.remote_rank, type(exc).__name__, exc)
                 mapped = None
             if mapped is not None:
                 host[plan.remote_rank] = mapped

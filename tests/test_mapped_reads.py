@@ -9,6 +9,7 @@ import gc
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from kvxfer.layout import CacheSpec, KVCacheLayout
 from kvxfer.mapped_reads import _Mapping, map_prefill, shared_regions, shared_zeros
 from kvxfer.protocol import SharedRegion
 from kvxfer.regions import MemoryRegion
-from kvxfer.staging import StagedRead, plan_reads
+from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.topology import read_plan
 
 
@@ -87,7 +88,7 @@ def test_a_process_that_ended_is_not_mapped() -> None:
     assert info.value.gone
 
 
-def _read(separate: bool) -> tuple[StagedRead, object]:
+def _read(separate: bool) -> tuple[StagedRead, Any, Any]:
     rng = np.random.default_rng(0)
     remote = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBNHC, 6, 3, separate,
                        rng, zeros=shared_zeros)
@@ -95,18 +96,18 @@ def _read(separate: bool) -> tuple[StagedRead, object]:
     (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 4),
                          local_tp=2, remote_tp=1)
     assert isinstance(read, StagedRead)
-    return read, remote
+    return read, remote, layer_groups(local.views)
 
 
 def test_only_a_cache_whose_chunks_lie_at_fixed_strides_in_an_offered_buffer_is_mapped() -> None:
     canary = Canary()
-    read, remote = _read(separate=False)
-    offer = canary.offer(shared_regions(remote.plan.memory))  # type: ignore[attr-defined]
+    read, remote, groups = _read(separate=False)
+    offer = canary.offer(shared_regions(remote.plan.memory))
     assert offer is not None
-    assert map_prefill(read, offer, torch.float16) is not None
-    assert map_prefill(read, replace(offer, memory=()), torch.float16) is None  # not offered
+    assert map_prefill(read, groups, offer) is not None
+    assert map_prefill(read, groups, replace(offer, memory=())) is None  # not offered
     # one buffer per layer: no fixed layer stride (host reads or staging instead)
-    apart, remote_apart = _read(separate=True)
-    offer = canary.offer(shared_regions(remote_apart.plan.memory))  # type: ignore[attr-defined]
+    apart, remote_apart, groups = _read(separate=True)
+    offer = canary.offer(shared_regions(remote_apart.plan.memory))
     assert offer is not None and len(offer.memory) == 3
-    assert map_prefill(apart, offer, torch.float16) is None
+    assert map_prefill(apart, groups, offer) is None

@@ -227,7 +227,13 @@ def test_bench_transfer_runs_a_converted_case_on_each_path() -> None:
             "2", "--repeats", "1")
     out = kvxfer(*args, "--host-reads", "all", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
-    mapped, host, staged = json.loads(out.stdout)["rows"]
+    result = json.loads(out.stdout)
+    mapped, host, staged = result["rows"]
+    # per path, the converted case that costs most against its twin, and the 1.5x verdict
+    for row in (mapped, host, staged):
+        worst = result["converted"][row["path"]]
+        assert worst == {"vs_native": row["vs_native"], "case": "LBHNC/LBNHC TP 1->1",
+                         "within_1_5x": row["vs_native"] >= 2 / 3}
     assert (mapped["path"], host["path"], staged["path"]) == ("mapped", "host", "staged")
     # mapped and host reads move only what is placed; staging reads the same heads whole
     assert mapped["bytes"] == host["bytes"] == staged["bytes"] == 64 * 2 * 8 * 256 * 2
@@ -238,6 +244,7 @@ def test_bench_transfer_runs_a_converted_case_on_each_path() -> None:
     text = kvxfer(*args, "--host-reads", "off").stdout
     rows = [line.split()[1] for line in text.splitlines() if line.startswith("LBHNC/LBNHC*")]
     assert rows == ["staged"], text
+    assert "converted, staged: at worst " in text and "x the twin's time: " in text
     paths = [r["path"] for r in json.loads(kvxfer(*args, "--json").stdout)["rows"]]
     assert paths == ["mapped", "staged"]  # the default: kvxfer's own path on one host, and staging
 

@@ -88,3 +88,26 @@ def test_the_meeting_settles_when_every_share_ended_and_keeps_the_first_error() 
     shared.end_share(1, "READ failed")
     shared.end_share(1, "a later reason")  # the first call counts
     assert shared.settled and shared.error == "READ failed"
+
+
+def test_a_meeting_that_cannot_close_fails_every_member() -> None:
+    """The rank that closes a meeting runs its on_close; if that raises, every member
+    raises it (none waits for a state that never comes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvxfer.siblings import Siblings
+
+    siblings: Siblings[int] = Siblings()
+    for rank in (0, 1):
+        siblings.register("decode", "prefill", 0, rank)
+
+    def broken(_meeting: object) -> None:
+        raise ValueError("shares could not be cut")
+
+    ids = np.arange(3)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(siblings.join, ("decode", "prefill", "req", 0), rank, ids, ids,
+                               rank, broken) for rank in (0, 1)]
+        errors = [f.exception(timeout=10) for f in futures]
+    assert all(isinstance(e, ValueError) and "could not be cut" in str(e) for e in errors)
+    assert siblings.waiting == 0

@@ -141,10 +141,10 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
         remote = remotes[read.remote_rank]
         offer = canary.offer(shared_regions(remote.plan.memory))
         assert offer is not None and offer.memory
-        from_map = map_prefill(read, offer, s["dtype"])
+        from_map = map_prefill(read, mapped_groups, offer)
         assert from_map is not None  # one allocation: its chunks lie at fixed strides
         lids, rids = read.ids(local_ids, remote_ids)
-        assert from_map.copy(mapped_groups, lids, rids)[0] == len(rids) * read.placed_per_block
+        assert from_map.copy(lids, rids)[0] == len(rids) * read.placed_per_block
         run_staged(local, remote, read, local_ids, remote_ids)
         with mock.patch.object(host_reads, "IOV_MAX", s["iov_max"]):
             runs = plan_host_read(read, host_groups, offer, min_run_bytes=0)
@@ -268,7 +268,13 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
     read's buffer is reused; a failed read's is held until its prefill is dropped."""
     from kvxfer.layout import CacheSpec, KVCacheLayout
     from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.staging_pool import CHUNK_BYTES, Placement, StagingPool, StagingTooSmall
+    from kvxfer.staging_pool import (
+        CHUNK_BYTES,
+        Placement,
+        StagedPiece,
+        StagingPool,
+        StagingTooSmall,
+    )
 
     rng = np.random.default_rng(3)
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
@@ -277,23 +283,23 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
                          local_tp=2, remote_tp=1)
     assert isinstance(read, StagedRead)
     ids = np.arange(4)
-    here = (Placement(read, layer_groups(local.views)),)
+    piece = StagedPiece(read, ids, ids, (Placement(read, layer_groups(local.views)),))
     with NixlAgent("staging-pool-test") as agent:
         pool = StagingPool(agent, "test", limit=2 * CHUNK_BYTES)
-        first, second = pool.take([(read, ids, ids, here)]), pool.take([(read, ids, ids, here)])
+        first, second = pool.take([piece]), pool.take([piece])
         assert first is not None and second is not None
-        assert pool.take([(read, ids, ids, here)]) is None  # both buffers in use: wait
+        assert pool.take([piece]) is None  # both buffers in use: wait
         buffer = first.stagings[0].buffer
         pool.settle(first, "prefill-a")  # never posted: straight back to the pool
-        again = pool.take([(read, ids, ids, here)])
+        again = pool.take([piece])
         assert again is not None and again.stagings[0].buffer is buffer  # reused
         second.parts[0].transfer = object()  # posted, never landed: a READ may still write
         pool.settle(second, "prefill-b")
-        assert pool.held == 1 and pool.take([(read, ids, ids, here)]) is None
+        assert pool.held == 1 and pool.take([piece]) is None
         pool.drop_held("prefill-b")
-        assert pool.held == 0 and pool.take([(read, ids, ids, here)]) is not None
+        assert pool.held == 0 and pool.take([piece]) is not None
         with pytest.raises(StagingTooSmall, match="more than the 128 MiB limit"):
-            pool.take([(read, ids, ids, here)] * 3)  # three buffers of one chunk: never fits
+            pool.take([piece] * 3)  # three buffers of one chunk: never fits
         pool.close()
 
 
@@ -358,7 +364,7 @@ def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
     from kvxfer import staging_pool
     from kvxfer.layout import CacheSpec, KVCacheLayout
     from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.staging_pool import Placement, StagingPool
+    from kvxfer.staging_pool import Placement, StagedPiece, StagingPool
 
     rng = np.random.default_rng(5)
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
@@ -379,12 +385,12 @@ def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
         assert release.wait(10)
 
     ids = np.arange(4)
-    here = (Placement(read, layer_groups(local.views)),)
+    piece = StagedPiece(read, ids, ids, (Placement(read, layer_groups(local.views)),))
     with NixlAgent("staging-pool-order") as agent, \
             mock.patch.object(staging_pool, "PART_BYTES", read.bytes_per_block), \
             mock.patch.object(StagedRead, "convert", convert):
         pool = StagingPool(agent, "test")
-        job = pool.take([(read, ids, ids, here)])
+        job = pool.take([piece])
         assert job is not None and len(job.parts) == 4
         for part in job.parts:
             part.transfer = Landed()

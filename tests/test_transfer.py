@@ -617,6 +617,47 @@ def test_a_shared_staged_read_whose_share_fails_fails_every_member(
         decode.close()
 
 
+def test_a_staged_read_that_ends_after_its_peer_was_dropped_is_reported_unnotified(
+        prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged READ carries no "done": when the prefill's connection was dropped before
+    the read ended, nobody was told, and the read says so (the connector then releases
+    the lease over the side channel) instead of leaving the lease to expire."""
+    import threading
+
+    from kvxfer.staging import StagedRead
+
+    cfg = CacheConfig(layout="LBHNC", num_blocks=8, host_reads=False)
+    remote = prefill.create(cfg)
+    decode = decode_instance(replace(cfg, layout="LBNHC"))
+    try:
+        worker = decode.workers[0]
+        placing, release = threading.Event(), threading.Event()
+        convert = StagedRead.convert
+
+        def slow_convert(*args: Any, **kwargs: Any) -> None:
+            placing.set()
+            assert release.wait(20)
+            convert(*args, **kwargs)
+
+        monkeypatch.setattr(StagedRead, "convert", slow_convert)
+        prefill.hold(remote["engine_id"], "late", [2, 3], ttl=30)
+        worker.start_read("late", params_for(remote, "late", [2, 3]), [2, 3])
+        assert placing.wait(20)  # READ landed, its placing holds
+        worker.forget_peer(remote["engine_id"])
+        deadline = time.monotonic() + 10
+        while remote["engine_id"] in worker._peers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert remote["engine_id"] not in worker._peers
+        release.set()
+        result = worker.poll()
+        while not result and time.monotonic() < deadline:
+            time.sleep(0.01)
+            result = worker.poll()
+        assert result.finished == ["late"] and result.unnotified == {"late"}
+    finally:
+        decode.close()
+
+
 def test_decode_that_never_reads_lets_the_lease_expire(prefill: PrefillProcess,
                                                        pair: tuple) -> None:
     remote, _, _ = pair

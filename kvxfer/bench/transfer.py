@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -359,10 +360,11 @@ def run(args: argparse.Namespace) -> int:
         if why is None:
             return _print_tcp(rows, _rows_across(cases, args), args, "veth")
         return _print_tcp(rows, _rows(cases, args, "tcp"), args, f"loopback, {why}")
+    summary = _converted_summary(rows)
     if args.json:
         print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
-                          "read_lanes": args.read_lanes, "rows": rows},
-                         indent=2))
+                          "read_lanes": args.read_lanes, "rows": rows,
+                          "converted": summary}, indent=2))
         return 0
     print(f"KV transfer of a {args.tokens}-token request ({args.layers} layers, {args.kv_heads} "
           f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
@@ -390,7 +392,22 @@ def run(args: argparse.Namespace) -> int:
         print("xnative: the native counterpart's time over this case's, the two run in "
               "alternation, request by request (converted: the twin layouts; block sizes: "
               "equal ones); 0.67 costs 1.5x")
+    for path, worst in summary.items():
+        print(f"converted, {path}: at worst {worst['vs_native']} xnative ({worst['case']}), "
+              f"{1 / worst['vs_native']:.2f}x the twin's time: "
+              f"{'within' if worst['within_1_5x'] else 'over'} 1.5x")
     return 0
+
+
+def _converted_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per path, the converted case that costs the most against its native twin."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["converted"] and r.get("vs_native") and \
+                r["vs_native"] < out.get(r["path"], {}).get("vs_native", math.inf):
+            out[r["path"]] = {"vs_native": r["vs_native"], "within_1_5x": r["vs_native"] >= 2 / 3,
+                              "case": f"{r['layout']} TP {r['prefill_tp']}->{r['decode_tp']}"}
+    return out
 
 
 def _netns() -> Any:
