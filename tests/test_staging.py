@@ -263,10 +263,22 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
                                want.contiguous().view(torch.int32))
 
 
+def head_split_read(rng: np.random.Generator) -> tuple[StagedRead, Rank]:
+    """Decode rank 0 of TP 2 (LBHNC) reading an LBNHC TP 1 prefill's pages: a staged read;
+    with the decode rank."""
+    from kvxfer.layout import CacheSpec, KVCacheLayout
+
+    remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
+    local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 12, 2, False, rng)
+    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8),
+                         local_tp=2, remote_tp=1)
+    assert isinstance(read, StagedRead)
+    return read, local
+
+
 def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -> None:
     """Real NIXL registrations: a read takes one buffer per staged rank or none; a landed
     read's buffer is reused; a failed read's is held until its prefill is dropped."""
-    from kvxfer.layout import CacheSpec, KVCacheLayout
     from kvxfer.nixl_agent import NixlAgent
     from kvxfer.staging_pool import (
         CHUNK_BYTES,
@@ -276,12 +288,7 @@ def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -
         StagingTooSmall,
     )
 
-    rng = np.random.default_rng(3)
-    remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
-    local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 12, 2, False, rng)
-    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8),
-                         local_tp=2, remote_tp=1)
-    assert isinstance(read, StagedRead)
+    read, local = head_split_read(np.random.default_rng(3))
     ids = np.arange(4)
     piece = StagedPiece(read, ids, ids, (Placement(read, layer_groups(local.views)),))
     with NixlAgent("staging-pool-test") as agent:
@@ -362,16 +369,10 @@ def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
     import threading
 
     from kvxfer import staging_pool
-    from kvxfer.layout import CacheSpec, KVCacheLayout
     from kvxfer.nixl_agent import NixlAgent
     from kvxfer.staging_pool import Placement, StagedPiece, StagingPool
 
-    rng = np.random.default_rng(5)
-    remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
-    local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 12, 2, False, rng)
-    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8),
-                         local_tp=2, remote_tp=1)
-    assert isinstance(read, StagedRead)
+    read, local = head_split_read(np.random.default_rng(5))
 
     class Landed:
         def state(self) -> str:
