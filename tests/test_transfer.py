@@ -280,8 +280,11 @@ def check_tokens(decode: LoopbackInstance, prefill_cfg: CacheConfig, remote_ids:
 
 @pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_bs", "decode_bs", "tp",
                           "path"), [
+    # byte copies, from a prefill without shared memory; from one with shared memory on
+    # this host, a copy out of its mapped cache (a NIXL descriptor per block would cost more)
     ("LBHNC", "BLHNC", 16, 32, (1, 1), "direct"), ("BHLNC", "LBHNC", 32, 8, (1, 2), "direct"),
     ("LBNHC", "LBNHC", 8, 32, (1, 1), "direct"),
+    ("LBHNC", "BLHNC", 16, 32, (1, 1), "mapped"), ("BHLNC", "LBHNC", 32, 8, (1, 2), "mapped"),
     # converted: a head split of a tokens-outside-heads prefill, heads and tokens ordered
     # differently, both; from the prefill's mapped cache, or through staging (a host read's
     # byte map needs one block size, so a prefill without shared memory is staged too)
