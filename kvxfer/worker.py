@@ -253,6 +253,7 @@ class ReadStats:
     # in-process decode ranks that shared its converted reads, host or staged (1: alone)
     members: int = 0
     mapped_ranks: int = 0  # of host_ranks, those read from their mapped cache (mapped_reads)
+    staged_ranks: int = 0  # prefill ranks read through staging (kvxfer.staging)
 
 
 @dataclass
@@ -351,6 +352,7 @@ class _Read:
     meetings: list[StagedMeeting] = field(default_factory=list)
     shares_ended: bool = False
     converted: bool = False  # some prefill rank is read without a READ that tells it
+    staged_ranks: int = 0  # prefill ranks read through staging
 
 
 @dataclass
@@ -765,6 +767,7 @@ class TransferWorker:
                     for plan, local, remote in converted if plan.remote_rank in peer.host]
         job.converted = bool(converted)
         staged = [read for read in converted if read[0].remote_rank not in peer.host]
+        job.staged_ranks = len(staged)
         if not staged:
             return descs
         if job.pieces is None:  # once: a read that waits for staging keeps its shares
@@ -1007,7 +1010,7 @@ class TransferWorker:
                 self._results.unnotified.add(job.request_id)
             self._results.stats[job.request_id] = ReadStats(
                 job.num_bytes, job.descriptors, now - job.started, job.lanes,
-                len(job.host_ranks), job.members, job.mapped_ranks)
+                len(job.host_ranks), job.members, job.mapped_ranks, job.staged_ranks)
         self._results_ready.set()
 
     def _release_transfers(self, job: _Read) -> None:
@@ -1072,8 +1075,9 @@ class TransferWorker:
                                 f"{staged[0].remote.layout} need a converted read, which only "
                                 f"host (CPU) caches support so far")
         host = self._plan_host_reads(staged, metas) if staged and self.host_reads else {}
-        if self.host_reads and not self._local_cuda:
-            plans = self._map_cut_reads(plans, slices, metas, host)
+        if not self._local_cuda:  # staging and mapped caches are host memory
+            plans = self._cut_reads(plans, slices, metas, host)
+            staged = [p for p in plans if isinstance(p, StagedRead)]
         for plan in staged:
             if plan.remote_rank in host:
                 continue
@@ -1082,37 +1086,39 @@ class TransferWorker:
                      plan.remote.layout, local.layout, plan.bytes_per_block)
         return _Handshake(metas, plans, notify, host)
 
-    def _map_cut_reads(self, plans: list[PeerReadPlan | StagedRead], slices: Sequence[HeadSlice],
-                       metas: Mapping[int, AgentMetadata],
-                       host: dict[int, HostRead | MappedRead]
-                       ) -> list[PeerReadPlan | StagedRead]:
+    def _cut_reads(self, plans: list[PeerReadPlan | StagedRead], slices: Sequence[HeadSlice],
+                   metas: Mapping[int, AgentMetadata], host: dict[int, HostRead | MappedRead]
+                   ) -> list[PeerReadPlan | StagedRead]:
         """``plans`` with each direct read that block or kernel sizes cut at every block of
         the smaller size (a NIXL descriptor per run: 8 KiB runs of Llama-8B-like heads,
-        2-3.5x the time of an equal-size read) replaced by a copy from the prefill's mapped
-        cache, where it offers one on this host; those go into ``host``."""
+        2-3.5x the time of an equal-size read) made a copy from the prefill's mapped cache
+        where it offers one on this host (those go into ``host``), else a read through
+        staging: a few long READs and a local copy (1.6x -> 1.0-1.1x over TCP)."""
         out: list[PeerReadPlan | StagedRead] = []
         for plan in plans:
             local, remote = plan.local, plan.remote
+            if not isinstance(plan, PeerReadPlan) or \
+                    local.kernel_block_size == remote.kernel_block_size:
+                out.append(plan)
+                continue
+            staged = plan_staged_read(local, remote, plan.remote_rank,
+                                      [s for s in slices if s.remote_rank == plan.remote_rank])
             offer = metas[plan.remote_rank].host_reads
-            if isinstance(plan, PeerReadPlan) and offer is not None and offer.memory and (
-                    local.kernel_block_size != remote.kernel_block_size) and \
+            mapped = None
+            if self.host_reads and offer is not None and offer.memory and \
                     check_offer(offer) is None:
-                staged = plan_staged_read(local, remote, plan.remote_rank,
-                                          [s for s in slices if s.remote_rank == plan.remote_rank])
                 try:
                     mapped = map_prefill(staged, self._view_groups, offer)
-                except Exception as exc:  # read it directly, then
+                except Exception as exc:  # read it through staging, then
                     log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s",
                              self.rank, plan.remote_rank, type(exc).__name__, exc)
-                    mapped = None
-                if mapped is not None:
-                    log.info("rank %d reads prefill rank %d (blocks of %d -> %d tokens) from "
-                             "its mapped cache", self.rank, plan.remote_rank,
-                             remote.kernel_block_size, local.kernel_block_size)
-                    host[plan.remote_rank] = mapped
-                    out.append(staged)
-                    continue
-            out.append(plan)
+            if mapped is not None:
+                host[plan.remote_rank] = mapped
+            log.info("rank %d reads prefill rank %d (kernel blocks of %d -> %d tokens) %s",
+                     self.rank, plan.remote_rank, remote.kernel_block_size,
+                     local.kernel_block_size,
+                     "from its mapped cache" if mapped else "through staging")
+            out.append(staged)
         return out
 
     def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]

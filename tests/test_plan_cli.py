@@ -203,24 +203,26 @@ def test_bench_descriptors_prints_json_rows() -> None:
 
 
 def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> None:
-    """A block-size case runs with NIXL READs (direct: a prefill without shared memory) and
-    from the prefill's mapped cache (what kvxfer does on one host, where a descriptor per
-    block would cost more), each in alternation with its equal-size counterpart."""
+    """A block-size case runs through staging (a prefill without shared memory, or on
+    another host: a few long READs rather than a descriptor per block) and from the
+    prefill's mapped cache (what kvxfer does on one host), each in alternation with its
+    equal-size counterpart."""
     out = kvxfer("bench", "transfer", "--cases", "LBHNC:1:1,LBHNC:1:1:16:32,BHLNC:1:1:32:16",
                  "--tokens", "64", "--layers", "2", "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     native, *mismatched = result["rows"]
     assert [(r["prefill_block_size"], r["decode_block_size"], r["path"]) for r in mismatched
-            ] == [(16, 32, "mapped"), (16, 32, "direct"), (32, 16, "mapped"), (32, 16, "direct")]
+            ] == [(16, 32, "mapped"), (16, 32, "staged"), (32, 16, "mapped"), (32, 16, "staged")]
     assert native["path"] == "direct" and "vs_native" not in native
     assert all(r["bytes"] == 64 * 2 * 8 * 256 * 2 for r in result["rows"])
-    # 4 prefill blocks x 2 layers x 8 heads of 16 tokens, each its own run on one side
-    assert mismatched[1]["descriptors"] == 4 * 2 * 8
+    # through staging, one READ run per prefill block and layer (NIXL descriptors that
+    # place the 16-token runs of 8 heads would be 4 x 2 x 8)
+    assert mismatched[1]["descriptors"] == 4 * 2
     for row in mismatched:
         assert row["vs_native"] == round(row["native_ms_median"] / row["ms_median"], 2)
         assert row["vs_large_read"] > 0
-    assert set(result["worst_vs_native"]) == {"block sizes, mapped", "block sizes, direct"}
+    assert set(result["worst_vs_native"]) == {"block sizes, mapped", "block sizes, staged"}
 
 
 def test_bench_transfer_runs_a_converted_case_on_each_path() -> None:

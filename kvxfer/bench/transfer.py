@@ -225,9 +225,10 @@ class _Run:
         target = 0.9 if prefill_layout in COALESCING else 0.75
         converted = _converted(self.case)
         host, mapped = (sum(s.host_ranks for s in stats), sum(s.mapped_ranks for s in stats))
+        staged = sum(s.staged_ranks for s in stats)
         return {"layout": layout, "prefill_layout": prefill_layout,
                 "decode_layout": decode_layout, "converted": converted,
-                "path": "mapped" if mapped else ("host" if host else "staged") if converted
+                "path": "mapped" if mapped else "host" if host else "staged" if staged
                 else "direct",
                 "prefill_tp": prefill_tp, "decode_tp": decode_tp,
                 "prefill_block_size": prefill_bs, "decode_block_size": decode_bs,
@@ -341,13 +342,14 @@ def _paths(case: tuple[str, int, int, int, int], args: argparse.Namespace
            ) -> tuple[str, ...]:
     """The paths a case runs with: a converted one from the prefill's mapped cache, as a
     host read of a prefill without shared memory, or through staging; a block-size one
-    from the mapped cache or with NIXL READs (direct); a native one as it is."""
+    from the mapped cache or through staging (as across machines); a native one as it
+    is."""
     if _converted(case):
         return {"on": ("mapped",), "off": ("staged",), "both": ("mapped", "staged"),
                 "all": ("mapped", "host", "staged")}[args.host_reads]
     if _native_case(case) is not None:  # block sizes differ
-        return {"on": ("mapped",), "off": ("direct",)}.get(args.host_reads,
-                                                          ("mapped", "direct"))
+        return {"on": ("mapped",), "off": ("staged",)}.get(args.host_reads,
+                                                          ("mapped", "staged"))
     return ("direct",)
 
 

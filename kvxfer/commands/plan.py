@@ -244,9 +244,10 @@ def run(args: argparse.Namespace) -> int:
         side = "decode" if result["decode_block_size"] > result["block_size"] else "prefill"
         print(f"  block sizes differ: each {side} block holds {large // small} blocks of the "
               f"other side ({result['decode_blocks']} decode blocks); runs are cut at every "
-              f"{small}-token block of both sides, no extra copy; from a prefill on this host "
-              f"whose cache is in shared memory (kvxfer's sidecars), one copy from its mapped "
-              f"cache instead of these descriptors")
+              f"{small}-token block of both sides, so the decode converts instead of posting "
+              f"these descriptors (host caches): from a prefill on this host whose cache is in "
+              f"shared memory (kvxfer's sidecars), one copy from its mapped cache; elsewhere "
+              f"a few long READs into staging and a local copy")
     if split:
         _explain_kernel_blocks(result)
     if result["kv_lora_rank"]:
