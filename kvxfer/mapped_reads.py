@@ -183,9 +183,10 @@ class MappedRead:
 
     def copy(self, local_ids: np.ndarray, remote_ids: np.ndarray,
              pool: Executor | None = None, threads: int = 1) -> tuple[int, int]:
-        """Copy the request's heads into place; (bytes placed, copy threads). With ``pool``,
-        the blocks are cut into ``threads`` shares, all but the first copied there, the
-        first here (torch's copy releases the GIL); returns once every share ended."""
+        """Copy the request's heads into place; (bytes placed: the paired tokens', copy
+        threads). With ``pool``, the blocks are cut into ``threads`` shares, all but the
+        first copied there, the first here (torch's copy releases the GIL); returns once
+        every share ended."""
         plan, ratio = self.plan, self.plan.remote.kernel_ratio
 
         def run(local: slice, remote: slice) -> None:
@@ -198,7 +199,10 @@ class MappedRead:
                                                  max(1, threads if pool else 1))
                   if share[1].stop > share[1].start]
         run_all([functools.partial(run, *share) for share in shares], pool)
-        return len(remote_ids) * plan.placed_per_block, len(shares)
+        # the tokens paired (the shorter side's), each this rank's heads of every layer
+        tokens = min(len(local_ids) * plan.local.block_size,
+                     len(remote_ids) * plan.remote.block_size)
+        return tokens * plan.placed_per_block // plan.remote.block_size, len(shares)
 
 
 def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],

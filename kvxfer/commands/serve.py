@@ -112,12 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(each rank gets max(1, N // tp)); NIXL's cma transport copies in "
                              "the posting thread (default 2)")
     parser.add_argument("--no-host-reads", dest="host_reads", action="store_false",
-                        help="KV in host memory: neither offer nor use host reads. By "
-                             "default a decode whose read needs a layout conversion copies "
-                             "it straight from a prefill process on the same host "
-                             "(process_vm_readv, as NIXL's cma transport does; the same "
-                             "user or ptrace rights needed), instead of READing it into "
-                             "staging and copying it again")
+                        help="KV in host memory: neither offer nor use reads on this host; "
+                             "a prefill keeps its cache in private memory. By default a "
+                             "prefill keeps it in a sealed memfd, and a decode on the same "
+                             "host (the same user or ptrace rights needed, as for NIXL's cma "
+                             "transport) whose read needs a conversion, or is cut at every "
+                             "block by two block sizes, copies it from the prefill's mapped "
+                             "cache (or with process_vm_readv from a prefill without one) "
+                             "instead of READing it into staging and copying it again")
     parser.add_argument("--nixl-backends", default="UCX", metavar="NAMES",
                         help="comma-separated NIXL backends each rank's agent runs (default "
                              "UCX); a decode reads only from a prefill that runs one of them, "
