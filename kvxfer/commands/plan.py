@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"      prefill on this host, its cache in shared memory (kvxfer's "
                       f"sidecars): one local copy of {_human(part['placed_bytes'])} from its "
                       f"cache mapped into the decode, no system call per request, no staging "
-                      f"(measured 0.8-0.95x the time of a direct read)")
+                      f"(measured 0.8-1.0x the time of a direct read)")
             if host is not None:
                 print(f"      prefill on this host{', without shared memory' * part['mapped']}"
                       f": a host read copies "
@@ -289,8 +289,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"      {where}: reads "
                   f"{_human(part['staging_bytes'])} into a staging buffer, places "
                   f"{_human(part['placed_bytes'])} of it with one local copy (measured "
-                  f"0.85-1.15x the time of a direct read over TCP, where the network is the "
-                  f"cost; 1.7-2.5x on one host, where every byte crosses memory twice)")
+                  f"0.75-1.1x the time of a direct read over TCP, where the network is the "
+                  f"cost; 1.6-2.5x on one host, where every byte crosses memory twice)")
         if "same_block_size_descriptors" in rank:
             same = rank["same_block_size_descriptors"]
             print(f"    with equal block sizes: {same} descriptors "
