@@ -13,7 +13,8 @@ MYPY_FILES = ("kvxfer/layout.py", "kvxfer/regions.py", "kvxfer/topology.py",
               "kvxfer/leases.py", "kvxfer/kv_key.py", "kvxfer/vllm/settings.py",
               "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/staging.py",
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
-              "kvxfer/engine/block_allocator.py")
+              "kvxfer/engine/block_allocator.py", "kvxfer/siblings.py",
+              "kvxfer/shared_staging.py", "kvxfer/threads.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:
