@@ -105,11 +105,11 @@ from kvxfer.protocol import (
 )
 from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
 from kvxfer.shared_staging import SHARED_STAGING, StagedMeeting, Target
-from kvxfer.staging import StagedRead, layer_groups, plan_reads, plan_staged_read
+from kvxfer.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
 from kvxfer.threads import run_all
 from kvxfer.tickets import TICKET_KEY, LeaseClaims
-from kvxfer.topology import HeadSlice, notify_plan, read_plan
+from kvxfer.topology import notify_plan, read_plan
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,6 @@ class _Read:
     pieces: list[StagedPiece] | None = None
     meetings: list[StagedMeeting] = field(default_factory=list)
     shares_ended: bool = False
-    converted: bool = False  # some prefill rank is read without a READ that tells it
     staged_ranks: int = 0  # prefill ranks read through staging
 
 
@@ -765,7 +764,6 @@ class TransferWorker:
                      for plan in peer.plans if isinstance(plan, StagedRead)]
         job.host = [(peer.host[plan.remote_rank], local, remote)
                     for plan, local, remote in converted if plan.remote_rank in peer.host]
-        job.converted = bool(converted)
         staged = [read for read in converted if read[0].remote_rank not in peer.host]
         job.staged_ranks = len(staged)
         if not staged:
@@ -1002,7 +1000,8 @@ class TransferWorker:
             read = {p.remote_rank for p in peer.plans if isinstance(p, PeerReadPlan)}
             if not self._notify(job, [r for r in peer.agents if r not in read], ok=True):
                 job.unnotified = True
-        elif job.converted:  # nobody to tell: the connector releases over the side channel
+        elif job.host or job.staged_ranks:  # nobody to tell: the connector releases over
+            # the side channel
             job.unnotified = True
         with self._lock:
             self._results.finished.append(job.request_id)
@@ -1067,17 +1066,16 @@ class TransferWorker:
                     f"start both with a shared --nixl-backends")
         geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
                       for rank, meta in metas.items()}
+        # a host cache converts reads cut at every block (staging and mapped caches are
+        # host memory)
         plans = plan_reads(local, geometries, slices, local_tp=self.tp_size,
-                           remote_tp=remote.tp_size)
+                           remote_tp=remote.tp_size, convert_cut=not self._local_cuda)
         staged = [p for p in plans if isinstance(p, StagedRead)]
         if staged and any(m.is_cuda for m in self._require_plan().memory):
             raise TransferError(f"decode layout {local.layout} and prefill layout "
                                 f"{staged[0].remote.layout} need a converted read, which only "
                                 f"host (CPU) caches support so far")
         host = self._plan_host_reads(staged, metas) if staged and self.host_reads else {}
-        if not self._local_cuda:  # staging and mapped caches are host memory
-            plans = self._cut_reads(plans, slices, metas, host)
-            staged = [p for p in plans if isinstance(p, StagedRead)]
         for plan in staged:
             if plan.remote_rank in host:
                 continue
@@ -1085,41 +1083,6 @@ class TransferWorker:
                      "per block", self.rank, remote.remote_engine_id, plan.remote_rank,
                      plan.remote.layout, local.layout, plan.bytes_per_block)
         return _Handshake(metas, plans, notify, host)
-
-    def _cut_reads(self, plans: list[PeerReadPlan | StagedRead], slices: Sequence[HeadSlice],
-                   metas: Mapping[int, AgentMetadata], host: dict[int, HostRead | MappedRead]
-                   ) -> list[PeerReadPlan | StagedRead]:
-        """``plans`` with each direct read that block or kernel sizes cut at every block of
-        the smaller size (a NIXL descriptor per run: 8 KiB runs of Llama-8B-like heads,
-        2-3.5x the time of an equal-size read) made a copy from the prefill's mapped cache
-        where it offers one on this host (those go into ``host``), else a read through
-        staging: a few long READs and a local copy (1.6x -> 1.0-1.1x over TCP)."""
-        out: list[PeerReadPlan | StagedRead] = []
-        for plan in plans:
-            local, remote = plan.local, plan.remote
-            if not isinstance(plan, PeerReadPlan) or \
-                    local.kernel_block_size == remote.kernel_block_size:
-                out.append(plan)
-                continue
-            staged = plan_staged_read(local, remote, plan.remote_rank,
-                                      [s for s in slices if s.remote_rank == plan.remote_rank])
-            offer = metas[plan.remote_rank].host_reads
-            mapped = None
-            if self.host_reads and offer is not None and offer.memory and \
-                    check_offer(offer) is None:
-                try:
-                    mapped = map_prefill(staged, self._view_groups, offer)
-                except Exception as exc:  # read it through staging, then
-                    log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s",
-                             self.rank, plan.remote_rank, type(exc).__name__, exc)
-            if mapped is not None:
-                host[plan.remote_rank] = mapped
-            log.info("rank %d reads prefill rank %d (kernel blocks of %d -> %d tokens) %s",
-                     self.rank, plan.remote_rank, remote.kernel_block_size,
-                     local.kernel_block_size,
-                     "from its mapped cache" if mapped else "through staging")
-            out.append(staged)
-        return out
 
     def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]
                          ) -> dict[int, HostRead | MappedRead]:
