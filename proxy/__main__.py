@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvxfer.api_key import ApiKeyError, load_key
+from kvxfer.net.api_key import ApiKeyError, load_key
 from proxy.config import POLICIES, ConfigError, ProxyConfig
 from proxy.discovery import split_hosts
 

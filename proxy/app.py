@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from kvxfer.api_key import authenticated
+from kvxfer.net.api_key import authenticated
 from proxy.balancer import Balancer
 from proxy.config import ROLES, ProxyConfig
 from proxy.contract import CHAT_COMPLETIONS, COMPLETIONS, parse_client_body

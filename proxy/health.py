@@ -19,7 +19,7 @@ import logging
 
 import aiohttp
 
-from kvxfer.netutil import DRAINING_HEADER
+from kvxfer.net.hosts import DRAINING_HEADER
 from proxy.balancer import Balancer, Instance
 from proxy.upstream import READ_TIMEOUT, failure_name
 

@@ -3,7 +3,7 @@
 From the outside in: :class:`MetricsMiddleware` (counts every answer, 401s
 included), :class:`RequestIdMiddleware` (the ``X-Request-Id`` both upstream
 calls carry and the answer echoes), :class:`ApiKeyMiddleware` (bearer token, shared
-with the sidecars: :mod:`kvxfer.api_key`).
+with the sidecars: :mod:`kvxfer.net.api_key`).
 Pure ASGI rather than Starlette's ``BaseHTTPMiddleware`` so that streamed
 bodies pass through unbuffered and routes see the server's own ``receive``.
 """
@@ -16,7 +16,7 @@ import uuid
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvxfer.api_key import ApiKeyMiddleware
+from kvxfer.net.api_key import ApiKeyMiddleware
 from proxy.errors import CLIENT_CLOSED
 from proxy.metrics import ProxyMetrics
 

@@ -12,7 +12,7 @@ from typing import Literal, TypedDict
 
 import uvicorn
 
-from kvxfer.netutil import listen_tcp
+from kvxfer.net.hosts import listen_tcp
 from proxy.app import create_app
 from proxy.config import ProxyConfig
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from kvxfer.netutil import DRAINING_HEADER
+from kvxfer.net.hosts import DRAINING_HEADER
 from proxy.balancer import Instance
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamRejected, bad_gateway, gateway_timeout

@@ -7,7 +7,7 @@ Fixtures of the in-process connector tests: ``connector``, a decode connector ov
 8-block kvxfer-tiny engine (128 tokens), policy fail; ``make``, ``make(role, **kw)``
 builds connectors like it (closed after the test); ``recorder``, a handshake listener
 that records the releases it gets (``test_release.Recorder``). Transfer tests share
-``prefill``, one prefill OS process per module (:class:`kvxfer.loopback.PrefillProcess`).
+``prefill``, one prefill OS process per module (:class:`kvxfer.harness.loopback.PrefillProcess`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvxfer.connector import KVConnector
+from kvxfer.sidecar.connector import KVConnector
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -36,7 +36,7 @@ def make() -> Iterator[Callable[..., KVConnector]]:
 
     def build(role: str, **kw: Any) -> KVConnector:
         from kvxfer.engine import LLMEngine, tiny_config
-        from kvxfer.metrics import SidecarMetrics
+        from kvxfer.sidecar.metrics import SidecarMetrics
 
         engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
         metrics = SidecarMetrics(role=role, engine_id=f"{role}-test", model="tiny",
@@ -65,7 +65,7 @@ def recorder() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def prefill() -> Iterator[Any]:
-    from kvxfer.loopback import PrefillProcess
+    from kvxfer.harness.loopback import PrefillProcess
 
     proc = PrefillProcess()
     try:

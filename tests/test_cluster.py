@@ -32,7 +32,7 @@ from sidecars import (
     prefill_body,
 )
 
-from kvxfer.netutil import advertised_host, bare_host, is_wildcard
+from kvxfer.net.hosts import advertised_host, bare_host, is_wildcard
 from proxy.balancer import Balancer
 from proxy.config import ProxyConfig
 from proxy.discovery import hosts_file_resolver, is_name, split_hosts

@@ -23,11 +23,11 @@ import time
 import pytest
 from test_release import Recorder, poll_until, prompt
 
-from kvxfer.connector import KVConnector
 from kvxfer.engine import SamplingParams
-from kvxfer.engine_loop import EngineLoop, Sink, Submission
-from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess
-from kvxfer.worker import PollResult, ReadStats, RemoteParams
+from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
+from kvxfer.sidecar.connector import KVConnector
+from kvxfer.sidecar.engine_loop import EngineLoop, Sink, Submission
+from kvxfer.transfer.worker import PollResult, ReadStats, RemoteParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -21,11 +21,11 @@ from collections.abc import Iterator
 import pytest
 from test_release import compat_of_another_model
 
-from kvxfer.connector import KVConnector
 from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
-from kvxfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.metrics import SidecarMetrics
-from kvxfer.worker import PollResult, ReadStats, RemoteParams
+from kvxfer.sidecar.connector import KVConnector
+from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
+from kvxfer.transfer.worker import PollResult, ReadStats, RemoteParams
 
 HOST = "127.0.0.1"
 TTL = 0.4

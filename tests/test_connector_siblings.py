@@ -13,8 +13,8 @@ import time
 
 from test_release import Recorder
 
-from kvxfer.connector import AbortOutcome, KVConnector
 from kvxfer.engine import RequestOutput, SamplingParams
+from kvxfer.sidecar.connector import AbortOutcome, KVConnector
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = [(7 * i) % 200 + 1 for i in range(20)]  # 2 blocks of 16

@@ -24,15 +24,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import (
+from kvxfer.plan.descriptors import (
     IncompatibleLayoutError,
     SideGeometry,
     build_read_descriptors,
     validate_plan,
 )
-from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, kernel_split
-from kvxfer.regions import RegionPlan, plan_regions
-from kvxfer.topology import heads_per_rank, read_plan
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, kernel_split
+from kvxfer.plan.regions import RegionPlan, plan_regions
+from kvxfer.plan.topology import heads_per_rank, read_plan
 
 LAYOUTS = list(KVCacheLayout)
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (2, 2)]
@@ -442,7 +442,7 @@ def test_runs_never_cross_a_registration_even_when_addresses_touch() -> None:
     backing = np.zeros(2 * blocks * page, dtype=np.uint8)
     halves = [torch.frombuffer(memoryview(backing[i * blocks * page:(i + 1) * blocks * page]),
                                dtype=torch.uint8) for i in range(2)]
-    from kvxfer.layout import reshape_kv_cache
+    from kvxfer.plan.layout import reshape_kv_cache
     views = [reshape_kv_cache(raw, spec, blocks, 1, "LBHNC")[0] for raw in halves]
     assert views[0].untyped_storage().data_ptr() != views[1].untyped_storage().data_ptr()
     assert views[1].data_ptr() == views[0].data_ptr() + blocks * page  # they touch

@@ -219,7 +219,7 @@ def test_an_mla_model_has_no_kv_packing_but_its_latent() -> None:
 def test_a_sidecars_compat_info_says_its_cache_is_a_latent() -> None:
     """What a peer checks at the handshake: the latent's size as the head, the rank set;
     a K/V model's info keeps its head size and rank 0."""
-    from kvxfer.connector import compat_info
+    from kvxfer.sidecar.connector import compat_info
 
     mla = compat_info(LLMEngine(MLA, init_weights(MLA, seed=0), num_blocks=8))
     assert (mla.kv_lora_rank, mla.head_size, mla.total_kv_heads) == (

@@ -12,8 +12,8 @@ import torch
 
 from kvxfer.engine import LLMEngine, ModelConfig, RequestOutput, SamplingParams, tiny_config
 from kvxfer.engine.weights import init_weights
-from kvxfer.layout import KVCacheLayout
-from kvxfer.topology import rank_heads
+from kvxfer.plan.layout import KVCacheLayout
+from kvxfer.plan.topology import rank_heads
 
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 BLOCK_SIZE = 8

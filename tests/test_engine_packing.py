@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvxfer.connector import compat_info
 from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
 from kvxfer.engine.attention import gather_kv, kv_views, write_kv
 from kvxfer.engine.tokenizer import ByteTokenizer
+from kvxfer.sidecar.connector import compat_info
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
 PROMPTS = ["the decode side pulls the prefill's blocks", "x", "K transposed, then V"]

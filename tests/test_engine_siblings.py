@@ -16,7 +16,7 @@ import torch
 
 from kvxfer.engine import LLMEngine, RequestOutput, RequestState, SamplingParams, tiny_config
 from kvxfer.engine.tokenizer import ByteTokenizer
-from kvxfer.layout import KVCacheLayout
+from kvxfer.plan.layout import KVCacheLayout
 
 PROMPT = ByteTokenizer().encode("one read, several samples of this prompt")  # 42 tokens
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)

@@ -1,4 +1,4 @@
-"""Tests for ``kvxfer.handshake`` over real ZMQ sockets on 127.0.0.1.
+"""Tests for ``kvxfer.transfer.handshake`` over real ZMQ sockets on 127.0.0.1.
 
 Most listeners run in this process; one runs in a separate OS process (this
 file, run as a script with ``serve``). Every bad input is followed by a good
@@ -24,8 +24,10 @@ import pytest
 import torch
 import zmq
 
-from kvxfer import handshake
-from kvxfer.handshake import (
+from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
+from kvxfer.plan.regions import plan_regions
+from kvxfer.transfer import handshake
+from kvxfer.transfer.handshake import (
     MAX_REQUEST_BYTES,
     HandshakeClient,
     HandshakeError,
@@ -35,8 +37,7 @@ from kvxfer.handshake import (
     PeerUnreachable,
     ReleaseSender,
 )
-from kvxfer.layout import CacheSpec, allocate_kv_cache
-from kvxfer.protocol import (
+from kvxfer.wire.protocol import (
     KVXFER_PROTOCOL_VERSION,
     MAGIC,
     AgentMetadata,
@@ -57,7 +58,6 @@ from kvxfer.protocol import (
     decode_payload,
     encode_message,
 )
-from kvxfer.regions import plan_regions
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -226,7 +226,7 @@ def test_bad_request_is_refused_and_listener_keeps_serving(
         case: str, ctx: zmq.Context[Any], client: HandshakeClient,
         listener: HandshakeListener, caplog: pytest.LogCaptureFixture) -> None:
     frames, code, named = BAD_REQUESTS[case]
-    with caplog.at_level(logging.WARNING, logger="kvxfer.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.handshake"):
         reply = refusal(exchange(ctx, listener.address, frames))
     assert reply.code is code
     assert named in reply.message
@@ -317,7 +317,7 @@ def test_failing_on_request_callback_does_not_stop_the_listener(
 
     with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            on_request=on_request) as served, \
-            caplog.at_level(logging.ERROR, logger="kvxfer.handshake"):
+            caplog.at_level(logging.ERROR, logger="kvxfer.transfer.handshake"):
         good_fetch(client, served)
         good_fetch(client, served)
     assert any("on_request('decode-b')" in r.getMessage() for r in caplog.records)
@@ -552,7 +552,7 @@ def test_close_gives_up_on_a_stuck_thread_and_says_so(
     with pytest.raises(HandshakeTimeout):
         client.fetch(HOST, served.port, [0], timeout=0.1, retries=0)
     assert entered.wait(ANSWER_S)
-    with caplog.at_level(logging.ERROR, logger="kvxfer.handshake"):
+    with caplog.at_level(logging.ERROR, logger="kvxfer.transfer.handshake"):
         served.close()
     release.set()
     assert any(served.address in r.getMessage() and "did not stop within" in r.getMessage()

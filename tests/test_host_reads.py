@@ -1,5 +1,5 @@
-"""Host reads (:mod:`kvxfer.host_reads`): who may be read, and what happens when the
-process behind an offer is not the one that made it. The byte map itself is proven in
+"""Host reads (:mod:`kvxfer.transfer.converted.host_reads`): who may be read, and what happens when
+the process behind an offer is not the one that made it. The byte map itself is proven in
 tests/test_staging.py (against the view-level expectation) and over real processes in
 tests/test_transfer.py."""
 
@@ -17,9 +17,15 @@ import pytest
 import torch
 from msgspec.structs import replace as changed
 
-from kvxfer.host_reads import Canary, HostReadError, check_offer, copy_vectors, verify_canary
-from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess
-from kvxfer.protocol import HostReads
+from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
+from kvxfer.transfer.converted.host_reads import (
+    Canary,
+    HostReadError,
+    check_offer,
+    copy_vectors,
+    verify_canary,
+)
+from kvxfer.wire.protocol import HostReads
 
 
 def _offer_from_child(conn: mp.connection.Connection) -> None:
@@ -90,9 +96,9 @@ def test_a_decode_that_cannot_host_read_falls_back_to_staging(
     host: the converted read goes through staging, byte-exact, and ends the lease."""
     from test_transfer import check_blocks, params_for
 
-    import kvxfer.host_reads
+    from kvxfer.transfer.converted import host_reads
 
-    monkeypatch.setattr(kvxfer.host_reads, "host_identity", lambda: "elsewhere/ns")
+    monkeypatch.setattr(host_reads, "host_identity", lambda: "elsewhere/ns")
     prefill = PrefillProcess()
     pcfg = CacheConfig(layout="LBHNC", head_size=32, num_blocks=12)
     decode = LoopbackInstance.create("decode", replace(pcfg, layout="LBNHC"), fill="sentinel")
@@ -112,8 +118,8 @@ def test_a_decode_that_cannot_host_read_falls_back_to_staging(
 
 READ_AS_CHILD = """
 import json, sys
-from kvxfer.host_reads import check_offer
-from kvxfer.protocol import HostReads
+from kvxfer.transfer.converted.host_reads import check_offer
+from kvxfer.wire.protocol import HostReads
 o = json.loads(sys.argv[1])
 print(check_offer(HostReads(o["host"], o["pid"], o["addr"], bytes.fromhex(o["canary"]))))
 """
@@ -158,10 +164,10 @@ def _siblings() -> tuple[list[Any], Any, list[Any], Canary]:
     host reads, the prefill's rank and the decode ranks."""
     from test_descriptors import make_rank
 
-    from kvxfer.host_reads import plan_host_read
-    from kvxfer.layout import CacheSpec, KVCacheLayout
-    from kvxfer.staging import layer_groups, plan_reads
-    from kvxfer.topology import read_plan
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.staging import layer_groups, plan_reads
+    from kvxfer.plan.topology import read_plan
+    from kvxfer.transfer.converted.host_reads import plan_host_read
 
     rng = np.random.default_rng(7)
     remote = make_rank(CacheSpec(4, 4, 8, torch.float32), KVCacheLayout.LBNHC, 12, 3, False,
@@ -205,7 +211,7 @@ def _together(shared: Any, reads: list[Any], ids: list[tuple[np.ndarray, np.ndar
 def test_sibling_ranks_copy_one_merged_read_together() -> None:
     """Two in-process decode ranks of one prefill rank: one copy writes both ranks' heads
     (the prefill's pages are read once, no sink), byte for byte what each alone writes."""
-    from kvxfer.host_reads import SharedCopies
+    from kvxfer.transfer.converted.host_reads import SharedCopies
 
     reads, _, ranks, _canary = _siblings()
     lids, rids = np.array([4, 0, 9, 2, 7]), np.array([11, 3, 5, 0, 8])
@@ -228,8 +234,8 @@ def test_a_sibling_that_is_late_or_has_other_ids_copies_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Only ranks that joined with the same ids are written by a shared copy: a rank that
     comes after the wait, or with other block ids, copies its own heads alone."""
-    from kvxfer import siblings
-    from kvxfer.host_reads import SharedCopies
+    from kvxfer.transfer.converted import siblings
+    from kvxfer.transfer.converted.host_reads import SharedCopies
 
     reads, _, ranks, _canary = _siblings()
     lids, rids = np.array([1, 2, 3]), np.array([4, 5, 6])
@@ -253,7 +259,7 @@ def test_a_share_that_fails_fails_every_sibling() -> None:
     a success), and the next request meets afresh."""
     from msgspec.structs import replace as changed
 
-    from kvxfer.host_reads import SharedCopies
+    from kvxfer.transfer.converted.host_reads import SharedCopies
 
     reads, _, _, canary = _siblings()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -1,4 +1,4 @@
-"""Tests for ``kvxfer.layout``; every expected value is computed here from the spec.
+"""Tests for ``kvxfer.plan.layout``; every expected value is computed here from the spec.
 
 The placement rule these tests encode: sizes (L, B, H, N, C) = (layer slots,
 blocks, heads, block_size, content). Walking a layout's physical order from
@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.layout import (
+from kvxfer.plan.layout import (
     CacheSpec,
     KVCacheLayout,
     allocate_kv_cache,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py")
-MYPY_FILES = ("kvxfer/layout.py", "kvxfer/regions.py", "kvxfer/topology.py",
-              "kvxfer/descriptors.py", "kvxfer/protocol.py", "kvxfer/tickets.py",
-              "kvxfer/leases.py", "kvxfer/kv_key.py", "kvxfer/vllm/settings.py",
-              "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/staging.py",
+MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/topology.py",
+              "kvxfer/plan/descriptors.py", "kvxfer/wire/protocol.py", "kvxfer/wire/tickets.py",
+              "kvxfer/wire/lease_book.py", "kvxfer/net/kv_key.py", "kvxfer/vllm/settings.py",
+              "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/plan/staging.py",
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
-              "kvxfer/engine/block_allocator.py", "kvxfer/siblings.py",
-              "kvxfer/shared_staging.py", "kvxfer/threads.py")
+              "kvxfer/engine/block_allocator.py", "kvxfer/transfer/converted/siblings.py",
+              "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

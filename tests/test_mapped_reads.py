@@ -1,5 +1,5 @@
-"""Converted reads from a prefill's mapped cache (:mod:`kvxfer.mapped_reads`): what a
-prefill offers, and every way an offer is refused before anything is mapped. The reads
+"""Converted reads from a prefill's mapped cache (:mod:`kvxfer.transfer.converted.mapped_reads`):
+what a prefill offers, and every way an offer is refused before anything is mapped. The reads
 themselves are proven byte-exact in test_staging (every conversion) and across real
 processes in test_transfer."""
 
@@ -17,13 +17,18 @@ import torch
 from msgspec.structs import replace
 from test_descriptors import make_rank
 
-from kvxfer.host_reads import Canary, HostReadError
-from kvxfer.layout import CacheSpec, KVCacheLayout
-from kvxfer.mapped_reads import _Mapping, map_prefill, shared_regions, shared_zeros
-from kvxfer.protocol import SharedRegion
-from kvxfer.regions import MemoryRegion
-from kvxfer.staging import StagedRead, layer_groups, plan_reads
-from kvxfer.topology import read_plan
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout
+from kvxfer.plan.regions import MemoryRegion
+from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
+from kvxfer.plan.topology import read_plan
+from kvxfer.transfer.converted.host_reads import Canary, HostReadError
+from kvxfer.transfer.converted.mapped_reads import (
+    _Mapping,
+    map_prefill,
+    shared_regions,
+    shared_zeros,
+)
+from kvxfer.wire.protocol import SharedRegion
 
 
 def test_a_shared_buffer_is_offered_while_it_lives() -> None:

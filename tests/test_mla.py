@@ -26,9 +26,11 @@ from test_descriptors import (
     token_rows,
 )
 
-from kvxfer.descriptors import IncompatibleLayoutError, build_read_descriptors
-from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache
-from kvxfer.protocol import (
+from kvxfer.plan.descriptors import IncompatibleLayoutError, build_read_descriptors
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache
+from kvxfer.plan.regions import RegionPlan
+from kvxfer.plan.topology import notify_plan, read_plan, readers_per_remote_rank
+from kvxfer.wire.protocol import (
     CompatInfo,
     HashMismatch,
     MetadataRequest,
@@ -36,8 +38,6 @@ from kvxfer.protocol import (
     decode_envelope,
     encode_message,
 )
-from kvxfer.regions import RegionPlan
-from kvxfer.topology import notify_plan, read_plan, readers_per_remote_rank
 
 # DeepSeek-V3's latent: kv_lora_rank 512 + 64 RoPE dims; small ones below.
 LATENT = 512 + 64

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_transfer import check_blocks, decode_instance, params_for, pick
 
-from kvxfer.loopback import CacheConfig, PrefillProcess
+from kvxfer.harness.loopback import CacheConfig, PrefillProcess
 
 # 8 compressed dims + 2 RoPE dims per token: a 10-element latent
 LATENT = CacheConfig(total_kv_heads=1, head_size=10, kv_lora_rank=8, num_layers=3,

@@ -1,4 +1,4 @@
-"""``kvxfer.nixl_agent`` against real NIXL agents in separate OS processes.
+"""``kvxfer.transfer.nixl_agent`` against real NIXL agents in separate OS processes.
 
 A target process (spawned, as a prefill rank would be) registers a buffer
 filled with a seeded pattern and progresses its agent every ~0.5 ms; it obeys
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer import nixl_agent
-from kvxfer.nixl_agent import (
+from kvxfer.transfer import nixl_agent
+from kvxfer.transfer.nixl_agent import (
     AgentClosedError,
     NixlAgent,
     NixlTransferError,
@@ -42,7 +42,8 @@ DEADLINE_S = 10.0
 
 @dataclass(frozen=True)
 class _Memory:
-    """Same fields as ``kvxfer.regions.MemoryRegion``; children use it to skip importing torch."""
+    """Same fields as ``kvxfer.plan.regions.MemoryRegion``; children use it to skip importing
+    torch."""
 
     addr: int
     nbytes: int
@@ -131,7 +132,7 @@ def start_target(name: str, pause_at_start: bool = False) -> Target:
 
 
 def target_memory(target: Target) -> Any:
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
 
     return MemoryRegion(addr=target.addr, nbytes=TARGET_BYTES, device_id=0)
 
@@ -192,7 +193,7 @@ class Reader:
 
 
 def new_reader(name: str) -> tuple[NixlAgent, np.ndarray]:
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
 
     buffer = np.zeros(LOCAL_BYTES, dtype=np.uint8)
     agent = NixlAgent(name)
@@ -323,7 +324,7 @@ def test_read_outside_registered_remote_memory_names_the_remote(reader: Reader) 
 
 
 def test_register_rejects_a_bad_entry() -> None:
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
 
     with NixlAgent("bad-register") as agent, pytest.raises(ValueError, match="memory entry 1 "):
         agent.register([MemoryRegion(addr=4096, nbytes=64, device_id=0),
@@ -412,7 +413,7 @@ def test_close_is_idempotent_and_later_calls_name_the_agent(target: Target) -> N
 
 def test_close_releases_open_transfers_and_the_context_manager_closes(target: Target) -> None:
     with NixlAgent("scoped") as agent:
-        from kvxfer.regions import MemoryRegion
+        from kvxfer.plan.regions import MemoryRegion
 
         buffer = np.zeros(4096, dtype=np.uint8)
         agent.register([MemoryRegion(addr=buffer.ctypes.data, nbytes=4096, device_id=0)])
@@ -432,7 +433,7 @@ def test_read_between_two_agents_in_one_process(device: str) -> None:
     """The same path for host (DRAM) and device (VRAM) memory; both agents live in this thread."""
     import torch
 
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
 
     ordinal = torch.cuda.current_device() if device == "cuda" else 0
     source = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, device=device)

@@ -1,4 +1,4 @@
-"""The pure OpenAI surface of a sidecar (``kvxfer.openai_api``): choices per prompt,
+"""The pure OpenAI surface of a sidecar (``kvxfer.sidecar.openai_api``): choices per prompt,
 per-choice seeds, echo, usage counting, and what the transfer roles accept."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from kvxfer.engine import ByteTokenizer
 from kvxfer.engine.sequence import RequestOutput
-from kvxfer.openai_api import (
+from kvxfer.sidecar.openai_api import (
     MAX_N,
     ChatRequest,
     Choice,

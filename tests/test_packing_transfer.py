@@ -1,6 +1,6 @@
 """Sidecars that pack K and V differently work together (real processes, NIXL, ZMQ):
 a prefill in token packing and a decode in vLLM's CPU packing, and the reverse, answer
-exactly what one plain instance answers; the decode converts (``kvxfer.staging``)."""
+exactly what one plain instance answers; the decode converts (``kvxfer.plan.staging``)."""
 
 from __future__ import annotations
 

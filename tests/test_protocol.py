@@ -1,4 +1,4 @@
-"""Tests for ``kvxfer.protocol``: wire round trips, strict decoding, errors, hash, signatures.
+"""Tests for ``kvxfer.wire.protocol``: wire round trips, strict decoding, errors, hash, signatures.
 
 Releases (``ReleaseLease`` / ``ReleaseAck``) follow every rule of the other
 messages except the compatibility hash, which is not checked for them.
@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.layout import CacheSpec, allocate_kv_cache
-from kvxfer.protocol import (
+from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
+from kvxfer.plan.regions import RegionPlan, plan_regions
+from kvxfer.wire.protocol import (
     HASH_FREE_KINDS,
     KVXFER_PROTOCOL_VERSION,
     MAGIC,
@@ -50,7 +51,6 @@ from kvxfer.protocol import (
     encode_message,
     encode_notif,
 )
-from kvxfer.regions import RegionPlan, plan_regions
 
 PEER = "tcp://10.0.0.7:5600"
 COMPAT = CompatInfo(model="llama-3-8b", dtype="bfloat16", cache_dtype="bfloat16", head_size=64,
@@ -346,7 +346,7 @@ def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
     """AgentMetadata.host_reads (protocol 9, its shared buffers 10): absent means NIXL only;
     an offer arrives verbatim; a bad one fails decoding with the field named, like any
     other."""
-    from kvxfer.protocol import HostReads, SharedRegion
+    from kvxfer.wire.protocol import HostReads, SharedRegion
 
     offer = HostReads(host="boot/pid:[4026531836]", pid=4242, canary_addr=0x7F0000001000,
                       canary=bytes(range(16)),
@@ -374,7 +374,7 @@ def test_a_kernel_block_plan_round_trips_with_its_logical_and_kernel_sizes(layou
     """A rank whose views see each 16-token block as four 4-token kernel blocks: the
     metadata says the logical block size and the ratio, the plan arrives verbatim, and
     the reader's geometry counts logical blocks of kernel chunks."""
-    from kvxfer.descriptors import SideGeometry
+    from kvxfer.plan.descriptors import SideGeometry
 
     plan = _plan(layout, 16, kernel=4)
     response = MetadataResponse("prefill-a", 2, (meta(1, plan=plan), meta(0, plan=plan)))

@@ -1,4 +1,4 @@
-"""Tests for ``kvxfer.regions.plan_regions``; expectations are computed here from the spec.
+"""Tests for ``kvxfer.plan.regions.plan_regions``; expectations are computed here from the spec.
 
 The core property: every byte any view element occupies lies in exactly one
 region's ``[base + b * block_stride, + block_len)`` for its block ``b`` (a region
@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.descriptors import RankDescriptors, SideGeometry, build_read_descriptors
-from kvxfer.layout import CacheSpec, allocate_kv_cache, reshape_kv_cache
-from kvxfer.regions import MixedLayoutError, RegionPlan, plan_regions
-from kvxfer.topology import read_plan
+from kvxfer.plan.descriptors import RankDescriptors, SideGeometry, build_read_descriptors
+from kvxfer.plan.layout import CacheSpec, allocate_kv_cache, reshape_kv_cache
+from kvxfer.plan.regions import MixedLayoutError, RegionPlan, plan_regions
+from kvxfer.plan.topology import read_plan
 
 NAMES = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
 HEADS_OUTSIDE_TOKENS = {"LBHNC", "BLHNC", "BHLNC"}

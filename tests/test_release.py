@@ -31,11 +31,11 @@ from typing import Any
 import pytest
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, prefill_body
 
-from kvxfer.connector import AbortOutcome, KVConnector
 from kvxfer.engine import SamplingParams
-from kvxfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.protocol import CompatInfo
-from kvxfer.worker import RemoteParams
+from kvxfer.sidecar.connector import AbortOutcome, KVConnector
+from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
+from kvxfer.transfer.worker import RemoteParams
+from kvxfer.wire.protocol import CompatInfo
 from proxy.contract import decode_request, parse_prefill_answer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -310,7 +310,7 @@ def test_a_dead_prefill_does_not_hold_up_the_connector(
                         time.time() + 60)
     releaser = connector.releaser
     assert releaser is not None
-    with caplog.at_level(logging.WARNING, logger="kvxfer.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.handshake"):
         with pytest.raises(ValueError, match="exceeds"):
             connector.add_remote("gone", prompt(100), SamplingParams(max_tokens=100), dead)
         for _ in range(500):

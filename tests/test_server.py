@@ -9,7 +9,7 @@ failed cannot hide behind a recompute; their metrics must also show the reads.
 
 Layouts whose heads sit inside the token dimension (LBNHC, BLNHC) cannot be
 head-split by byte copies: there a TP change goes through a staged, converted read
-(:mod:`kvxfer.staging`), and must answer the same.
+(:mod:`kvxfer.plan.staging`), and must answer the same.
 
 Process budget: one ``both`` reference for the module, and per layout group one
 prefill and one decode for each TP, started once and stopped before the next

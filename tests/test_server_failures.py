@@ -25,7 +25,7 @@ import pytest
 import zmq
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, free_port, prefill_body
 
-from kvxfer.protocol import CompatInfo, RenewAck, encode_message
+from kvxfer.wire.protocol import CompatInfo, RenewAck, encode_message
 
 BODY = {"max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": True}
 PROMPTS = [f"request number {i}: " + "abcdefgh" * (i + 1) for i in range(8)]

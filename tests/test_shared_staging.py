@@ -1,5 +1,5 @@
-"""Staged reads shared by in-process decode ranks (:mod:`kvxfer.shared_staging`): how the
-request is cut into shares, and the guard that keeps a member that gave up from being
+"""Staged reads shared by in-process decode ranks (:mod:`kvxfer.transfer.converted.shared_staging`):
+how the request is cut into shares, and the guard that keeps a member that gave up from being
 written into. The shared reads themselves run end to end in test_transfer.py."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_descriptors import make_rank
 
-from kvxfer.layout import CacheSpec, KVCacheLayout
-from kvxfer.shared_staging import StagedMeeting, Target
-from kvxfer.staging import StagedRead, plan_reads
-from kvxfer.topology import read_plan
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout
+from kvxfer.plan.staging import StagedRead, plan_reads
+from kvxfer.plan.topology import read_plan
+from kvxfer.transfer.converted.shared_staging import StagedMeeting, Target
 
 
 def page_read(decode_bs: int, prefill_bs: int) -> StagedRead:
@@ -95,7 +95,7 @@ def test_a_meeting_that_cannot_close_fails_every_member() -> None:
     raises it (none waits for a state that never comes)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvxfer.siblings import Siblings
+    from kvxfer.transfer.converted.siblings import Siblings
 
     siblings: Siblings[int] = Siblings()
     for rank in (0, 1):

@@ -1,4 +1,4 @@
-"""Converted reads (:mod:`kvxfer.staging`), proven by executing them: the staging
+"""Converted reads (:mod:`kvxfer.plan.staging`), proven by executing them: the staging
 descriptors run as byte copies into a real host buffer, the conversion places the
 heads, and the decode views must equal a view-level assignment head by head (token by
 token of each logical block where a side keeps kernel blocks)."""
@@ -27,12 +27,12 @@ from test_descriptors import (
     spec_for,
 )
 
-from kvxfer import host_reads
-from kvxfer.descriptors import IncompatibleLayoutError, PeerReadPlan
-from kvxfer.host_reads import Canary, plan_host_read
-from kvxfer.mapped_reads import map_prefill, shared_regions, shared_zeros
-from kvxfer.staging import StagedRead, layer_groups, plan_reads
-from kvxfer.topology import read_plan
+from kvxfer.plan.descriptors import IncompatibleLayoutError, PeerReadPlan
+from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
+from kvxfer.plan.topology import read_plan
+from kvxfer.transfer.converted import host_reads
+from kvxfer.transfer.converted.host_reads import Canary, plan_host_read
+from kvxfer.transfer.converted.mapped_reads import map_prefill, shared_regions, shared_zeros
 
 
 def run_staged(local: Rank, remote: Rank, plan: StagedRead, local_ids: np.ndarray,
@@ -129,9 +129,9 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
             for layer in range(s["layers"]):
                 expected_views[layer][lkernel[:, None], lheads, lrow[:, None]] = \
                     remote.views[layer][rkernel[:, None], rheads, rrow[:, None]]
-    # the same reads as host reads (kvxfer.host_reads) and from the mapped cache
-    # (kvxfer.mapped_reads), this process standing in for the prefill's, into buffers of
-    # their own
+    # the same reads as host reads (kvxfer.transfer.converted.host_reads) and from the mapped cache
+    # (kvxfer.transfer.converted.mapped_reads), this process standing in for the prefill's, into
+    # buffers of their own
     host, mapped = [raw.clone() for raw in local.buffers], [raw.clone() for raw in local.buffers]
     host_groups = layer_groups(make_views_like(local, host))
     mapped_groups = layer_groups(make_views_like(local, mapped))
@@ -166,7 +166,7 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
 def test_tokens_outside_heads_read_whole_pages_in_one_run_per_block() -> None:
     """LBNHC TP 1 -> decode rank of TP 2: every layer page of a block is one staging run
     (a BLNHC prefill's block, all layers, is even one run)."""
-    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(0)
     for layout, runs in ((KVCacheLayout.LBNHC, 4 * 5), (KVCacheLayout.BLNHC, 5)):
@@ -182,7 +182,7 @@ def test_tokens_outside_heads_read_whole_pages_in_one_run_per_block() -> None:
 
 
 def test_staging_refuses_what_it_cannot_bridge() -> None:
-    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(1)
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 4, 2, False, rng)
@@ -227,7 +227,7 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
     packing at two kernel block sizes (``ratios``: prefill's, decode's) or two block sizes
     (``sizes``: prefill's, decode's; the request's tokens in order on both sides)."""
     from kvxfer.engine.attention import kv_views
-    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(2)
     remote = make_rank(CacheSpec(sizes[0], 2, 3, torch.float32), KVCacheLayout.LBHNC, 6 * 4,
@@ -267,7 +267,7 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
 def head_split_read(rng: np.random.Generator) -> tuple[StagedRead, Rank]:
     """Decode rank 0 of TP 2 (LBHNC) reading an LBNHC TP 1 prefill's pages: a staged read;
     with the decode rank."""
-    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 
     remote = make_rank(CacheSpec(4, 8, 2, torch.float16), KVCacheLayout.LBNHC, 12, 2, False, rng)
     local = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBHNC, 12, 2, False, rng)
@@ -280,14 +280,14 @@ def head_split_read(rng: np.random.Generator) -> tuple[StagedRead, Rank]:
 def test_the_staging_pool_reuses_buffers_holds_failed_ones_and_bounds_itself() -> None:
     """Real NIXL registrations: a read takes one buffer per staged rank or none; a landed
     read's buffer is reused; a failed read's is held until its prefill is dropped."""
-    from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.staging_pool import (
+    from kvxfer.transfer.converted.staging_pool import (
         CHUNK_BYTES,
         Placement,
         StagedPiece,
         StagingPool,
         StagingTooSmall,
     )
+    from kvxfer.transfer.nixl_agent import NixlAgent
 
     read, local = head_split_read(np.random.default_rng(3))
     ids = np.arange(4)
@@ -315,7 +315,7 @@ def test_a_packing_per_kernel_block_is_never_cut_by_byte_copies() -> None:
     """vllm-cpu-vec keeps K transposed per head's kernel block, so a run of tokens is no
     byte run: at two kernel or block sizes the read is converted (exactly: the property
     test above), at one it is byte copies."""
-    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(5)
     small = make_rank(CacheSpec(4, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
@@ -331,7 +331,7 @@ def test_a_packing_per_kernel_block_is_never_cut_by_byte_copies() -> None:
 
 
 def test_packings_no_conversion_knows_are_refused_naming_both() -> None:
-    from kvxfer.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 
     rng = np.random.default_rng(4)
     side = make_rank(CacheSpec(4, 2, 3, torch.float32), KVCacheLayout.LBHNC, 4, 2, False, rng)
@@ -345,7 +345,7 @@ def test_layer_groups_join_views_of_one_allocation_and_keep_others_apart() -> No
     """A converted read places a block's layers in one copy only where the views are one
     allocation at a fixed layer stride; any other view is its own group, and each group
     sees exactly its views' elements."""
-    from kvxfer.staging import layer_groups
+    from kvxfer.plan.staging import layer_groups
 
     raw = torch.arange(3 * 5 * 2 * 4 * 6, dtype=torch.float32).view(3, 5, 4, 2, 6)
     joined = [raw[layer].permute(0, 2, 1, 3) for layer in range(3)]  # LBNHC, [B, H, N, C]
@@ -369,9 +369,9 @@ def test_every_landed_part_is_handed_to_the_converter_at_once() -> None:
     READs and placed the tail one part per worker-loop tick)."""
     import threading
 
-    from kvxfer import staging_pool
-    from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.staging_pool import Placement, StagedPiece, StagingPool
+    from kvxfer.transfer.converted import staging_pool
+    from kvxfer.transfer.converted.staging_pool import Placement, StagedPiece, StagingPool
+    from kvxfer.transfer.nixl_agent import NixlAgent
 
     read, local = head_split_read(np.random.default_rng(5))
 

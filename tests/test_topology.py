@@ -1,4 +1,4 @@
-"""Tests for ``kvxfer.topology``; which rank holds which head is computed here.
+"""Tests for ``kvxfer.plan.topology``; which rank holds which head is computed here.
 
 Sharding rule: with ``heads >= tp`` rank ``r`` holds ``[r * heads // tp, (r + 1) * heads // tp)``;
 with fewer heads than ranks, heads are replicated and rank ``r`` holds the single
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.topology import (
+from kvxfer.plan.topology import (
     HeadSlice,
     heads_per_rank,
     rank_heads,

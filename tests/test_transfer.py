@@ -20,9 +20,9 @@ import pytest
 import torch
 import zmq
 
-from kvxfer import protocol
-from kvxfer.layout import parse_layout
-from kvxfer.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
+from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
+from kvxfer.plan.layout import parse_layout
+from kvxfer.wire import protocol
 
 
 def decode_instance(cfg: CacheConfig) -> LoopbackInstance:
@@ -59,7 +59,7 @@ def pick(rng: np.random.Generator, kind: str, count: int, limit: int) -> list[in
 
 
 # converted: tokens outside heads split for a TP change, or the two sides order heads and
-# tokens differently (kvxfer.staging; with these small heads, runs are too short for
+# tokens differently (kvxfer.plan.staging; with these small heads, runs are too short for
 # host reads, see test_converted_reads_are_host_read_on_one_host)
 CONVERTED = [("LBNHC", "LBNHC", 1, 2), ("BLNHC", "BLNHC", 2, 1), ("LBNHC", "BLNHC", 2, 4),
              ("BLNHC", "LBHNC", 1, 2), ("LBHNC", "LBNHC", 1, 1), ("BHLNC", "BLNHC", 4, 2),
@@ -110,10 +110,10 @@ def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, pref
                                                   decode_layout: str, prefill_tp: int,
                                                   decode_tp: int, path: str) -> None:
     """A prefill process on this host whose cache is in shareable memory is read from its
-    mapped cache (kvxfer.mapped_reads); one whose cache is not, with heads large enough for
-    runs to pay (32 float32 elements), is host-read (kvxfer.host_reads); one that turned
-    host reads off is read through staging. Every path is byte-exact and ends the lease
-    with "done"."""
+    mapped cache (kvxfer.transfer.converted.mapped_reads); one whose cache is not, with heads large
+    enough for runs to pay (32 float32 elements), is host-read
+    (kvxfer.transfer.converted.host_reads); one that turned host reads off is read through staging.
+    Every path is byte-exact and ends the lease with "done"."""
     host_reads = path != "staged"
     pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24, head_size=32,
                        host_reads=host_reads, shared_memory=path == "mapped")
@@ -415,8 +415,8 @@ def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess, lanes: in
 
 
 def test_a_cache_of_two_memory_kinds_is_refused() -> None:
-    from kvxfer.regions import MemoryRegion
-    from kvxfer.worker import TransferError, memory_kind
+    from kvxfer.plan.regions import MemoryRegion
+    from kvxfer.transfer.worker import TransferError, memory_kind
 
     host, gpu = MemoryRegion(4096, 64, 0, False), MemoryRegion(8192, 64, 0, True)
     assert memory_kind([gpu, gpu], "x") is True and memory_kind([host], "x") is False
@@ -534,7 +534,7 @@ class FailedRead:
     """A posted READ that NIXL reports failed, on every look (as a dropped peer's does)."""
 
     def state(self) -> str:
-        from kvxfer.nixl_agent import NixlTransferError
+        from kvxfer.transfer.nixl_agent import NixlTransferError
 
         raise NixlTransferError("READ", "prefill", "NIXL_ERR_REMOTE_DISCONNECT")
 
@@ -628,7 +628,7 @@ def test_a_staged_read_that_ends_after_its_peer_was_dropped_is_reported_unnotifi
     the lease over the side channel) instead of leaving the lease to expire."""
     import threading
 
-    from kvxfer.staging import StagedRead
+    from kvxfer.plan.staging import StagedRead
 
     cfg = CacheConfig(layout="LBHNC", num_blocks=8, host_reads=False)
     remote = prefill.create(cfg)
@@ -690,14 +690,14 @@ def test_malformed_params_raise_before_anything_starts(pair: tuple) -> None:
     (32, 0, 16, (0,))])            # a prompt shorter than one prefill block
 def test_params_narrow_to_the_prefill_blocks_holding_a_token_range(
         remote_size: int | None, start: int, end: int, ids: tuple[int, ...]) -> None:
-    from kvxfer.worker import RemoteParams
+    from kvxfer.transfer.worker import RemoteParams
 
     params = RemoteParams("e", "h", 1, tuple(range(10)), "r", 1, remote_block_size=remote_size)
     assert params.tokens(start, end, 16).remote_block_ids == ids
 
 
 def test_params_refuse_a_token_range_the_lease_cannot_serve() -> None:
-    from kvxfer.worker import RemoteParams
+    from kvxfer.transfer.worker import RemoteParams
 
     params = RemoteParams("e", "h", 1, (0, 1, 2), "r", 1, remote_block_size=32)
     with pytest.raises(ValueError, match="the first 16 tokens, which end inside a 32-token "
@@ -781,7 +781,7 @@ def test_lanes_that_lose_the_prefill_fail_the_request_naming_it(prefill: Prefill
 
 
 def test_read_lanes_must_be_positive() -> None:
-    from kvxfer.worker import TransferWorker
+    from kvxfer.transfer.worker import TransferWorker
 
     with pytest.raises(ValueError, match="read_lanes must be at least 1, got 0"):
         TransferWorker("e", 0, 1, CacheConfig().compat(), total_kv_heads=4, read_lanes=0)
@@ -794,7 +794,7 @@ def test_a_new_lease_wakes_an_idle_prefill_so_reads_do_not_wait_for_its_poll(
     a lease is held, not at the end of its idle wait. Here the idle wait is a minute
     (and the fast window after a handshake 50 ms): were ``hold`` not to wake the worker,
     the second read would stay in progress until the wait ran out."""
-    import kvxfer.worker as worker_module
+    import kvxfer.transfer.worker as worker_module
 
     monkeypatch.setattr(worker_module, "IDLE_POLL_S", 60.0)
     monkeypatch.setattr(worker_module, "CONNECT_WINDOW_S", 0.05)

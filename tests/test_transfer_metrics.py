@@ -28,13 +28,13 @@ import zmq
 from sidecars import free_port
 from test_release import Recorder, prompt
 
-from kvxfer.connector import KVConnector, compat_info
 from kvxfer.engine import SamplingParams
-from kvxfer.handshake import FAILURE_REASONS, HandshakeListener
-from kvxfer.metrics import HANDSHAKE_FAILURE_REASONS
-from kvxfer.nixl_agent import NixlAgent
-from kvxfer.protocol import ReadDone, encode_notif
-from kvxfer.worker import RemoteParams
+from kvxfer.sidecar.connector import KVConnector, compat_info
+from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
+from kvxfer.transfer.handshake import FAILURE_REASONS, HandshakeListener
+from kvxfer.transfer.nixl_agent import NixlAgent
+from kvxfer.transfer.worker import RemoteParams
+from kvxfer.wire.protocol import ReadDone, encode_notif
 
 HOST = "127.0.0.1"
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)

@@ -25,8 +25,8 @@ import pytest
 import zmq
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
-from kvxfer.handshake import HandshakeClient, PeerRefused
-from kvxfer.protocol import (
+from kvxfer.transfer.handshake import HandshakeClient, PeerRefused
+from kvxfer.wire.protocol import (
     AUTH_FAILED,
     BadSignature,
     CompatInfo,
@@ -42,7 +42,7 @@ from kvxfer.protocol import (
     encode_message,
     encode_notif,
 )
-from kvxfer.tickets import LeaseClaims, sign_ticket
+from kvxfer.wire.tickets import LeaseClaims, sign_ticket
 from proxy.contract import decode_request, parse_prefill_answer
 
 COMPLETIONS = "/v1/completions"
@@ -316,7 +316,7 @@ def test_a_forged_done_notification_is_ignored(rig: dict[str, Sidecar], key: byt
     """The attacker has the prefill's agent metadata (the side channel is not encrypted,
     so assume it was sniffed); its unsigned and wrongly signed "done" notifications
     reach the prefill, which ignores them."""
-    from kvxfer.nixl_agent import NixlAgent
+    from kvxfer.transfer.nixl_agent import NixlAgent
 
     prefill, dec = rig["prefill"], rig["decode"]
     prompt = "a victim whose lease someone says is done"

@@ -11,10 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvxfer import protocol
-from kvxfer.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_key, mode_problem
-from kvxfer.leases import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.protocol import (
+from kvxfer.net.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_key, mode_problem
+from kvxfer.transfer.worker import RemoteParams
+from kvxfer.wire import protocol
+from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
+from kvxfer.wire.protocol import (
     MAGIC,
     BadSignature,
     CompatInfo,
@@ -28,8 +29,7 @@ from kvxfer.protocol import (
     encode_message,
     encode_notif,
 )
-from kvxfer.tickets import TICKET_PREFIX, LeaseClaims, TicketError, sign_ticket, verify_ticket
-from kvxfer.worker import RemoteParams
+from kvxfer.wire.tickets import TICKET_PREFIX, LeaseClaims, TicketError, sign_ticket, verify_ticket
 
 KEY = b"k" * 32
 COMPAT = CompatInfo(model="m", dtype="float32", cache_dtype="float32", head_size=8,

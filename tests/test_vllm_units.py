@@ -16,11 +16,11 @@ import msgspec
 import pytest
 from test_handshake import ANSWER_S, COMPAT, HOST, RANKS
 
-from kvxfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.tickets import TICKET_KEY, LeaseClaims, TicketError, verify_ticket
+from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings, SettingsError
+from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, TicketError, verify_ticket
 from proxy.contract import parse_prefill_answer
 from proxy.errors import ProxyError
 

@@ -105,7 +105,7 @@ def test_a_kvxfer_sidecar_prefill_feeds_a_vllm_decode(
     vLLM decode with KvxferConnector (128-token blocks) reads it, and the answer is
     vLLM's own. With ``--kv-packing vllm-cpu-vec`` and 128-token blocks the sidecar keeps
     its cache as vLLM's CPU backend does and the bytes are copied as they are; with its
-    own ``token`` packing the decode converts them (kvxfer.staging), also from the
+    own ``token`` packing the decode converts them (kvxfer.plan.staging), also from the
     sidecar's default 16-token blocks."""
     alone_server, decode = kvxfer_pair
     spec = Spec(role="prefill", block_size=block_size, num_blocks=2048 // block_size,

@@ -1,6 +1,6 @@
 """``kvxfer bench descriptors``: cost of building one request's descriptor lists.
 
-Times :func:`kvxfer.descriptors.build_requests_descriptors` (block-id validation,
+Times :func:`kvxfer.plan.descriptors.build_requests_descriptors` (block-id validation,
 address arithmetic, run merging) for a Llama-8B-like request on every layout and
 TP pair, with the per-peer plan precomputed as the worker does at handshake time.
 Targets from the planning issue: <= 0.5 us per emitted descriptor and <= 1 ms
@@ -32,12 +32,12 @@ def _case(layout: str, prefill_tp: int, decode_tp: int, args: argparse.Namespace
     import numpy as np
 
     from kvxfer.commands.plan import synthetic_rank
-    from kvxfer.descriptors import (
+    from kvxfer.plan.descriptors import (
         IncompatibleLayoutError,
         build_requests_descriptors,
         plan_peer_reads,
     )
-    from kvxfer.topology import read_plan
+    from kvxfer.plan.topology import read_plan
 
     blocks = -(-args.tokens // args.block_size)
     capacity = 2 * blocks
@@ -69,7 +69,7 @@ def _case(layout: str, prefill_tp: int, decode_tp: int, args: argparse.Namespace
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvxfer.layout import KVCacheLayout
+    from kvxfer.plan.layout import KVCacheLayout
 
     rows = [row for layout in KVCacheLayout for p, d in TP_PAIRS
             if (row := _case(layout.name, p, d, args)) is not None]

@@ -1,4 +1,4 @@
-"""``kvxfer bench nixl``: what :mod:`kvxfer.nixl_agent` costs against a real peer process.
+"""``kvxfer bench nixl``: what :mod:`kvxfer.transfer.nixl_agent` costs against a real peer process.
 
 A spawned target process registers a buffer and progresses its agent every
 0.5 ms (the busy cadence a prefill rank keeps while reads are expected). This
@@ -43,8 +43,8 @@ def _serve_target(conn: Connection, nbytes: int, lifetime_s: float) -> None:
     """Child process: register ``nbytes``, progress every 0.5 ms until told to stop."""
     import numpy as np
 
-    from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
+    from kvxfer.transfer.nixl_agent import NixlAgent
 
     data = np.ones(nbytes, dtype=np.uint8)  # touched, so no page faults inside reads
     with NixlAgent("bench-target") as agent:
@@ -86,8 +86,8 @@ class _Bench:
             self.process.join(10)
 
     def agent(self, name: str) -> Any:
-        from kvxfer.nixl_agent import NixlAgent
-        from kvxfer.regions import MemoryRegion
+        from kvxfer.plan.regions import MemoryRegion
+        from kvxfer.transfer.nixl_agent import NixlAgent
 
         agent = NixlAgent(name)
         agent.register([MemoryRegion(addr=self.local.ctypes.data, nbytes=self.nbytes,
@@ -95,7 +95,7 @@ class _Bench:
         return agent
 
     def probe(self) -> Any:
-        from kvxfer.regions import MemoryRegion
+        from kvxfer.plan.regions import MemoryRegion
 
         return MemoryRegion(addr=self.remote_addr, nbytes=self.nbytes, device_id=0)
 

@@ -1,6 +1,6 @@
 """``kvxfer bench transfer``: one request's KV moved between two processes, per layout/TP.
 
-A prefill process (:class:`kvxfer.loopback.PrefillProcess`) holds Llama-8B-like
+A prefill process (:class:`kvxfer.harness.loopback.PrefillProcess`) holds Llama-8B-like
 caches; this process is the decode side with real TransferWorkers, so every
 number includes descriptor building, posting, the NIXL READ and completion
 polling. Two ceilings are measured in the same run for the same byte count:
@@ -12,7 +12,7 @@ transports (cma for the READ on one host) and with ``UCX_TLS=tcp`` (what crosses
 machines without RDMA: both processes start again with it), and prints the
 TCP/default ratio per case. As root the TCP run crosses a network stack: the
 prefill in one network namespace, the decode (this command again, under ``ip
-netns exec``) in another, joined by a veth pair (:mod:`kvxfer.bench.netns`);
+netns exec``) in another, joined by a veth pair (:mod:`kvxfer.harness.netns`);
 elsewhere, or with ``--path loopback``, it is TCP over 127.0.0.1.
 """
 
@@ -35,8 +35,8 @@ HELP = "time KV transfers between a prefill and a decode process for each layout
 # (layout, prefill TP, decode TP[, prefill block size, decode block size]); block sizes
 # default to --block-size, "P/D" names two layouts. A block-size case is compared with
 # its native one (same layouts and TP, equal block sizes), a converted one (a host read,
-# kvxfer.host_reads, or a read through staging, kvxfer.staging) with the same case in
-# the heads-outside-tokens twin layouts; each runs in alternation with it (_case).
+# kvxfer.transfer.converted.host_reads, or a read through staging, kvxfer.plan.staging) with the
+# same case in the heads-outside-tokens twin layouts; each runs in alternation with it (_case).
 Case = tuple[str, int, int] | tuple[str, int, int, int, int]
 CASES: tuple[Case, ...] = (
     ("LBHNC", 1, 1), ("LBNHC", 1, 1), ("BLHNC", 1, 1), ("BLNHC", 1, 1), ("BHLNC", 1, 1),
@@ -66,10 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{TCP_CASES})")
     parser.add_argument("--host-reads", choices=["both", "on", "off", "all"], default="both",
                         help="converted cases: both runs each on this host as kvxfer does (from "
-                             "the prefill's mapped cache, kvxfer.mapped_reads) and through "
-                             "staging, as across machines; on or off runs one; all adds host "
-                             "reads of a prefill without shared memory (process_vm_readv, "
-                             "kvxfer.host_reads) (default both; --transport tcp: off)")
+                             "the prefill's mapped cache) and through staging, as across "
+                             "machines; on or off runs one; all adds host "
+                             "reads of a prefill without shared memory (process_vm_readv) "
+                             "(default both; --transport tcp: off)")
     parser.add_argument("--transport", choices=["default", "tcp"], default="default",
                         help="default: UCX's own choice (cma on one host); tcp: also every "
                              "case with UCX_TLS=tcp, the ratio printed beside (default "
@@ -129,9 +129,9 @@ def _large_read_seconds(host: str, port: int, cfg: Any, nbytes: int, repeats: in
     import numpy as np
     import torch
 
-    from kvxfer.handshake import HandshakeClient
-    from kvxfer.nixl_agent import NixlAgent
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
+    from kvxfer.transfer.handshake import HandshakeClient
+    from kvxfer.transfer.nixl_agent import NixlAgent
 
     client = HandshakeClient("bench-ceiling", cfg.compat())
     meta = client.fetch(host, port, [0]).ranks[0]
@@ -164,7 +164,7 @@ class _Run:
                  args: argparse.Namespace, path: str) -> None:
         import numpy as np
 
-        from kvxfer.loopback import CacheConfig, LoopbackInstance
+        from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
 
         layout, prefill_tp, decode_tp, prefill_bs, decode_bs = case
         prefill_layout, decode_layout = _layouts(layout)
@@ -317,7 +317,7 @@ def _layouts(layout: str) -> tuple[str, str]:
 
 def _converted(case: tuple[str, int, int, int, int]) -> bool:
     """Whether the decode converts the case (a host read or through staging)."""
-    from kvxfer.layout import parse_layout
+    from kvxfer.plan.layout import parse_layout
 
     prefill, decode = (parse_layout(x) for x in _layouts(case[0]))
     return prefill.heads_outside_tokens != decode.heads_outside_tokens or (
@@ -326,7 +326,7 @@ def _converted(case: tuple[str, int, int, int, int]) -> bool:
 
 def _rows(cases: list[tuple[str, int, int, int, int]], args: argparse.Namespace,
           ucx_tls: str | None) -> list[dict[str, Any]]:
-    from kvxfer.loopback import PrefillProcess
+    from kvxfer.harness.loopback import PrefillProcess
 
     with _ucx_tls(ucx_tls):
         prefill = PrefillProcess() if args.prefill_netns is None else PrefillProcess(
@@ -390,10 +390,10 @@ def run(args: argparse.Namespace) -> int:
               f"{native}")
     if any(r["converted"] for r in rows):
         print("* converted. path mapped: one local copy from the prefill's cache mapped into "
-              "the decode (kvxfer.mapped_reads), MiB counts the bytes placed, descs the copy "
-              "threads; host: copied from the prefill process straight into place with "
-              "process_vm_readv (kvxfer.host_reads), descs the ranges; staged: READ into "
-              "staging, then one local copy (kvxfer.staging), MiB counts what the READ moved")
+              "the decode, MiB counts the bytes placed, descs the copy threads; host: copied "
+              "from the prefill process straight into place with process_vm_readv, descs "
+              "the ranges; staged: READ into staging, then one local copy, MiB counts what "
+              "the READ moved")
     if any("vs_native" in r for r in rows):
         print("xnative: the native counterpart's time over this case's, the two run in "
               "alternation, request by request (converted: the twin layouts; block sizes: "
@@ -423,7 +423,7 @@ def _worst_cases(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _netns() -> Any:
-    from kvxfer.bench import netns
+    from kvxfer.harness import netns
 
     return netns
 

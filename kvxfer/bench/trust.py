@@ -155,7 +155,7 @@ def bootstrap_interval(rounds: list[list[float]], resamples: int = 2000, seed: i
 
 def _primitives() -> dict[str, float]:
     """Microseconds per call of each signing step (and its unsigned counterpart)."""
-    from kvxfer.protocol import (
+    from kvxfer.wire.protocol import (
         CompatInfo,
         MetadataRequest,
         ReadDone,
@@ -166,7 +166,7 @@ def _primitives() -> dict[str, float]:
         encode_message,
         encode_notif,
     )
-    from kvxfer.tickets import LeaseClaims, sign_ticket, verify_ticket
+    from kvxfer.wire.tickets import LeaseClaims, sign_ticket, verify_ticket
 
     key = secrets.token_bytes(32)
     compat = CompatInfo("m", "float32", "float32", 64, 8, 32)

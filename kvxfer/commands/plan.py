@@ -59,10 +59,10 @@ def synthetic_rank(layout: str, tp: int, args: argparse.Namespace, num_blocks: i
     (plan, geometry))."""
     import torch
 
-    from kvxfer.descriptors import SideGeometry
-    from kvxfer.layout import CacheSpec, reshape_kv_cache
-    from kvxfer.regions import plan_regions
-    from kvxfer.topology import heads_per_rank
+    from kvxfer.plan.descriptors import SideGeometry
+    from kvxfer.plan.layout import CacheSpec, reshape_kv_cache
+    from kvxfer.plan.regions import plan_regions
+    from kvxfer.plan.topology import heads_per_rank
 
     spec = CacheSpec(block_size or args.block_size, heads_per_rank(tp, args.kv_heads),
                      args.head_size, getattr(torch, args.dtype),
@@ -118,13 +118,13 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
     """One configuration's reads; each side's sizes are (block size, kernel block size)."""
     import numpy as np
 
-    from kvxfer.descriptors import PeerReadPlan, build_requests_descriptors
-    from kvxfer.host_reads import plan_host_read
-    from kvxfer.layout import parse_layout
-    from kvxfer.mapped_reads import mappable
-    from kvxfer.protocol import HostReads
-    from kvxfer.staging import StagedRead, layer_groups, plan_reads
-    from kvxfer.topology import notify_plan, read_plan
+    from kvxfer.plan.descriptors import PeerReadPlan, build_requests_descriptors
+    from kvxfer.plan.layout import parse_layout
+    from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
+    from kvxfer.plan.topology import notify_plan, read_plan
+    from kvxfer.transfer.converted.host_reads import plan_host_read
+    from kvxfer.transfer.converted.mapped_reads import mappable
+    from kvxfer.wire.protocol import HostReads
 
     (prefill_bs, prefill_k), (decode_bs, decode_k) = prefill_sizes, decode_sizes
     prefill_layout = parse_layout(args.prefill_layout).name
@@ -170,9 +170,10 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
                               "staging_bytes": len(remote_ids) * staged.bytes_per_block,
                               "placed_bytes": len(remote_ids) * staged.placed_per_block,
                               # on one host, a prefill cache in shared memory: mapped, one
-                              # local copy (kvxfer.mapped_reads)
+                              # local copy (kvxfer.transfer.converted.mapped_reads)
                               "mapped": mappable(staged),
-                              # on one host: copied straight into place (kvxfer.host_reads)
+                              # on one host: copied straight into place
+                              # (kvxfer.transfer.converted.host_reads)
                               "host_read_unavailable": None if host is not None else (
                                   "the two sides' block sizes differ" if prefill_bs != decode_bs
                                   else "its ranges are too short to pay"),

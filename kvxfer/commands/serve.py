@@ -154,7 +154,7 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvxfer.api_key import ApiKeyError, load_key
+    from kvxfer.net.api_key import ApiKeyError, load_key
 
     if not 0 <= args.port < 65536:
         return _fail(f"--port {args.port} is not a TCP port")
@@ -181,14 +181,14 @@ def run(args: argparse.Namespace) -> int:
         api_key = load_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
     except ApiKeyError as exc:
         return _fail(str(exc))
-    from kvxfer.kv_key import KvKeyError, key_file_from, load_kv_key
+    from kvxfer.net.kv_key import KvKeyError, key_file_from, load_kv_key
 
     key_file = key_file_from(args.kv_key_file)
     try:
         kv_key = None if key_file is None else load_kv_key(key_file)
     except KvKeyError as exc:
         return _fail(str(exc))
-    from kvxfer.server import PortInUse, Settings, serve  # torch: after the quick checks
+    from kvxfer.sidecar.server import PortInUse, Settings, serve  # torch: after the quick checks
 
     settings = Settings(
         role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
             settings.side_channel_advertised()  # before the model loads
         except ValueError as exc:
             return _fail(str(exc))
-    from kvxfer.nixl_agent import NixlUnavailableError
+    from kvxfer.transfer.nixl_agent import NixlUnavailableError
 
     try:
         serve(settings)

@@ -50,8 +50,8 @@ from kvxfer.engine.scheduler import Scheduler
 from kvxfer.engine.sequence import Request, RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
 from kvxfer.engine.weights import fingerprint, init_weights
-from kvxfer.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, default_layout
-from kvxfer.topology import rank_heads
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, default_layout
+from kvxfer.plan.topology import rank_heads
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kvxfer.engine.attention import latent_attention, paged_attention
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.weights import WeightsError, check_tensor_shapes
-from kvxfer.topology import rank_heads
+from kvxfer.plan.topology import rank_heads
 
 
 @dataclass(frozen=True)

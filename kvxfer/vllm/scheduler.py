@@ -40,9 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
+from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ Every key is optional::
      "read_wait": 0.05,                 # a step waits this long for a claim or READ in flight
      "read_lanes": 1,                   # copy threads of a decode's READ (host memory)
      "host_reads": true,                # converted reads from a prefill on this host are
-                                        # copied straight into place (kvxfer.host_reads,
-                                        # kvxfer.mapped_reads from a kvxfer sidecar)
+                                        # copied straight into place
+                                        # (kvxfer.transfer.converted.host_reads,
+                                        # kvxfer.transfer.converted.mapped_reads from a kvxfer
+                                        # sidecar)
      "kv_key_file": null,               # the shared KV key: signs side channel and tickets
      "model_id": null}                  # what peers must share (default: the served name)
 

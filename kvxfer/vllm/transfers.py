@@ -1,10 +1,10 @@
 """The worker-side half of ``KvxferConnector``: one TP rank's transfers (no vLLM import).
 
 Lives in vLLM's worker process, next to the KV cache. It owns the rank's
-:class:`~kvxfer.worker.TransferWorker` (regions, descriptors, READs, leases,
-notifications), the :class:`~kvxfer.handshake.HandshakeListener` that serves the
+:class:`~kvxfer.transfer.worker.TransferWorker` (regions, descriptors, READs, leases,
+notifications), the :class:`~kvxfer.transfer.handshake.HandshakeListener` that serves the
 rank's metadata and lease claims, renewals and releases, and a
-:class:`~kvxfer.handshake.ReleaseSender` for the decode's claims and releases.
+:class:`~kvxfer.transfer.handshake.ReleaseSender` for the decode's claims and releases.
 Nothing of the transfer is done here: this class only maps vLLM's steps onto
 those parts.
 
@@ -36,17 +36,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
-from kvxfer.leases import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.protocol import CompatInfo, RenewAck
+from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
+from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.worker import ReadStats, RemoteParams, TransferWorker
+from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
+from kvxfer.wire.protocol import CompatInfo, RenewAck
 
 if TYPE_CHECKING:
     import torch
 
-    from kvxfer.layout import CacheSpec
+    from kvxfer.plan.layout import CacheSpec
 
 log = logging.getLogger(__name__)
 

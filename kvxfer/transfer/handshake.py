@@ -1,7 +1,7 @@
 """The ZMQ side channel over which a decode instance learns a prefill's NIXL metadata.
 
 The only module that imports ZMQ. Wire format and validation live in
-:mod:`kvxfer.protocol`.
+:mod:`kvxfer.wire.protocol`.
 
 * Prefill side: one :class:`HandshakeListener` per instance, a ROUTER socket
   served by a background thread, answers a :class:`MetadataRequest` with the
@@ -11,7 +11,7 @@ The only module that imports ZMQ. Wire format and validation live in
   another version or model, a bad signature, unknown ranks) is logged with the
   peer's address and identity and answered with an :class:`ErrorReply`; the
   listener keeps serving. A release from another model is served: it carries
-  no KV metadata (see :data:`~kvxfer.protocol.HASH_FREE_KINDS`).
+  no KV metadata (see :data:`~kvxfer.wire.protocol.HASH_FREE_KINDS`).
 * Decode side: :class:`HandshakeClient.fetch` sends one request over a fresh
   DEALER socket per attempt (so a late answer to an abandoned attempt can
   never be mistaken for the current one), waits up to ``timeout`` seconds per
@@ -41,7 +41,7 @@ from typing import TypeVar
 
 import zmq
 
-from kvxfer.protocol import (
+from kvxfer.wire.protocol import (
     AUTH_FAILED,
     MAX_RELEASE_REASON_CHARS,
     AgentMetadata,
@@ -167,7 +167,7 @@ class HandshakeListener:
     All must not block for long: requests are served one at a time.
 
     With ``hmac_key`` every request must be signed with it and fresh (timestamp
-    and nonce, see :class:`~kvxfer.protocol.ReplayGuard`); an unauthenticated peer
+    and nonce, see :class:`~kvxfer.wire.protocol.ReplayGuard`); an unauthenticated peer
     is answered only "authentication failed", without this side's CompatInfo, so
     it gets neither metadata (the NIXL agent blob) nor a release nor a renewal,
     and learns nothing about the model.

@@ -7,10 +7,10 @@ until SIGINT/SIGTERM.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers never touch the
-engine: they validate (:mod:`kvxfer.openai_api`), submit to the
-:class:`~kvxfer.engine_loop.EngineLoop` and await its events. A client that
+engine: they validate (:mod:`kvxfer.sidecar.openai_api`), submit to the
+:class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events. A client that
 disconnects (streaming or not) aborts its requests; an abort during a KV read
-takes effect when the read ended (see :mod:`kvxfer.connector`).
+takes effect when the read ended (see :mod:`kvxfer.sidecar.connector`).
 
 Status codes: 400 bad input (OpenAI ``invalid_request_error``), 401 without
 the API key, 404 unknown model or route, 502 ``kv_transfer_error`` when a
@@ -29,7 +29,7 @@ at most :data:`GRACEFUL_SHUTDOWN_S` later. A second SIGTERM, or SIGINT, stops at
 
 With an API key (``Settings.api_key``) every route answers 401 before its
 handler runs unless the request carries ``Authorization: Bearer KEY``
-(:mod:`kvxfer.api_key`); ``/health`` still answers, but only ``{"status"}``.
+(:mod:`kvxfer.net.api_key`); ``/health`` still answers, but only ``{"status"}``.
 So an unauthenticated request never makes a decode contact a side channel,
 read, or release anything.
 
@@ -62,9 +62,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvxfer.api_key import ApiKeyMiddleware, authenticated
-from kvxfer.connector import KVConnector, new_engine_id
-from kvxfer.engine_loop import (
+from kvxfer.net.api_key import ApiKeyMiddleware, authenticated
+from kvxfer.net.hosts import DRAINING_HEADER, advertised_host, bare_host, listen_tcp
+from kvxfer.sidecar.connector import KVConnector, new_engine_id
+from kvxfer.sidecar.engine_loop import (
     EngineLoop,
     EngineStopped,
     Event,
@@ -73,10 +74,8 @@ from kvxfer.engine_loop import (
     Sink,
     Submission,
 )
-from kvxfer.mapped_reads import shared_zeros
-from kvxfer.metrics import CONTENT_TYPE, SidecarMetrics
-from kvxfer.netutil import DRAINING_HEADER, advertised_host, bare_host, listen_tcp
-from kvxfer.openai_api import (
+from kvxfer.sidecar.metrics import CONTENT_TYPE, SidecarMetrics
+from kvxfer.sidecar.openai_api import (
     SSE_DONE,
     ChatRequest,
     Choice,
@@ -99,6 +98,7 @@ from kvxfer.openai_api import (
     unread_lease,
     usage_chunk,
 )
+from kvxfer.transfer.converted.mapped_reads import shared_zeros
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine
@@ -138,9 +138,10 @@ class Settings:
     lease_max_age: float | None = None  # None: 4 * lease_ttl
     read_lanes: int = 2
     nixl_backends: tuple[str, ...] = ("UCX",)  # what each rank's NIXL agent runs
-    host_reads: bool = True  # offer and use host reads of converted reads (kvxfer.host_reads)
+    # offer and use host reads of converted reads (kvxfer.transfer.converted.host_reads)
+    host_reads: bool = True
     served_model_names: tuple[str, ...] = ()
-    # the side channel's shared key (kvxfer.kv_key); None: unauthenticated, loopback only
+    # the side channel's shared key (kvxfer.net.kv_key); None: unauthenticated, loopback only
     kv_key: bytes | None = field(default=None, repr=False)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer KEY" when set
     kv_read_timeout: float = 10.0  # decode: bound on a KV load's handshake and on its READ
@@ -191,7 +192,8 @@ class Sidecar:
             block_size=settings.block_size, num_blocks=settings.num_blocks,
             dtype=settings.dtype, device=settings.device, kv_packing=settings.kv_packing,
             enable_prefix_caching=settings.enable_prefix_caching,
-            # a decode on this host may map a prefill's cache (kvxfer.mapped_reads)
+            # a decode on this host may map a prefill's cache
+            # (kvxfer.transfer.converted.mapped_reads)
             cache_zeros=shared_zeros if settings.host_reads and settings.role == "prefill"
             and settings.device == "cpu" else None)
         self.served_names = settings.served_model_names or (self.engine.model_name,)

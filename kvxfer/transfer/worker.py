@@ -43,12 +43,12 @@ split across the worker's agent and the lanes, each copied by its own thread
 while the worker thread waits for all of them (so every agent is still used by
 one thread at a time). "Done" is then sent only after every part has landed.
 Where byte copies cannot place a prefill rank's heads, that rank is read through
-staging (:mod:`kvxfer.staging`, :mod:`kvxfer.staging_pool`): its parts land in
-registered host buffers, a converter thread places them into this rank's views, and
+staging (:mod:`kvxfer.plan.staging`, :mod:`kvxfer.transfer.converted.staging_pool`): its parts land
+in registered host buffers, a converter thread places them into this rank's views, and
 "done" follows once every part landed; such a read waits behind earlier ones for
 staging space. Where the prefill rank is a process on this host and offers it, such a
-rank is host-read instead (:mod:`kvxfer.host_reads`): its bytes are copied straight into
-their places on the worker thread, no staging, and "done" follows the copy. Each READ
+rank is host-read instead (:mod:`kvxfer.transfer.converted.host_reads`): its bytes are copied
+straight into their places on the worker thread, no staging, and "done" follows the copy. Each READ
 names both sides' memory kinds, as the handshake sent them.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only. With ``hmac_key`` every "done"
@@ -76,14 +76,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.descriptors import (
+from kvxfer.plan.descriptors import (
     PeerReadPlan,
     RankDescriptors,
     SideGeometry,
     build_requests_descriptors,
 )
-from kvxfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
-from kvxfer.host_reads import (
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout
+from kvxfer.plan.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
+from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
+from kvxfer.plan.topology import notify_plan, read_plan
+from kvxfer.transfer.converted.host_reads import (
     SHARED,
     Canary,
     HostRead,
@@ -91,10 +94,13 @@ from kvxfer.host_reads import (
     check_offer,
     plan_host_read,
 )
-from kvxfer.layout import CacheSpec, KVCacheLayout
-from kvxfer.mapped_reads import MappedRead, map_prefill, shared_regions
-from kvxfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
-from kvxfer.protocol import (
+from kvxfer.transfer.converted.mapped_reads import MappedRead, map_prefill, shared_regions
+from kvxfer.transfer.converted.shared_staging import SHARED_STAGING, StagedMeeting, Target
+from kvxfer.transfer.converted.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
+from kvxfer.transfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
+from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
+from kvxfer.transfer.threads import run_all
+from kvxfer.wire.protocol import (
     AgentMetadata,
     BadSignature,
     CompatInfo,
@@ -103,13 +109,7 @@ from kvxfer.protocol import (
     decode_notif,
     encode_notif,
 )
-from kvxfer.regions import MemoryRegion, RegionPlan, distinct_views, plan_regions
-from kvxfer.shared_staging import SHARED_STAGING, StagedMeeting, Target
-from kvxfer.staging import StagedRead, layer_groups, plan_reads
-from kvxfer.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
-from kvxfer.threads import run_all
-from kvxfer.tickets import TICKET_KEY, LeaseClaims
-from kvxfer.topology import notify_plan, read_plan
+from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims
 
 log = logging.getLogger(__name__)
 
@@ -249,11 +249,12 @@ class ReadStats:
     descriptors: int
     seconds: float
     lanes: int = 1  # agents (threads) that copied it; see read lanes in the module doc
-    host_ranks: int = 0  # prefill ranks read on this host (kvxfer.host_reads) instead of staging
+    # prefill ranks read on this host (kvxfer.transfer.converted.host_reads) instead of staging
+    host_ranks: int = 0
     # in-process decode ranks that shared its converted reads, host or staged (1: alone)
     members: int = 0
     mapped_ranks: int = 0  # of host_ranks, those read from their mapped cache (mapped_reads)
-    staged_ranks: int = 0  # prefill ranks read through staging (kvxfer.staging)
+    staged_ranks: int = 0  # prefill ranks read through staging (kvxfer.plan.staging)
 
 
 @dataclass
@@ -276,7 +277,7 @@ class PollResult:
 @dataclass
 class WorkerCounts:
     """Events since the last :meth:`TransferWorker.take_counts`, by reason (the labels of
-    the sidecar's metrics, :mod:`kvxfer.metrics`), one per handshake or notification."""
+    the sidecar's metrics, :mod:`kvxfer.sidecar.metrics`), one per handshake or notification."""
 
     # decode: a handshake (after its retries) or the NIXL connection after it failed:
     # handshake.failure_reason's words, "mismatch" for a peer this rank cannot read, "connect"
@@ -427,7 +428,7 @@ class TransferWorker:
 
         ``spec`` and ``num_blocks`` are logical (what block ids count, here and on the
         wire); the views may be at a kernel block size dividing ``spec.block_size``
-        (:func:`~kvxfer.regions.plan_regions`)."""
+        (:func:`~kvxfer.plan.regions.plan_regions`)."""
         if self._plan is not None:
             raise RuntimeError(f"rank {self.rank} already registered its KV caches")
         plan = plan_regions(caches, spec, num_blocks, layout)
@@ -780,7 +781,7 @@ class TransferWorker:
                 remote: np.ndarray) -> list[StagedPiece]:
         """What this rank READs of one staged prefill rank and where it places it: all of
         it into its own views, or, shared with its in-process siblings
-        (:mod:`kvxfer.shared_staging`), its share into every member's views."""
+        (:mod:`kvxfer.transfer.converted.shared_staging`), its share into every member's views."""
         alone = [StagedPiece(plan, local, remote, (Placement(plan, self._view_groups),))]
         if plan.remote_rank not in peer.shared:
             return alone
@@ -1087,8 +1088,8 @@ class TransferWorker:
     def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]
                          ) -> dict[int, HostRead | MappedRead]:
         """The converted reads that can be read on this host, by rank: from the prefill's
-        mapped cache (:mod:`kvxfer.mapped_reads`) where it offers one, else host reads
-        (:mod:`kvxfer.host_reads`)."""
+        mapped cache (:mod:`kvxfer.transfer.converted.mapped_reads`) where it offers one, else host
+        reads (:mod:`kvxfer.transfer.converted.host_reads`)."""
         host: dict[int, HostRead | MappedRead] = {}
         for plan in staged:
             offer = metas[plan.remote_rank].host_reads

@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:  # only for hints: importing regions pulls in torch (~2 s)
-    from kvxfer.regions import MemoryRegion
+    from kvxfer.plan.regions import MemoryRegion
 
 log = logging.getLogger(__name__)
 

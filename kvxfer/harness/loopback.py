@@ -1,7 +1,7 @@
 """Model-free prefill and decode instances on loopback, for tests and benchmarks.
 
 A :class:`LoopbackInstance` is everything of a sidecar except the model: per TP
-rank a KV cache in one layout and a real :class:`~kvxfer.worker.TransferWorker`
+rank a KV cache in one layout and a real :class:`~kvxfer.transfer.worker.TransferWorker`
 (real NIXL agent), plus, on the prefill side, a real handshake listener. Prefill
 caches hold a pattern that names every element's (layer, block, global head,
 token, content) position, so a decode can verify byte-exactly what it received.
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from kvxfer.layout import CacheSpec, allocate_kv_cache, logical_view, parse_layout
-from kvxfer.topology import heads_per_rank, rank_heads
+from kvxfer.plan.layout import CacheSpec, allocate_kv_cache, logical_view, parse_layout
+from kvxfer.plan.topology import heads_per_rank, rank_heads
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ class CacheConfig:
     read_lanes: int = 1
     kv_lora_rank: int = 0
     kernel_block_size: int | None = None
-    host_reads: bool = True  # offer and use host reads (kvxfer.host_reads)
-    shared_memory: bool = True  # a prefill's cache in mappable memory (kvxfer.mapped_reads)
+    host_reads: bool = True  # offer and use host reads (kvxfer.transfer.converted.host_reads)
+    # a prefill's cache in mappable memory (kvxfer.transfer.converted.mapped_reads)
+    shared_memory: bool = True
 
     @property
     def kernel_ratio(self) -> int:
@@ -73,7 +74,7 @@ class CacheConfig:
         return max(1, self.read_lanes // self.tp)
 
     def compat(self) -> Any:
-        from kvxfer.protocol import CompatInfo
+        from kvxfer.wire.protocol import CompatInfo
 
         return CompatInfo(model="loopback-synthetic", dtype=self.dtype, cache_dtype=self.dtype,
                           head_size=self.head_size, total_kv_heads=self.total_kv_heads,
@@ -110,9 +111,9 @@ class LoopbackInstance:
     @classmethod
     def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
                host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
-        from kvxfer.handshake import HandshakeListener
-        from kvxfer.mapped_reads import shared_zeros
-        from kvxfer.worker import TransferWorker
+        from kvxfer.transfer.converted.mapped_reads import shared_zeros
+        from kvxfer.transfer.handshake import HandshakeListener
+        from kvxfer.transfer.worker import TransferWorker
 
         engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:10]}"
         layout = parse_layout(cfg.layout)
@@ -221,7 +222,7 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
     network namespace ``netns`` when given, listening on ``host``; its NIXL agents on
     ``ucx_devices``, ``UCX_NET_DEVICES``, when given)."""
     if netns is not None:
-        from kvxfer.bench.netns import enter
+        from kvxfer.harness.netns import enter
 
         enter(netns)  # the main thread, before any socket or NIXL agent exists
     if ucx_devices is not None:
@@ -262,7 +263,7 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
 
 class PrefillProcess:
     """A separate OS process hosting loopback prefill instances (in network namespace
-    ``netns``, its listeners on ``host``, when given: see :mod:`kvxfer.bench.netns`)."""
+    ``netns``, its listeners on ``host``, when given: see :mod:`kvxfer.harness.netns`)."""
 
     def __init__(self, netns: str | None = None, host: str = "127.0.0.1",
                  ucx_devices: str | None = None) -> None:

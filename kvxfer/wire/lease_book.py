@@ -8,7 +8,7 @@ HTTP handlers: it is thread-safe).
   ``kv_transfer_params``, before any READ: the lease has not expired
   (``lease_expires_at`` present, in the future and no further than the maximum
   lease age), its ticket verifies with the shared key when there is one
-  (:mod:`kvxfer.tickets`), and this decode did not claim it before. A claimed
+  (:mod:`kvxfer.wire.tickets`), and this decode did not claim it before. A claimed
   lease is remembered until its ticket's expiry (plus the clock margin), after
   which a replay is refused as expired anyway; at most ``max_remembered`` are.
 * The prefill is the authority on who reads a lease: before its first READ the
@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvxfer.tickets import LeaseClaims, TicketError, verify_ticket
+from kvxfer.wire.tickets import LeaseClaims, TicketError, verify_ticket
 
 CLOCK_MARGIN_S = 1.0
 """How long past its expiry a consumed lease is still remembered (clock skew)."""

@@ -10,7 +10,7 @@ whole layer page (``num_heads * head_len`` bytes) is contiguous.
 
 Blocks are *kernel* blocks where the views are: an attention kernel may see each
 logical block (what block ids count) as ``kernel_ratio`` consecutive kernel blocks of
-``block_size // kernel_ratio`` tokens (:func:`~kvxfer.layout.reshape_kv_cache` with a
+``block_size // kernel_ratio`` tokens (:func:`~kvxfer.plan.layout.reshape_kv_cache` with a
 kernel ``block_size``). Regions then address kernel blocks, and logical block ``b`` is
 kernel blocks ``b * kernel_ratio .. b * kernel_ratio + kernel_ratio - 1``.
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import msgspec
 import torch
 
-from kvxfer.layout import (
+from kvxfer.plan.layout import (
     B,
     CacheSpec,
     KVCacheLayout,
@@ -74,7 +74,7 @@ class RegionPlan(msgspec.Struct, frozen=True):
 
     ``layout`` is one name for every storage: a layout each storage's views fit.
     ``latent``: each token's content is one MLA latent of ``head_size`` elements
-    in a single head, not K and V (:class:`~kvxfer.layout.CacheSpec`).
+    in a single head, not K and V (:class:`~kvxfer.plan.layout.CacheSpec`).
     ``num_blocks`` and ``block_size`` are logical (what block ids count); each logical
     block is ``kernel_ratio`` kernel blocks, the blocks the regions address
     (``block_len``/``block_stride``, ``head_len`` of a kernel block: see the module

@@ -1,6 +1,6 @@
 """Converted reads on one host: copy the prefill's bytes straight into their places.
 
-A converted read (:mod:`kvxfer.staging`) moves every byte through memory twice:
+A converted read (:mod:`kvxfer.plan.staging`) moves every byte through memory twice:
 the READ into a staging buffer, then the placing copy out of it (1.5-2.6x the time of
 the twin layouts' direct read on a 2-core machine). Where the prefill
 is a process on the decode's own host, Linux lets the decode copy from the
@@ -24,7 +24,7 @@ page costs less than one per token. The canary is read again after every copy: a
 outlives its process and may be given to another one.
 
 Who uses it: a prefill rank offers it in its handshake metadata
-(:class:`~kvxfer.protocol.HostReads`: a host identity, its pid and a canary);
+(:class:`~kvxfer.wire.protocol.HostReads`: a host identity, its pid and a canary);
 a decode rank with a host cache checks the identity, reads the canary to prove the
 pid is that process and it may read it, and only then replaces that rank's staged
 read. Anything else (another host, another pid namespace or user, a GPU cache, runs
@@ -47,10 +47,10 @@ from functools import cache
 import numpy as np
 import torch
 
-from kvxfer.protocol import HostReads, SharedRegion
-from kvxfer.siblings import Meeting, Siblings
-from kvxfer.staging import StagedRead
-from kvxfer.threads import run_all
+from kvxfer.plan.staging import StagedRead
+from kvxfer.transfer.converted.siblings import Meeting, Siblings
+from kvxfer.transfer.threads import run_all
+from kvxfer.wire.protocol import HostReads, SharedRegion
 
 IOV_MAX = 1024  # iovecs per side in one call (Linux UIO_MAXIOV)
 MIN_RUN_BYTES = 128  # shorter average runs: per-run costs make staging cheaper
@@ -231,7 +231,7 @@ class HostRead:
 def plan_host_read(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
                    offer: HostReads, min_run_bytes: int = MIN_RUN_BYTES) -> HostRead | None:
     """``plan``'s ranges from the offering process into this rank's view ``groups``
-    (:func:`kvxfer.staging.layer_groups`), or None where host reads would not pay
+    (:func:`kvxfer.plan.staging.layer_groups`), or None where host reads would not pay
     (elements of odd size, runs shorter than ``min_run_bytes`` on average) or where the
     two sides' logical block sizes differ."""
     if plan.local.block_size != plan.remote.block_size:
@@ -381,8 +381,8 @@ class _Shares:
 
 class SharedCopies:
     """Where the in-process TP ranks of one decode instance meet to host-read one prefill
-    rank for one request (:mod:`kvxfer.siblings`). Alone, each rank would read the
-    prefill's split pages whole (its heads into place, the others' into a sink); together,
+    rank for one request (:mod:`kvxfer.transfer.converted.siblings`). Alone, each rank would read
+    the prefill's split pages whole (its heads into place, the others' into a sink); together,
     one merged copy writes every member's heads and its blocks are cut into shares that
     the members' threads take in turn, so the prefill's bytes are read once. Every rank
     that came copies shares until none is left and waits for the rest; a share that

@@ -1,6 +1,6 @@
 """``KVConnector``: the glue between one instance's engine and its transfer workers.
 
-One connector per sidecar. It owns one :class:`~kvxfer.worker.TransferWorker`
+One connector per sidecar. It owns one :class:`~kvxfer.transfer.worker.TransferWorker`
 per TP rank (all sharing the instance's ``engine_id``, new on every start) with
 ``engine.kv_caches[rank]`` registered, and, on a prefill instance, the
 handshake listener that serves every rank's metadata to decode instances.
@@ -34,8 +34,8 @@ Prefill role (who calls what):
 Decode role:
 
 * the loop calls :meth:`add_remote` with already validated
-  :class:`~kvxfer.worker.RemoteParams`. It first checks the lease
-  (:class:`~kvxfer.leases.LeaseBook`: not expired, ticket valid with the key,
+  :class:`~kvxfer.transfer.worker.RemoteParams`. It first checks the lease
+  (:class:`~kvxfer.wire.lease_book.LeaseBook`: not expired, ticket valid with the key,
   never claimed here before) or refuses it, then claims it at the prefill
   (``RenewLease(claim=True)``, from the renewer thread); a later :meth:`poll`
   admits it once the claim was granted, or rejects it (400) when it was refused:
@@ -65,7 +65,7 @@ Decode role:
   without its KV); aborting another member drops only that one.
 * A request that ends without the prefill having been told by NIXL sends the
   prefill a release over its side channel (best effort, from the
-  :class:`~kvxfer.handshake.ReleaseSender` thread, never from the loop):
+  :class:`~kvxfer.transfer.handshake.ReleaseSender` thread, never from the loop):
   refused at admission, aborted while waiting for blocks, a read that failed
   before a NIXL connection existed (handshake refused: another model, layout or
   TP) or whose failure notification could not be sent, and requests still
@@ -92,15 +92,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.leases import HeldLease, LeaseBook
-from kvxfer.metrics import SidecarMetrics
-from kvxfer.protocol import CompatInfo, RenewAck
-from kvxfer.tickets import TICKET_KEY, LeaseClaims, sign_ticket
+from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.wire.lease_book import HeldLease, LeaseBook
+from kvxfer.wire.protocol import CompatInfo, RenewAck
+from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.handshake import HandshakeListener, ReleaseSender
-    from kvxfer.worker import ReadStats, RemoteParams, TransferWorker
+    from kvxfer.transfer.handshake import HandshakeListener, ReleaseSender
+    from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ class KVConnector:
             queue.SimpleQueue()
         self.kv_read_timeout = kv_read_timeout
         self.nixl_backends = nixl_backends
-        self.host_reads = host_reads  # converted reads on one host (kvxfer.host_reads)
+        # converted reads on one host (kvxfer.transfer.converted.host_reads)
+        self.host_reads = host_reads
         # Copy threads for the whole instance, shared by its in-process TP ranks (which
         # already read at once); only decode ranks read, a prefill's lanes would idle.
         self.read_lanes = max(1, read_lanes // engine.tp) if role == "decode" else 1
@@ -247,7 +248,7 @@ class KVConnector:
             raise
 
     def _start_workers(self) -> None:
-        from kvxfer.worker import TransferWorker
+        from kvxfer.transfer.worker import TransferWorker
 
         compat = compat_info(self.engine)
         for rank in range(self.engine.tp):
@@ -267,7 +268,7 @@ class KVConnector:
                 "read_timeout": self.kv_read_timeout}
 
     def _start_listener(self, port: int) -> None:
-        from kvxfer.handshake import HandshakeListener
+        from kvxfer.transfer.handshake import HandshakeListener
 
         def connecting(_requester: str) -> None:
             for worker in self.workers:
@@ -281,7 +282,7 @@ class KVConnector:
             on_renew=self._on_renew).start()
 
     def _start_releaser(self) -> None:
-        from kvxfer.handshake import HandshakeClient, ReleaseSender
+        from kvxfer.transfer.handshake import HandshakeClient, ReleaseSender
 
         compat = compat_info(self.engine)
         self.releaser = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))
@@ -348,7 +349,7 @@ class KVConnector:
         lease id (``remote_request_id``) is 128 random bits: unique, so a late or
         repeated "done" for an ended lease can never release a new one, and
         unguessable, so nobody can name a lease they were not handed. With a key,
-        ``lease_ticket`` signs what the params say (:mod:`kvxfer.tickets`).
+        ``lease_ticket`` signs what the params say (:mod:`kvxfer.wire.tickets`).
         """
         lease_id = secrets.token_urlsafe(16)
         expires_at = time.time() + self.lease_ttl  # before hold: never later than enforced
@@ -450,7 +451,7 @@ class KVConnector:
         """Park a decode request and read its prompt's KV, now or once blocks are free.
 
         First the lease is claimed (:meth:`LeaseBook.claim`): an expired, forged,
-        altered or already used lease raises :class:`~kvxfer.leases.LeaseRefused` (a
+        altered or already used lease raises :class:`~kvxfer.wire.lease_book.LeaseRefused` (a
         ValueError) and nothing is read or released (it may be another request's).
 
         Then the prefill is asked to grant this decode the lease (a claim, sent from

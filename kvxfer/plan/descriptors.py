@@ -5,7 +5,7 @@ Where heads sit outside tokens (H before N) a chunk is one head of one layer of
 one block (``block_size * C`` elements); where tokens sit outside heads only the
 whole layer page is contiguous, so a chunk is a page and head splitting is
 impossible. Chunks are addressed through a :class:`SideGeometry` built once per
-peer from its :class:`~kvxfer.regions.RegionPlan`.
+peer from its :class:`~kvxfer.plan.regions.RegionPlan`.
 
 Building a request's lists:
 1. map the read plan's KV-head slices to chunk-index ranges on both sides;
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer.protocol import CONVERTIBLE_PACKINGS, TOKEN_PACKING
-from kvxfer.regions import RegionPlan
-from kvxfer.topology import HeadSlice
+from kvxfer.plan.regions import RegionPlan
+from kvxfer.plan.topology import HeadSlice
+from kvxfer.wire.protocol import CONVERTIBLE_PACKINGS, TOKEN_PACKING
 
 U64 = np.uint64
 IntArray = npt.NDArray[np.int64]
@@ -59,7 +59,7 @@ class IncompatibleLayoutError(ValueError):
 
 
 class ConversionNeeded(IncompatibleLayoutError):
-    """Byte copies cannot place the heads, a staged read can (:mod:`kvxfer.staging`)."""
+    """Byte copies cannot place the heads, a staged read can (:mod:`kvxfer.plan.staging`)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Wire messages of the handshake side channel and of NIXL "done" notifications.
 
-Pure: msgspec and the standard library only, no I/O. ``kvxfer.handshake`` moves
-these bytes over ZMQ; ``kvxfer.worker`` sends notifications through NIXL.
+Pure: msgspec and the standard library only, no I/O. ``kvxfer.transfer.handshake`` moves
+these bytes over ZMQ; ``kvxfer.transfer.worker`` sends notifications through NIXL.
 
 A handshake message on the wire is ``MAGIC`` followed by the msgpack map of an
 :class:`Envelope`, whose ``payload`` is the msgpack map of one message
@@ -45,7 +45,7 @@ from typing import ClassVar, NamedTuple, TypeVar
 
 import msgspec
 
-from kvxfer.regions import RegionPlan
+from kvxfer.plan.regions import RegionPlan
 
 # Version history; bump on every change of the bytes on the wire (envelope,
 # messages, notifications, RegionPlan and its parts, the signed bytes).
@@ -71,15 +71,15 @@ from kvxfer.regions import RegionPlan
 #      logical block (what block ids count, block_size) as kernel_ratio kernel blocks,
 #      the blocks its regions address; ids stay logical on the wire.
 #   9: AgentMetadata.host_reads (HostReads): a prefill rank offers that a decode on its
-#      host copies converted reads straight from its memory (kvxfer.host_reads).
+#      host copies converted reads straight from its memory (kvxfer.transfer.converted.host_reads).
 #  10: HostReads.memory (SharedRegion): the shared buffers (memfds) the rank's cache lies
-#      in, which a decode on its host may map (kvxfer.mapped_reads).
+#      in, which a decode on its host may map (kvxfer.transfer.converted.mapped_reads).
 KVXFER_PROTOCOL_VERSION: int = 10
 
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
 VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
-# packings a decode converts between (kvxfer.staging, with engine.attention.kv_views)
+# packings a decode converts between (kvxfer.plan.staging, with engine.attention.kv_views)
 CONVERTIBLE_PACKINGS = (TOKEN_PACKING, VLLM_CPU_VEC_PACKING)
 """How K and V of one head share a block's ``N x C`` bytes (``CompatInfo.kv_packing``).
 ``token``: every token's row holds its K then its V (``[N, 2, D]``, the reference
@@ -311,7 +311,7 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 # What two peers may differ in and still exchange KV: a decode converts between the
-# packings it knows (kvxfer.staging); each rank's AgentMetadata says its own.
+# packings it knows (kvxfer.plan.staging); each rank's AgentMetadata says its own.
 NEGOTIATED_FIELDS = ("kv_packing",)
 
 
@@ -349,10 +349,10 @@ class SharedRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A prefill rank's offer that a decode on its host may copy from its memory with
-    ``process_vm_readv`` (:mod:`kvxfer.host_reads`), or map the shared buffers its cache
-    lies in (``memory``, :mod:`kvxfer.mapped_reads`). ``host`` names the host and pid
-    namespace (a pid means nothing outside them); ``canary`` is what a reader must find
-    at ``canary_addr`` of ``pid`` before it trusts that pid to be this rank's process."""
+    ``process_vm_readv`` (:mod:`kvxfer.transfer.converted.host_reads`), or map the shared buffers
+    its cache lies in (``memory``, :mod:`kvxfer.transfer.converted.mapped_reads`). ``host`` names
+    the host and pid namespace (a pid means nothing outside them); ``canary`` is what a reader must
+    find at ``canary_addr`` of ``pid`` before it trusts that pid to be this rank's process."""
 
     host: str
     pid: int
@@ -384,7 +384,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank's attention kernel sees its cache (1: no split).
     ``backends`` are the NIXL backends its agent runs: a reader needs one in common.
     ``kv_packing`` is how it packs K and V in a head's block; a reader with another
-    packing converts (:mod:`kvxfer.staging`).
+    packing converts (:mod:`kvxfer.plan.staging`).
     """
 
     engine_id: str

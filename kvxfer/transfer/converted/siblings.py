@@ -4,8 +4,8 @@ The decode ranks of a TP split that live in one process (kvxfer's sidecar runs t
 as threads) each read their heads of a request from the same prefill rank. Where
 those reads overlap (a prefill that keeps tokens outside heads holds every head of a
 token in one run, so each rank would read the whole pages), one read can serve them
-all: :class:`~kvxfer.host_reads.SharedCopies` (host reads) and
-:class:`~kvxfer.shared_staging.SharedStaging` (staged reads) build on this.
+all: :class:`~kvxfer.transfer.converted.host_reads.SharedCopies` (host reads) and
+:class:`~kvxfer.transfer.converted.shared_staging.SharedStaging` (staged reads) build on this.
 
 A rank that is about to read *joins* the request's meeting (the key: decode engine,
 prefill engine, request, prefill rank) with what it brings, and waits up to

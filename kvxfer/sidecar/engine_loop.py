@@ -32,12 +32,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.connector import AbortOutcome, ConnectorEvents, KVConnector
-from kvxfer.metrics import SidecarMetrics
+from kvxfer.sidecar.connector import AbortOutcome, ConnectorEvents, KVConnector
+from kvxfer.sidecar.metrics import SidecarMetrics
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams
-    from kvxfer.worker import RemoteParams
+    from kvxfer.transfer.worker import RemoteParams
 
 log = logging.getLogger(__name__)
 

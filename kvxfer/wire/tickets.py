@@ -11,7 +11,7 @@ recomputes the HMAC from the keys it was given and refuses the request unless it
 matches, so a client can neither forge params for another request's blocks nor
 alter a real ticket (other blocks, tokens, engine, host or port, a later expiry).
 The ticket does not stop a replay of unaltered params: the decode remembers the
-leases it consumed (:mod:`kvxfer.leases`).
+leases it consumed (:mod:`kvxfer.wire.lease_book`).
 """
 
 from __future__ import annotations

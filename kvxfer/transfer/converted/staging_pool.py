@@ -1,7 +1,7 @@
 """The staging buffers converted reads land in, and the thread that places them.
 
 A decode rank's :class:`StagingPool` owns host buffers registered with its NIXL
-agent and one converter thread. A converted read (:mod:`kvxfer.staging`) takes
+agent and one converter thread. A converted read (:mod:`kvxfer.plan.staging`) takes
 one buffer per staged prefill rank, all or none (:meth:`StagingPool.take`), is cut
 into parts of about :data:`PART_BYTES`, and each part that landed is placed into
 the rank's views on the converter thread (:meth:`StagingPool.place_landed`) while
@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvxfer.descriptors import RankDescriptors
-from kvxfer.nixl_agent import NixlAgent
-from kvxfer.regions import MemoryRegion
-from kvxfer.staging import StagedRead
+from kvxfer.plan.descriptors import RankDescriptors
+from kvxfer.plan.regions import MemoryRegion
+from kvxfer.plan.staging import StagedRead
+from kvxfer.transfer.nixl_agent import NixlAgent
 
 LIMIT_BYTES = 4 << 30  # staging of the converted reads in flight at once, per rank
 CHUNK_BYTES = 64 << 20  # buffers are allocated in multiples of this
@@ -53,8 +53,9 @@ class Staging:
 @dataclass(frozen=True)
 class Placement:
     """Where a staged part's heads go: ``plan``'s heads into view ``groups``. ``guard``
-    (a shared read's other member: :meth:`kvxfer.shared_staging.StagedMeeting.writing`)
-    says whether the placement may still start."""
+    (a shared read's other member:
+    :meth:`kvxfer.transfer.converted.shared_staging.StagedMeeting.writing`) says whether the
+    placement may still start."""
 
     plan: StagedRead
     groups: Sequence[tuple[int, torch.Tensor]]
@@ -64,7 +65,7 @@ class Placement:
 @dataclass(frozen=True)
 class StagedPiece:
     """What a rank READs of one prefill rank through staging: ``remote_ids``' blocks,
-    paired with ``local_ids`` (in staging order: :meth:`~kvxfer.staging.StagedRead.ids`),
+    paired with ``local_ids`` (in staging order: :meth:`~kvxfer.plan.staging.StagedRead.ids`),
     placed into ``placements``."""
 
     plan: StagedRead

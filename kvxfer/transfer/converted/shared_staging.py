@@ -2,10 +2,10 @@
 
 Where the prefill keeps tokens outside heads (LBNHC, BLNHC: one page holds every head of
 its tokens), each decode rank of a TP split READs the request's whole pages through
-staging to keep its own heads (:mod:`kvxfer.staging`): two ranks move every byte twice,
+staging to keep its own heads (:mod:`kvxfer.plan.staging`): two ranks move every byte twice,
 over the network too. Ranks of one instance in one process meet instead
-(:mod:`kvxfer.siblings`): the request's blocks are cut into one share per member, each
-member READs its share's pages once into its own staging, and its converter places every
+(:mod:`kvxfer.transfer.converted.siblings`): the request's blocks are cut into one share per member,
+each member READs its share's pages once into its own staging, and its converter places every
 member's heads from them (a :class:`Target` per member).
 
 A member's read ends only when every share ended (placed, or failed: then every member
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvxfer.siblings import Meeting, Siblings
-from kvxfer.staging import StagedRead
+from kvxfer.plan.staging import StagedRead
+from kvxfer.transfer.converted.siblings import Meeting, Siblings
 
 
 @dataclass(frozen=True)

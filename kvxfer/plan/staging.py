@@ -20,8 +20,8 @@ torch. Where the two sides pack K and V differently inside a head's block, K and
 V are taken apart through each side's packing
 (:func:`kvxfer.engine.attention.kv_views`) and copied one after the other.
 
-Where the prefill is a process on the decode's host, :mod:`kvxfer.host_reads` does the
-same conversion without staging, with a byte map it takes from :meth:`StagedRead.convert`.
+Where the prefill is a process on the decode's host, :mod:`kvxfer.transfer.converted.host_reads`
+does the same conversion without staging, with a byte map it takes from :meth:`StagedRead.convert`.
 
 Block sizes may differ, logical (one a multiple of the other) and kernel alike.
 Staging holds the prefill's kernel blocks, each logical block's in order; the
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvxfer.descriptors import (
+from kvxfer.plan.descriptors import (
     U64,
     ConversionNeeded,
     IncompatibleLayoutError,
@@ -53,8 +53,8 @@ from kvxfer.descriptors import (
     validate_block_ids,
     validate_paired_ids,
 )
-from kvxfer.protocol import TOKEN_PACKING
-from kvxfer.topology import HeadSlice
+from kvxfer.plan.topology import HeadSlice
+from kvxfer.wire.protocol import TOKEN_PACKING
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class StagedRead:
     ``heads`` are (remote view head, local view head, count) ranges to place. Block ids
     given to it are logical; staging slots are per remote kernel block. The two sides'
     logical block sizes may differ (one a multiple of the other): a request's tokens
-    then pair in order, as :func:`~kvxfer.descriptors.pair_blocks` pairs them.
+    then pair in order, as :func:`~kvxfer.plan.descriptors.pair_blocks` pairs them.
     """
 
     remote_rank: int
@@ -163,7 +163,8 @@ class StagedRead:
         """Copy this rank's heads of the request's remote kernel blocks, rows ``rows`` of
         ``source`` in token order (``[kernel blocks, layers, chunks, chunk elements]``
         holding remote chunks ``chunks``: staging, or the prefill's memory itself,
-        :mod:`kvxfer.mapped_reads`), into view ``groups`` at logical blocks ``local_ids``.
+        :mod:`kvxfer.transfer.converted.mapped_reads`), into view ``groups`` at logical blocks
+        ``local_ids``.
 
         One copy per :func:`token_segments` run, head range and layer group: views that
         are one allocation at a fixed layer stride are one group, so a block's layers

@@ -1,7 +1,7 @@
 """Converted reads on one host, from the prefill's cache mapped into the decode.
 
-A host read (:mod:`kvxfer.host_reads`) moves every byte once, but through the kernel:
-``process_vm_readv`` pins the prefill's pages for each call and costs about 0.1 us per
+A host read (:mod:`kvxfer.transfer.converted.host_reads`) moves every byte once, but through the
+kernel: ``process_vm_readv`` pins the prefill's pages for each call and costs about 0.1 us per
 range on the decode side, and a layout conversion cuts a request into many short
 ranges (every 512-byte head of a token, LBHNC -> LBNHC: 524,288 of them for 2,048
 Llama-8B-like tokens). Where the prefill keeps its cache in memory that can be shared,
@@ -41,11 +41,11 @@ from functools import cache
 import numpy as np
 import torch
 
-from kvxfer.host_reads import HostReadError, verify_canary
-from kvxfer.protocol import HostReads, SharedRegion
-from kvxfer.regions import MemoryRegion
-from kvxfer.staging import StagedRead
-from kvxfer.threads import run_all
+from kvxfer.plan.regions import MemoryRegion
+from kvxfer.plan.staging import StagedRead
+from kvxfer.transfer.converted.host_reads import HostReadError, verify_canary
+from kvxfer.transfer.threads import run_all
+from kvxfer.wire.protocol import HostReads, SharedRegion
 
 PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -208,7 +208,7 @@ class MappedRead:
 def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
                 offer: HostReads) -> MappedRead | None:
     """``plan``'s read from the offering process's mapped cache into view ``groups``
-    (:func:`kvxfer.staging.layer_groups`), or None where its offer holds no buffer around
+    (:func:`kvxfer.plan.staging.layer_groups`), or None where its offer holds no buffer around
     the plan's chunks or they do not lie at fixed strides; raises :class:`HostReadError`
     when mapping an offered buffer fails."""
     geo, dtype = plan.remote, groups[0][1].dtype
