@@ -20,7 +20,7 @@ TP_PAIRS = ((1, 1), (1, 2), (2, 1), (1, 4), (4, 2))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvxfer.commands.plan import add_model_arguments
+    from kvxfer.harness.synthetic import add_model_arguments
 
     add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
@@ -31,7 +31,7 @@ def _case(layout: str, prefill_tp: int, decode_tp: int, args: argparse.Namespace
           ) -> dict[str, Any] | None:
     import numpy as np
 
-    from kvxfer.commands.plan import synthetic_rank
+    from kvxfer.harness.synthetic import synthetic_rank
     from kvxfer.plan.descriptors import (
         IncompatibleLayoutError,
         build_requests_descriptors,

@@ -51,7 +51,7 @@ TCP_CASES = "LBHNC:1:1,BLHNC:1:1"  # --transport tcp without --cases: bounded (T
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvxfer.commands.plan import add_model_arguments
+    from kvxfer.harness.synthetic import add_model_arguments
 
     add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
