@@ -19,8 +19,8 @@ MAX_CLASS_LINES = 400
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     """Run lint-imports on the packages under ``root`` with its pyproject.toml's contracts."""
-    return subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command;"
-                           " lint_imports_command()", "--no-cache",
+    command = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    return subprocess.run([sys.executable, "-c", command, "--no-cache",
                            str(root / "pyproject.toml")],
                           cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=120, check=False)
