@@ -10,7 +10,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
 engine: they validate (:mod:`kvxfer.sidecar.openai_api`), submit to the
 :class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events. A client that
 disconnects (streaming or not) aborts its requests; an abort during a KV read
-takes effect when the read ended (see :mod:`kvxfer.sidecar.connector`).
+takes effect when the read ended (see :mod:`kvxfer.sidecar.kv_loads`).
 
 Status codes: 400 bad input (OpenAI ``invalid_request_error``), 401 without
 the API key, 404 unknown model or route, 502 ``kv_transfer_error`` when a

@@ -3,10 +3,12 @@
 Lives in vLLM's worker process, next to the KV cache. It owns the rank's
 :class:`~kvxfer.transfer.worker.TransferWorker` (regions, descriptors, READs, leases,
 notifications), the :class:`~kvxfer.transfer.handshake.HandshakeListener` that serves the
-rank's metadata and lease claims, renewals and releases, and a
-:class:`~kvxfer.transfer.handshake.ReleaseSender` for the decode's claims and releases.
-Nothing of the transfer is done here: this class only maps vLLM's steps onto
-those parts.
+rank's metadata and answers lease claims, renewals and releases
+(:class:`~kvxfer.transfer.lease_answers.LeaseAnswers`), and the decode's
+:class:`~kvxfer.transfer.lease_client.LeaseClient` (claims and releases, from one
+:class:`~kvxfer.transfer.handshake.ReleaseSender`): the same objects a kvxfer sidecar
+uses. Nothing of the transfer or the leases is done here: this class only maps vLLM's
+steps onto those parts.
 
 Who calls what (vLLM's model-runner thread, once per step, in this order):
 
@@ -23,25 +25,25 @@ Who calls what (vLLM's model-runner thread, once per step, in this order):
   request finished (``finished_req_ids``), as vLLM requires.
 
 The listener's thread only calls thread-safe :class:`TransferWorker` methods and
-queues releases for :meth:`poll`.
+queues releases for :meth:`poll` (through :class:`LeaseAnswers`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
+from kvxfer.transfer.lease_answers import LeaseAnswers
+from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
 from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.protocol import CompatInfo, RenewAck
+from kvxfer.wire.lease_book import HeldLease, LeaseBook
+from kvxfer.wire.protocol import CompatInfo
 
 if TYPE_CHECKING:
     import torch
@@ -83,14 +85,12 @@ class WorkerSide:
                                      read_lanes=settings.read_lanes,
                                      host_reads=settings.host_reads)
         self.listener: HandshakeListener | None = None
-        self.sender = ReleaseSender(HandshakeClient(f"{engine_id}-r{rank}", compat,
-                                                    hmac_key=key))
-        self.book = LeaseBook(key, max_age=settings.max_age)
+        sender = ReleaseSender(HandshakeClient(f"{engine_id}-r{rank}", compat, hmac_key=key))
+        self.leases = LeaseClient(LeaseBook(key, max_age=settings.max_age), sender,
+                                  read_timeout=settings.kv_read_timeout)
+        self.answers = LeaseAnswers([self.worker], ttl=settings.lease_ttl,
+                                    max_age=settings.max_age)
         self._loads: dict[str, _Load] = {}
-        self._claims: queue.SimpleQueue[tuple[str, RenewAck | None, float, str]] = \
-            queue.SimpleQueue()
-        self._claim_ready = threading.Event()  # a claim's answer is queued
-        self._releases: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._to_hold: list[Hold] = []
         self._lease_request: dict[str, str] = {}  # held lease id -> vLLM request id
         self._ended: set[str] = set()     # requests whose lease ended, vLLM not yet told
@@ -113,17 +113,17 @@ class WorkerSide:
             engine_id=self.engine_id, compat=self.compat,
             metadata=lambda: [self.worker.metadata()], hmac_key=self._key,
             on_request=lambda _peer: self.worker.peer_connecting(),
-            on_release=self._on_release, on_renew=self._on_renew).start()
+            on_release=self.answers.on_release, on_renew=self.answers.on_renew).start()
 
     def close(self) -> None:
         """Stop serving, release the leases of loads not yet read, stop the workers."""
         if self.listener is not None:
             self.listener.close()
         for item in self._loads.values():
-            self._release(item.remote, "the decode instance shut down before reading it")
+            self.leases.release(item.remote, "the decode instance shut down before reading it")
         self._loads.clear()
         self.worker.close()
-        self.sender.close()
+        self.leases.close()
 
     # -- one step ---------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
@@ -148,11 +148,12 @@ class WorkerSide:
             self._lease_request[hold.lease_id] = hold.request_id
 
     def poll(self, finished_req_ids: Iterable[str]) -> StepResult:
-        self._take_releases()
+        self.answers.take_releases()
         deadline = time.monotonic() + self.settings.read_wait
         if any(not item.reading for item in self._loads.values()):
-            self._claim_ready.wait(self.settings.read_wait)  # see ConnectorSettings.read_wait
-        self._take_claims()
+            self.leases.wait_for_answer(self.settings.read_wait)  # see ConnectorSettings.read_wait
+        self.leases.take_answers()
+        self._start_granted()
         if any(item.reading for item in self._loads.values()):
             self.worker.wait_for_results(max(0.0, deadline - time.monotonic()))
         self._take_reads()
@@ -169,11 +170,11 @@ class WorkerSide:
             self._fail(load, f"kv_transfer_params from the prefill are not kvxfer's: {exc}")
             return
         if not load.local_block_ids:  # nothing to read: the prefill may free it now
-            self._release(full, "the decode did not need it (prefix cache hit or aborted)")
+            self.leases.release(full, "the decode did not need it (prefix cache hit or aborted)")
             return
         try:
-            lease = self.book.claim(full.claims(), full.lease_ticket)
-        except (LeaseRefused, ValueError) as exc:  # maybe another request's: never release
+            lease = self.leases.check(full)
+        except ValueError as exc:  # LeaseRefused, or no expiry; maybe another's: never release
             self._fail(load, f"lease {full.remote_request_id} of prefill "
                              f"{full.remote_engine_id} refused: {exc}")
             return
@@ -185,52 +186,42 @@ class WorkerSide:
             remote = full.tokens(load.skip_blocks * self.block_size, end, self.block_size)
         except ValueError as exc:
             self._fail(load, f"prefill {full.remote_engine_id} at {full.address}: {exc}")
-            self._release(full, "the decode could not use the lease")
+            self.leases.release(full, "the decode could not use the lease")
             return
         self._loads[load.request_id] = _Load(load, remote, lease)
-
-        def claimed(ack: RenewAck | None, sent_at: float, why: str) -> None:
-            self._claims.put((load.request_id, ack, sent_at, why))
-            self._claim_ready.set()
-
-        lease.renewing = True
-        if not self.sender.submit_renew(full.remote_host, full.remote_port,
-                                        full.remote_request_id, claimed, claim=True):
+        if not self.leases.claim(remote, lease):
             del self._loads[load.request_id]
             self._fail(load, "too many claims queued at this decode")
 
-    def _take_claims(self) -> None:
-        self._claim_ready.clear()
-        while True:
-            try:
-                request_id, ack, sent_at, why = self._claims.get_nowait()
-            except queue.Empty:
-                return
-            item = self._loads.get(request_id)
-            if item is None:
-                continue
-            remote = item.remote
-            if ack is None or not ack.found:  # refused (maybe another's) or unanswered
+    def _start_granted(self) -> None:
+        """Start the READs of loads whose claim was granted; fail those refused or
+        unanswered (nothing read or released) and those granted too short a lease."""
+        for request_id, item in list(self._loads.items()):
+            lease, remote = item.lease, item.remote
+            if item.reading or (not lease.claimed and lease.lost is None):
+                continue  # reading, or its claim is on its way
+            if lease.lost is not None:  # refused (maybe another's) or unanswered
                 del self._loads[request_id]
                 self._fail(item.load, f"lease {remote.remote_request_id} of prefill "
                                       f"{remote.remote_engine_id} at {remote.address} was not "
-                                      f"read: the prefill did not grant this decode's claim: "
-                                      f"{why}")
-                continue
-            item.lease.renewed(sent_at, ack.expires_in, claim=True)
-            if not item.lease.readable_for(time.monotonic(), self.settings.kv_read_timeout):
+                                      f"read: {lease.lost}")
+            elif self.leases.readiness(lease) is not Readiness.READ:  # no renewals here
                 del self._loads[request_id]
                 self._fail(item.load, f"lease {remote.remote_request_id} has "
-                                      f"{ack.expires_in:.1f} s left, too little for a read")
-                self._release(remote, "too little of the lease was left to read it")
-                continue
-            try:
-                self.worker.start_read(request_id, remote, item.load.local_block_ids)
-                item.reading = True
-            except (ValueError, RuntimeError) as exc:
-                del self._loads[request_id]
-                self._fail(item.load, f"the READ could not start: {exc}")
-                self._release(remote, "the decode could not start its READ")
+                                      f"{lease.deadline - time.monotonic():.1f} s left, too "
+                                      f"little for a read")
+                self.leases.release(remote, "too little of the lease was left to read it")
+            else:
+                self._start_read(request_id, item)
+
+    def _start_read(self, request_id: str, item: _Load) -> None:
+        try:
+            self.worker.start_read(request_id, item.remote, item.load.local_block_ids)
+            item.reading = True
+        except (ValueError, RuntimeError) as exc:
+            del self._loads[request_id]
+            self._fail(item.load, f"the READ could not start: {exc}")
+            self.leases.release(item.remote, "the decode could not start its READ")
 
     def _take_reads(self) -> None:
         polled = self.worker.poll()
@@ -238,22 +229,22 @@ class WorkerSide:
             item = self._loads.pop(request_id, None)
             if item is None:
                 continue
-            if time.monotonic() >= item.lease.deadline:  # the blocks may have been reused
-                self._fail(item.load, f"lease {item.remote.remote_request_id} ended before "
-                                      f"its READ did: its KV is not used")
+            try:
+                self.leases.check_in_time(item.remote, item.lease)
+            except LeaseEnded as exc:  # the blocks may have been reused
+                self._fail(item.load, str(exc))
                 continue
             self._result.recving.add(request_id)
             self._result.reads.append(polled.stats[request_id])
             if request_id in polled.unnotified:
-                self._release(item.remote, "the decode read the KV but could not notify "
-                                           "every prefill rank")
+                self.leases.release_after_unsent_done(item.remote)
         for request_id, reason in polled.failed.items():
             item = self._loads.pop(request_id, None)
             if item is None:
                 continue
             self._fail(item.load, reason)
             if request_id in polled.unnotified:
-                self._release(item.remote, f"the decode's KV read failed: {reason}")
+                self.leases.release_after_failed_read(item.remote, reason)
 
     def _fail(self, load: Load, reason: str) -> None:
         log.warning("KV load of request %s failed; vLLM's kv_load_failure_policy decides: %s",
@@ -263,34 +254,7 @@ class WorkerSide:
             self._result.recving.add(load.request_id)
             self._result.error_blocks.update(load.local_block_ids)
 
-    def _release(self, remote: RemoteParams, reason: str) -> None:
-        self.sender.submit(remote.remote_host, remote.remote_port, remote.remote_request_id,
-                           reason)
-
     # -- prefill ----------------------------------------------------------------------------
-    def _on_release(self, lease_id: str, requester: str, reason: str) -> bool:
-        """Listener thread: queue a decode's release (only its claimer's, or unclaimed)."""
-        if not self.worker.may_end(lease_id, requester):
-            log.warning("decode %s released lease %s, which another decode claimed: ignored",
-                        requester, lease_id)
-            return False
-        self._releases.put(lease_id)
-        log.info("decode %s will not read lease %s: %s", requester, lease_id, reason)
-        return self.worker.holds_lease(lease_id)
-
-    def _on_renew(self, lease_id: str, requester: str, claim: bool) -> float | str:
-        """Listener thread: claim or renew a held lease (``TransferWorker.renew``)."""
-        return self.worker.renew(lease_id, self.settings.lease_ttl, requester, claim=claim,
-                                 max_age=self.settings.max_age)
-
-    def _take_releases(self) -> None:
-        while True:
-            try:
-                lease_id = self._releases.get_nowait()
-            except queue.Empty:
-                return
-            self.worker.end_lease(lease_id, "abandoned")
-
     def _take_leases(self, finished: set[str]) -> None:
         for item in self.worker.poll_released():
             request_id = self._lease_request.pop(item.request_id, None)

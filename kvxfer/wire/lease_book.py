@@ -1,8 +1,9 @@
 """The decode side's view of prefill leases: which may be read, which were used, renewals.
 
-Pure: the standard library only, no I/O. :class:`LeaseBook` is owned by a decode
-instance's connector and called from its engine-loop thread (``claim`` also from
-HTTP handlers: it is thread-safe).
+Pure: the standard library only, no I/O. :class:`LeaseBook` is owned by a decode's
+:class:`~kvxfer.transfer.lease_client.LeaseClient` and called from its owner's thread
+(``claim`` also from HTTP handlers: it is thread-safe); the client applies the
+prefill's answers to each :class:`HeldLease` on that thread.
 
 * :meth:`LeaseBook.claim` is the local check before a decode accepts a request's
   ``kv_transfer_params``, before any READ: the lease has not expired

@@ -1,0 +1,271 @@
+"""``LeaseClient``: a decode's claims, renewals and releases of the prefill leases it reads.
+
+One per decode: the sidecar's :class:`~kvxfer.sidecar.kv_loads.KVLoads` (all its
+ranks read a lease once) and the vLLM worker's
+:class:`~kvxfer.vllm.transfers.WorkerSide` use the same object; each keeps its own
+bookkeeping of requests and only asks this one about their leases.
+
+Threading: every method is called from the owner's thread (the sidecar's engine loop,
+vLLM's model-runner thread), except :meth:`release_named` and :meth:`release`, which any
+thread may call (they only queue). The sender threads only queue answers; they are
+applied on the owner's thread by :meth:`take_answers`, so a :class:`HeldLease` is
+never changed by two threads.
+
+The life of a lease on the decode side:
+
+* :meth:`check` is the local check before anything is sent
+  (:meth:`~kvxfer.wire.lease_book.LeaseBook.claim`: not expired, ticket valid with the
+  key, never used here before): a :class:`~kvxfer.wire.lease_book.LeaseRefused` (or a
+  ValueError: no expiry) means the lease is neither read nor released (the params may
+  be another request's).
+* :meth:`claim` asks the prefill for the lease (``RenewLease(claim=True)``) from the
+  renewer's :class:`~kvxfer.transfer.handshake.ReleaseSender` thread; :meth:`renew_due`
+  sends the claims not sent yet and the renewals due (under half the TTL left), one at
+  a time per lease.
+* :meth:`take_answers` applies the prefill's answers (:class:`LeaseAnswer`): granted
+  (claimed, the deadline moved on), refused (lost: never read; ``refused`` when it was
+  the claim) or unanswered (a claim: lost, not retried, so that a dead or frozen
+  prefill costs one attempt; a renewal: retried until the deadline).
+* :meth:`readiness` says whether a READ may start now (claimed, not lost, enough of the
+  lease left for a READ bounded by ``read_timeout``); :meth:`check_unread` refuses one
+  whose lease ended meanwhile, and :meth:`check_in_time` a finished READ that outlived
+  its lease (the prefill may have reused the blocks while it ran): :class:`LeaseEnded`.
+* :meth:`release` tells the prefill a lease will not be read (best effort, from the
+  releaser's thread): the prefill frees its blocks before the TTL.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvxfer.wire.lease_book import HeldLease, LeaseBook
+
+if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
+    from kvxfer.transfer.handshake import ReleaseSender
+    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.protocol import RenewAck
+
+log = logging.getLogger(__name__)
+
+
+class Answer(enum.Enum):
+    """What the prefill said to one claim or renewal."""
+
+    GRANTED = "granted"        # it holds the lease for this decode, ``expires_in`` more s
+    REFUSED = "refused"        # ended, another decode's, too old: never read it
+    UNANSWERED = "unanswered"  # no answer (unreachable, timed out, garbled)
+
+
+class Readiness(enum.Enum):
+    """Whether a held lease may be read now (:meth:`LeaseClient.readiness`)."""
+
+    WAIT = "wait"    # its claim, or a renewal it needs first, is on its way
+    READ = "read"    # a READ may start now
+    ENDED = "ended"  # lost, or past its deadline: never read (fail the request)
+
+
+class LeaseEnded(Exception):
+    """A lease ended before its READ started, or before it finished: its KV is not used."""
+
+    def __init__(self, lease_id: str, message: str) -> None:
+        super().__init__(message)
+        self.lease_id = lease_id
+
+
+@dataclass(frozen=True)
+class LeaseAnswer:
+    """The prefill's answer to one claim (``claim``) or renewal of lease ``lease_id``.
+
+    ``sent_at`` is when it was sent (monotonic), ``expires_in`` the seconds granted
+    (GRANTED only), ``why`` why not (otherwise).
+    """
+
+    lease_id: str
+    claim: bool
+    answer: Answer
+    sent_at: float
+    expires_in: float = 0.0
+    why: str = ""
+
+    @classmethod
+    def of(cls, lease_id: str, ack: RenewAck | None, sent_at: float, why: str, *,
+           claim: bool) -> LeaseAnswer:
+        """From :meth:`ReleaseSender.submit_renew`'s ``done(ack, sent_at, why)``."""
+        if ack is None:
+            return cls(lease_id, claim, Answer.UNANSWERED, sent_at, why=why)
+        if not ack.found:
+            return cls(lease_id, claim, Answer.REFUSED, sent_at, why=why)
+        return cls(lease_id, claim, Answer.GRANTED, sent_at, expires_in=ack.expires_in)
+
+    def apply(self, lease: HeldLease) -> None:
+        """Change ``lease`` as this answer says (the owner's thread)."""
+        if self.answer is Answer.GRANTED:
+            lease.renewed(self.sent_at, self.expires_in, claim=self.claim)
+            return
+        lease.renewing = False  # a failed renewal is retried until the deadline
+        if self.answer is Answer.REFUSED:
+            lease.lost = f"the prefill no longer holds it for this decode ({self.why})"
+            lease.refused = self.claim
+        elif self.claim:  # not retried: a dead or frozen prefill costs one attempt
+            lease.lost = f"the prefill did not answer this decode's claim: {self.why}"
+
+
+class LeaseClient:
+    """A decode's claims, renewals and releases (see the module docstring).
+
+    ``releaser`` sends releases, ``renewer`` claims and renewals (the same sender
+    when None; a separate one keeps a claim from waiting behind releases to a dead
+    prefill). The client owns both and closes them in :meth:`close`.
+    ``read_timeout`` (s) bounds a READ: one starts only with that much of the
+    lease left (or up to the renewal point, see :meth:`HeldLease.readable_for`).
+    """
+
+    def __init__(self, book: LeaseBook, releaser: ReleaseSender,
+                 renewer: ReleaseSender | None = None, *, read_timeout: float) -> None:
+        self.book, self.read_timeout = book, read_timeout
+        self._releaser: ReleaseSender | None = releaser
+        self._renewer: ReleaseSender | None = renewer or releaser
+        self._answers: queue.SimpleQueue[tuple[HeldLease, LeaseAnswer]] = queue.SimpleQueue()
+        self._answered = threading.Event()  # an answer is queued
+
+    @property
+    def releaser(self) -> ReleaseSender | None:
+        """The sender of releases; None once closed."""
+        return self._releaser
+
+    def check(self, remote: RemoteParams) -> HeldLease:
+        """The local check of ``remote``'s lease before anything is sent or read; it is
+        marked used. Raises LeaseRefused (expired, forged, used) or ValueError (no expiry)."""
+        return self.book.claim(remote.claims(), remote.lease_ticket)
+
+    def claim(self, remote: RemoteParams, lease: HeldLease) -> bool:
+        """Ask the prefill for ``lease`` now; False when it could not be queued (closed,
+        or too many queued): :meth:`renew_due` tries again."""
+        return self._send(remote, lease, claim=True)
+
+    def renew_due(self, held: Iterable[tuple[RemoteParams, HeldLease]],
+                  now: float | None = None) -> None:
+        """Send the claims not sent yet and the renewals due of the ``held`` leases."""
+        now = time.monotonic() if now is None else now
+        for remote, lease in held:
+            if lease.needs_claim() or lease.needs_renewal(now):
+                self._send(remote, lease, claim=not lease.claimed)
+
+    def _send(self, remote: RemoteParams, lease: HeldLease, *, claim: bool) -> bool:
+        """Queue a claim or renewal of ``lease`` on the renewer's thread (never the
+        caller's); True when one is on its way, queued now or before."""
+        renewer = self._renewer  # read once: close() clears it
+        if lease.renewing:
+            return True
+        if renewer is None:
+            return False
+        lease_id = remote.remote_request_id
+
+        def done(ack: RenewAck | None, sent_at: float, why: str) -> None:  # sender thread
+            self._answers.put((lease, LeaseAnswer.of(lease_id, ack, sent_at, why, claim=claim)))
+            self._answered.set()
+
+        lease.renewing = True
+        if not renewer.submit_renew(remote.remote_host, remote.remote_port, lease_id, done,
+                                    claim=claim):
+            lease.renewing = False
+            return False
+        return True
+
+    def wait_for_answer(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until an answer is queued; whether one is. For an
+        owner with nothing else to do meanwhile (vLLM's step waiting for a claim)."""
+        return self._answered.wait(timeout)
+
+    def take_answers(self) -> list[LeaseAnswer]:
+        """Apply the answers that came back since the last call to their leases (a
+        lease whose request ended meanwhile changes, and nobody looks at it)."""
+        self._answered.clear()
+        taken: list[LeaseAnswer] = []
+        while True:
+            try:
+                lease, answer = self._answers.get_nowait()
+            except queue.Empty:
+                return taken
+            answer.apply(lease)
+            taken.append(answer)
+
+    def readiness(self, lease: HeldLease, now: float | None = None) -> Readiness:
+        """Whether a READ of ``lease`` may start now (see :class:`Readiness`)."""
+        now = time.monotonic() if now is None else now
+        if lease.lost is not None:
+            return Readiness.ENDED
+        if not lease.claimed:
+            return Readiness.WAIT
+        if lease.readable_for(now, self.read_timeout):
+            return Readiness.READ
+        return Readiness.ENDED if now >= lease.deadline else Readiness.WAIT
+
+    @staticmethod
+    def check_unread(remote: RemoteParams, lease: HeldLease, now: float | None = None) -> None:
+        """Raise :class:`LeaseEnded` when ``lease`` must not be read now (lost, or expired
+        or about to): its blocks may hold another prompt's KV."""
+        ended = lease.why_unusable(time.monotonic() if now is None else now)
+        if ended is not None:
+            raise LeaseEnded(remote.remote_request_id,
+                             f"lease {remote.remote_request_id} of prefill "
+                             f"{remote.remote_engine_id} was not read: {ended}")
+
+    @staticmethod
+    def check_in_time(remote: RemoteParams, lease: HeldLease, now: float | None = None) -> None:
+        """Raise :class:`LeaseEnded` when a READ of ``lease`` that just finished ended
+        after the lease could (a refused renewal alone proves nothing: the READ's own
+        "done" may have ended it first)."""
+        now = time.monotonic() if now is None else now
+        if now >= lease.deadline:
+            raise LeaseEnded(remote.remote_request_id,
+                             f"lease {remote.remote_request_id} was read, but its KV is not "
+                             f"used: the lease ended {now - lease.deadline:.3f} s before the "
+                             f"read did")
+
+    def release(self, remote: RemoteParams, reason: str) -> bool:
+        """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
+        for the releaser's thread); False when not queued."""
+        releaser = self._releaser  # read once: close() may clear it from another thread
+        if releaser is None:
+            return False
+        return releaser.submit(remote.remote_host, remote.remote_port,
+                               remote.remote_request_id, reason)
+
+    def release_named(self, remote: RemoteParams, reason: str) -> bool:
+        """Any thread: :meth:`release` a lease that a request named but never reached the
+        owner with, only when this decode may claim it (:meth:`check`): a refused request
+        must not free a lease it merely names. False when not queued."""
+        try:
+            self.check(remote)
+        except ValueError as exc:  # LeaseRefused, or no expiry
+            log.info("not releasing lease %s named by a refused request: %s",
+                     remote.remote_request_id, exc)
+            return False
+        return self.release(remote, reason)
+
+    def release_after_failed_read(self, remote: RemoteParams, why: str) -> bool:
+        """A READ failed and some prefill rank was never told by a NIXL notification."""
+        return self.release(remote, f"the decode's KV read failed: {why}")
+
+    def release_after_unsent_done(self, remote: RemoteParams) -> bool:
+        """The KV was read but some prefill rank's "done" notification was not sent."""
+        return self.release(remote, "the decode read the KV but could not notify every "
+                                    "prefill rank")
+
+    def close(self) -> None:
+        """Send the releases still queued (for about a second at most), then stop the
+        senders (idempotent); nothing is sent afterwards."""
+        releaser, renewer = self._releaser, self._renewer
+        self._releaser = self._renewer = None
+        if releaser is not None:
+            releaser.close()
+        if renewer is not None and renewer is not releaser:
+            renewer.close()

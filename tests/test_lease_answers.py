@@ -1,0 +1,81 @@
+"""The prefill's side-channel lease answers (:mod:`kvxfer.transfer.lease_answers`), alone.
+
+Its ranks are stand-ins with the lease methods of ``TransferWorker`` (the real
+workers answer in ``test_connector_renewal`` and ``test_vllm_worker_side``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvxfer.transfer.lease_answers import LeaseAnswers, Release
+
+
+@dataclass
+class Rank:
+    """One rank's leases: lease id -> claimer (None: unclaimed); ``answer`` is what
+    ``renew`` returns (seconds, or why not)."""
+
+    leases: dict[str, str | None] = field(default_factory=dict)
+    answer: float | str = 5.0
+    renewed: list[tuple[str, float, str, bool, float]] = field(default_factory=list)
+    ended: list[tuple[str, str]] = field(default_factory=list)
+
+    def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
+              max_age: float = float("inf")) -> float | str:
+        self.renewed.append((request_id, ttl, requester, claim, max_age))
+        return self.answer
+
+    def may_end(self, request_id: str, requester: str) -> bool:
+        return self.leases.get(request_id) in (None, requester)
+
+    def holds_lease(self, request_id: str) -> bool:
+        return request_id in self.leases
+
+    def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
+        if self.leases.pop(request_id, "absent") == "absent":
+            return False
+        self.ended.append((request_id, reason))
+        return True
+
+
+def test_a_renewal_asks_every_rank_and_answers_the_least_time_left() -> None:
+    ranks = [Rank(answer=5.0), Rank(answer=3.5)]
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    assert answers.on_renew("L", "decode-a", True) == 3.5
+    assert [r.renewed for r in ranks] == [[("L", 10.0, "decode-a", True, 40.0)]] * 2
+
+
+def test_a_renewal_any_rank_refuses_is_refused_with_its_reason() -> None:
+    ranks = [Rank(answer=5.0), Rank(answer="another decode claimed it first"), Rank(answer="x")]
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    assert answers.on_renew("L", "decode-b", False) == "another decode claimed it first"
+
+
+def test_a_release_from_another_than_the_claimer_is_ignored() -> None:
+    ranks = [Rank({"L": "decode-a"}), Rank({"L": "decode-b"})]
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    assert not answers.on_release("L", "decode-a", "not mine on rank 1")
+    assert answers.take_releases() == []
+    assert all(r.ended == [] for r in ranks)
+
+
+def test_a_release_ends_the_lease_on_every_rank_still_holding_it() -> None:
+    ranks = [Rank({"L": "decode-a"}), Rank()]  # rank 1 ended it already
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    assert answers.on_release("L", "decode-a", "the request was aborted"), "held"
+    assert ranks[0].ended == [], "the listener's thread only queues it"
+    assert answers.take_releases() == [Release("L", "decode-a", "the request was aborted")]
+    assert ranks[0].ended == [("L", "abandoned")] and ranks[1].ended == []
+
+
+def test_a_release_of_a_lease_nobody_holds_changes_nothing() -> None:
+    ranks = [Rank(), Rank()]
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    assert not answers.on_release("never-held", "decode-a", "why not"), "not held"
+    assert answers.take_releases() == []
+    ranks[0].leases["unclaimed"] = None
+    assert answers.on_release("unclaimed", "decode-b", "anyone may end an unclaimed lease")
+    assert [(r.lease_id, r.requester) for r in answers.take_releases()] == [
+        ("unclaimed", "decode-b")]
+    assert ranks[0].ended == [("unclaimed", "abandoned")]
