@@ -45,6 +45,7 @@ from typing import ClassVar, NamedTuple, TypeVar
 
 import msgspec
 
+from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
 from kvxfer.plan.regions import RegionPlan
 
 # Version history; bump on every change of the bytes on the wire (envelope,
@@ -75,19 +76,6 @@ from kvxfer.plan.regions import RegionPlan
 #  10: HostReads.memory (SharedRegion): the shared buffers (memfds) the rank's cache lies
 #      in, which a decode on its host may map (kvxfer.transfer.converted.mapped_reads).
 KVXFER_PROTOCOL_VERSION: int = 10
-
-TOKEN_PACKING = "token"
-VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
-VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
-# packings a decode converts between (kvxfer.plan.staging, with engine.attention.kv_views)
-CONVERTIBLE_PACKINGS = (TOKEN_PACKING, VLLM_CPU_VEC_PACKING)
-"""How K and V of one head share a block's ``N x C`` bytes (``CompatInfo.kv_packing``).
-``token``: every token's row holds its K then its V (``[N, 2, D]``, the reference
-engine's default). ``vllm-cpu-<isa>``: as vLLM's CPU attention backend stores them
-with that instruction set; for ``vec`` (float32) K transposed (``[D, N]``: dimension
-``d`` of token ``t`` at ``d * N + t``), then V by rows (``[N, D]``). Whole blocks and
-head slices move the same way whatever the packing, but the bytes mean different
-things, so the two sides must agree."""
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
@@ -286,7 +274,7 @@ class CompatInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_size: int
     total_kv_heads: int
     num_layers: int
-    kv_packing: str = TOKEN_PACKING  # see TOKEN_PACKING
+    kv_packing: str = TOKEN_PACKING  # see kvxfer.plan.packing
     kv_lora_rank: int = 0
     protocol_version: int = KVXFER_PROTOCOL_VERSION
 
@@ -398,7 +386,7 @@ class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: str
     plan: RegionPlan
     backends: tuple[str, ...] = ("UCX",)
-    kv_packing: str = TOKEN_PACKING  # how this rank packs K and V (see TOKEN_PACKING)
+    kv_packing: str = TOKEN_PACKING  # how this rank packs K and V (kvxfer.plan.packing)
     kernel_ratio: int = 1  # kernel blocks per logical block (RegionPlan.kernel_ratio)
     host_reads: HostReads | None = None  # None: read it over NIXL only
 
