@@ -43,6 +43,7 @@ import torch
 from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.model import Segment, Transformer, check_tp
+from kvxfer.engine.models import TINY_MODEL, load_model
 from kvxfer.engine.prefix_cache import PrefixCache
 from kvxfer.engine.sampler import SamplingParams, make_generator, sample
 from kvxfer.engine.scheduler import Scheduler
@@ -54,8 +55,6 @@ from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
 from kvxfer.plan.topology import rank_heads
 
 logger = logging.getLogger(__name__)
-
-TINY_MODEL = "kvxfer-tiny"
 
 
 def layer_name(layer: int) -> str:
@@ -131,8 +130,6 @@ class LLMEngine:
     def from_model_arg(cls, model: str | None, **kw: Any) -> LLMEngine:
         """A model name (``None`` is ``kvxfer-tiny``, seeded by ``seed``), a ``.gguf`` file
         or a checkpoint directory; see ``models.py``. Raises CheckpointError."""
-        from kvxfer.engine.models import load_model  # models.py imports this module
-
         loaded = load_model(TINY_MODEL if model is None else model)
         if loaded.tokenizer is not None:
             kw.setdefault("tokenizer", loaded.tokenizer)
