@@ -37,27 +37,25 @@ from kvxfer.transfer.handshake import (
     PeerUnreachable,
     ReleaseSender,
 )
-from kvxfer.wire.protocol import (
-    KVXFER_PROTOCOL_VERSION,
-    MAGIC,
-    AgentMetadata,
+from kvxfer.wire.compat import CompatInfo, compat_hash
+from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.errors import (
     BadMagic,
     BadSignature,
-    CompatInfo,
     ErrorCode,
-    ErrorReply,
     HashMismatch,
     MalformedMessage,
+    VersionMismatch,
+)
+from kvxfer.wire.messages import (
+    ErrorReply,
     MetadataRequest,
     MetadataResponse,
     ReleaseAck,
     ReleaseLease,
-    VersionMismatch,
-    compat_hash,
-    decode_envelope,
-    decode_payload,
-    encode_message,
 )
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION, MAGIC
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"

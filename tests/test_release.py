@@ -35,7 +35,7 @@ from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import AbortOutcome, KVConnector
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
 from kvxfer.transfer.worker import RemoteParams
-from kvxfer.wire.protocol import CompatInfo
+from kvxfer.wire.compat import CompatInfo
 from proxy.contract import decode_request, parse_prefill_answer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -74,7 +74,7 @@ class CacheConfig:
         return max(1, self.read_lanes // self.tp)
 
     def compat(self) -> Any:
-        from kvxfer.wire.protocol import CompatInfo
+        from kvxfer.wire.compat import CompatInfo
 
         return CompatInfo(model="loopback-synthetic", dtype=self.dtype, cache_dtype=self.dtype,
                           head_size=self.head_size, total_kv_heads=self.total_kv_heads,

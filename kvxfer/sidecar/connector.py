@@ -93,8 +93,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
-from kvxfer.wire.protocol import CompatInfo, RenewAck
+from kvxfer.wire.messages import RenewAck
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL

@@ -1,7 +1,7 @@
 """The ZMQ side channel over which a decode instance learns a prefill's NIXL metadata.
 
 The only module that imports ZMQ. Wire format and validation live in
-:mod:`kvxfer.wire.protocol`.
+:mod:`kvxfer.wire` (envelope, messages, errors).
 
 * Prefill side: one :class:`HandshakeListener` per instance, a ROUTER socket
   served by a background thread, answers a :class:`MetadataRequest` with the
@@ -11,7 +11,7 @@ The only module that imports ZMQ. Wire format and validation live in
   another version or model, a bad signature, unknown ranks) is logged with the
   peer's address and identity and answered with an :class:`ErrorReply`; the
   listener keeps serving. A release from another model is served: it carries
-  no KV metadata (see :data:`~kvxfer.wire.protocol.HASH_FREE_KINDS`).
+  no KV metadata (see :data:`~kvxfer.wire.messages.HASH_FREE_KINDS`).
 * Decode side: :class:`HandshakeClient.fetch` sends one request over a fresh
   DEALER socket per attempt (so a late answer to an abandoned attempt can
   never be mistaken for the current one), waits up to ``timeout`` seconds per
@@ -41,33 +41,32 @@ from typing import TypeVar
 
 import zmq
 
-from kvxfer.wire.protocol import (
+from kvxfer.wire.compat import CompatInfo, compat_hash
+from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.errors import (
     AUTH_FAILED,
-    MAX_RELEASE_REASON_CHARS,
-    AgentMetadata,
     BadSignature,
-    CompatInfo,
     ErrorCode,
-    ErrorReply,
     HandshakeError,
     HashMismatch,
     MalformedMessage,
+    ProtocolError,
+    VersionMismatch,
+)
+from kvxfer.wire.messages import (
+    MAX_RELEASE_REASON_CHARS,
+    ErrorReply,
     MessageKind,
     MetadataRequest,
     MetadataResponse,
-    ProtocolError,
     ReleaseAck,
     ReleaseLease,
     RenewAck,
     RenewLease,
-    ReplayGuard,
-    VersionMismatch,
     check_response,
-    compat_hash,
-    decode_envelope,
-    decode_payload,
-    encode_message,
 )
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.replay import ReplayGuard
 
 __all__ = ["FAILURE_REASONS", "HandshakeClient", "HandshakeError", "HandshakeListener",
            "HandshakeTimeout", "PeerRefused", "ReleaseSender", "failure_reason"]
@@ -167,7 +166,7 @@ class HandshakeListener:
     All must not block for long: requests are served one at a time.
 
     With ``hmac_key`` every request must be signed with it and fresh (timestamp
-    and nonce, see :class:`~kvxfer.wire.protocol.ReplayGuard`); an unauthenticated peer
+    and nonce, see :class:`~kvxfer.wire.replay.ReplayGuard`); an unauthenticated peer
     is answered only "authentication failed", without this side's CompatInfo, so
     it gets neither metadata (the NIXL agent blob) nor a release nor a renewal,
     and learns nothing about the model.

@@ -100,15 +100,10 @@ from kvxfer.transfer.converted.staging_pool import Placement, StagedJob, StagedP
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.transfer.threads import run_all
-from kvxfer.wire.protocol import (
-    AgentMetadata,
-    BadSignature,
-    CompatInfo,
-    ProtocolError,
-    ReadDone,
-    decode_notif,
-    encode_notif,
-)
+from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.errors import BadSignature, ProtocolError
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims
 
 log = logging.getLogger(__name__)

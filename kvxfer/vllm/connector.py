@@ -50,7 +50,7 @@ from kvxfer.vllm.plan import StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.vllm.transfers import StepResult, WorkerSide
-from kvxfer.wire.protocol import CompatInfo
+from kvxfer.wire.compat import CompatInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

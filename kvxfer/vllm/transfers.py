@@ -40,8 +40,9 @@ from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, Releas
 from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
+from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.protocol import CompatInfo, RenewAck
+from kvxfer.wire.messages import RenewAck
 
 if TYPE_CHECKING:
     import torch
