@@ -31,8 +31,9 @@ from test_release import Recorder, prompt
 from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import KVConnector, compat_info
 from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
-from kvxfer.transfer.handshake import FAILURE_REASONS, HandshakeListener
 from kvxfer.transfer.nixl_agent import NixlAgent
+from kvxfer.transfer.side_channel.errors import FAILURE_REASONS
+from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.worker import RemoteParams
 from kvxfer.wire.notification import ReadDone, encode_notif
 

@@ -25,7 +25,8 @@ import pytest
 import zmq
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
-from kvxfer.transfer.handshake import HandshakeClient, PeerRefused
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.errors import PeerRefused
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
 from kvxfer.wire.errors import AUTH_FAILED, BadSignature, ErrorCode

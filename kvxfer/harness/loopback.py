@@ -112,7 +112,7 @@ class LoopbackInstance:
     def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
                host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
-        from kvxfer.transfer.handshake import HandshakeListener
+        from kvxfer.transfer.side_channel.listener import HandshakeListener
         from kvxfer.transfer.worker import TransferWorker
 
         engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:10]}"

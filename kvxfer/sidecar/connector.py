@@ -100,7 +100,8 @@ from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.transfer.handshake import HandshakeListener, ReleaseSender
+    from kvxfer.transfer.side_channel.listener import HandshakeListener
+    from kvxfer.transfer.side_channel.release_sender import ReleaseSender
     from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,7 @@ class KVConnector:
                 "read_timeout": self.kv_read_timeout}
 
     def _start_listener(self, port: int) -> None:
-        from kvxfer.transfer.handshake import HandshakeListener
+        from kvxfer.transfer.side_channel.listener import HandshakeListener
 
         def connecting(_requester: str) -> None:
             for worker in self.workers:
@@ -283,7 +284,8 @@ class KVConnector:
             on_renew=self._on_renew).start()
 
     def _start_releaser(self) -> None:
-        from kvxfer.transfer.handshake import HandshakeClient, ReleaseSender
+        from kvxfer.transfer.side_channel.client import HandshakeClient
+        from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 
         compat = compat_info(self.engine)
         self.releaser = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))

@@ -36,7 +36,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
