@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
-from kvxfer.engine.attention import gather_kv, kv_views, write_kv
+from kvxfer.engine.attention import gather_kv, write_kv
 from kvxfer.engine.tokenizer import ByteTokenizer
+from kvxfer.plan.packing import kv_views
 from kvxfer.sidecar.connector import compat_info
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)

@@ -1,4 +1,4 @@
-"""Tests for ``kvxfer.transfer.handshake`` over real ZMQ sockets on 127.0.0.1.
+"""Tests for the side channel (``kvxfer.transfer.side_channel``) over real ZMQ sockets on 127.0.0.1.
 
 Most listeners run in this process; one runs in a separate OS process (this
 file, run as a script with ``serve``). Every bad input is followed by a good
@@ -26,38 +26,32 @@ import zmq
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
 from kvxfer.plan.regions import plan_regions
-from kvxfer.transfer import handshake
-from kvxfer.transfer.handshake import (
-    MAX_REQUEST_BYTES,
-    HandshakeClient,
-    HandshakeError,
-    HandshakeListener,
-    HandshakeTimeout,
-    PeerRefused,
-    PeerUnreachable,
-    ReleaseSender,
-)
-from kvxfer.wire.protocol import (
-    KVXFER_PROTOCOL_VERSION,
-    MAGIC,
-    AgentMetadata,
+from kvxfer.transfer.side_channel import listener as listener_module
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerRefused, PeerUnreachable
+from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+from kvxfer.transfer.side_channel.sockets import MAX_REQUEST_BYTES
+from kvxfer.wire.compat import CompatInfo, compat_hash
+from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.errors import (
     BadMagic,
     BadSignature,
-    CompatInfo,
     ErrorCode,
-    ErrorReply,
+    HandshakeError,
     HashMismatch,
     MalformedMessage,
+    VersionMismatch,
+)
+from kvxfer.wire.messages import (
+    ErrorReply,
     MetadataRequest,
     MetadataResponse,
     ReleaseAck,
     ReleaseLease,
-    VersionMismatch,
-    compat_hash,
-    decode_envelope,
-    decode_payload,
-    encode_message,
 )
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION, MAGIC
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -226,7 +220,7 @@ def test_bad_request_is_refused_and_listener_keeps_serving(
         case: str, ctx: zmq.Context[Any], client: HandshakeClient,
         listener: HandshakeListener, caplog: pytest.LogCaptureFixture) -> None:
     frames, code, named = BAD_REQUESTS[case]
-    with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.handshake"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.side_channel.listener"):
         reply = refusal(exchange(ctx, listener.address, frames))
     assert reply.code is code
     assert named in reply.message
@@ -317,7 +311,7 @@ def test_failing_on_request_callback_does_not_stop_the_listener(
 
     with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            on_request=on_request) as served, \
-            caplog.at_level(logging.ERROR, logger="kvxfer.transfer.handshake"):
+            caplog.at_level(logging.ERROR, logger="kvxfer.transfer.side_channel.listener"):
         good_fetch(client, served)
         good_fetch(client, served)
     assert any("on_request('decode-b')" in r.getMessage() for r in caplog.records)
@@ -547,12 +541,12 @@ def test_close_gives_up_on_a_stuck_thread_and_says_so(
         release.wait(ANSWER_S)
         return RANKS
 
-    monkeypatch.setattr(handshake, "JOIN_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(listener_module, "JOIN_TIMEOUT_S", 0.1)
     served = HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=stuck).start()
     with pytest.raises(HandshakeTimeout):
         client.fetch(HOST, served.port, [0], timeout=0.1, retries=0)
     assert entered.wait(ANSWER_S)
-    with caplog.at_level(logging.ERROR, logger="kvxfer.transfer.handshake"):
+    with caplog.at_level(logging.ERROR, logger="kvxfer.transfer.side_channel.listener"):
         served.close()
     release.set()
     assert any(served.address in r.getMessage() and "did not stop within" in r.getMessage()

@@ -25,7 +25,7 @@ from kvxfer.transfer.converted.host_reads import (
     copy_vectors,
     verify_canary,
 )
-from kvxfer.wire.protocol import HostReads
+from kvxfer.wire.metadata import HostReads
 
 
 def _offer_from_child(conn: mp.connection.Connection) -> None:
@@ -119,7 +119,7 @@ def test_a_decode_that_cannot_host_read_falls_back_to_staging(
 READ_AS_CHILD = """
 import json, sys
 from kvxfer.transfer.converted.host_reads import check_offer
-from kvxfer.wire.protocol import HostReads
+from kvxfer.wire.metadata import HostReads
 o = json.loads(sys.argv[1])
 print(check_offer(HostReads(o["host"], o["pid"], o["addr"], bytes.fromhex(o["canary"]))))
 """

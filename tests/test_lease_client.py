@@ -22,7 +22,7 @@ from kvxfer.transfer.lease_client import (
 )
 from kvxfer.transfer.worker import RemoteParams
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.protocol import RenewAck
+from kvxfer.wire.messages import RenewAck
 
 Done = Callable[[RenewAck | None, float, str], None]
 READ_TIMEOUT = 1.0

@@ -9,13 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py")
 MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/topology.py",
-              "kvxfer/plan/descriptors.py", "kvxfer/wire/protocol.py", "kvxfer/wire/tickets.py",
+              "kvxfer/plan/descriptors.py", "kvxfer/wire/tickets.py",
               "kvxfer/wire/lease_book.py", "kvxfer/net/kv_key.py", "kvxfer/vllm/settings.py",
               "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/plan/staging.py",
+              "kvxfer/plan/packing.py",
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
               "kvxfer/engine/block_allocator.py", "kvxfer/transfer/converted/siblings.py",
               "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py",
-              "kvxfer/transfer/lease_answers.py", "kvxfer/sidecar/connector_events.py")
+              "kvxfer/transfer/lease_answers.py", "kvxfer/sidecar/connector_events.py",
+              "kvxfer/wire/version.py", "kvxfer/wire/errors.py",
+              "kvxfer/wire/replay.py", "kvxfer/wire/compat.py", "kvxfer/wire/metadata.py",
+              "kvxfer/wire/messages.py", "kvxfer/wire/framing.py", "kvxfer/wire/envelope.py",
+              "kvxfer/wire/notification.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

@@ -28,7 +28,7 @@ from kvxfer.transfer.converted.mapped_reads import (
     shared_regions,
     shared_zeros,
 )
-from kvxfer.wire.protocol import SharedRegion
+from kvxfer.wire.metadata import SharedRegion
 
 
 def test_a_shared_buffer_is_offered_while_it_lives() -> None:

@@ -30,14 +30,10 @@ from kvxfer.plan.descriptors import IncompatibleLayoutError, build_read_descript
 from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache
 from kvxfer.plan.regions import RegionPlan
 from kvxfer.plan.topology import notify_plan, read_plan, readers_per_remote_rank
-from kvxfer.wire.protocol import (
-    CompatInfo,
-    HashMismatch,
-    MetadataRequest,
-    compat_hash,
-    decode_envelope,
-    encode_message,
-)
+from kvxfer.wire.compat import CompatInfo, compat_hash
+from kvxfer.wire.envelope import decode_envelope, encode_message
+from kvxfer.wire.errors import HashMismatch
+from kvxfer.wire.messages import MetadataRequest
 
 # DeepSeek-V3's latent: kv_lora_rank 512 + 64 RoPE dims; small ones below.
 LATENT = 512 + 64

@@ -1,4 +1,5 @@
-"""Tests for ``kvxfer.wire.protocol``: wire round trips, strict decoding, errors, hash, signatures.
+"""Tests for the wire protocol (``kvxfer.wire``: version, errors, compat, metadata, messages,
+framing, envelope, notification): wire round trips, strict decoding, errors, hash, signatures.
 
 Releases (``ReleaseLease`` / ``ReleaseAck``) follow every rule of the other
 messages except the compatibility hash, which is not checked for them.
@@ -16,41 +17,36 @@ from hypothesis import strategies as st
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
 from kvxfer.plan.regions import RegionPlan, plan_regions
-from kvxfer.wire.protocol import (
-    HASH_FREE_KINDS,
-    KVXFER_PROTOCOL_VERSION,
-    MAGIC,
-    MAX_LEASE_ID_CHARS,
-    MAX_RELEASE_REASON_CHARS,
-    AgentMetadata,
+from kvxfer.wire.compat import CompatInfo, compat_diff, compat_hash
+from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.errors import (
     BadMagic,
     BadSignature,
-    CompatInfo,
     ErrorCode,
-    ErrorReply,
     FieldDiff,
     HandshakeError,
     HashMismatch,
     MalformedMessage,
+    ProtocolError,
+    VersionMismatch,
+)
+from kvxfer.wire.messages import (
+    HASH_FREE_KINDS,
+    MAX_LEASE_ID_CHARS,
+    MAX_RELEASE_REASON_CHARS,
+    ErrorReply,
     MessageKind,
     MetadataRequest,
     MetadataResponse,
-    ProtocolError,
-    ReadDone,
     ReleaseAck,
     ReleaseLease,
     RenewAck,
     RenewLease,
-    VersionMismatch,
     check_response,
-    compat_diff,
-    compat_hash,
-    decode_envelope,
-    decode_notif,
-    decode_payload,
-    encode_message,
-    encode_notif,
 )
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
+from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION, MAGIC
 
 PEER = "tcp://10.0.0.7:5600"
 COMPAT = CompatInfo(model="llama-3-8b", dtype="bfloat16", cache_dtype="bfloat16", head_size=64,
@@ -346,7 +342,7 @@ def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
     """AgentMetadata.host_reads (protocol 9, its shared buffers 10): absent means NIXL only;
     an offer arrives verbatim; a bad one fails decoding with the field named, like any
     other."""
-    from kvxfer.wire.protocol import HostReads, SharedRegion
+    from kvxfer.wire.metadata import HostReads, SharedRegion
 
     offer = HostReads(host="boot/pid:[4026531836]", pid=4242, canary_addr=0x7F0000001000,
                       canary=bytes(range(16)),

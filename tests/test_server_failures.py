@@ -25,7 +25,9 @@ import pytest
 import zmq
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, free_port, prefill_body
 
-from kvxfer.wire.protocol import CompatInfo, RenewAck, encode_message
+from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.envelope import encode_message
+from kvxfer.wire.messages import RenewAck
 
 BODY = {"max_tokens": 6, "temperature": 0, "logprobs": 1, "ignore_eos": True}
 PROMPTS = [f"request number {i}: " + "abcdefgh" * (i + 1) for i in range(8)]

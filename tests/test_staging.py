@@ -226,8 +226,8 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
     it, whether or not the layouts alone would have needed a conversion; likewise one
     packing at two kernel block sizes (``ratios``: prefill's, decode's) or two block sizes
     (``sizes``: prefill's, decode's; the request's tokens in order on both sides)."""
-    from kvxfer.engine.attention import kv_views
     from kvxfer.plan.layout import CacheSpec, KVCacheLayout
+    from kvxfer.plan.packing import kv_views
 
     rng = np.random.default_rng(2)
     remote = make_rank(CacheSpec(sizes[0], 2, 3, torch.float32), KVCacheLayout.LBHNC, 6 * 4,

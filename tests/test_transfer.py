@@ -22,7 +22,7 @@ import zmq
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
 from kvxfer.plan.layout import parse_layout
-from kvxfer.wire import protocol
+from kvxfer.wire import version
 
 
 def decode_instance(cfg: CacheConfig) -> LoopbackInstance:
@@ -209,7 +209,7 @@ def test_garbage_on_the_side_channel_is_survived(prefill: PrefillProcess, pair: 
         sock.send_multipart(frames)
         if sock.poll(2000):
             reply = sock.recv_multipart()
-            assert reply[-1].startswith(protocol.MAGIC)  # an ErrorReply, not silence
+            assert reply[-1].startswith(version.MAGIC)  # an ErrorReply, not silence
         sock.close()
     good_read(prefill, remote, cfg, decode, "after-garbage")
 
@@ -218,8 +218,8 @@ def test_wrong_protocol_version_names_both(prefill: PrefillProcess, pair: tuple,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     remote, cfg, decode = pair
     prefill.hold(remote["engine_id"], "v", [0], ttl=1.0)
-    current = protocol.KVXFER_PROTOCOL_VERSION
-    monkeypatch.setattr(protocol, "KVXFER_PROTOCOL_VERSION", current + 1)
+    current = version.KVXFER_PROTOCOL_VERSION
+    monkeypatch.setattr(version, "KVXFER_PROTOCOL_VERSION", current + 1)
     decode.read("v", params_for(remote, "v", [0]), [0])
     _, failed = decode.wait(["v"])
     monkeypatch.undo()

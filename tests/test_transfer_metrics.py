@@ -31,10 +31,11 @@ from test_release import Recorder, prompt
 from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import KVConnector, compat_info
 from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
-from kvxfer.transfer.handshake import FAILURE_REASONS, HandshakeListener
 from kvxfer.transfer.nixl_agent import NixlAgent
+from kvxfer.transfer.side_channel.errors import FAILURE_REASONS
+from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.worker import RemoteParams
-from kvxfer.wire.protocol import ReadDone, encode_notif
+from kvxfer.wire.notification import ReadDone, encode_notif
 
 HOST = "127.0.0.1"
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)

@@ -25,23 +25,13 @@ import pytest
 import zmq
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
-from kvxfer.transfer.handshake import HandshakeClient, PeerRefused
-from kvxfer.wire.protocol import (
-    AUTH_FAILED,
-    BadSignature,
-    CompatInfo,
-    ErrorCode,
-    ErrorReply,
-    MetadataRequest,
-    MetadataResponse,
-    ReadDone,
-    RenewAck,
-    RenewLease,
-    decode_envelope,
-    decode_payload,
-    encode_message,
-    encode_notif,
-)
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.errors import PeerRefused
+from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.errors import AUTH_FAILED, BadSignature, ErrorCode
+from kvxfer.wire.messages import ErrorReply, MetadataRequest, MetadataResponse, RenewAck, RenewLease
+from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.tickets import LeaseClaims, sign_ticket
 from proxy.contract import decode_request, parse_prefill_answer
 

@@ -13,23 +13,16 @@ import pytest
 
 from kvxfer.net.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_key, mode_problem
 from kvxfer.transfer.worker import RemoteParams
-from kvxfer.wire import protocol
+from kvxfer.wire import replay
+from kvxfer.wire.compat import CompatInfo, compat_hash
+from kvxfer.wire.envelope import decode_envelope, encode_message
+from kvxfer.wire.errors import BadSignature
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.protocol import (
-    MAGIC,
-    BadSignature,
-    CompatInfo,
-    MetadataRequest,
-    ReadDone,
-    ReplayedMessage,
-    ReplayGuard,
-    compat_hash,
-    decode_envelope,
-    decode_notif,
-    encode_message,
-    encode_notif,
-)
+from kvxfer.wire.messages import MetadataRequest
+from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
+from kvxfer.wire.replay import ReplayedMessage, ReplayGuard
 from kvxfer.wire.tickets import TICKET_PREFIX, LeaseClaims, TicketError, sign_ticket, verify_ticket
+from kvxfer.wire.version import MAGIC
 
 KEY = b"k" * 32
 COMPAT = CompatInfo(model="m", dtype="float32", cache_dtype="float32", head_size=8,
@@ -76,7 +69,7 @@ def test_a_stale_message_is_refused_even_without_a_guard(
     raw = encode_message(MetadataRequest("decode-b", (0,)), compat=COMPAT, hmac_key=KEY)
     sent = msgspec.msgpack.decode(raw[len(MAGIC):])["timestamp"]
     decode(raw)  # fresh: accepted (no guard, so nothing is remembered)
-    monkeypatch.setattr(protocol.time, "time", lambda: sent + 31.0)
+    monkeypatch.setattr(replay.time, "time", lambda: sent + 31.0)
     with pytest.raises(ReplayedMessage, match="timestamp"):
         decode(raw)
 

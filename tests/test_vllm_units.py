@@ -16,7 +16,8 @@ import msgspec
 import pytest
 from test_handshake import ANSWER_S, COMPAT, HOST, RANKS
 
-from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings, SettingsError

@@ -20,11 +20,12 @@ import torch
 from test_release import compat_of_another_model
 
 from kvxfer.plan.layout import CacheSpec
-from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.vllm.transfers import StepResult, WorkerSide
-from kvxfer.wire.protocol import CompatInfo
+from kvxfer.wire.compat import CompatInfo
 
 HOST = "127.0.0.1"
 BLOCK, HEADS, HEAD, BLOCKS = 16, 2, 8, 8

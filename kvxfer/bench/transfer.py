@@ -130,8 +130,8 @@ def _large_read_seconds(host: str, port: int, cfg: Any, nbytes: int, repeats: in
     import torch
 
     from kvxfer.plan.regions import MemoryRegion
-    from kvxfer.transfer.handshake import HandshakeClient
     from kvxfer.transfer.nixl_agent import NixlAgent
+    from kvxfer.transfer.side_channel.client import HandshakeClient
 
     client = HandshakeClient("bench-ceiling", cfg.compat())
     meta = client.fetch(host, port, [0]).ranks[0]

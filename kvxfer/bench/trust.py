@@ -155,17 +155,11 @@ def bootstrap_interval(rounds: list[list[float]], resamples: int = 2000, seed: i
 
 def _primitives() -> dict[str, float]:
     """Microseconds per call of each signing step (and its unsigned counterpart)."""
-    from kvxfer.wire.protocol import (
-        CompatInfo,
-        MetadataRequest,
-        ReadDone,
-        ReplayGuard,
-        compat_hash,
-        decode_envelope,
-        decode_notif,
-        encode_message,
-        encode_notif,
-    )
+    from kvxfer.wire.compat import CompatInfo, compat_hash
+    from kvxfer.wire.envelope import decode_envelope, encode_message
+    from kvxfer.wire.messages import MetadataRequest
+    from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
+    from kvxfer.wire.replay import ReplayGuard
     from kvxfer.wire.tickets import LeaseClaims, sign_ticket, verify_ticket
 
     key = secrets.token_bytes(32)

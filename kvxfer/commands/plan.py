@@ -90,7 +90,7 @@ def _plan(args: argparse.Namespace, prefill_sizes: tuple[int, int],
     from kvxfer.plan.topology import notify_plan, read_plan
     from kvxfer.transfer.converted.host_reads import plan_host_read
     from kvxfer.transfer.converted.mapped_reads import mappable
-    from kvxfer.wire.protocol import HostReads
+    from kvxfer.wire.metadata import HostReads
 
     (prefill_bs, prefill_k), (decode_bs, decode_k) = prefill_sizes, decode_sizes
     prefill_layout = parse_layout(args.prefill_layout).name

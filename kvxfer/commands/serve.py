@@ -188,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
         kv_key = None if key_file is None else load_kv_key(key_file)
     except KvKeyError as exc:
         return _fail(str(exc))
-    from kvxfer.sidecar.server import PortInUse, Settings, serve  # torch: after the quick checks
+    # torch: after the quick checks
+    from kvxfer.sidecar.server import PortInUse, serve
+    from kvxfer.sidecar.settings import Settings
 
     settings = Settings(
         role=args.role, host=args.host, port=args.port, side_channel_host=args.side_channel_host,

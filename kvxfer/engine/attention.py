@@ -6,7 +6,8 @@ block is the packing (``kv_packing``): ``token`` (the default), ``C`` packs each
 token's K (``[..., :head_dim]``) then its V (``[..., head_dim:]``); ``vllm-cpu-vec``,
 as vLLM's CPU attention kernels store float32 caches, a head's ``N x C`` block holds
 K transposed (``[head_dim, N]``) then V by rows (``[N, head_dim]``), which needs
-that block contiguous (heads outside tokens). Layouts differ only in the view's
+that block contiguous (heads outside tokens); :mod:`kvxfer.plan.packing` names them
+and takes them apart (``kv_views``). Layouts differ only in the view's
 strides, and everything read from the cache is copied into one canonical contiguous
 tensor before any arithmetic, so every layout and packing gives bit-identical
 results.
@@ -21,26 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PACKINGS = ("token", "vllm-cpu-vec")
-
-
-def kv_views(cache: torch.Tensor, packing: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and the V parts of a ``[..., H, N, C]`` cache view (``[B, H, N, C]``, or with
-    more leading dims, such as a block's layers), each ``[..., H, N, D]``."""
-    head_dim = cache.shape[-1] // 2
-    if packing == "token":
-        return cache[..., :head_dim], cache[..., head_dim:]
-    if packing != "vllm-cpu-vec":
-        raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
-    *lead, heads, block_size, content = cache.shape
-    if block_size > 1 and (cache.stride(-1) != 1 or cache.stride(-2) != content):
-        raise ValueError("kv_packing 'vllm-cpu-vec' needs each head's block contiguous: a "
-                         "layout with heads outside tokens (LBHNC, BLHNC, BHLNC)")
-    outer, offset = cache.stride()[:-2], cache.storage_offset()
-    size = (*lead, heads, block_size, head_dim)
-    keys = cache.as_strided(size, (*outer, 1, block_size), offset)  # [D, N] in memory
-    values = cache.as_strided(size, (*outer, head_dim, 1), offset + block_size * head_dim)
-    return keys, values
+from kvxfer.plan.packing import TOKEN_PACKING, kv_views
 
 
 def _slots(cache: torch.Tensor, block_table: torch.Tensor, start: int, count: int
@@ -59,7 +41,7 @@ def write_rows(cache: torch.Tensor, block_table: torch.Tensor, start: int,
 
 
 def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,
-             key: torch.Tensor, value: torch.Tensor, packing: str = "token") -> None:
+             key: torch.Tensor, value: torch.Tensor, packing: str = TOKEN_PACKING) -> None:
     """Store K/V ``[T, H, D]`` of positions ``[start, start + T)`` into their slots."""
     blocks, rows = _slots(cache, block_table, start, key.shape[0])
     keys, values = kv_views(cache, packing)
@@ -68,10 +50,10 @@ def write_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int,
     values[blocks, :, rows] = value
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, end: int, packing: str = "token"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, end: int,
+              packing: str = TOKEN_PACKING) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[H, end, D]`` of positions ``[0, end)``, as canonical contiguous copies."""
-    if packing == "token":  # one gather of K and V together, split after the copy
+    if packing == TOKEN_PACKING:  # one gather of K and V together, split after the copy
         packed = gather_rows(cache, block_table, end)
         head_dim = packed.shape[-1] // 2
         return packed[..., :head_dim], packed[..., head_dim:]
@@ -95,7 +77,7 @@ def _gathered(part: torch.Tensor, used: torch.Tensor, end: int) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     cache: torch.Tensor, block_table: torch.Tensor, start: int,
-                    scale: float, packing: str = "token") -> torch.Tensor:
+                    scale: float, packing: str = TOKEN_PACKING) -> torch.Tensor:
     """Causal attention of ``T`` new tokens at positions ``[start, start + T)``.
 
     ``query`` is ``[T, Hq, D]``; ``key``/``value`` are ``[T, Hkv, D]`` and are written

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from kvxfer.engine.attention import PACKINGS
 from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.model import Segment, Transformer, check_tp
+from kvxfer.engine.models import TINY_MODEL, load_model
 from kvxfer.engine.prefix_cache import PrefixCache
 from kvxfer.engine.sampler import SamplingParams, make_generator, sample
 from kvxfer.engine.scheduler import Scheduler
@@ -51,11 +51,10 @@ from kvxfer.engine.sequence import Request, RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
 from kvxfer.engine.weights import fingerprint, init_weights
 from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, default_layout
+from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
 from kvxfer.plan.topology import rank_heads
 
 logger = logging.getLogger(__name__)
-
-TINY_MODEL = "kvxfer-tiny"
 
 
 def layer_name(layer: int) -> str:
@@ -81,7 +80,7 @@ class LLMEngine:
                  block_size: int = 16, num_blocks: int = 256,
                  dtype: torch.dtype | str = torch.float32, device: str = "cpu",
                  tokenizer: Tokenizer | None = None, model_name: str = TINY_MODEL,
-                 kv_packing: str = "token", enable_prefix_caching: bool = False,
+                 kv_packing: str = TOKEN_PACKING, enable_prefix_caching: bool = False,
                  cache_zeros: Callable[[int], torch.Tensor] | None = None) -> None:
         check_tp(config, tp)
         self.config, self.tp, self.model_name = config, tp, model_name
@@ -90,7 +89,7 @@ class LLMEngine:
         if kv_packing not in PACKINGS:
             raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got "
                              f"{kv_packing!r}")
-        if kv_packing != "token" and not self.layout.heads_outside_tokens:
+        if kv_packing != TOKEN_PACKING and not self.layout.heads_outside_tokens:
             raise ValueError(f"kv_packing {kv_packing!r} keeps each head's K and V as tiles of "
                              f"a block, which needs heads outside tokens; layout "
                              f"{self.layout.name} has them inside (use LBHNC, BLHNC or BHLNC)")
@@ -131,8 +130,6 @@ class LLMEngine:
     def from_model_arg(cls, model: str | None, **kw: Any) -> LLMEngine:
         """A model name (``None`` is ``kvxfer-tiny``, seeded by ``seed``), a ``.gguf`` file
         or a checkpoint directory; see ``models.py``. Raises CheckpointError."""
-        from kvxfer.engine.models import load_model  # models.py imports this module
-
         loaded = load_model(TINY_MODEL if model is None else model)
         if loaded.tokenizer is not None:
             kw.setdefault("tokenizer", loaded.tokenizer)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from kvxfer.engine.attention import latent_attention, paged_attention
 from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.weights import WeightsError, check_tensor_shapes
+from kvxfer.plan.packing import TOKEN_PACKING
 from kvxfer.plan.topology import rank_heads
 
 
@@ -139,12 +140,13 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
                  tp: int = 1, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", kv_packing: str = "token") -> None:
+                 device: str | torch.device = "cpu",
+                 kv_packing: str = TOKEN_PACKING) -> None:
         check_tp(config, tp)
-        if kv_packing != "token" and config.is_mla:
+        if kv_packing != TOKEN_PACKING and config.is_mla:
             raise ValueError(f"kv_packing {kv_packing!r} arranges K and V of a head; an MLA "
                              f"model's cache holds one latent per token (use 'token')")
-        self.kv_packing = kv_packing  # how K and V share a head's block (attention.py)
+        self.kv_packing = kv_packing  # how K and V share a head's block (plan/packing.py)
         try:
             check_tensor_shapes({n: (tuple(t.shape), "state_dict") for n, t in state_dict.items()},
                                 config, "the given state_dict")

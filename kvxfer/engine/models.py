@@ -25,7 +25,6 @@ import torch
 
 from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint
 from kvxfer.engine.config import ModelConfig, tiny_config, tiny_mla_config
-from kvxfer.engine.engine import TINY_MODEL
 from kvxfer.engine.model_cache import entry_path, gguf_checkpoint
 from kvxfer.engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -62,6 +61,7 @@ class NamedModel:
     seeded: Callable[[], ModelConfig] = tiny_config
 
 
+TINY_MODEL = "kvxfer-tiny"  # what --model means when not given
 TINY_MLA_MODEL = "kvxfer-tiny-mla"
 
 MODELS: dict[str, NamedModel] = {m.name: m for m in (

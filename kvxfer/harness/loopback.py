@@ -74,7 +74,7 @@ class CacheConfig:
         return max(1, self.read_lanes // self.tp)
 
     def compat(self) -> Any:
-        from kvxfer.wire.protocol import CompatInfo
+        from kvxfer.wire.compat import CompatInfo
 
         return CompatInfo(model="loopback-synthetic", dtype=self.dtype, cache_dtype=self.dtype,
                           head_size=self.head_size, total_kv_heads=self.total_kv_heads,
@@ -112,7 +112,7 @@ class LoopbackInstance:
     def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
                host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
-        from kvxfer.transfer.handshake import HandshakeListener
+        from kvxfer.transfer.side_channel.listener import HandshakeListener
         from kvxfer.transfer.worker import TransferWorker
 
         engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:10]}"

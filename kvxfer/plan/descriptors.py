@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
 from kvxfer.plan.regions import RegionPlan
 from kvxfer.plan.topology import HeadSlice
-from kvxfer.wire.protocol import CONVERTIBLE_PACKINGS, TOKEN_PACKING
 
 U64 = np.uint64
 IntArray = npt.NDArray[np.int64]
@@ -225,10 +225,10 @@ def check_compatible(local: SideGeometry, remote: SideGeometry, local_tp: int, r
 def check_packings(local: SideGeometry, remote: SideGeometry) -> None:
     """Two packings of K and V can differ only where a conversion knows both."""
     if local.kv_packing != remote.kv_packing and not {
-            local.kv_packing, remote.kv_packing} <= set(CONVERTIBLE_PACKINGS):
+            local.kv_packing, remote.kv_packing} <= set(PACKINGS):
         raise IncompatibleLayoutError(
             f"decode packs K and V as {local.kv_packing!r}, prefill as {remote.kv_packing!r}; "
-            f"kvxfer converts only between {' and '.join(map(repr, CONVERTIBLE_PACKINGS))}: "
+            f"kvxfer converts only between {' and '.join(map(repr, PACKINGS))}: "
             f"run both sides with the same packing")
 
 

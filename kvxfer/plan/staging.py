@@ -18,7 +18,7 @@ side is contiguous too. Once the READ completed, :meth:`StagedRead.convert`
 copies each needed head from the staged chunks into the decode's own views with
 torch. Where the two sides pack K and V differently inside a head's block, K and
 V are taken apart through each side's packing
-(:func:`kvxfer.engine.attention.kv_views`) and copied one after the other.
+(:func:`kvxfer.plan.packing.kv_views`) and copied one after the other.
 
 Where the prefill is a process on the decode's host, :mod:`kvxfer.transfer.converted.host_reads`
 does the same conversion without staging, with a byte map it takes from :meth:`StagedRead.convert`.
@@ -53,8 +53,8 @@ from kvxfer.plan.descriptors import (
     validate_block_ids,
     validate_paired_ids,
 )
+from kvxfer.plan.packing import TOKEN_PACKING, kv_views
 from kvxfer.plan.topology import HeadSlice
-from kvxfer.wire.protocol import TOKEN_PACKING
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ class StagedRead:
                           np.array([staging_device], dtype=U64), geo.devices, self.remote_rank)
 
     def convert(self, staging: torch.Tensor, groups: Sequence[tuple[int, torch.Tensor]],
-                local_ids: torch.Tensor | np.ndarray, remote_packing: str = "token",
-                local_packing: str = "token", remote_blocks: int | None = None) -> None:
+                local_ids: torch.Tensor | np.ndarray, remote_packing: str = TOKEN_PACKING,
+                local_packing: str = TOKEN_PACKING, remote_blocks: int | None = None) -> None:
         """Copy the staged heads into this rank's views (its ``[B, H, N, C]`` views by
         logical layer, at its kernel block size, as :func:`layer_groups` of them) at
         logical blocks ``local_ids`` (request order, as the READ was built), from
@@ -159,7 +159,7 @@ class StagedRead:
 
     def place(self, source: torch.Tensor, chunks: Sequence[int], rows: np.ndarray,
               groups: Sequence[tuple[int, torch.Tensor]], local_ids: torch.Tensor | np.ndarray,
-              remote_packing: str = "token", local_packing: str = "token") -> None:
+              remote_packing: str = TOKEN_PACKING, local_packing: str = TOKEN_PACKING) -> None:
         """Copy this rank's heads of the request's remote kernel blocks, rows ``rows`` of
         ``source`` in token order (``[kernel blocks, layers, chunks, chunk elements]``
         holding remote chunks ``chunks``: staging, or the prefill's memory itself,
@@ -170,8 +170,6 @@ class StagedRead:
         are one allocation at a fixed layer stride are one group, so a block's layers
         move in one call; indexing every view with the ids instead costs a few times
         more (measured about 1.8 vs 5.3 GB/s on one thread)."""
-        from kvxfer.engine.attention import kv_views
-
         geo, content = self.remote, groups[0][1].shape[-1]
         count = source.shape[0]
         segments = token_segments(np.asarray(local_ids, dtype=np.int64), rows, self.local, geo)

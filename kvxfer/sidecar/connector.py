@@ -53,14 +53,15 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
 from kvxfer.sidecar.kv_loads import KVLoads
 from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import LeaseBook
-from kvxfer.wire.protocol import CompatInfo
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.transfer.handshake import HandshakeListener, ReleaseSender
     from kvxfer.transfer.lease_answers import LeaseAnswers
+    from kvxfer.transfer.side_channel.listener import HandshakeListener
+    from kvxfer.transfer.side_channel.release_sender import ReleaseSender
     from kvxfer.transfer.worker import RemoteParams, TransferWorker
 
 __all__ = ["FAILURE_POLICIES", "ROLES", "AbortOutcome", "ConnectorEvents", "KVConnector",
@@ -174,8 +175,8 @@ class KVConnector:
                 "read_timeout": self.kv_read_timeout}
 
     def _start_listener(self, port: int) -> None:
-        from kvxfer.transfer.handshake import HandshakeListener
         from kvxfer.transfer.lease_answers import LeaseAnswers
+        from kvxfer.transfer.side_channel.listener import HandshakeListener
 
         def connecting(_requester: str) -> None:
             for worker in self.workers:
@@ -190,8 +191,9 @@ class KVConnector:
             on_renew=self.answers.on_renew).start()
 
     def _start_loads(self) -> None:
-        from kvxfer.transfer.handshake import HandshakeClient, ReleaseSender
         from kvxfer.transfer.lease_client import LeaseClient
+        from kvxfer.transfer.side_channel.client import HandshakeClient
+        from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 
         compat = compat_info(self.engine)
         releaser = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))

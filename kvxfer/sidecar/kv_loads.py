@@ -41,7 +41,7 @@ Who calls what:
   another member drops only that one.
 * A request that ends without the prefill having been told by NIXL sends the prefill a
   release over its side channel (best effort, from the
-  :class:`~kvxfer.transfer.handshake.ReleaseSender` thread, never from the loop):
+  :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender` thread, never from the loop):
   refused at admission, aborted while waiting for blocks, a read that failed before a
   NIXL connection existed (handshake refused: another model, layout or TP) or whose
   failure notification could not be sent, and requests still waiting or reading at

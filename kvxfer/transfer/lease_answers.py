@@ -3,7 +3,7 @@
 One per prefill instance: the sidecar's :class:`~kvxfer.sidecar.connector.KVConnector`
 (over all its TP ranks) and the vLLM worker's :class:`~kvxfer.vllm.transfers.WorkerSide`
 (its one rank) hand :meth:`LeaseAnswers.on_release` and :meth:`LeaseAnswers.on_renew`
-to their :class:`~kvxfer.transfer.handshake.HandshakeListener`.
+to their :class:`~kvxfer.transfer.side_channel.listener.HandshakeListener`.
 
 Who calls what:
 

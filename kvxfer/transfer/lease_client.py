@@ -19,9 +19,9 @@ The life of a lease on the decode side:
   ValueError: no expiry) means the lease is neither read nor released (the params may
   be another request's).
 * :meth:`claim` asks the prefill for the lease (``RenewLease(claim=True)``) from the
-  renewer's :class:`~kvxfer.transfer.handshake.ReleaseSender` thread; :meth:`renew_due`
-  sends the claims not sent yet and the renewals due (under half the TTL left), one at
-  a time per lease.
+  renewer's :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender` thread;
+  :meth:`renew_due` sends the claims not sent yet and the renewals due (under half the TTL left),
+  one at a time per lease.
 * :meth:`take_answers` applies the prefill's answers (:class:`LeaseAnswer`): granted
   (claimed, the deadline moved on), refused (lost: never read; ``refused`` when it was
   the claim) or unanswered (a claim: lost, not retried, so that a dead or frozen
@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
 
 if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
-    from kvxfer.transfer.handshake import ReleaseSender
+    from kvxfer.transfer.side_channel.release_sender import ReleaseSender
     from kvxfer.transfer.worker import RemoteParams
-    from kvxfer.wire.protocol import RenewAck
+    from kvxfer.wire.messages import RenewAck
 
 log = logging.getLogger(__name__)
 

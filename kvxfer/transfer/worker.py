@@ -97,18 +97,15 @@ from kvxfer.transfer.converted.host_reads import (
 from kvxfer.transfer.converted.mapped_reads import MappedRead, map_prefill, shared_regions
 from kvxfer.transfer.converted.shared_staging import SHARED_STAGING, StagedMeeting, Target
 from kvxfer.transfer.converted.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
-from kvxfer.transfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.errors import failure_reason
+from kvxfer.transfer.side_channel.sockets import endpoint
 from kvxfer.transfer.threads import run_all
-from kvxfer.wire.protocol import (
-    AgentMetadata,
-    BadSignature,
-    CompatInfo,
-    ProtocolError,
-    ReadDone,
-    decode_notif,
-    encode_notif,
-)
+from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.errors import BadSignature, HandshakeError, ProtocolError
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims
 
 log = logging.getLogger(__name__)

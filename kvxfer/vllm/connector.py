@@ -45,11 +45,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvxfer.net.kv_key import load_kv_key
 from kvxfer.plan.layout import CacheSpec
+from kvxfer.plan.packing import VLLM_CPU_PACKING_PREFIX
 from kvxfer.vllm.plan import StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.vllm.transfers import StepResult, WorkerSide
-from kvxfer.wire.protocol import VLLM_CPU_PACKING_PREFIX, CompatInfo
+from kvxfer.wire.compat import CompatInfo
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

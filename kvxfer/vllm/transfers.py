@@ -2,12 +2,12 @@
 
 Lives in vLLM's worker process, next to the KV cache. It owns the rank's
 :class:`~kvxfer.transfer.worker.TransferWorker` (regions, descriptors, READs, leases,
-notifications), the :class:`~kvxfer.transfer.handshake.HandshakeListener` that serves the
-rank's metadata and answers lease claims, renewals and releases
+notifications), the :class:`~kvxfer.transfer.side_channel.listener.HandshakeListener` that serves
+the rank's metadata and answers lease claims, renewals and releases
 (:class:`~kvxfer.transfer.lease_answers.LeaseAnswers`), and the decode's
 :class:`~kvxfer.transfer.lease_client.LeaseClient` (claims and releases, from one
-:class:`~kvxfer.transfer.handshake.ReleaseSender`): the same objects a kvxfer sidecar
-uses. Nothing of the transfer or the leases is done here: this class only maps vLLM's
+:class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`): the same objects a kvxfer
+sidecar uses. Nothing of the transfer or the leases is done here: this class only maps vLLM's
 steps onto those parts.
 
 Who calls what (vLLM's model-runner thread, once per step, in this order):
@@ -36,14 +36,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
 from kvxfer.transfer.lease_answers import LeaseAnswers
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
+from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
-from kvxfer.wire.protocol import CompatInfo
 
 if TYPE_CHECKING:
     import torch

@@ -24,7 +24,7 @@ page costs less than one per token. The canary is read again after every copy: a
 outlives its process and may be given to another one.
 
 Who uses it: a prefill rank offers it in its handshake metadata
-(:class:`~kvxfer.wire.protocol.HostReads`: a host identity, its pid and a canary);
+(:class:`~kvxfer.wire.metadata.HostReads`: a host identity, its pid and a canary);
 a decode rank with a host cache checks the identity, reads the canary to prove the
 pid is that process and it may read it, and only then replaces that rank's staged
 read. Anything else (another host, another pid namespace or user, a GPU cache, runs
@@ -50,7 +50,7 @@ import torch
 from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.siblings import Meeting, Siblings
 from kvxfer.transfer.threads import run_all
-from kvxfer.wire.protocol import HostReads, SharedRegion
+from kvxfer.wire.metadata import HostReads, SharedRegion
 
 IOV_MAX = 1024  # iovecs per side in one call (Linux UIO_MAXIOV)
 MIN_RUN_BYTES = 128  # shorter average runs: per-run costs make staging cheaper

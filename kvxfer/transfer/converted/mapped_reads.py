@@ -45,7 +45,7 @@ from kvxfer.plan.regions import MemoryRegion
 from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.host_reads import HostReadError, verify_canary
 from kvxfer.transfer.threads import run_all
-from kvxfer.wire.protocol import HostReads, SharedRegion
+from kvxfer.wire.metadata import HostReads, SharedRegion
 
 PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -1,0 +1,51 @@
+"""How K and V of one head share a block's ``N x C`` elements: the packing vocabulary.
+
+Pure: torch views, no copies and no I/O. One home for the names that the wire
+(``CompatInfo.kv_packing``, ``AgentMetadata.kv_packing``), the planner
+(:mod:`kvxfer.plan.descriptors`, :mod:`kvxfer.plan.staging`), the reference engine and
+the vLLM adapter all speak.
+
+``token`` (:data:`TOKEN_PACKING`): every token's row holds its K then its V (``[N, 2, D]``,
+the reference engine's default). ``vllm-cpu-<isa>`` (:data:`VLLM_CPU_PACKING_PREFIX`): as
+vLLM's CPU attention backend stores them with that instruction set; for ``vec``
+(:data:`VLLM_CPU_VEC_PACKING`, float32) K transposed (``[D, N]``: dimension ``d`` of
+token ``t`` at ``d * N + t``), then V by rows (``[N, D]``). Whole blocks and head slices
+move the same way whatever the packing, but the bytes mean different things, so the two
+sides must agree or the decode converts (:func:`kv_views` takes either apart).
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOKEN_PACKING = "token"
+VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
+VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
+
+PACKINGS = (TOKEN_PACKING, VLLM_CPU_VEC_PACKING)
+"""The packings :func:`kv_views` takes apart: the reference engine keeps its cache in any
+of them, and a decode converts between any two (:mod:`kvxfer.plan.staging`)."""
+
+
+def kv_views(cache: torch.Tensor, packing: str = TOKEN_PACKING
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and the V parts of a ``[..., H, N, C]`` cache view (``[B, H, N, C]``, or with
+    more leading dims, such as a block's layers), each ``[..., H, N, D]``.
+
+    Views of ``cache``'s memory, never copies. ``vllm-cpu-vec`` needs each head's
+    ``N x C`` block contiguous (a layout with heads outside tokens); ValueError otherwise,
+    and for a packing not in :data:`PACKINGS`."""
+    head_dim = cache.shape[-1] // 2
+    if packing == TOKEN_PACKING:
+        return cache[..., :head_dim], cache[..., head_dim:]
+    if packing != VLLM_CPU_VEC_PACKING:
+        raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+    *lead, heads, block_size, content = cache.shape
+    if block_size > 1 and (cache.stride(-1) != 1 or cache.stride(-2) != content):
+        raise ValueError("kv_packing 'vllm-cpu-vec' needs each head's block contiguous: a "
+                         "layout with heads outside tokens (LBHNC, BLHNC, BHLNC)")
+    outer, offset = cache.stride()[:-2], cache.storage_offset()
+    size = (*lead, heads, block_size, head_dim)
+    keys = cache.as_strided(size, (*outer, 1, block_size), offset)  # [D, N] in memory
+    values = cache.as_strided(size, (*outer, head_dim, 1), offset + block_size * head_dim)
+    return keys, values

@@ -1,0 +1,224 @@
+"""The sidecar's routes (:class:`Handlers`), the handlers of its errors, and the middleware
+that counts its requests (:class:`CountRequests`).
+
+Handlers never touch the engine: they validate (:mod:`kvxfer.sidecar.openai_api`), submit
+to the :class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events
+(:class:`~kvxfer.sidecar.answer.Answer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvxfer.net.api_key import authenticated
+from kvxfer.net.hosts import DRAINING_HEADER
+from kvxfer.sidecar.answer import Answer, ClientGone, error_response, json_response
+from kvxfer.sidecar.engine_loop import EngineStopped, Sibling, Sink, Submission
+from kvxfer.sidecar.metrics import CONTENT_TYPE
+from kvxfer.sidecar.openai_api.errors import OpenAIError
+from kvxfer.sidecar.openai_api.kv_params import unread_lease
+from kvxfer.sidecar.openai_api.prepared import Prepared
+from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest, decode_body
+from kvxfer.sidecar.openai_api.validation import prepare_chat, prepare_completion
+
+if TYPE_CHECKING:
+    from kvxfer.sidecar.instance import Sidecar
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+MAX_REQUEST_ID_CHARS = 200
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error as OpenAI does: an :class:`OpenAIError` body with its status."""
+    async def openai_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return error_response(exc)
+
+    async def validation_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error_response(OpenAIError(400, f"invalid request: {first.get('msg', exc)}",
+                                          param=param))
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+            return error_response(OpenAIError(404, message, "not_found_error"))
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(OpenAIError(exc.status_code, message, kind))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                          "internal_error"))
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+
+
+class CountRequests:
+    """ASGI middleware: count requests by route (known routes, else "other") and status,
+    and the completion requests in flight (what a drain waits for).
+
+    Pure ASGI (no BaseHTTPMiddleware) so that handlers still see the client's
+    disconnect through ``receive``.
+    """
+
+    def __init__(self, app: ASGIApp, side: Sidecar) -> None:
+        self.app, self.side, self.metrics = app, side, side.metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        completion = scope["path"] in (COMPLETIONS, CHAT)
+        if completion:
+            self.side.http_in_flight += 1
+            self.side.last_request = time.monotonic()
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if completion:
+                self.side.http_in_flight -= 1
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.http_requests.labels(route, str(status)).inc()
+
+
+class Handlers:
+    """The route handlers of one app."""
+
+    def __init__(self, side: Sidecar) -> None:
+        self.side = side
+        self.created = int(time.time())
+
+    async def health(self, request: Request) -> Response:
+        """200 while the engine loop runs, else 503; details only with the API key."""
+        loop = self.side.loop
+        if not authenticated(request.scope):
+            if self.side.draining:
+                return json_response({"status": "draining"}, 503, {DRAINING_HEADER: "1"})
+            return json_response({"status": "ok" if loop.running else "error"},
+                                 200 if loop.running else 503)
+        if not loop.running:
+            return json_response({"status": "error", "role": self.side.settings.role,
+                                  "error": loop.error or "the engine loop is not running"}, 503)
+        if self.side.draining:
+            return json_response(self.side.health(), 503, {DRAINING_HEADER: "1"})
+        return json_response(self.side.health())
+
+    async def models(self) -> Response:
+        return json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "kvxfer",
+             "root": self.side.engine.model_name, "max_model_len": self.side.engine.max_model_len}
+            for name in self.side.served_names]})
+
+    async def metrics(self) -> Response:
+        return Response(self.side.metrics.render(), media_type=CONTENT_TYPE)
+
+    def _refuse_draining(self) -> Response:
+        """503 for a new request while draining; the header tells a proxy that nothing
+        was started (a decode left the lease alone), so another instance may take it."""
+        return error_response(OpenAIError(503, "this instance is draining (shutting down): send "
+                                               "the request to another instance",
+                                          "service_unavailable"), {DRAINING_HEADER: "1"})
+
+    async def completions(self, request: Request) -> Response:
+        if self.side.draining:
+            return self._refuse_draining()
+        raw = await request.body()
+        prepared = self._prepare(raw, lambda: prepare_completion(
+            decode_body(raw, CompletionRequest), self.side.info))
+        return await self._answer(request, prepared)
+
+    async def chat(self, request: Request) -> Response:
+        if self.side.draining:
+            return self._refuse_draining()
+        raw = await request.body()
+        prepared = self._prepare(raw, lambda: prepare_chat(decode_body(raw, ChatRequest),
+                                                           self.side.info))
+        return await self._answer(request, prepared)
+
+    def _prepare(self, raw: bytes, prepare: Callable[[], Prepared]) -> Prepared:
+        """``prepare()``; when it refuses the request, release the lease it names."""
+        try:
+            return prepare()
+        except OpenAIError as exc:
+            remote = unread_lease(raw, self.side.settings.role)
+            if remote is not None:
+                self.side.connector.release_remote(
+                    remote, f"the decode refused the request ({exc.status}): {exc.message}")
+            raise
+
+    async def _answer(self, request: Request, prepared: Prepared) -> Response:
+        base = _request_id(request)
+        headers = {"x-request-id": base}
+        loop = self.side.loop
+        ids = loop.reserve_ids(base, prepared.num_choices)
+        submissions = _submissions(prepared, ids)
+        sink = Sink(asyncio.get_running_loop())
+        try:
+            loop.submit(submissions, sink)
+        except EngineStopped as exc:
+            loop.release_ids(ids)
+            if prepared.remote is not None:
+                self.side.connector.release_remote(prepared.remote,
+                                                   f"the decode is not serving: {exc}")
+            return error_response(OpenAIError(503, str(exc), "service_unavailable"), headers)
+        answer = Answer(self.side, prepared, ids, sink, base)
+        try:
+            if prepared.stream:
+                return await answer.stream(request.receive, headers)
+            return await answer.whole(request.receive, headers)
+        except ClientGone:
+            answer.abort()
+            return Response(status_code=499)  # nobody reads it; counted in metrics
+        except asyncio.CancelledError:  # the server is shutting down
+            answer.abort()
+            raise
+
+
+def _submissions(prepared: Prepared, ids: list[str]) -> list[Submission]:
+    """One submission per choice (``ids[k]`` is choice ``k``); a decode request's ``n``
+    samples are one submission whose siblings start from its single KV read."""
+    params = prepared.choice_params
+    if prepared.remote is not None:
+        siblings = tuple(Sibling(ids[k], k, params(k)) for k in range(1, len(ids)))
+        return [Submission(ids[0], 0, prepared.prompts[0], params(0), remote=prepared.remote,
+                           siblings=siblings)]
+    return [Submission(rid, k, prepared.prompts[k // prepared.n], params(k), hold=prepared.hold)
+            for k, rid in enumerate(ids)]
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id when it is usable, else a fresh one."""
+    given = request.headers.get("x-request-id", "").strip()
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
+        return given
+    return uuid.uuid4().hex

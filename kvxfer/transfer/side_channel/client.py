@@ -1,0 +1,240 @@
+"""Decode side of the side channel: :class:`HandshakeClient` fetches a prefill's metadata
+and sends one release, renewal or claim of its leases, each over a fresh DEALER socket."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TypeVar
+
+import zmq
+
+from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerRefused, PeerUnreachable
+from kvxfer.transfer.side_channel.sockets import (
+    MAX_RESPONSE_BYTES,
+    PROBE_TIMEOUT_S,
+    connect_error,
+    endpoint,
+    new_socket,
+)
+from kvxfer.wire.compat import CompatInfo, compat_hash
+from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.errors import HandshakeError, MalformedMessage
+from kvxfer.wire.messages import (
+    MAX_RELEASE_REASON_CHARS,
+    ErrorReply,
+    MessageKind,
+    MetadataRequest,
+    MetadataResponse,
+    ReleaseAck,
+    ReleaseLease,
+    RenewAck,
+    RenewLease,
+    check_response,
+)
+from kvxfer.wire.replay import ReplayGuard
+
+log = logging.getLogger(__name__)
+_Ack = TypeVar("_Ack", ReleaseAck, RenewAck)
+
+BACKOFF_S = 0.05              # first pause between attempts; doubles, capped at MAX_BACKOFF_S
+MAX_BACKOFF_S = 0.5
+PROBE_AFTER_S = 0.05          # a renewal unanswered this long: probe whether anyone listens
+RELEASE_TIMEOUT_S = 1.0       # one release attempt; a lost release only costs the lease TTL
+
+
+class HandshakeClient:
+    """Decode side: fetches a prefill instance's metadata. Cheap to call repeatedly.
+
+    One ZMQ context per client; each :meth:`fetch` attempt opens and closes its
+    own DEALER socket. Safe to call from several threads at once. Caching the
+    answer per remote engine is the caller's job.
+    """
+
+    def __init__(self, engine_id: str, compat: CompatInfo,
+                 hmac_key: bytes | None = None) -> None:
+        self.engine_id = engine_id
+        self.compat, self._hash = compat, compat_hash(compat)
+        self._key = hmac_key
+        self._replay = ReplayGuard()  # replies, too, are refused when replayed
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._closed = False
+
+    def fetch(self, host: str, port: int, ranks: Sequence[int], *, timeout: float = 5.0,
+              retries: int = 2) -> MetadataResponse:
+        """Metadata of prefill ``ranks`` from the listener at ``host:port``.
+
+        Up to ``1 + retries`` attempts of ``timeout`` seconds each, with a short
+        backoff between them; only timeouts are retried (a refusal or a protocol
+        error would repeat). When every attempt timed out, a TCP probe of at most
+        PROBE_TIMEOUT_S tells the error message whether anything listens there.
+        The response holds exactly the requested ranks, in request order.
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        if not timeout > 0:
+            raise ValueError(f"handshake timeout must be positive, got {timeout!r}")
+        if retries < 0:
+            raise ValueError(f"handshake retries must not be negative, got {retries!r}")
+        if not 0 < port < 65536:
+            raise ValueError(f"handshake port must be in 1..65535, got {port!r}")
+        address = endpoint(host, port)
+        wanted = tuple(operator.index(r) for r in ranks)  # numpy ints yes, floats no
+        request = encode_message(MetadataRequest(self.engine_id, wanted),
+                                 compat=self.compat, hmac_key=self._key)
+        # A refused TCP connect is definitive and costs microseconds; without this
+        # check a dead prefill would cost every attempt's full timeout. Handshakes
+        # are cached by the caller, so the extra connect is paid once per peer.
+        why_not = connect_error(host, port, min(timeout, PROBE_TIMEOUT_S))
+        if why_not is not None and "timed out" not in why_not:
+            raise PeerUnreachable(f"cannot connect to {address}: {why_not}", peer=address,
+                                  expected="a listening side channel", found=why_not)
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            frames = self._exchange(host, address, request, timeout)
+            if frames is not None:
+                return self._parse(frames, address, wanted)
+            log.info("handshake with %s: no answer within %g s (attempt %d of %d)", address,
+                     timeout, attempt + 1, retries + 1)
+        why = ("something accepts connections there but did not answer"
+               if connect_error(host, port, min(timeout, PROBE_TIMEOUT_S)) is None
+               else "nothing accepts connections there")
+        raise HandshakeTimeout(f"no answer from {address} within {timeout:g} s on any of "
+                               f"{retries + 1} attempts ({why})", peer=address,
+                               expected=f"an answer within {timeout:g} s", found=why)
+
+    def release(self, host: str, port: int, lease_id: str, reason: str, *,
+                timeout: float = RELEASE_TIMEOUT_S) -> bool:
+        """Tell the prefill listening at ``host:port`` that lease ``lease_id`` will not
+        be read; True when it held that lease, False when it did not (nothing changed).
+
+        One attempt of at most ``timeout`` seconds (a lost release only means the
+        lease runs until its TTL, so it is not worth retrying). ``reason`` is
+        truncated to MAX_RELEASE_REASON_CHARS. The reply's compatibility hash is
+        not checked: the prefill may serve another model. Raises a
+        :class:`HandshakeError` naming the peer address on any failure
+        (:class:`PeerRefused` for an :class:`ErrorReply`).
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        if not timeout > 0:
+            raise ValueError(f"release timeout must be positive, got {timeout!r}")
+        if not 0 < port < 65536:
+            raise ValueError(f"release port must be in 1..65535, got {port!r}")
+        address = endpoint(host, port)
+        message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS])
+        request = encode_message(message, compat=self.compat, hmac_key=self._key)
+        why_not = connect_error(host, port, min(timeout, PROBE_TIMEOUT_S))
+        if why_not is not None and "timed out" not in why_not:
+            raise PeerUnreachable(f"cannot connect to {address}: {why_not}", peer=address,
+                                  expected="a listening side channel", found=why_not)
+        frames = self._exchange(host, address, request, timeout)
+        if frames is None:
+            raise HandshakeTimeout(f"no answer from {address} to the release of lease "
+                                   f"{lease_id!r} within {timeout:g} s", peer=address,
+                                   expected=f"an answer within {timeout:g} s",
+                                   found="no answer")
+        return self._parse_ack(frames, address, lease_id, ReleaseAck, "release").found
+
+    def renew(self, host: str, port: int, lease_id: str, *,
+              timeout: float = RELEASE_TIMEOUT_S, claim: bool = False) -> RenewAck:
+        """Ask the prefill at ``host:port`` to keep lease ``lease_id`` for another TTL
+        (with ``claim``: to claim it for this engine first, see :class:`RenewLease`).
+
+        One attempt of at most ``timeout`` seconds; the ack says whether the lease was
+        still held (and claimed by this engine) and for how long it now lasts. Raises
+        a :class:`HandshakeError` naming the peer address on any failure; without an
+        answer within :data:`PROBE_AFTER_S`, a refused TCP connect is reported at once
+        (:class:`PeerUnreachable`), so a dead prefill costs no full timeout.
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        address = endpoint(host, port)
+        request = encode_message(RenewLease(lease_id, self.engine_id, claim),
+                                 compat=self.compat, hmac_key=self._key)
+        frames = self._exchange(host, address, request, timeout, probe_port=port)
+        if frames is None:
+            raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
+                                   f"{lease_id!r} within {timeout:g} s", peer=address)
+        return self._parse_ack(frames, address, lease_id, RenewAck, "renewal")
+
+    def close(self) -> None:
+        """Release the ZMQ context (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._ctx.term()
+
+    def __enter__(self) -> HandshakeClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _exchange(self, host: str, address: str, request: bytes, timeout: float, *,
+                  probe_port: int | None = None) -> list[bytes] | None:
+        """One attempt on a fresh DEALER: the reply frames, or None after ``timeout``.
+
+        With ``probe_port``, no answer within :data:`PROBE_AFTER_S` is explained by a TCP
+        connect, and one that is refused raises :class:`PeerUnreachable` (free when the
+        peer answers, unlike a probe before every request)."""
+        sock = new_socket(self._ctx, zmq.DEALER, host, MAX_RESPONSE_BYTES)
+        try:
+            try:
+                sock.connect(address)
+                sock.send(request, zmq.NOBLOCK)  # queued until the connection is up
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"cannot send a handshake request to {address}: {exc}",
+                                     peer=address) from exc
+            wait_ms = max(1, round(timeout * 1000))
+            if probe_port is not None and wait_ms > PROBE_AFTER_S * 1000:
+                early = round(PROBE_AFTER_S * 1000)
+                if sock.poll(early, zmq.POLLIN):
+                    return sock.recv_multipart()
+                wait_ms -= early
+                why_not = connect_error(host, probe_port, PROBE_TIMEOUT_S)
+                if why_not is not None and "timed out" not in why_not:
+                    raise PeerUnreachable(f"cannot connect to {address}: {why_not}",
+                                          peer=address, expected="a listening side channel",
+                                          found=why_not)
+            if not sock.poll(wait_ms, zmq.POLLIN):
+                return None
+            return sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+
+    def _parse(self, frames: list[bytes], address: str,
+               ranks: Sequence[int]) -> MetadataResponse:
+        if len(frames) != 1:
+            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
+                                   expected=1, found=len(frames))
+        envelope = decode_envelope(frames[0], expected_hash=self._hash, peer=address,
+                                   hmac_key=self._key, local_compat=self.compat,
+                                   replay=self._replay)
+        if envelope.kind is MessageKind.ERROR_REPLY:
+            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address)
+        response = decode_payload(envelope, MetadataResponse, peer=address)
+        return check_response(response, ranks, peer=address)
+
+    def _parse_ack(self, frames: list[bytes], address: str, lease_id: str,
+                   kind: type[_Ack], what: str) -> _Ack:
+        """The ``kind`` ack of lease ``lease_id`` in a reply; a refusal or anything else
+        raises, naming ``what`` ("release", "renewal") and the peer."""
+        if len(frames) != 1:
+            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
+                                   expected=1, found=len(frames))
+        envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
+                                   hmac_key=self._key, replay=self._replay)
+        if envelope.kind is MessageKind.ERROR_REPLY:
+            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
+                              what=f"the {what} of lease {lease_id!r}")
+        ack = decode_payload(envelope, kind, peer=address)
+        if ack.lease_id != lease_id:
+            raise MalformedMessage(f"{what} ack", f"it acknowledges lease {ack.lease_id!r}, "
+                                                  f"not {lease_id!r}", peer=address,
+                                   expected=lease_id, found=ack.lease_id)
+        return ack

@@ -1,0 +1,164 @@
+"""Decode side: :class:`ReleaseSender` sends releases, renewals and claims from one
+background thread, so that no caller waits on a peer."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvxfer.transfer.side_channel.client import RELEASE_TIMEOUT_S, HandshakeClient
+from kvxfer.transfer.side_channel.sockets import (
+    JOIN_TIMEOUT_S,
+    POLL_INTERVAL_S,
+    PROBE_TIMEOUT_S,
+    endpoint,
+)
+from kvxfer.wire.errors import HandshakeError
+from kvxfer.wire.messages import RenewAck
+
+log = logging.getLogger(__name__)
+
+RELEASE_QUEUE = 1024          # releases waiting to be sent; more are dropped (and logged)
+RELEASE_DRAIN_S = 1.0         # how long ReleaseSender.close() keeps sending what is queued
+
+
+@dataclass(frozen=True)
+class _Renewal:
+    """A queued renewal (or claim) and whom to tell how it went."""
+
+    done: Callable[[RenewAck | None, float, str], None]
+    claim: bool
+
+
+class ReleaseSender:
+    """Decode side: sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
+
+    :meth:`submit` only queues (thread-safe, never blocks), so the engine-loop
+    thread and HTTP handlers can call it. Releases are best effort: at most
+    ``max_queued`` wait (further ones are dropped), each gets one attempt of
+    ``timeout`` seconds, and failures are only logged; a lost release means the
+    prefill frees the blocks at lease expiry instead. :meth:`close` keeps
+    sending what is queued for at most ``drain_s`` seconds, then drops the rest
+    and stops the thread. ``sent``, ``dropped`` and ``failed`` count outcomes
+    (``sent``: the prefill answered, whether or not it held the lease). The
+    sender owns ``client`` and closes it in :meth:`close`.
+    """
+
+    _STOP = object()
+
+    def __init__(self, client: HandshakeClient, *, timeout: float = RELEASE_TIMEOUT_S,
+                 max_queued: int = RELEASE_QUEUE, drain_s: float = RELEASE_DRAIN_S) -> None:
+        self._client, self._timeout, self._drain_s = client, timeout, drain_s
+        self._queue: queue.Queue[object] = queue.Queue(max_queued)
+        self._give_up_at: float | None = None  # set by close(): drop what is still queued then
+        self._closed = False
+        self.sent = self.dropped = self.failed = 0
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvxfer-release-{client.engine_id}")
+        self._thread.start()
+
+    def submit(self, host: str, port: int, lease_id: str, reason: str) -> bool:
+        """Queue one release; False (logged) when closed or the queue is full."""
+        if self._closed:
+            log.info("release of lease %s at %s not sent: the sender is closed", lease_id,
+                     endpoint(host, port))
+            return False
+        try:
+            self._queue.put_nowait((host, port, lease_id, reason))
+        except queue.Full:
+            self.dropped += 1
+            log.warning("release of lease %s at %s dropped: %d releases already wait; the "
+                        "prefill frees it at lease expiry", lease_id, endpoint(host, port),
+                        self._queue.maxsize)
+            return False
+        return True
+
+    def submit_renew(self, host: str, port: int, lease_id: str,
+                     done: Callable[[RenewAck | None, float, str], None], *,
+                     claim: bool = False) -> bool:
+        """Queue one renewal or claim (:meth:`HandshakeClient.renew`); ``done(ack,
+        sent_at, why)`` is called on the sender's thread with the ack (None on failure),
+        the monotonic time it was sent and, unless renewed, why not. False (and no call)
+        when closed or the queue is full."""
+        if self._closed:
+            return False
+        try:
+            self._queue.put_nowait((host, port, lease_id, _Renewal(done, claim)))
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
+    def close(self) -> None:
+        """Send what is queued for at most ``drain_s`` s, then stop the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._give_up_at = time.monotonic() + self._drain_s
+        # When the queue is full the thread drains it (fast past the deadline), then
+        # finds it empty and stops.
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(self._STOP)
+        self._thread.join(self._drain_s + self._timeout + PROBE_TIMEOUT_S + JOIN_TIMEOUT_S)
+        if self._thread.is_alive():  # its socket is still open: leave the context alone
+            log.error("release sender of %s did not stop", self._client.engine_id)
+            return
+        self._client.close()
+
+    def _run(self) -> None:
+        while True:
+            try:  # the timeout only matters when close() found the queue full
+                item = self._queue.get(timeout=POLL_INTERVAL_S if self._closed else None)
+            except queue.Empty:
+                return
+            if item is self._STOP:
+                return
+            assert isinstance(item, tuple)
+            host, port, lease_id, reason = item
+            if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+                self.dropped += 1
+                log.info("release of lease %s at %s dropped: shutting down", lease_id,
+                         endpoint(host, port))
+                continue
+            if isinstance(reason, _Renewal):
+                self._send_renew(host, port, lease_id, reason)
+            else:
+                self._send(host, port, lease_id, reason)
+
+    def _send_renew(self, host: str, port: int, lease_id: str, renewal: _Renewal) -> None:
+        sent_at, done = time.monotonic(), renewal.done
+        try:
+            got = self._client.renew(host, port, lease_id, timeout=self._timeout,
+                                     claim=renewal.claim)
+            ack: RenewAck | None = got
+            why = "" if got.found else (got.reason or "the prefill no longer holds it")
+        except Exception as exc:  # the thread must survive anything
+            ack, why = None, str(exc)
+            log.warning("could not renew lease %s at %s: %s", lease_id, endpoint(host, port),
+                        exc)
+        try:
+            done(ack, sent_at, why)
+        except Exception:
+            log.exception("the renewal callback of lease %s failed", lease_id)
+
+    def _send(self, host: str, port: int, lease_id: str, reason: str) -> None:
+        try:
+            found = self._client.release(host, port, lease_id, reason, timeout=self._timeout)
+        except (HandshakeError, ValueError, RuntimeError) as exc:
+            self.failed += 1
+            log.warning("could not release lease %s: %s (the prefill frees it at lease "
+                        "expiry)", lease_id, exc)
+            return
+        except Exception:  # the thread must survive anything
+            self.failed += 1
+            log.exception("releasing lease %s at %s failed unexpectedly", lease_id,
+                          endpoint(host, port))
+            return
+        self.sent += 1
+        log.info("released lease %s at %s (%s): %s", lease_id, endpoint(host, port), reason,
+                 "freed" if found else "it was not held (ended already)")

@@ -1,0 +1,145 @@
+"""The envelope of every side-channel message: encoding, signing and two-phase decoding.
+
+Pure: msgspec and the standard library only, no I/O. ``kvxfer.transfer.side_channel``
+moves these bytes over ZMQ.
+
+A handshake message on the wire is ``MAGIC`` followed by the msgpack map of an
+:class:`Envelope`, whose ``payload`` is the msgpack map of one message
+(:mod:`kvxfer.wire.messages`: :class:`MetadataRequest`, :class:`MetadataResponse`,
+:class:`ReleaseLease`, :class:`ReleaseAck`, :class:`RenewLease`, :class:`RenewAck` or
+:class:`ErrorReply`). Decoding is two-phase and strict: :func:`decode_envelope` checks
+the magic, the protocol version, the envelope's shape, the signature and the
+compatibility hash before anything else is looked at; :func:`decode_payload` then
+decodes the inner message into its declared type. Nothing is decoded into untyped dicts.
+
+A release carries no KV metadata, so its compatibility hash is not checked
+(:data:`~kvxfer.wire.messages.HASH_FREE_KINDS`): a decode of another model, whose
+handshake was refused for that very reason, must still be able to release. A renewal
+is hash-free like a release. Magic, version, shape and signature are checked as for
+every message.
+
+With a shared key every envelope is signed (HMAC-SHA256, compared in constant time) and
+carries a timestamp and a random nonce, and a receiver refuses stale or repeated ones
+(:mod:`kvxfer.wire.replay`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+
+import msgspec
+
+from kvxfer.wire import version
+from kvxfer.wire.compat import CompatInfo, compat_diff, compat_hash
+from kvxfer.wire.errors import BadSignature, HashMismatch, MalformedMessage
+from kvxfer.wire.framing import ENCODER, UNKNOWN_PEER, check_version, decode_strict, sign
+from kvxfer.wire.messages import HASH_FREE_KINDS, KIND_OF, Message, MessageKind, MessageT
+from kvxfer.wire.replay import NONCE_BYTES, ReplayGuard
+from kvxfer.wire.version import MAGIC
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The outer frame of every handshake message; on the wire it follows :data:`MAGIC`.
+
+    ``signature`` is HMAC-SHA256 with the shared key over every other field
+    (see :func:`_signed_bytes`), absent when the sender has no key. ``sender``
+    is the sender's :class:`CompatInfo`, so that a hash mismatch can name the
+    fields that differ. A signed envelope carries ``timestamp`` (seconds since
+    the epoch, the sender's clock) and a random 16-byte ``nonce``, so that a
+    receiver can refuse replays (:class:`ReplayGuard`).
+    """
+
+    version: int
+    compat_hash: str
+    kind: MessageKind
+    payload: bytes
+    signature: bytes | None = None
+    sender: CompatInfo | None = None
+    timestamp: float = 0.0
+    nonce: bytes = b""
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+_PAYLOADS: dict[type[msgspec.Struct], msgspec.msgpack.Decoder[msgspec.Struct]] = {
+    t: msgspec.msgpack.Decoder(t) for t in KIND_OF
+}
+_FRESHNESS = ReplayGuard(remember=False)  # a caller without a guard still refuses stale ones
+
+
+def _signed_bytes(envelope: Envelope) -> bytes:
+    """What the HMAC covers: the magic and every envelope field except the signature."""
+    return MAGIC + ENCODER.encode((envelope.version, envelope.compat_hash, envelope.kind.value,
+                                    envelope.payload, envelope.sender, envelope.timestamp,
+                                    envelope.nonce))
+
+
+def encode_message(message: Message, *, compat: CompatInfo, hmac_key: bytes | None = None,
+                   include_compat: bool = True) -> bytes:
+    """The wire bytes of ``message``: magic, envelope, payload; signed when a key is given.
+
+    ``include_compat`` sends this side's :class:`CompatInfo` along, so a peer
+    with a different hash can say which fields differ.
+    """
+    kind = KIND_OF[type(message)]
+    payload = ENCODER.encode(message)
+    sender = compat if include_compat else None
+    envelope = Envelope(version.KVXFER_PROTOCOL_VERSION, compat_hash(compat), kind, payload,
+                        None, sender)
+    if hmac_key is not None:
+        envelope = msgspec.structs.replace(envelope, timestamp=time.time(),
+                                           nonce=os.urandom(NONCE_BYTES))
+        envelope = msgspec.structs.replace(envelope,
+                                           signature=sign(hmac_key, _signed_bytes(envelope)))
+    return MAGIC + ENCODER.encode(envelope)
+
+
+def decode_envelope(raw: bytes, *, expected_hash: str | None, peer: str,
+                    hmac_key: bytes | None = None,
+                    local_compat: CompatInfo | None = None,
+                    replay: ReplayGuard | None = None) -> Envelope:
+    """Phase one of decoding a handshake message; the payload stays undecoded.
+
+    Checks, in order: magic, version, the envelope's shape, the signature (when
+    ``hmac_key`` is set; without a key, signatures are ignored), its freshness
+    (with a key: the timestamp within :data:`MAX_MESSAGE_AGE_S`, and with
+    ``replay`` a nonce never seen before), and the compatibility hash against
+    ``expected_hash``. The hash is not checked for
+    :data:`HASH_FREE_KINDS`, nor when ``expected_hash`` is None (a caller that
+    expects only a reply to a release, which may come from another model). With
+    ``local_compat`` a hash mismatch names the differing fields. ``peer`` is
+    only used in messages.
+    """
+    body = check_version(raw, "envelope", peer)
+    envelope = decode_strict(_ENVELOPE, body, "envelope", peer)
+    if hmac_key is not None:
+        want = sign(hmac_key, _signed_bytes(envelope))
+        if envelope.signature is None or not hmac.compare_digest(want, envelope.signature):
+            raise BadSignature(envelope.signature, peer=peer)
+        (replay or _FRESHNESS).check(envelope.nonce, envelope.timestamp, peer=peer)
+    sender = envelope.sender
+    if sender is not None and compat_hash(sender) != envelope.compat_hash:
+        raise MalformedMessage("envelope", f"its compat_hash {envelope.compat_hash} is not the "
+                                           f"hash of the CompatInfo it carries", peer=peer)
+    if (expected_hash is not None and envelope.kind not in HASH_FREE_KINDS
+            and envelope.compat_hash != expected_hash):
+        differing = None
+        if sender is not None and local_compat is not None:
+            differing = compat_diff(local_compat, sender)
+        raise HashMismatch(expected_hash, envelope.compat_hash, peer=peer, differing=differing)
+    return envelope
+
+
+def decode_payload(envelope: Envelope, kind: type[MessageT], *,
+                   peer: str = UNKNOWN_PEER) -> MessageT:
+    """Phase two: decode the payload strictly as ``kind``, which must match the envelope's."""
+    want = KIND_OF[kind]
+    if envelope.kind is not want:
+        raise MalformedMessage("message", f"expected a {want.value}, found a "
+                                          f"{envelope.kind.value}", peer=peer,
+                               expected=want, found=envelope.kind)
+    message = decode_strict(_PAYLOADS[kind], envelope.payload, want.value, peer)
+    assert isinstance(message, kind)
+    return message
+

@@ -1,0 +1,216 @@
+"""The messages of the side channel, each a strict msgspec Struct, and their kinds.
+
+Two exchanges share the side channel: metadata (decode asks with a
+:class:`MetadataRequest`, prefill answers with its ranks' NIXL metadata in a
+:class:`MetadataResponse`) and leases (a decode that will not read a lease tells
+the prefill with a :class:`ReleaseLease`, which frees the blocks at once instead of
+at lease expiry; one still waiting to read claims or renews it with a
+:class:`RenewLease`). A refusal is an :class:`ErrorReply`. An envelope
+(:mod:`kvxfer.wire.envelope`) names its payload's :class:`MessageKind`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+
+from kvxfer.wire.errors import ErrorCode, MalformedMessage, require
+from kvxfer.wire.metadata import AgentMetadata
+
+
+class MessageKind(str, enum.Enum):
+    """What an envelope's payload holds."""
+
+    METADATA_REQUEST = "metadata_request"
+    METADATA_RESPONSE = "metadata_response"
+    RELEASE = "release"
+    RELEASE_ACK = "release_ack"
+    RENEW = "renew"
+    RENEW_ACK = "renew_ack"
+    ERROR_REPLY = "error_reply"
+
+
+HASH_FREE_KINDS: frozenset[MessageKind] = frozenset({
+    MessageKind.RELEASE, MessageKind.RELEASE_ACK, MessageKind.RENEW, MessageKind.RENEW_ACK})
+"""Kinds whose compatibility hash :func:`decode_envelope` does not check: they carry
+no KV metadata, only a lease id, so two instances of different models may exchange
+them (a decode whose handshake was refused for a model mismatch still releases)."""
+
+
+class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: send me the metadata of these prefill TP ranks (unique, >= 0)."""
+
+    requester_engine_id: str
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        require(bool(self.requester_engine_id),
+                "MetadataRequest.requester_engine_id must not be empty")
+        require(bool(self.ranks), "MetadataRequest.ranks must not be empty")
+        require(all(r >= 0 for r in self.ranks),
+                f"MetadataRequest.ranks must not be negative, got {list(self.ranks)}")
+        require(len(set(self.ranks)) == len(self.ranks),
+                f"MetadataRequest.ranks has duplicates: {list(self.ranks)}")
+
+
+class MetadataResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: one :class:`AgentMetadata` per requested rank, in request order.
+
+    Every entry has this response's ``engine_id`` and ``tp_size``, each rank
+    appears once, and all ranks share one block size, kernel block size and layout.
+    """
+
+    engine_id: str
+    tp_size: int
+    ranks: tuple[AgentMetadata, ...]
+
+    def __post_init__(self) -> None:
+        require(bool(self.ranks), "MetadataResponse.ranks must not be empty")
+        for meta in self.ranks:
+            require(meta.engine_id == self.engine_id,
+                    f"rank {meta.tp_rank} belongs to engine {meta.engine_id!r}, the response "
+                    f"to engine {self.engine_id!r}")
+            require(meta.tp_size == self.tp_size,
+                    f"rank {meta.tp_rank} says TP size {meta.tp_size}, the response says "
+                    f"{self.tp_size}")
+        numbers = [m.tp_rank for m in self.ranks]
+        require(len(set(numbers)) == len(numbers), f"ranks repeat in the response: {numbers}")
+        first = self.ranks[0]
+        for meta in self.ranks[1:]:
+            require((meta.block_size, meta.layout) == (first.block_size, first.layout),
+                    f"rank {meta.tp_rank} has block size {meta.block_size} and layout "
+                    f"{meta.layout}, rank {first.tp_rank} has {first.block_size} and "
+                    f"{first.layout}")
+            require(meta.kernel_ratio == first.kernel_ratio,
+                    f"rank {meta.tp_rank} splits each block into {meta.kernel_ratio} kernel "
+                    f"blocks, rank {first.tp_rank} into {first.kernel_ratio}")
+
+
+MAX_LEASE_ID_CHARS = 1024  # a request id (<= 200 characters) plus "@<serial>", with room
+MAX_RELEASE_REASON_CHARS = 1024  # senders truncate; the reason is only logged
+
+
+class ReleaseLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: the decode will not read lease ``lease_id``; free its blocks now.
+
+    ``lease_id`` is the ``remote_request_id`` of the prefill's ``kv_transfer_params``
+    (unique per prefill engine, so a release can never end another lease).
+    ``reason`` is free text for the prefill's log (e.g. why the decode refused
+    the request). Sent only when no NIXL "done" notification will come.
+    """
+
+    lease_id: str
+    requester_engine_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        require(bool(self.lease_id), "ReleaseLease.lease_id must not be empty")
+        require(len(self.lease_id) <= MAX_LEASE_ID_CHARS,
+                f"ReleaseLease.lease_id has {len(self.lease_id)} characters, at most "
+                f"{MAX_LEASE_ID_CHARS} are allowed")
+        require(bool(self.requester_engine_id),
+                "ReleaseLease.requester_engine_id must not be empty")
+        require(len(self.reason) <= MAX_RELEASE_REASON_CHARS,
+                f"ReleaseLease.reason has {len(self.reason)} characters, at most "
+                f"{MAX_RELEASE_REASON_CHARS} are allowed")
+
+
+class ReleaseAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the answer to a :class:`ReleaseLease`.
+
+    ``found`` is True when the prefill held lease ``lease_id`` as the release
+    arrived (it ends on the prefill's next engine-loop iteration), False when
+    no such lease is held (ended already, or never existed): nothing changed.
+    """
+
+    lease_id: str
+    found: bool
+
+    def __post_init__(self) -> None:
+        require(bool(self.lease_id), "ReleaseAck.lease_id must not be empty")
+
+
+class RenewLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: the decode will still read lease ``lease_id`` (it waits, e.g.
+    for free blocks, or reads); keep it for another lease TTL.
+
+    With ``claim`` it is the decode's claim, sent once before its first READ: the
+    prefill grants it only to the first engine that claims a held lease, and
+    renews a lease only for its claimer, so params sent to a second decode (or to
+    a restarted one, which has a new engine id) are never read.
+    """
+
+    lease_id: str
+    requester_engine_id: str
+    claim: bool = False
+
+    def __post_init__(self) -> None:
+        require(bool(self.lease_id), "RenewLease.lease_id must not be empty")
+        require(len(self.lease_id) <= MAX_LEASE_ID_CHARS,
+                f"RenewLease.lease_id has {len(self.lease_id)} characters, at most "
+                f"{MAX_LEASE_ID_CHARS} are allowed")
+        require(bool(self.requester_engine_id),
+                "RenewLease.requester_engine_id must not be empty")
+
+
+class RenewAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the answer to a :class:`RenewLease`.
+
+    ``found`` is True when the lease was held (and, for a claim or a renewal,
+    claimed by the requester) and now lasts ``expires_in`` seconds from when the
+    prefill answered; False when it had ended, was claimed by another engine or
+    reached its maximum age (the decode must not read it): ``reason`` says which.
+    """
+
+    lease_id: str
+    found: bool
+    expires_in: float
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        require(bool(self.lease_id), "RenewAck.lease_id must not be empty")
+        require(self.expires_in >= 0,
+                f"RenewAck.expires_in must not be negative, got {self.expires_in}")
+
+
+class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the request was refused; ``message`` names the reason."""
+
+    code: ErrorCode
+    message: str
+
+
+Message = (MetadataRequest | MetadataResponse | ReleaseLease | ReleaseAck | RenewLease
+           | RenewAck | ErrorReply)
+MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ReleaseLease, ReleaseAck,
+                   RenewLease, RenewAck, ErrorReply)
+
+KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
+    MetadataRequest: MessageKind.METADATA_REQUEST,
+    MetadataResponse: MessageKind.METADATA_RESPONSE,
+    ReleaseLease: MessageKind.RELEASE,
+    ReleaseAck: MessageKind.RELEASE_ACK,
+    RenewLease: MessageKind.RENEW,
+    RenewAck: MessageKind.RENEW_ACK,
+    ErrorReply: MessageKind.ERROR_REPLY,
+}
+"""The kind each message type travels as."""
+
+
+def check_response(response: MetadataResponse, ranks: Sequence[int], *,
+                   peer: str) -> MetadataResponse:
+    """Check that ``response`` holds exactly the requested ``ranks``, each once; return it.
+
+    The response's internal consistency (engine ids, TP size, unique ranks) was
+    checked when it was decoded.
+    """
+    found = tuple(m.tp_rank for m in response.ranks)
+    if sorted(found) != sorted(ranks):
+        raise MalformedMessage("metadata response",
+                               f"it holds ranks {list(found)} but ranks {list(ranks)} were "
+                               f"requested", peer=peer, expected=tuple(ranks), found=found)
+    return response
+
