@@ -32,7 +32,7 @@ def test_the_import_contracts_hold() -> None:
     assert "0 broken" in done.stdout, done.stdout
 
 
-# (module that gets the import, what it imports, the contract that must then break)
+# (module that gets the import, what it imports, words of the contract that must then break)
 WRONG_IMPORTS = [
     ("kvxfer/plan/layout.py", "kvxfer.wire.envelope", "layers"),
     ("kvxfer/plan/regions.py", "kvxfer.engine.sampler", "layers"),
@@ -45,6 +45,10 @@ WRONG_IMPORTS = [
     ("proxy/errors.py", "kvxfer.transfer.threads", "the proxy shares only kvxfer.net"),
     ("kvxfer/sidecar/metrics.py", "proxy.errors", "only the top reaches the proxy"),
     ("kvxfer/engine/sampler.py", "kvxfer.engine.scheduler", "no import circle"),
+    ("kvxfer/plan/layout.py", "vllm", "the pure layers and the engine import neither"),
+    ("kvxfer/wire/tickets.py", "zmq", "the pure layers and the engine import neither"),
+    ("kvxfer/transfer/threads.py", "zmq", "ZMQ only in transfer/side_channel"),
+    ("kvxfer/sidecar/metrics.py", "vllm", "ZMQ only in transfer/side_channel"),
 ]
 
 
@@ -62,7 +66,7 @@ def test_a_wrong_import_breaks_a_contract(tmp_path: Path, module: str, imported:
     done = lint_imports(tmp_path)
     assert done.returncode != 0, f"adding `import {imported}` to {module} broke no contract"
     summary, _, broken = done.stdout.partition("Broken contracts")
-    assert any(line.startswith(contract) and line.endswith("BROKEN")
+    assert any(contract in line and " BROKEN" in line
                for line in summary.splitlines()), done.stdout
     if contract != "no import circle":  # (which names the cycle's edges, not the importer)
         assert module.removesuffix(".py").replace("/", ".") in broken, done.stdout
