@@ -25,7 +25,8 @@ from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
 from kvxfer.sidecar.connector import KVConnector
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.transfer.worker import PollResult, ReadStats, RemoteParams
+from kvxfer.transfer.worker import PollResult, ReadStats
+from kvxfer.wire.params import RemoteParams
 
 HOST = "127.0.0.1"
 TTL = 0.4

@@ -34,7 +34,7 @@ from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, prefill_body
 from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import AbortOutcome, KVConnector
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.transfer.worker import RemoteParams
+from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.protocol import CompatInfo
 from proxy.contract import decode_request, parse_prefill_answer
 

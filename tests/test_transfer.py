@@ -690,14 +690,14 @@ def test_malformed_params_raise_before_anything_starts(pair: tuple) -> None:
     (32, 0, 16, (0,))])            # a prompt shorter than one prefill block
 def test_params_narrow_to_the_prefill_blocks_holding_a_token_range(
         remote_size: int | None, start: int, end: int, ids: tuple[int, ...]) -> None:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     params = RemoteParams("e", "h", 1, tuple(range(10)), "r", 1, remote_block_size=remote_size)
     assert params.tokens(start, end, 16).remote_block_ids == ids
 
 
 def test_params_refuse_a_token_range_the_lease_cannot_serve() -> None:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     params = RemoteParams("e", "h", 1, (0, 1, 2), "r", 1, remote_block_size=32)
     with pytest.raises(ValueError, match="the first 16 tokens, which end inside a 32-token "

@@ -33,7 +33,7 @@ from kvxfer.sidecar.connector import KVConnector, compat_info
 from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
 from kvxfer.transfer.handshake import FAILURE_REASONS, HandshakeListener
 from kvxfer.transfer.nixl_agent import NixlAgent
-from kvxfer.transfer.worker import RemoteParams
+from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.protocol import ReadDone, encode_notif
 
 HOST = "127.0.0.1"

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from kvxfer.net.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_key, mode_problem
-from kvxfer.transfer.worker import RemoteParams
 from kvxfer.wire import protocol
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
+from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.protocol import (
     MAGIC,
     BadSignature,

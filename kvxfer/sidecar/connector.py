@@ -34,7 +34,7 @@ Prefill role (who calls what):
 Decode role:
 
 * the loop calls :meth:`add_remote` with already validated
-  :class:`~kvxfer.transfer.worker.RemoteParams`. It first checks the lease
+  :class:`~kvxfer.wire.params.RemoteParams`. It first checks the lease
   (:class:`~kvxfer.wire.lease_book.LeaseBook`: not expired, ticket valid with the key,
   never claimed here before) or refuses it, then claims it at the prefill
   (``RenewLease(claim=True)``, from the renewer thread); a later :meth:`poll`
@@ -100,7 +100,8 @@ from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
     from kvxfer.transfer.handshake import HandshakeListener, ReleaseSender
-    from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
+    from kvxfer.transfer.worker import ReadStats, TransferWorker
+    from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from kvxfer.engine import Logprob, RequestOutput, SamplingParams, Tokenizer
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # the engine's top-k limit
@@ -411,7 +411,7 @@ def _one_prompt(prompts: list[list[int]]) -> None:
 
 
 def _remote_params(kv: dict[str, Any], num_tokens: int, block_size: int) -> RemoteParams:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     try:
         remote = RemoteParams.parse(kv)
@@ -453,11 +453,11 @@ def unread_lease(raw: bytes, role: str) -> RemoteParams | None:
 
     For the decode role only, and only when the body is a JSON object whose
     ``kv_transfer_params`` say ``do_remote_prefill: true`` and parse as
-    :class:`~kvxfer.transfer.worker.RemoteParams`; None otherwise (nothing to release,
+    :class:`~kvxfer.wire.params.RemoteParams`; None otherwise (nothing to release,
     or no side channel to release it over). The rest of the body is not
     looked at: it may be the very reason the request was refused.
     """
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     if role != "decode":
         return None

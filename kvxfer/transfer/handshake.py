@@ -41,6 +41,7 @@ from typing import TypeVar
 
 import zmq
 
+from kvxfer.net.hosts import endpoint
 from kvxfer.wire.protocol import (
     AUTH_FAILED,
     MAX_RELEASE_REASON_CHARS,
@@ -132,11 +133,6 @@ def failure_reason(exc: HandshakeError) -> str:
     if isinstance(exc, BadSignature):
         return "auth"
     return "malformed" if isinstance(exc, ProtocolError) else "error"
-
-
-def endpoint(host: str, port: int) -> str:
-    """``tcp://host:port``, with IPv6 literals bracketed."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _new_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, host: str,

@@ -70,7 +70,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -97,9 +97,10 @@ from kvxfer.transfer.converted.host_reads import (
 from kvxfer.transfer.converted.mapped_reads import MappedRead, map_prefill, shared_regions
 from kvxfer.transfer.converted.shared_staging import SHARED_STAGING, StagedMeeting, Target
 from kvxfer.transfer.converted.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
-from kvxfer.transfer.handshake import HandshakeClient, HandshakeError, endpoint, failure_reason
+from kvxfer.transfer.handshake import HandshakeClient, HandshakeError, failure_reason
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.transfer.threads import run_all
+from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.protocol import (
     AgentMetadata,
     BadSignature,
@@ -109,7 +110,6 @@ from kvxfer.wire.protocol import (
     decode_notif,
     encode_notif,
 )
-from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims
 
 log = logging.getLogger(__name__)
 
@@ -134,111 +134,6 @@ def memory_kind(memory: Sequence[MemoryRegion], whose: str) -> bool:
 
 class TransferError(RuntimeError):
     """A read failed; the message names the peer and the reason."""
-
-
-MAX_BLOCK_ID = 2**63  # exclusive: block ids are int64 on the wire and in descriptors
-
-
-@dataclass(frozen=True)
-class RemoteParams:
-    """The vLLM-compatible ``kv_transfer_params`` a decode request carries."""
-
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_block_ids: tuple[int, ...]
-    remote_request_id: str
-    tp_size: int
-    # Optional for vLLM compatibility; a kvxfer decode refuses a lease without an expiry.
-    remote_num_tokens: int | None = None
-    lease_expires_at: float | None = None
-    lease_ticket: str | None = None
-    # The prefill's block size; absent (vLLM's params): the decode's own.
-    remote_block_size: int | None = None
-
-    @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> RemoteParams:
-        """Validate types strictly; ValueError names the offending key."""
-        if not isinstance(params, Mapping):
-            raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
-
-        def need(key: str, kind: type) -> Any:
-            if key not in params:
-                raise ValueError(f"kv_transfer_params.{key} is missing")
-            value = params[key]
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"kv_transfer_params.{key} must be {kind.__name__}, "
-                                 f"got {value!r}")
-            return value
-
-        for key in ("remote_engine_id", "remote_host", "remote_request_id"):
-            if not need(key, str):
-                raise ValueError(f"kv_transfer_params.{key} is empty")
-        port, tp = need("remote_port", int), need("tp_size", int)
-        if not 0 < port < 65536:
-            raise ValueError(f"kv_transfer_params.remote_port {port} is not a TCP port")
-        if tp <= 0:
-            raise ValueError(f"kv_transfer_params.tp_size must be positive, got {tp}")
-        ids = need("remote_block_ids", list)
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
-            raise ValueError("kv_transfer_params.remote_block_ids must be a list of integers")
-        # Block ids become int64 descriptor offsets: anything outside [0, 2**63) would wrap.
-        outside = next((b for b in ids if not 0 <= b < MAX_BLOCK_ID), None)
-        if outside is not None:
-            raise ValueError(f"kv_transfer_params.remote_block_ids holds {outside}, outside "
-                             f"[0, 2**63)")
-        if len(set(ids)) != len(ids):
-            raise ValueError("kv_transfer_params.remote_block_ids repeats a block id; each "
-                             "block of a prompt is a different block")
-        tokens, expires = params.get("remote_num_tokens"), params.get("lease_expires_at")
-        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)):
-            raise ValueError(f"kv_transfer_params.remote_num_tokens must be int, got {tokens!r}")
-        if expires is not None and (not isinstance(expires, int | float)
-                                    or isinstance(expires, bool)):
-            raise ValueError(f"kv_transfer_params.lease_expires_at must be a number of "
-                             f"seconds since the epoch, got {expires!r}")
-        ticket = params.get(TICKET_KEY)
-        if ticket is not None and not isinstance(ticket, str):
-            raise ValueError(f"kv_transfer_params.{TICKET_KEY} must be str, got {ticket!r}")
-        block_size = params.get("remote_block_size")
-        if block_size is not None and (not isinstance(block_size, int)
-                                       or isinstance(block_size, bool) or block_size <= 0):
-            raise ValueError(f"kv_transfer_params.remote_block_size must be a positive "
-                             f"integer, got {block_size!r}")
-        return cls(params["remote_engine_id"], params["remote_host"], port, tuple(ids),
-                   params["remote_request_id"], tp, tokens,
-                   None if expires is None else float(expires), ticket, block_size)
-
-    def claims(self) -> LeaseClaims:
-        """What the lease ticket must bind; ValueError when the params lack an expiry."""
-        if self.lease_expires_at is None:
-            raise ValueError("kv_transfer_params.lease_expires_at is missing: a decode only "
-                             "reads a lease whose end it knows")
-        return LeaseClaims(self.remote_engine_id, self.remote_host, self.remote_port,
-                           self.remote_request_id, self.remote_block_ids,
-                           -1 if self.remote_num_tokens is None else self.remote_num_tokens,
-                           self.tp_size, self.lease_expires_at)
-
-    @property
-    def address(self) -> str:
-        return endpoint(self.remote_host, self.remote_port)
-
-    def tokens(self, start: int, end: int, local_block_size: int) -> RemoteParams:
-        """These params narrowed to the prefill blocks that hold the prompt's tokens
-        ``[start, end)`` (a decode's prefix-cache hit skips the first ``start``; the
-        prefill's block size may differ from the decode's ``local_block_size``); ValueError
-        when ``start`` falls inside a prefill block or the lease holds too few blocks."""
-        size = self.remote_block_size or local_block_size
-        if start % size:
-            raise ValueError(f"the decode holds the first {start} tokens, which end inside "
-                             f"a {size}-token block of the prefill; a READ starts at a "
-                             f"prefill block")
-        first, last = start // size, -(-end // size)
-        if last > len(self.remote_block_ids):
-            raise ValueError(f"the prefill leased {len(self.remote_block_ids)} blocks of "
-                             f"{size} tokens, but the prompt's first {end} tokens need {last}: "
-                             f"the two instances disagree on the prompt or the block size")
-        return replace(self, remote_block_ids=self.remote_block_ids[first:last])
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
-from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
+from kvxfer.transfer.worker import ReadStats, TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
+from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.protocol import CompatInfo, RenewAck
 
 if TYPE_CHECKING:
