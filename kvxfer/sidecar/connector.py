@@ -249,15 +249,18 @@ class KVConnector:
             raise
 
     def _start_workers(self) -> None:
+        from kvxfer.transfer.converted.process_shares import ProcessShares
         from kvxfer.transfer.worker import TransferWorker
 
         compat = compat_info(self.engine)
+        shares = ProcessShares()  # the ranks run in this process: they share their reads
         for rank in range(self.engine.tp):
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
                                     total_kv_heads=self.engine.config.num_key_value_heads,
                                     read_lanes=self.read_lanes, hmac_key=self._key,
                                     nixl_backends=self.nixl_backends,
-                                    host_reads=self.host_reads, **self._read_deadlines())
+                                    host_reads=self.host_reads, shares=shares,
+                                    **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)

@@ -48,8 +48,10 @@ in registered host buffers, a converter thread places them into this rank's view
 "done" follows once every part landed; such a read waits behind earlier ones for
 staging space. Where the prefill rank is a process on this host and offers it, such a
 rank is host-read instead (:mod:`kvxfer.transfer.converted.host_reads`): its bytes are copied
-straight into their places on the worker thread, no staging, and "done" follows the copy. Each READ
-names both sides' memory kinds, as the handshake sent them.
+straight into their places on the worker thread, no staging, and "done" follows the copy. In-process
+sibling ranks share such reads through the ProcessShares handed to each of them (``shares``;
+a worker given none shares nothing). Each READ names both sides' memory kinds, as the
+handshake sent them.
 Everything a peer sends (metadata, block ids, notifications) is validated before
 use; a bad value fails that request only. With ``hmac_key`` every "done"
 notification is signed, and one that does not verify is ignored (logged, counted), so
@@ -87,7 +89,6 @@ from kvxfer.plan.regions import MemoryRegion, RegionPlan, distinct_views, plan_r
 from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.plan.topology import notify_plan, read_plan
 from kvxfer.transfer.converted.host_reads import (
-    SHARED,
     Canary,
     HostRead,
     HostReadError,
@@ -95,7 +96,8 @@ from kvxfer.transfer.converted.host_reads import (
     plan_host_read,
 )
 from kvxfer.transfer.converted.mapped_reads import MappedRead, map_prefill, shared_regions
-from kvxfer.transfer.converted.shared_staging import SHARED_STAGING, StagedMeeting, Target
+from kvxfer.transfer.converted.process_shares import ProcessShares
+from kvxfer.transfer.converted.shared_staging import StagedMeeting, Target
 from kvxfer.transfer.converted.staging_pool import Placement, StagedJob, StagedPiece, StagingPool
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeError, failure_reason
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
@@ -268,7 +270,7 @@ class TransferWorker:
                  handshake_retries: int = 2, read_timeout: float = 30.0,
                  hmac_key: bytes | None = None, read_lanes: int = 1,
                  nixl_backends: Sequence[str] = DEFAULT_BACKENDS,
-                 host_reads: bool = True) -> None:
+                 host_reads: bool = True, shares: ProcessShares | None = None) -> None:
         if read_lanes < 1:
             raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
@@ -277,6 +279,8 @@ class TransferWorker:
         self.handshake_timeout, self.handshake_retries = handshake_timeout, handshake_retries
         self.read_timeout = read_timeout
         self._key = hmac_key  # signs and verifies "done" notifications
+        # what this rank shares with its in-process siblings (given none: nothing)
+        self._shares = shares if shares is not None else ProcessShares()
         self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
         self._agent = NixlAgent(f"{engine_id}-rank{rank}", nixl_backends)
         self.read_lanes = read_lanes
@@ -368,8 +372,7 @@ class TransferWorker:
         self._wake.set()
         self._thread.join(timeout=10)
         for engine_id in list(self._peers):
-            SHARED.unregister(self.engine_id, engine_id, self.rank)
-            SHARED_STAGING.unregister(self.engine_id, engine_id, self.rank)
+            self._shares.leave(self.engine_id, engine_id, self.rank)
         for job in [*self._inflight, *(job for job, _ in self._staging_wait)]:
             for meeting in job.meetings:  # siblings stop waiting and writing here
                 meeting.end_share(self.rank, f"decode rank {self.rank} is closing")
@@ -680,7 +683,7 @@ class TransferWorker:
         alone = [StagedPiece(plan, local, remote, (Placement(plan, self._view_groups),))]
         if plan.remote_rank not in peer.shared:
             return alone
-        meeting = SHARED_STAGING.join(self.engine_id, peer.engine_id,
+        meeting = self._shares.staging.join(self.engine_id, peer.engine_id,
                                       job.remote.remote_request_id,
                                       Target(self.rank, plan, self._view_groups, self._wake),
                                       local, remote)
@@ -702,7 +705,7 @@ class TransferWorker:
         for runs, local_ids, remote_ids in job.host:
             try:
                 if isinstance(runs, HostRead):  # with its in-process siblings, where they come
-                    num_bytes, _, members = SHARED.copy(
+                    num_bytes, _, members = self._shares.copies.copy(
                         self.engine_id, peer.engine_id, job.remote.remote_request_id,
                         self.rank, runs, local_ids, remote_ids, self._lane_pool, threads)
                     copies = len(local_ids) * runs.runs_per_block
@@ -995,7 +998,7 @@ class TransferWorker:
                          plan.remote_rank, why)
                 continue
             try:
-                mapped = map_prefill(plan, self._view_groups, offer)
+                mapped = map_prefill(plan, self._view_groups, offer, self._shares.mappings)
             except Exception as exc:  # HostReadError, or anything else: read it otherwise
                 log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s", self.rank,
                          plan.remote_rank, type(exc).__name__, exc)
@@ -1040,14 +1043,13 @@ class TransferWorker:
                      shake.plans, shake.notify, kinds, shake.host)
         self._peers[peer.engine_id] = peer
         self._dead.pop(peer.engine_id, None)
-        for prefill_rank, runs in peer.host.items():  # in-process siblings share those copies
-            if isinstance(runs, HostRead):
-                SHARED.register(self.engine_id, peer.engine_id, prefill_rank, self.rank)
-        for plan in peer.staged():  # and the staged reads of pages that hold every head
-            if not plan.remote.heads_contiguous:
-                SHARED_STAGING.register(self.engine_id, peer.engine_id, plan.remote_rank,
-                                        self.rank)
-                peer.shared.add(plan.remote_rank)
+        # in-process siblings share host reads, and the staged reads of pages that hold
+        # every head
+        peer.shared = {plan.remote_rank for plan in peer.staged()
+                       if not plan.remote.heads_contiguous}
+        self._shares.join(self.engine_id, peer.engine_id, self.rank,
+                          [r for r, runs in peer.host.items() if isinstance(runs, HostRead)],
+                          sorted(peer.shared))
         log.info("rank %d connected to %s at %s (ranks %s)", self.rank, peer.engine_id,
                  peer.address, sorted(agents))
         return peer
@@ -1066,8 +1068,7 @@ class TransferWorker:
 
     def _drop_peer(self, engine_id: str) -> None:
         peer = self._peers.pop(engine_id, None)
-        SHARED.unregister(self.engine_id, engine_id, self.rank)
-        SHARED_STAGING.unregister(self.engine_id, engine_id, self.rank)
+        self._shares.leave(self.engine_id, engine_id, self.rank)
         if peer is not None:
             for name in peer.agents.values():
                 self._quietly_remove(name)
