@@ -25,7 +25,7 @@ from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
 from kvxfer.sidecar.connector import KVConnector
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener
-from kvxfer.transfer.worker import PollResult, ReadStats
+from kvxfer.transfer.results import PollResult, ReadStats
 from kvxfer.wire.params import RemoteParams
 
 HOST = "127.0.0.1"

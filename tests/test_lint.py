@@ -15,7 +15,9 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
               "kvxfer/engine/block_allocator.py", "kvxfer/transfer/converted/siblings.py",
               "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py",
-              "kvxfer/wire/params.py", "kvxfer/transfer/converted/process_shares.py")
+              "kvxfer/wire/params.py", "kvxfer/transfer/results.py", "kvxfer/transfer/leases.py",
+              "kvxfer/transfer/reads/path.py", "kvxfer/transfer/reads/read.py",
+              "kvxfer/transfer/converted/process_shares.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

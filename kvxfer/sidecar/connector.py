@@ -100,7 +100,8 @@ from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
     from kvxfer.transfer.handshake import HandshakeListener, ReleaseSender
-    from kvxfer.transfer.worker import ReadStats, TransferWorker
+    from kvxfer.transfer.results import ReadStats
+    from kvxfer.transfer.worker import TransferWorker
     from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)

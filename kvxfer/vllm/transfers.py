@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvxfer.transfer.handshake import HandshakeClient, HandshakeListener, ReleaseSender
-from kvxfer.transfer.worker import ReadStats, TransferWorker
+from kvxfer.transfer.results import ReadStats
+from kvxfer.transfer.worker import TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
