@@ -15,7 +15,7 @@ from test_release import prompt
 from test_transfer_metrics import PARAMS, TOKENS, Make, held, pump, value
 
 from kvxfer.transfer.nixl_agent import NixlAgent, NixlUnavailableError
-from kvxfer.transfer.worker import RemoteParams
+from kvxfer.wire.params import RemoteParams
 
 
 def test_a_shared_backend_is_enough_and_every_backend_is_advertised(make: Make) -> None:

@@ -27,7 +27,8 @@ from kvxfer.engine import SamplingParams
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
 from kvxfer.sidecar.connector import KVConnector
 from kvxfer.sidecar.engine_loop import EngineLoop, Sink, Submission
-from kvxfer.transfer.worker import PollResult, ReadStats, RemoteParams
+from kvxfer.transfer.results import PollResult, ReadStats
+from kvxfer.wire.params import RemoteParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 

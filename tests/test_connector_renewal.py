@@ -24,9 +24,10 @@ from test_release import compat_of_another_model
 from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
 from kvxfer.sidecar.connector import KVConnector
 from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.transfer.results import PollResult, ReadStats
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.transfer.worker import PollResult, ReadStats, RemoteParams
+from kvxfer.wire.params import RemoteParams
 
 HOST = "127.0.0.1"
 TTL = 0.4

@@ -20,9 +20,9 @@ from kvxfer.transfer.lease_client import (
     LeaseEnded,
     Readiness,
 )
-from kvxfer.transfer.worker import RemoteParams
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
 from kvxfer.wire.messages import RenewAck
+from kvxfer.wire.params import RemoteParams
 
 Done = Callable[[RenewAck | None, float, str], None]
 READ_TIMEOUT = 1.0

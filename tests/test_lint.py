@@ -20,7 +20,10 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/wire/version.py", "kvxfer/wire/errors.py",
               "kvxfer/wire/replay.py", "kvxfer/wire/compat.py", "kvxfer/wire/metadata.py",
               "kvxfer/wire/messages.py", "kvxfer/wire/framing.py", "kvxfer/wire/envelope.py",
-              "kvxfer/wire/notification.py")
+              "kvxfer/wire/notification.py",
+              "kvxfer/wire/params.py", "kvxfer/transfer/results.py", "kvxfer/transfer/leases.py",
+              "kvxfer/transfer/reads/path.py", "kvxfer/transfer/reads/read.py",
+              "kvxfer/transfer/converted/process_shares.py")
 
 
 def run_tool(module: str, paths: list[str]) -> None:

@@ -52,7 +52,7 @@ from sidecars import (
     disaggregated,
 )
 
-from kvxfer.transfer.worker import DEAD_PEER_S
+from kvxfer.transfer.peers import DEAD_PEER_S
 
 ROOT = Path(__file__).resolve().parent.parent
 IFACE = "kvx0"                  # the one interface of every "host" namespace

@@ -35,8 +35,8 @@ from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import AbortOutcome, KVConnector
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.transfer.worker import RemoteParams
 from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.params import RemoteParams
 from proxy.contract import decode_request, parse_prefill_answer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -398,7 +398,7 @@ def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess, lanes: in
     try:
         worker = decode.workers[0]
         kinds: list[tuple[object, object]] = []
-        for agent in (worker._agent, *worker._lanes):
+        for agent in (worker._agent, *(worker._lanes.agents if worker._lanes else ())):
             def recording_read(*args: object, _real: Any = agent.read, **kwargs: object) -> Any:
                 kinds.append((kwargs.get("local_is_cuda"), kwargs.get("remote_is_cuda")))
                 return _real(*args, **kwargs)
@@ -416,7 +416,8 @@ def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess, lanes: in
 
 def test_a_cache_of_two_memory_kinds_is_refused() -> None:
     from kvxfer.plan.regions import MemoryRegion
-    from kvxfer.transfer.worker import TransferError, memory_kind
+    from kvxfer.transfer.local_rank import memory_kind
+    from kvxfer.transfer.results import TransferError
 
     host, gpu = MemoryRegion(4096, 64, 0, False), MemoryRegion(8192, 64, 0, True)
     assert memory_kind([gpu, gpu], "x") is True and memory_kind([host], "x") is False
@@ -560,7 +561,7 @@ def test_a_converted_read_that_fails_fails_alone(prefill: PrefillProcess,
         _, failed = decode.wait(["lost"], timeout=20)
         assert "NIXL_ERR_REMOTE_DISCONNECT" in failed["lost"], failed
         monkeypatch.undo()
-        assert worker._staging_wait == [] and worker._inflight == []
+        assert worker._reads.staging_wait == [] and worker._reads.inflight == []
         deadline = time.monotonic() + 10
         while worker._staging.held and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -690,14 +691,14 @@ def test_malformed_params_raise_before_anything_starts(pair: tuple) -> None:
     (32, 0, 16, (0,))])            # a prompt shorter than one prefill block
 def test_params_narrow_to_the_prefill_blocks_holding_a_token_range(
         remote_size: int | None, start: int, end: int, ids: tuple[int, ...]) -> None:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     params = RemoteParams("e", "h", 1, tuple(range(10)), "r", 1, remote_block_size=remote_size)
     assert params.tokens(start, end, 16).remote_block_ids == ids
 
 
 def test_params_refuse_a_token_range_the_lease_cannot_serve() -> None:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     params = RemoteParams("e", "h", 1, (0, 1, 2), "r", 1, remote_block_size=32)
     with pytest.raises(ValueError, match="the first 16 tokens, which end inside a 32-token "

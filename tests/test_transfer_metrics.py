@@ -34,8 +34,8 @@ from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
 from kvxfer.transfer.nixl_agent import NixlAgent
 from kvxfer.transfer.side_channel.errors import FAILURE_REASONS
 from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.transfer.worker import RemoteParams
 from kvxfer.wire.notification import ReadDone, encode_notif
+from kvxfer.wire.params import RemoteParams
 
 HOST = "127.0.0.1"
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0)

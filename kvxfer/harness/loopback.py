@@ -112,6 +112,7 @@ class LoopbackInstance:
     def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
                host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
+        from kvxfer.transfer.converted.process_shares import ProcessShares
         from kvxfer.transfer.side_channel.listener import HandshakeListener
         from kvxfer.transfer.worker import TransferWorker
 
@@ -119,6 +120,7 @@ class LoopbackInstance:
         layout = parse_layout(cfg.layout)
         spec = cfg.spec()
         inst = cls(role, cfg, engine_id, [], [], [])
+        shares = ProcessShares()  # the instance's ranks are threads of this process
         # a prefill's cache in memory that a decode on this host may map (mapped_reads)
         shared = role == "prefill" and cfg.host_reads and cfg.shared_memory
         for rank in range(cfg.tp):
@@ -135,7 +137,7 @@ class LoopbackInstance:
             worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
                                     total_kv_heads=cfg.total_kv_heads,
                                     read_lanes=cfg.lanes_per_rank if role == "decode" else 1,
-                                    host_reads=cfg.host_reads)
+                                    host_reads=cfg.host_reads, shares=shares)
             worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
             inst.workers.append(worker)
             inst.caches.append(caches)

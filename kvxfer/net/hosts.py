@@ -37,6 +37,11 @@ def is_wildcard(host: str) -> bool:
     return host.strip() in WILDCARD_HOSTS
 
 
+def endpoint(host: str, port: int) -> str:
+    """``tcp://host:port``, with IPv6 literals bracketed (ZMQ's form of an address)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def bare_host(host: str) -> str:
     """``host`` without the brackets of an IPv6 literal (``[::1]`` -> ``::1``)."""
     host = host.strip()

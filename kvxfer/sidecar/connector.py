@@ -62,7 +62,8 @@ if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.transfer.lease_answers import LeaseAnswers
     from kvxfer.transfer.side_channel.listener import HandshakeListener
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
-    from kvxfer.transfer.worker import RemoteParams, TransferWorker
+    from kvxfer.transfer.worker import TransferWorker
+    from kvxfer.wire.params import RemoteParams
 
 __all__ = ["FAILURE_POLICIES", "ROLES", "AbortOutcome", "ConnectorEvents", "KVConnector",
            "compat_info", "dtype_name", "new_engine_id"]
@@ -155,15 +156,18 @@ class KVConnector:
             raise
 
     def _start_workers(self) -> None:
+        from kvxfer.transfer.converted.process_shares import ProcessShares
         from kvxfer.transfer.worker import TransferWorker
 
         compat = compat_info(self.engine)
+        shares = ProcessShares()  # the ranks run in this process: they share their reads
         for rank in range(self.engine.tp):
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
                                     total_kv_heads=self.engine.config.num_key_value_heads,
                                     read_lanes=self.read_lanes, hmac_key=self._key,
                                     nixl_backends=self.nixl_backends,
-                                    host_reads=self.host_reads, **self._read_deadlines())
+                                    host_reads=self.host_reads, shares=shares,
+                                    **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)

@@ -37,7 +37,7 @@ from kvxfer.sidecar.metrics import SidecarMetrics
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ each ends in the engine.
 
 Who calls what:
 
-* :meth:`add` with already validated :class:`~kvxfer.transfer.worker.RemoteParams`.
+* :meth:`add` with already validated :class:`~kvxfer.wire.params.RemoteParams`.
   It first checks the lease (:meth:`LeaseClient.check`: not expired, ticket valid
   with the key, never claimed here before) or refuses it, then claims it at the
   prefill (``RenewLease(claim=True)``, from the renewer thread); a later :meth:`poll`
@@ -68,7 +68,9 @@ from kvxfer.wire.lease_book import HeldLease
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
+    from kvxfer.transfer.results import ReadStats
+    from kvxfer.transfer.worker import TransferWorker
+    from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ from kvxfer.wire.lease_book import HeldLease, LeaseBook
 
 if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
-    from kvxfer.transfer.worker import RemoteParams
     from kvxfer.wire.messages import RenewAck
+    from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ class Load:
 
     The first ``skip_blocks`` blocks of the prompt were found in this instance's
     prefix cache: the READ covers the prefill's blocks past their tokens only (its
-    blocks may be of another size: :meth:`kvxfer.transfer.worker.RemoteParams.tokens`).
+    blocks may be of another size: :meth:`kvxfer.wire.params.RemoteParams.tokens`).
     """
 
     request_id: str

@@ -38,14 +38,16 @@ from typing import TYPE_CHECKING
 
 from kvxfer.transfer.lease_answers import LeaseAnswers
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
+from kvxfer.transfer.results import ReadStats
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.side_channel.release_sender import ReleaseSender
-from kvxfer.transfer.worker import ReadStats, RemoteParams, TransferWorker
+from kvxfer.transfer.worker import TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
+from kvxfer.wire.params import RemoteParams
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.openai_api.request_bodies import CommonFields, is_int
 
 if TYPE_CHECKING:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
 
 def kv_intent(req: CommonFields, prompts: list[list[int]],
@@ -60,7 +60,7 @@ def _one_prompt(prompts: list[list[int]]) -> None:
 
 
 def _remote_params(kv: dict[str, Any], num_tokens: int, block_size: int) -> RemoteParams:
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     try:
         remote = RemoteParams.parse(kv)
@@ -102,11 +102,11 @@ def unread_lease(raw: bytes, role: str) -> RemoteParams | None:
 
     For the decode role only, and only when the body is a JSON object whose
     ``kv_transfer_params`` say ``do_remote_prefill: true`` and parse as
-    :class:`~kvxfer.transfer.worker.RemoteParams`; None otherwise (nothing to release,
+    :class:`~kvxfer.wire.params.RemoteParams`; None otherwise (nothing to release,
     or no side channel to release it over). The rest of the body is not
     looked at: it may be the very reason the request was refused.
     """
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
     if role != "decode":
         return None

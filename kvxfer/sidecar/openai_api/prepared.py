@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvxfer.engine import SamplingParams, Tokenizer
-    from kvxfer.transfer.worker import RemoteParams
+    from kvxfer.wire.params import RemoteParams
 
 SEED_LIMIT = 2**63
 

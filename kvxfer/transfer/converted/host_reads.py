@@ -386,7 +386,8 @@ class SharedCopies:
     one merged copy writes every member's heads and its blocks are cut into shares that
     the members' threads take in turn, so the prefill's bytes are read once. Every rank
     that came copies shares until none is left and waits for the rest; a share that
-    fails fails every member. Thread-safe; one per process (:data:`SHARED`).
+    fails fails every member. Thread-safe; one per group of ranks that share their reads
+    (:class:`~kvxfer.transfer.converted.process_shares.ProcessShares`).
     """
 
     def __init__(self) -> None:
@@ -454,6 +455,3 @@ class SharedCopies:
             with self.siblings.lock:
                 work.done += 1
                 meeting.cond.notify_all()
-
-
-SHARED = SharedCopies()

@@ -52,8 +52,12 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 # -- the prefill side: caches in memory a reader can map ---------------------------------
 
+# The process's shared buffers, memfd -> (address, size) of its mapping. One registry per
+# process, not per worker, on purpose: its keys are this process's descriptors and
+# addresses, which any of its ranks may offer (a reader takes them by number), and the
+# caches are allocated before any worker exists (the engine's, through shared_zeros).
 _lock = threading.Lock()
-_buffers: dict[int, tuple[int, int]] = {}  # memfd -> (address, size) of its mapping
+_buffers: dict[int, tuple[int, int]] = {}
 
 
 def shared_zeros(nbytes: int) -> torch.Tensor:
@@ -147,23 +151,31 @@ class _Mapping:
         self.start = region.addr + offset
 
 
-# mappings by (host, pid, canary, descriptor, offset, length): in-process decode ranks of
-# one prefill share them while any of them plans a read from them
-_mappings: weakref.WeakValueDictionary[tuple[str, int, bytes, int, int, int], _Mapping] = \
-    weakref.WeakValueDictionary()
+class Mappings:
+    """The prefill windows mapped here, by (host, pid, canary, descriptor, offset, length):
+    the decode ranks that share one (:class:`~kvxfer.transfer.converted.process_shares.
+    ProcessShares`) map a prefill's buffer once while any of them plans a read from it.
+    Thread-safe (handshakes plan reads on pool threads)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mapped: weakref.WeakValueDictionary[tuple[str, int, bytes, int, int, int],
+                                                  _Mapping] = weakref.WeakValueDictionary()
 
-def _mapping(offer: HostReads, region: SharedRegion, start: int, end: int) -> _Mapping:
-    """The window of ``region`` that holds prefill addresses ``[start, end)``."""
-    offset = (start - region.addr) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-    key = (offer.host, offer.pid, offer.canary, region.fd, offset, end - region.addr - offset)
-    with _lock:
-        found = _mappings.get(key)
-    if found is None:
-        found = _Mapping(offer, region, key[4], key[5])
-        with _lock:
-            _mappings[key] = found
-    return found
+    def window(self, offer: HostReads, region: SharedRegion, start: int, end: int
+               ) -> _Mapping:
+        """The window of ``region`` that holds prefill addresses ``[start, end)``."""
+        offset = (start - region.addr) // mmap.ALLOCATIONGRANULARITY * \
+            mmap.ALLOCATIONGRANULARITY
+        key = (offer.host, offer.pid, offer.canary, region.fd, offset,
+               end - region.addr - offset)
+        with self._lock:
+            found = self._mapped.get(key)
+        if found is None:
+            found = _Mapping(offer, region, key[4], key[5])
+            with self._lock:
+                self._mapped[key] = found
+        return found
 
 
 @dataclass(frozen=True)
@@ -206,11 +218,12 @@ class MappedRead:
 
 
 def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
-                offer: HostReads) -> MappedRead | None:
+                offer: HostReads, mappings: Mappings | None = None) -> MappedRead | None:
     """``plan``'s read from the offering process's mapped cache into view ``groups``
     (:func:`kvxfer.plan.staging.layer_groups`), or None where its offer holds no buffer around
     the plan's chunks or they do not lie at fixed strides; raises :class:`HostReadError`
-    when mapping an offered buffer fails."""
+    when mapping an offered buffer fails. The window is taken from ``mappings`` (mapped
+    there once), or mapped for this read alone."""
     geo, dtype = plan.remote, groups[0][1].dtype
     strides = _fixed_strides(geo.base, geo.block_stride)
     size = torch.empty((), dtype=dtype).element_size()
@@ -224,7 +237,7 @@ def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
     region = next((r for r in offer.memory if r.addr <= base and end <= r.addr + r.size), None)
     if region is None or any(x % size for x in (base - region.addr, layer, chunk, block)):
         return None
-    mapping = _mapping(offer, region, base, end)  # only the bytes the plan names
+    mapping = (mappings or Mappings()).window(offer, region, base, end)  # the plan's bytes
     source = mapping.bytes.view(dtype).as_strided(
         (kernels, geo.num_layers, chunks, geo.chunk_len // size),
         (block // size, layer // size, chunk // size, 1), (base - mapping.start) // size)

@@ -102,7 +102,8 @@ class StagedMeeting:
 
 
 class SharedStaging:
-    """Where the staged reads of a process's decode ranks meet (:data:`SHARED_STAGING`)."""
+    """Where the staged reads of a process's decode ranks meet (one per group of ranks
+    that share their reads: :class:`~kvxfer.transfer.converted.process_shares.ProcessShares`)."""
 
     def __init__(self) -> None:
         self.siblings: Siblings[Target] = Siblings()
@@ -133,6 +134,3 @@ def _close(meeting: Meeting[Target], local_count: int, remote_count: int) -> Non
     ranks = sorted(meeting.joined)
     shares = meeting.joined[ranks[0]].plan.shares(local_count, remote_count, len(ranks))
     meeting.state = StagedMeeting(dict(meeting.joined), dict(zip(ranks, shares, strict=True)))
-
-
-SHARED_STAGING = SharedStaging()

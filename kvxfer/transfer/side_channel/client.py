@@ -12,12 +12,12 @@ from typing import TypeVar
 
 import zmq
 
+from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerRefused, PeerUnreachable
 from kvxfer.transfer.side_channel.sockets import (
     MAX_RESPONSE_BYTES,
     PROBE_TIMEOUT_S,
     connect_error,
-    endpoint,
     new_socket,
 )
 from kvxfer.wire.compat import CompatInfo, compat_hash

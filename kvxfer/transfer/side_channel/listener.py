@@ -10,11 +10,11 @@ from types import TracebackType
 
 import zmq
 
+from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.side_channel.sockets import (
     JOIN_TIMEOUT_S,
     MAX_REQUEST_BYTES,
     POLL_INTERVAL_S,
-    endpoint,
     new_socket,
 )
 from kvxfer.wire.compat import CompatInfo, compat_hash

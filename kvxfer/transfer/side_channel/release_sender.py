@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.side_channel.client import RELEASE_TIMEOUT_S, HandshakeClient
 from kvxfer.transfer.side_channel.sockets import (
     JOIN_TIMEOUT_S,
     POLL_INTERVAL_S,
     PROBE_TIMEOUT_S,
-    endpoint,
 )
 from kvxfer.wire.errors import HandshakeError
 from kvxfer.wire.messages import RenewAck

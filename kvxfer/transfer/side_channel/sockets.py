@@ -1,4 +1,5 @@
-"""What both ends of the side channel share: addresses, ZMQ sockets, size limits, waits."""
+"""What both ends of the side channel share: ZMQ sockets, size limits, waits (addresses:
+:func:`kvxfer.net.hosts.endpoint`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,6 @@ MAX_REQUEST_BYTES = 64 * 1024  # a request is ~100 bytes; larger inbound message
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 JOIN_TIMEOUT_S = 5.0          # how long close() waits for a thread before it gives up on it
 PROBE_TIMEOUT_S = 0.5         # the TCP probe that explains a timeout
-
-
-def endpoint(host: str, port: int) -> str:
-    """``tcp://host:port``, with IPv6 literals bracketed."""
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def new_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, host: str,

@@ -1,0 +1,360 @@
+"""``Peers``: the prefill engines one decode rank reads from, handshaken and connected.
+
+Who calls what, on which thread:
+
+* the reads (:class:`~kvxfer.transfer.reads.reader.Reader`, on the worker's thread) ask
+  for a peer by engine id (:meth:`Peers.get`); for an engine not known yet they start a
+  handshake (:meth:`Peers.shake`). A pool thread fetches and checks the prefill's
+  metadata over the side channel (:class:`~kvxfer.transfer.side_channel.client.HandshakeClient`)
+  and plans this rank's reads of it (:func:`~kvxfer.plan.staging.plan_reads`; converted
+  reads on this host from its mapped cache or as host reads where it offers them): no
+  NIXL call there. Back on the worker's thread, :meth:`Peers.finished` names the engines
+  whose handshake ended and :meth:`Peers.connect` loads their agents into this rank's
+  agent and lanes and warms each connection, or raises :class:`HandshakeFailed`.
+* a peer whose handshake, connection or READ failed is *dead* for :data:`DEAD_PEER_S`
+  (:meth:`Peers.dead`): reads of it fail fast meanwhile instead of handshaking again.
+* any thread may :meth:`Peers.forget` an engine (its cached handshake or failure); the
+  worker's thread drops it at its next step (:meth:`Peers.drop_forgotten`).
+
+A dropped peer's agents are removed, its shares with sibling ranks end, and the staging
+held for its failed reads is freed (no cancelled READ of it writes there any more).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvxfer.plan.descriptors import PeerReadPlan, SideGeometry
+from kvxfer.plan.staging import StagedRead, plan_reads
+from kvxfer.plan.topology import notify_plan, read_plan
+from kvxfer.transfer.converted.host_reads import HostRead, check_offer, plan_host_read
+from kvxfer.transfer.converted.mapped_reads import MappedRead, map_prefill
+from kvxfer.transfer.local_rank import LocalRank, memory_kind
+from kvxfer.transfer.results import TransferError
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.errors import failure_reason
+from kvxfer.wire.errors import HandshakeError
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.notification import ReadDone, encode_notif
+from kvxfer.wire.params import RemoteParams
+
+log = logging.getLogger(__name__)
+
+DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
+
+
+class HandshakeFailed(TransferError):
+    """A prefill could not be handshaken or connected; ``label`` is the reason's word in
+    :attr:`~kvxfer.transfer.results.WorkerCounts.handshake_failures`."""
+
+    def __init__(self, message: str, label: str) -> None:
+        super().__init__(message)
+        self.label = label
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """A peer's checked metadata and precomputed read plans, before NIXL connects."""
+
+    metas: dict[int, AgentMetadata]
+    plans: list[PeerReadPlan | StagedRead]
+    notify: dict[int, int]  # prefill rank -> decode ranks that read from it
+    host: dict[int, HostRead | MappedRead]
+
+
+@dataclass
+class Peer:
+    """A handshaken prefill engine as seen by this decode rank."""
+
+    engine_id: str
+    address: str
+    tp_size: int
+    agents: dict[int, str]
+    plans: list[PeerReadPlan | StagedRead]
+    expected_readers: dict[int, int]
+    remote_cuda: dict[int, bool] = field(default_factory=dict)  # each rank's memory kind
+    # ranks host-read or read from their mapped cache, not staged
+    host: dict[int, HostRead | MappedRead] = field(default_factory=dict)
+    shared: set[int] = field(default_factory=set)  # staged ranks read with sibling ranks
+
+    def staged(self) -> list[StagedRead]:
+        """The converted reads that go through staging (not host-read)."""
+        return [p for p in self.plans if isinstance(p, StagedRead)
+                and p.remote_rank not in self.host]
+
+    def done(self, local: LocalRank, lease_id: str, rank: int, ok: bool) -> bytes:
+        """The signed "done" notification for prefill rank ``rank``: ``local`` read
+        lease ``lease_id`` (``ok``) or gave up on it."""
+        return encode_notif(ReadDone(request_id=lease_id, reader_engine_id=local.engine_id,
+                                     reader_rank=local.rank,
+                                     expected_readers=self.expected_readers[rank], ok=ok),
+                            local.key)
+
+    def tell(self, local: LocalRank, lease_id: str, ranks: Sequence[int], ok: bool) -> bool:
+        """Send "done" to prefill ``ranks`` (those not told by a READ, or all when a read
+        failed); whether every notification was handed to NIXL."""
+        sent = True
+        for rank in ranks:
+            try:
+                local.agent.send_notif(self.agents[rank], self.done(local, lease_id, rank, ok))
+            except Exception as exc:
+                sent = False
+                local.tally.notifications_failed("unsent")
+                log.info("could not notify prefill %s rank %d: %s", self.engine_id, rank, exc)
+        return sent
+
+
+class Peers:
+    """See the module docstring. ``total_kv_heads`` and both instances' TP sizes say which
+    heads this rank reads from which prefill rank; ``host_reads`` whether converted reads
+    may be read on this host."""
+
+    def __init__(self, local: LocalRank, client: HandshakeClient, *, total_kv_heads: int,
+                 host_reads: bool) -> None:
+        self._local, self._client = local, client
+        self.total_kv_heads = total_kv_heads
+        self.host_reads = host_reads
+        self._peers: dict[str, Peer] = {}
+        self._dead: dict[str, tuple[float, str]] = {}  # engine -> (until, why)
+        self._shaking: dict[str, tuple[RemoteParams, Future[Handshake]]] = {}
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()  # handshakes that ended
+        self._pool = ThreadPoolExecutor(max_workers=2,
+                                        thread_name_prefix=f"kvxfer-handshake-r{local.rank}")
+        self._lock = threading.Lock()
+        self._forget: set[str] = set()
+
+    def __contains__(self, engine_id: object) -> bool:
+        return engine_id in self._peers
+
+    def get(self, engine_id: str) -> Peer | None:
+        return self._peers.get(engine_id)
+
+    def dead(self, engine_id: str) -> str | None:
+        """Why ``engine_id`` failed moments ago (within :data:`DEAD_PEER_S`), or None."""
+        dead = self._dead.get(engine_id)
+        return dead[1] if dead is not None and time.monotonic() < dead[0] else None
+
+    def shake(self, remote: RemoteParams) -> None:
+        """Start handshaking with ``remote``'s engine on a pool thread (once: the caller
+        parks later reads of it until :meth:`finished` names it)."""
+        future = self._pool.submit(self._fetch, remote)
+        self._shaking[remote.remote_engine_id] = (remote, future)
+
+        def ended(_: Future[Handshake]) -> None:
+            self._ended.put(remote.remote_engine_id)
+            self._local.wake.set()
+
+        future.add_done_callback(ended)
+
+    def finished(self) -> list[RemoteParams]:
+        """The remotes whose handshake ended since the last call (worker thread); each
+        is :meth:`connect`-ed next."""
+        done: list[RemoteParams] = []
+        while True:
+            try:
+                engine = self._ended.get_nowait()
+            except queue.Empty:
+                return done
+            if engine in self._shaking:
+                done.append(self._shaking[engine][0])
+
+    def connect(self, remote: RemoteParams) -> Peer:
+        """Worker thread: the peer whose handshake ended, connected; raises
+        :class:`HandshakeFailed` (the engine is then dead for a moment)."""
+        _, future = self._shaking.pop(remote.remote_engine_id)
+        try:
+            shake = future.result()  # HandshakeFailed from the pool thread
+            try:
+                return self._connect(remote, shake)
+            except TransferError as exc:
+                self._local.tally.handshake_failed("connect")
+                raise HandshakeFailed(str(exc), "connect") from exc
+        except HandshakeFailed as exc:
+            self._dead[remote.remote_engine_id] = (time.monotonic() + DEAD_PEER_S, str(exc))
+            raise
+
+    def forget_dead(self, engine_id: str, reason: str) -> None:
+        """A READ of ``engine_id`` failed: drop it and fail fast for a moment before
+        handshaking again."""
+        self.drop(engine_id)
+        self._dead[engine_id] = (time.monotonic() + DEAD_PEER_S, reason)
+
+    def forget(self, engine_id: str) -> None:
+        """Any thread: drop ``engine_id``'s cached handshake or failure at the next
+        :meth:`drop_forgotten`."""
+        with self._lock:
+            self._forget.add(engine_id)
+
+    def drop_forgotten(self) -> None:
+        """Worker thread: drop the engines :meth:`forget` named."""
+        with self._lock:
+            forget, self._forget = self._forget, set()
+        for engine_id in forget:
+            self.drop(engine_id)
+            self._dead.pop(engine_id, None)
+
+    def drop(self, engine_id: str) -> None:
+        """Worker thread: remove ``engine_id``'s agents and end what was shared of it."""
+        peer = self._peers.pop(engine_id, None)
+        local = self._local
+        local.shares.leave(local.engine_id, engine_id, local.rank)
+        if peer is not None:
+            for name in peer.agents.values():
+                self._quietly_remove(name)
+        local.staging.drop_held(engine_id)
+
+    def close(self) -> None:
+        """End every share with sibling ranks and stop the handshakes."""
+        for engine_id in list(self._peers):
+            self._local.shares.leave(self._local.engine_id, engine_id, self._local.rank)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- pool thread: handshake and plan, no NIXL ------------------------------------------
+    def _fetch(self, remote: RemoteParams) -> Handshake:
+        """Fetch and check the peer's metadata; :class:`HandshakeFailed` (counted) when
+        it cannot be fetched or read."""
+        try:
+            return self._plan(remote)
+        except HandshakeError as exc:
+            failed = HandshakeFailed(str(exc), failure_reason(exc))
+        except (TransferError, ValueError) as exc:  # answered, but not a peer we can read
+            failed = HandshakeFailed(str(exc), "mismatch")
+        except Exception as exc:  # unexpected: still answer the waiting reads
+            log.exception("handshake with %s failed unexpectedly", remote.address)
+            failed = HandshakeFailed(f"{type(exc).__name__}: {exc}", "error")
+        self._local.tally.handshake_failed(failed.label)
+        raise failed
+
+    def _plan(self, remote: RemoteParams) -> Handshake:
+        """Handshake with ``remote``'s engine and plan the reads."""
+        local = self._local
+        slices = read_plan(local.rank, local.tp_size, remote.tp_size, self.total_kv_heads)
+        notify = notify_plan(local.rank, local.tp_size, remote.tp_size, self.total_kv_heads)
+        ranks = tuple(sorted(notify))
+        answer = self._client.fetch(remote.remote_host, remote.remote_port, ranks,
+                                    timeout=local.deadlines.handshake_timeout,
+                                    retries=local.deadlines.handshake_retries)
+        if answer.engine_id != remote.remote_engine_id:
+            raise TransferError(f"the side channel belongs to engine {answer.engine_id!r}, not "
+                                f"{remote.remote_engine_id!r}")
+        if answer.tp_size != remote.tp_size:
+            raise TransferError(f"engine reports TP {answer.tp_size} but kv_transfer_params say "
+                                f"tp_size={remote.tp_size}")
+        metas = {m.tp_rank: m for m in answer.ranks}
+        missing = set(ranks) - set(metas)
+        if missing:
+            raise TransferError(f"handshake answer lacks ranks {sorted(missing)}")
+        for rank, meta in metas.items():
+            if not set(meta.backends) & set(local.agent.backends):
+                raise TransferError(
+                    f"prefill rank {rank} runs NIXL backends {', '.join(meta.backends)} and "
+                    f"this decode {', '.join(local.agent.backends)}: no backend in common; "
+                    f"start both with a shared --nixl-backends")
+        geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
+                      for rank, meta in metas.items()}
+        # a host cache converts reads cut at every block (staging and mapped caches are
+        # host memory)
+        plans = plan_reads(local.geometry, geometries, slices, local_tp=local.tp_size,
+                           remote_tp=remote.tp_size, convert_cut=not local.is_cuda)
+        staged = [p for p in plans if isinstance(p, StagedRead)]
+        if staged and any(m.is_cuda for m in local.plan.memory):
+            raise TransferError(f"decode layout {local.geometry.layout} and prefill layout "
+                                f"{staged[0].remote.layout} need a converted read, which only "
+                                f"host (CPU) caches support so far")
+        host = self._plan_host_reads(staged, metas) if staged and self.host_reads else {}
+        for plan in staged:
+            if plan.remote_rank in host:
+                continue
+            log.info("rank %d reads prefill %s rank %d through staging (%s -> %s): %d bytes "
+                     "per block", local.rank, remote.remote_engine_id, plan.remote_rank,
+                     plan.remote.layout, local.geometry.layout, plan.bytes_per_block)
+        return Handshake(metas, plans, notify, host)
+
+    def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]
+                         ) -> dict[int, HostRead | MappedRead]:
+        """The converted reads that can be read on this host, by rank: from the prefill's
+        mapped cache (:mod:`kvxfer.transfer.converted.mapped_reads`) where it offers one,
+        else host reads (:mod:`kvxfer.transfer.converted.host_reads`)."""
+        local = self._local
+        host: dict[int, HostRead | MappedRead] = {}
+        for plan in staged:
+            offer = metas[plan.remote_rank].host_reads
+            why = "its cache is not host memory" if any(
+                m.is_cuda for m in metas[plan.remote_rank].plan.memory) else check_offer(offer)
+            if why or offer is None:
+                log.info("rank %d: prefill rank %d is not read on this host: %s", local.rank,
+                         plan.remote_rank, why)
+                continue
+            try:
+                mapped = map_prefill(plan, local.view_groups, offer, local.shares.mappings)
+            except Exception as exc:  # HostReadError, or anything else: read it otherwise
+                log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s", local.rank,
+                         plan.remote_rank, type(exc).__name__, exc)
+                mapped = None
+            if mapped is not None:
+                host[plan.remote_rank] = mapped
+                log.info("rank %d reads prefill rank %d (%s -> %s) from its mapped cache, "
+                         "%d bytes per block", local.rank, plan.remote_rank,
+                         plan.remote.layout, plan.local.layout, plan.placed_per_block)
+                continue
+            runs = plan_host_read(plan, local.view_groups, offer)
+            if runs is None:
+                log.info("rank %d: prefill rank %d is not host-read: its runs are too short "
+                         "to pay, or the block sizes differ", local.rank, plan.remote_rank)
+                continue
+            host[plan.remote_rank] = runs
+            log.info("rank %d host-reads prefill rank %d (%s -> %s): %d runs, %d bytes per "
+                     "block", local.rank, plan.remote_rank, plan.remote.layout,
+                     plan.local.layout, runs.runs_per_block, runs.bytes_per_block)
+        return host
+
+    # -- worker thread: NIXL ---------------------------------------------------------------
+    def _connect(self, remote: RemoteParams, shake: Handshake) -> Peer:
+        """Load the peer's agents and warm each connection; TransferError when NIXL
+        cannot."""
+        local = self._local
+        # the kind each rank's READs name for its side (sent in the handshake's plan)
+        kinds = {rank: memory_kind(shake.metas[rank].plan.memory, f"prefill rank {rank}")
+                 for rank in shake.notify}
+        agents: dict[int, str] = {}
+        rank = -1
+        try:
+            for rank in sorted(shake.notify):
+                meta = shake.metas[rank]
+                agents[rank] = local.agent.add_remote(meta.agent_blob)
+                local.agent.connect(agents[rank], probe=meta.plan.memory[0])
+                if local.lanes is not None:
+                    local.lanes.connect(meta.agent_blob, agents[rank], meta.plan.memory[0])
+        except Exception as exc:
+            for name in agents.values():
+                self._quietly_remove(name)
+            raise TransferError(f"NIXL could not connect to rank {rank}: {exc}") from exc
+        peer = Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
+                    shake.plans, shake.notify, kinds, shake.host)
+        self._peers[peer.engine_id] = peer
+        self._dead.pop(peer.engine_id, None)
+        # in-process siblings share host reads, and the staged reads of pages that hold
+        # every head
+        peer.shared = {plan.remote_rank for plan in peer.staged()
+                       if not plan.remote.heads_contiguous}
+        local.shares.join(local.engine_id, peer.engine_id, local.rank,
+                          [r for r, runs in peer.host.items() if isinstance(runs, HostRead)],
+                          sorted(peer.shared))
+        log.info("rank %d connected to %s at %s (ranks %s)", local.rank, peer.engine_id,
+                 peer.address, sorted(agents))
+        return peer
+
+    def _quietly_remove(self, name: str) -> None:
+        try:
+            self._local.agent.remove_remote(name)
+        except Exception as exc:
+            log.info("removing remote agent %s from %s failed: %s", name,
+                     self._local.agent.name, exc)
+        if self._local.lanes is not None:
+            self._local.lanes.remove(name)

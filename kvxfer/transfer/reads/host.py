@@ -1,0 +1,99 @@
+"""``HostPath`` and ``MappedPath``: converted reads copied on this host, in the post.
+
+Where a staged prefill rank is a process on this host that offers it, its bytes are
+copied straight into their places instead of through staging: from its mapped cache
+(:mod:`kvxfer.transfer.converted.mapped_reads`, :class:`MappedPath`) or with
+``process_vm_readv`` (:mod:`kvxfer.transfer.converted.host_reads`, :class:`HostPath`;
+shared with in-process sibling ranks where they read the same request). Either copy
+ends within :meth:`~kvxfer.transfer.reads.path.ReadPath.post`, shared out to the
+rank's copy threads (its own and its lanes'), so the path has landed when posted. No
+READ tells these prefill ranks: the reader sends their "done" once the read landed.
+A copy that fails because the prefill process is gone takes the peer for dead.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from kvxfer.transfer.converted.host_reads import HostRead, HostReadError
+from kvxfer.transfer.converted.mapped_reads import MappedRead
+from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.peers import Peer
+from kvxfer.transfer.reads.path import ReadFailed, ReadPath
+from kvxfer.transfer.reads.read import Read
+from kvxfer.transfer.results import ReadStats
+
+R = TypeVar("R", HostRead, MappedRead)
+
+
+class _CopyPath(ReadPath, Generic[R]):
+    """``copies``: (the prefill rank's planned copy, local ids, remote ids) per rank."""
+
+    def __init__(self, local: LocalRank, peer: Peer, read: Read,
+                 copies: Sequence[tuple[R, np.ndarray, np.ndarray]]) -> None:
+        super().__init__([runs.remote_rank for runs, _, _ in copies])
+        self._local, self._peer, self._read = local, peer, read
+        self._copies: Sequence[tuple[R, np.ndarray, np.ndarray]] = copies
+        self.lanes = 1  # threads that copied
+        self.members = 0  # in-process ranks that copied together (1: alone)
+
+    def post(self) -> None:
+        local, peer = self._local, self._peer
+        for runs, local_ids, remote_ids in self._copies:
+            try:
+                num_bytes, copies, members = self._copy(runs, local_ids, remote_ids)
+            except Exception as exc:  # HostReadError, or a bug: this request only
+                gone = isinstance(exc, HostReadError) and exc.gone
+                raise ReadFailed(f"prefill {peer.engine_id} rank {runs.remote_rank} at "
+                                 f"{peer.address}: host read failed: {exc}",
+                                 peer_gone=str(exc) if gone else None) from exc
+            self.members = max(self.members, members)
+            self.lanes = max(self.lanes, local.threads)
+            self.num_bytes += num_bytes
+            self.descriptors += copies
+
+    def finish(self) -> None:
+        """Nothing is held: the copies ended within :meth:`post`."""
+
+    @abstractmethod
+    def _copy(self, runs: R, local_ids: np.ndarray, remote_ids: np.ndarray
+              ) -> tuple[int, int, int]:
+        """Copy one prefill rank's part: (bytes placed, copies made, ranks together)."""
+
+    def add_to(self, stats: ReadStats) -> ReadStats:
+        stats = super().add_to(stats)
+        return replace(stats, lanes=max(stats.lanes, self.lanes),
+                       members=max(stats.members, self.members),
+                       host_ranks=stats.host_ranks + len(self.ranks))
+
+
+class HostPath(_CopyPath[HostRead]):
+    """Host reads, with the in-process siblings that read the same request."""
+
+    def _copy(self, runs: HostRead, local_ids: np.ndarray, remote_ids: np.ndarray
+              ) -> tuple[int, int, int]:
+        local = self._local
+        num_bytes, _, members = local.shares.copies.copy(
+            local.engine_id, self._peer.engine_id, self._read.lease_id, local.rank, runs,
+            local_ids, remote_ids, local.lanes.pool if local.lanes else None, local.threads)
+        return num_bytes, len(local_ids) * runs.runs_per_block, members
+
+
+class MappedPath(_CopyPath[MappedRead]):
+    """Copies from the prefill's cache, mapped into this process."""
+
+    def _copy(self, runs: MappedRead, local_ids: np.ndarray, remote_ids: np.ndarray
+              ) -> tuple[int, int, int]:
+        local = self._local
+        num_bytes, copies = runs.copy(local_ids, remote_ids,
+                                      local.lanes.pool if local.lanes else None, local.threads)
+        return num_bytes, copies, 1
+
+    def add_to(self, stats: ReadStats) -> ReadStats:
+        stats = super().add_to(stats)
+        return replace(stats, mapped_ranks=stats.mapped_ranks + len(self.ranks))

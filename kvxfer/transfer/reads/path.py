@@ -1,0 +1,138 @@
+"""``ReadPath``: one way a read moves some of its prefill ranks' blocks, and its outcomes.
+
+A read (:class:`~kvxfer.transfer.reads.read.Read`) is the set of paths its peer's plans
+call for: direct READs, the same READs split over read lanes, READs through staging
+(alone or shared with sibling ranks), host reads, reads from a mapped cache. The
+:class:`~kvxfer.transfer.reads.reader.Reader` drives every path of a read alike, on the
+worker's thread:
+
+1. :meth:`ReadPath.reserve` takes what the path needs before anything is posted (False:
+   not yet, the read waits and asks again later; nothing is held meanwhile);
+2. :meth:`ReadPath.post` starts it (a path that copies inside the call has landed when
+   it returns);
+3. :meth:`ReadPath.progress`, called until it returns :data:`LANDED`, or a
+   :class:`Waiting` that says what a read timeout would then report;
+4. :meth:`ReadPath.finish` once every path landed, or :meth:`ReadPath.abandon` when the
+   read fails, is given up or the worker closes: every resource goes back either way.
+
+Any step may raise :class:`ReadFailed`, the one way a read fails: it names the peer and
+the reason, says whether the prefill ranks can be told over NIXL, and when the peer is
+at fault (``peer_gone``) the reader takes it for dead. A path counts what it moved and
+adds it to the read's :class:`~kvxfer.transfer.results.ReadStats` (:meth:`ReadPath.add_to`).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final
+
+from kvxfer.transfer.results import ReadStats, TransferError
+
+log = logging.getLogger(__name__)
+
+TIMEOUT: Final = "{timeout}"  # where a Waiting's reason names the read timeout's seconds
+
+
+class ReadFailed(TransferError):
+    """A read cannot go on. ``notify``: its prefill ranks may be told over NIXL that this
+    rank will not read (``ok=False``); ``peer_gone``: why the peer is taken for dead
+    (None: not the peer's fault)."""
+
+    def __init__(self, message: str, *, notify: bool = True, peer_gone: str | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.notify, self.peer_gone = notify, peer_gone
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Every byte of the path is in place."""
+
+
+LANDED: Final = Landed()
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Not landed yet: ``reason`` is what a read timeout then reports (``{timeout}``
+    standing for its seconds); ``peer`` names the prefill when it owes the bytes (a
+    timeout then takes it for dead)."""
+
+    reason: str
+    peer: str | None = None
+
+    def timed_out(self, timeout: float) -> ReadFailed:
+        why = self.reason.replace(TIMEOUT, f"{timeout:.0f}")
+        if self.peer is None:
+            return ReadFailed(why)
+        return ReadFailed(f"{self.peer}: {why}", peer_gone=why)
+
+
+Progress = Landed | Waiting
+
+
+class ReadPath(ABC):
+    """See the module docstring. ``ranks``: the prefill ranks this path reads."""
+
+    # its READs carry its ranks' "done" (else the reader tells them once the read landed)
+    notifies = False
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+        self.num_bytes = 0  # placed into this rank's views
+        self.descriptors = 0  # NIXL descriptors, or copies
+        self.unnotified = False  # it landed, but not every "done" could be sent
+
+    def reserve(self) -> bool:
+        """Take what :meth:`post` needs; False to wait (nothing is taken then)."""
+        return True
+
+    @abstractmethod
+    def post(self) -> None:
+        """Start the path (the read timeout counts from here)."""
+
+    def progress(self) -> Progress:
+        """Where the path stands (a path that copies in :meth:`post` has landed)."""
+        return LANDED
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Every path of the read landed: give back what this one holds."""
+
+    def abandon(self, reason: str) -> None:
+        """The read failed or is given up (``reason``): stop and give back everything;
+        nothing writes into this rank's blocks for it once this returns."""
+        self.finish()
+
+    def add_to(self, stats: ReadStats) -> ReadStats:
+        """``stats`` with what this path moved added."""
+        return replace(stats, num_bytes=stats.num_bytes + self.num_bytes,
+                       descriptors=stats.descriptors + self.descriptors)
+
+
+def reads_landed(transfers: Sequence[Any]) -> bool:
+    """Whether every posted READ landed; each is asked (which progresses its agent).
+    Raises :class:`TransferError` with the first failure's text (NIXL's state)."""
+    states = []
+    for transfer in transfers:
+        try:
+            states.append(transfer.state())
+        except Exception as exc:
+            states.append(f"ERR: {exc}")
+    failed = next((s for s in states if s.startswith("ERR")), None)
+    if failed is not None:
+        raise TransferError(failed)
+    return all(s == "DONE" for s in states)
+
+
+def release_reads(transfers: list[Any], request_id: str) -> None:
+    """Free the posted READs' handles (aborting any still in flight)."""
+    for transfer in transfers:
+        try:
+            transfer.release()
+        except Exception as exc:
+            log.warning("releasing a transfer of %s failed: %s", request_id, exc)
+    transfers.clear()

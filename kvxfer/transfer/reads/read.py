@@ -1,0 +1,71 @@
+"""``Read``: one decode rank's read of one request, whichever paths it takes.
+
+Only what every path shares lives here: the request, the prefill's params, the local
+block ids, when it started and when its paths were posted, the paths themselves
+(:class:`~kvxfer.transfer.reads.path.ReadPath`, each with its own state) and whether a
+"done" could not be sent. Made by :meth:`~kvxfer.transfer.worker.TransferWorker.start_read`
+on the caller's thread, then owned by the worker's thread
+(:class:`~kvxfer.transfer.reads.reader.Reader`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvxfer.transfer.reads.path import LANDED, Progress, ReadPath, Waiting
+from kvxfer.transfer.results import ReadStats
+from kvxfer.wire.params import RemoteParams
+
+
+@dataclass
+class Read:
+    """See the module docstring. Block ids count logical blocks on both sides."""
+
+    request_id: str
+    remote: RemoteParams
+    local_block_ids: np.ndarray
+    started: float  # monotonic, when start_read queued it
+    posted: float | None = None  # when its paths were posted (after any staging wait)
+    paths: list[ReadPath] = field(default_factory=list)
+    unnotified: bool = False  # some prefill rank could not be told by a notification
+
+    @property
+    def engine(self) -> str:
+        return self.remote.remote_engine_id
+
+    @property
+    def lease_id(self) -> str:
+        """The prefill's lease id, which its "done" notifications name."""
+        return self.remote.remote_request_id
+
+    def overdue(self, now: float, timeout: float) -> bool:
+        """Whether the read took longer than ``timeout`` seconds: from when it was posted,
+        or, while it waits to be, from when it started."""
+        return now - (self.posted if self.posted is not None else self.started) > timeout
+
+    def progress(self) -> Progress:
+        """:data:`~kvxfer.transfer.reads.path.LANDED` once every path landed, else what a
+        timeout would report (a READ the peer owes before a wait of this side's own);
+        raises :class:`~kvxfer.transfer.reads.path.ReadFailed`."""
+        waits: list[Waiting] = []
+        for path in self.paths:
+            outcome = path.progress()
+            if isinstance(outcome, Waiting):
+                waits.append(outcome)
+        if not waits:
+            return LANDED
+        return next((w for w in waits if w.peer is not None), waits[0])
+
+    def stats(self, now: float) -> ReadStats:
+        """What the read moved, from every path; ``now``: when it ended."""
+        stats = ReadStats(0, 0, now - self.started)
+        for path in self.paths:
+            stats = path.add_to(stats)
+        return stats
+
+    @property
+    def told(self) -> set[int]:
+        """The prefill ranks whose "done" rode on this read's READs."""
+        return {rank for path in self.paths if path.notifies for rank in path.ranks}

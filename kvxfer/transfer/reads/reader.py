@@ -1,0 +1,263 @@
+"""``Reader``: one decode rank's reads, from queued to reported.
+
+Who calls what: :meth:`~kvxfer.transfer.worker.TransferWorker.start_read` (any thread)
+queues a :class:`~kvxfer.transfer.reads.read.Read` with :meth:`Reader.submit`; the
+worker's thread calls :meth:`Reader.step` on every turn of its loop, which
+
+1. drops the peers someone asked to forget (:class:`~kvxfer.transfer.peers.Peers`);
+2. connects the peers whose handshake ended and posts the reads parked behind them (a
+   failed handshake fails them, unnotified: there is no NIXL connection to tell);
+3. retries the reads that wait for staging space, oldest first;
+4. routes new reads: posted to a known peer, failed fast for a peer that failed moments
+   ago, parked behind a running handshake, or parked behind a new one;
+5. progresses the reads in flight and finishes those whose paths all landed.
+
+Posting a read plans its paths once from its peer's plans (:func:`paths_for`: host and
+mapped copies, read lanes or staging, direct READs), reserves what they need (a
+converted read waits behind earlier ones for staging space, first come first served),
+then posts them. A finished read tells the prefill ranks no READ told (converted reads,
+ranks nobody reads); results go to the caller's :class:`~kvxfer.transfer.results.ReadResults`.
+
+Every failure ends in :meth:`Reader._fail`, the one failure path: the read's paths are
+abandoned (nothing writes into its blocks any more), the prefill ranks are told
+``ok=False`` where a NIXL connection exists and the failure allows it (else the request
+is reported unnotified, and its caller releases the lease over the side channel), and
+a peer at fault is taken for dead for a moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+from kvxfer.plan.descriptors import PeerReadPlan, build_requests_descriptors
+from kvxfer.plan.staging import StagedRead
+from kvxfer.transfer.converted.host_reads import HostRead
+from kvxfer.transfer.converted.mapped_reads import MappedRead
+from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.peers import HandshakeFailed, Peer, Peers
+from kvxfer.transfer.reads.direct import DirectPath
+from kvxfer.transfer.reads.host import HostPath, MappedPath
+from kvxfer.transfer.reads.lanes import LanesPath
+from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Waiting
+from kvxfer.transfer.reads.read import Read
+from kvxfer.transfer.reads.staged import StagedPath
+from kvxfer.transfer.results import ReadResults, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class Reader:
+    """See the module docstring; a read may take ``local.deadlines.read_timeout`` seconds
+    once posted (or wait that long for staging before it is)."""
+
+    def __init__(self, local: LocalRank, peers: Peers, results: ReadResults) -> None:
+        self._local, self._peers, self._results = local, peers, results
+        self.inflight: list[Read] = []
+        self.staging_wait: list[tuple[Read, Peer]] = []  # converted reads short of staging
+        self._queued: queue.SimpleQueue[Read] = queue.SimpleQueue()
+        self._handshaking: dict[str, list[Read]] = {}  # by engine: reads parked on it
+
+    @property
+    def read_timeout(self) -> float:
+        return self._local.deadlines.read_timeout
+
+    def submit(self, read: Read) -> None:
+        """Any thread: queue ``read`` for the worker's thread."""
+        self._queued.put(read)
+        self._local.wake.set()
+
+    @property
+    def busy(self) -> bool:
+        """Reads in flight: the worker's thread should turn quickly."""
+        return bool(self.inflight)
+
+    def step(self) -> None:
+        """Worker thread: one turn (see the module docstring)."""
+        self._peers.drop_forgotten()
+        self._connect_handshaken()
+        if self.staging_wait:
+            self._retry_staged()
+        while True:
+            try:
+                read = self._queued.get_nowait()
+            except queue.Empty:
+                break
+            self._begin(read)
+        self._progress()
+
+    def close(self) -> None:
+        """The worker is closing (its thread stopped): abandon every read, so that
+        siblings stop waiting for this rank's shares and writing into its views."""
+        reason = f"decode rank {self._local.rank} is closing"
+        for read in [*self.inflight, *(read for read, _ in self.staging_wait)]:
+            for path in read.paths:
+                path.abandon(reason)
+
+    # -- routing ---------------------------------------------------------------------------
+    def _begin(self, read: Read) -> None:
+        """Post a new read, park it behind a running handshake, or start one."""
+        peer = self._peers.get(read.engine)
+        if peer is not None:
+            self._post(read, peer)
+            return
+        dead = self._peers.dead(read.engine)
+        if dead is not None:
+            self._fail(read, ReadFailed(f"prefill {read.engine} at {read.remote.address}: "
+                                        f"{dead} (failed moments ago; not retried yet)",
+                                        notify=False))
+            return
+        waiting = self._handshaking.get(read.engine)
+        if waiting is not None:
+            waiting.append(read)
+            return
+        self._handshaking[read.engine] = [read]
+        self._peers.shake(read.remote)
+
+    def _connect_handshaken(self) -> None:
+        """Connect NIXL to the handshaken peers, then post their parked reads."""
+        for remote in self._peers.finished():
+            reads = self._handshaking.pop(remote.remote_engine_id, [])
+            try:
+                peer = self._peers.connect(remote)
+            except HandshakeFailed as exc:
+                for read in reads:
+                    self._fail(read, ReadFailed(f"prefill {remote.remote_engine_id} at "
+                                                f"{remote.address}: {exc}", notify=False))
+                continue
+            for read in reads:
+                self._post(read, peer)
+
+    # -- posting ---------------------------------------------------------------------------
+    def _post(self, read: Read, peer: Peer, *, retried: bool = False) -> None:
+        """Plan the read's paths (once), reserve and post them. A converted read queues
+        behind those already waiting for staging, unless it is one of them (``retried``)."""
+        if self.staging_wait and not retried and peer.staged():
+            self.staging_wait.append((read, peer))
+            return
+        try:
+            if not read.paths:
+                read.paths = paths_for(self._local, peer, read)
+            # only staging may be short; nothing is taken then (see _retry_staged)
+            reserved = all(path.reserve() for path in read.paths)
+        except Exception as exc:  # bad params or plans, or NIXL refusing a staging buffer
+            self._fail(read, ReadFailed(f"prefill {peer.engine_id} at {peer.address}: {exc}"))
+            return
+        if not reserved:
+            self.staging_wait.append((read, peer))
+            return
+        read.posted = time.monotonic()  # the read timeout counts from here
+        try:
+            for path in read.paths:
+                path.post()
+        except ReadFailed as failure:
+            self._fail(read, failure)
+            return
+        self.inflight.append(read)
+
+    def _retry_staged(self) -> None:
+        """Post converted reads that waited for staging, oldest first; fail those that
+        waited past the read timeout, or whose peer was dropped meanwhile."""
+        waiting, self.staging_wait = self.staging_wait, []
+        now = time.monotonic()
+        for read, peer in waiting:
+            if read.overdue(now, self.read_timeout):
+                self._fail(read, ReadFailed(f"prefill {peer.engine_id} at {peer.address}: no "
+                                            f"staging space for the converted read within "
+                                            f"{self.read_timeout:.0f} s"))
+            elif self._peers.get(peer.engine_id) is not peer:
+                self._fail(read, ReadFailed(f"prefill {peer.engine_id} at {peer.address}: the "
+                                            f"connection ended while the read waited for "
+                                            f"staging space", notify=False))
+            else:
+                self._post(read, peer, retried=True)
+
+    # -- in flight -------------------------------------------------------------------------
+    def _progress(self) -> None:
+        """Finish the reads whose paths all landed; fail those that failed or timed out."""
+        now = time.monotonic()
+        for read in list(self.inflight):
+            try:
+                outcome = read.progress()
+                if isinstance(outcome, Waiting) and read.overdue(now, self.read_timeout):
+                    raise outcome.timed_out(self.read_timeout)
+            except ReadFailed as failure:
+                self.inflight.remove(read)
+                self._fail(read, failure)
+                continue
+            if outcome is LANDED:
+                self.inflight.remove(read)
+                self._finish(read, now)
+
+    def _finish(self, read: Read, now: float) -> None:
+        """Every path landed: give back what they hold, tell the prefill ranks no READ
+        told, and report the read."""
+        for path in read.paths:
+            path.finish()
+        unnotified = read.unnotified or any(path.unnotified for path in read.paths)
+        peer = self._peers.get(read.engine)
+        if peer is not None:  # ranks nobody reads still hold the blocks, and ranks read
+            # through staging or on this host were not told with a READ: release them
+            told = read.told
+            if not peer.tell(self._local, read.lease_id,
+                             [rank for rank in peer.agents if rank not in told], ok=True):
+                unnotified = True
+        elif any(not path.notifies for path in read.paths):  # nobody to tell: the caller
+            unnotified = True  # releases over the side channel
+        self._results.finished(read.request_id, read.stats(now), unnotified)
+
+    def _fail(self, read: Read, failure: ReadFailed) -> None:
+        """Fail one read (see the module docstring)."""
+        for path in read.paths:  # siblings fail too, and place nothing more here
+            path.abandon(str(failure))
+        log.warning("read for request %s failed: %s", read.request_id, failure)
+        peer = self._peers.get(read.engine)
+        told = failure.notify and peer is not None and \
+            peer.tell(self._local, read.lease_id, list(peer.agents), ok=False)
+        self._results.failed(read.request_id, str(failure), unnotified=not told)
+        if failure.peer_gone is not None and peer is not None:
+            self._peers.forget_dead(read.engine, failure.peer_gone)
+
+
+def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
+    """The paths ``peer``'s plans call for, in the order they are posted: copies on this
+    host, then read lanes or staging, then direct READs. Raises TransferError when the
+    read's params disagree with the peer, ValueError for block ids out of range."""
+    remote = read.remote
+    if peer.tp_size != remote.tp_size:
+        raise TransferError(f"engine reports TP {peer.tp_size} but kv_transfer_params "
+                            f"say tp_size={remote.tp_size}")
+    # the ids were counted at this size: a cache of another one would be misread
+    for plan in peer.plans[:1]:
+        said, cache = remote.remote_block_size, plan.remote.block_size
+        if (said or plan.local.block_size) != cache:
+            raise TransferError(
+                f"its cache has {cache}-token blocks but kv_transfer_params "
+                + (f"say remote_block_size={said}" if said else
+                   f"do not say remote_block_size, so the ids were counted at this "
+                   f"decode's {plan.local.block_size}"))
+    local_ids, remote_ids = read.local_block_ids, remote.remote_block_ids
+    direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
+    descs = build_requests_descriptors(direct, local_ids, remote_ids) if direct else []
+    converted = [(plan, *plan.ids(local_ids, remote_ids))
+                 for plan in peer.plans if isinstance(plan, StagedRead)]
+    hosted = [(peer.host[plan.remote_rank], lids, rids) for plan, lids, rids in converted
+              if plan.remote_rank in peer.host]
+    host = [(runs, lids, rids) for runs, lids, rids in hosted if isinstance(runs, HostRead)]
+    mapped = [(runs, lids, rids) for runs, lids, rids in hosted if isinstance(runs, MappedRead)]
+    paths: list[ReadPath] = []
+    if host:
+        paths.append(HostPath(local, peer, read, host))
+    if mapped:
+        paths.append(MappedPath(local, peer, read, mapped))
+    staged_reads = [c for c in converted if c[0].remote_rank not in peer.host]
+    staged = StagedPath(local, peer, read, staged_reads) if staged_reads else None
+    if staged is not None:
+        paths.append(staged)
+    if local.lanes is not None and not (staged and staged.has_parts) and \
+            local.lanes.pay_for(sum(len(d) for d in descs)):
+        paths.append(LanesPath(local, local.lanes, peer, read, descs))
+    elif descs:
+        paths.append(DirectPath(local, peer, read, descs))
+    return paths

@@ -1,0 +1,135 @@
+"""What one rank's :class:`~kvxfer.transfer.worker.TransferWorker` reports to its caller.
+
+Pure: the standard library only. :class:`PollResult` (reads that ended, with their
+:class:`ReadStats`), :class:`Released` (leases that ended), :class:`WorkerCounts`
+(events only metrics care about), :class:`TransferError`, and the two thread-safe
+boxes the worker's thread fills and the caller's thread empties: :class:`ReadResults`
+and :class:`Tally`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+class TransferError(RuntimeError):
+    """A read failed; the message names the peer and the reason."""
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    """What one finished read moved, for metrics and the demo."""
+
+    num_bytes: int
+    descriptors: int
+    seconds: float
+    lanes: int = 1  # agents (threads) that copied it; see kvxfer.transfer.lanes
+    # prefill ranks read on this host (kvxfer.transfer.converted.host_reads) instead of staging
+    host_ranks: int = 0
+    # in-process decode ranks that shared its converted reads, host or staged (1: alone)
+    members: int = 0
+    mapped_ranks: int = 0  # of host_ranks, those read from their mapped cache (mapped_reads)
+    staged_ranks: int = 0  # prefill ranks read through staging (kvxfer.plan.staging)
+
+
+@dataclass
+class PollResult:
+    """Reads that ended since the last :meth:`TransferWorker.poll`.
+
+    ``unnotified`` holds the requests, failed or finished, whose prefill ranks
+    were not all told by a NIXL notification.
+    """
+
+    finished: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    stats: dict[str, ReadStats] = field(default_factory=dict)
+    unnotified: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished or self.failed)
+
+
+@dataclass
+class WorkerCounts:
+    """Events since the last :meth:`TransferWorker.take_counts`, by reason (the labels of
+    the sidecar's metrics, :mod:`kvxfer.sidecar.metrics`), one per handshake or notification."""
+
+    # decode: a handshake (after its retries) or the NIXL connection after it failed:
+    # handshake.failure_reason's words, "mismatch" for a peer this rank cannot read, "connect"
+    handshake_failures: Counter[str] = field(default_factory=Counter)
+    # "unsent" (decode: NIXL refused to send it), "bad_signature" or "malformed" (prefill:
+    # ignored, it did not verify or decode)
+    notifications_failed: Counter[str] = field(default_factory=Counter)
+    # prefill: a verified "done" for a lease not held, by how that lease had ended
+    # ("done", "abandoned", "expired"), "unknown" when not remembered (or never held)
+    notifications_late: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class Released:
+    request_id: str
+    # "done" (every reader notified), "abandoned" (end_lease: the decode will not read)
+    # or "expired" (the lease ran out)
+    reason: str
+
+
+class ReadResults:
+    """Reads that ended, gathered on the worker's thread until the caller takes them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._results = PollResult()
+        self._ready = threading.Event()  # set when a read finished or failed
+
+    def finished(self, request_id: str, stats: ReadStats, unnotified: bool) -> None:
+        with self._lock:
+            self._results.finished.append(request_id)
+            self._results.stats[request_id] = stats
+            if unnotified:
+                self._results.unnotified.add(request_id)
+        self._ready.set()
+
+    def failed(self, request_id: str, reason: str, unnotified: bool) -> None:
+        with self._lock:
+            self._results.failed[request_id] = reason
+            if unnotified:
+                self._results.unnotified.add(request_id)
+        self._ready.set()
+
+    def take(self) -> PollResult:
+        """Everything since the last call (any thread)."""
+        with self._lock:
+            out, self._results = self._results, PollResult()
+            self._ready.clear()
+        return out
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s until a read ended since the last :meth:`take`."""
+        return self._ready.wait(timeout)
+
+
+class Tally:
+    """:class:`WorkerCounts` counted from any thread, taken by the caller's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = WorkerCounts()
+
+    def handshake_failed(self, reason: str) -> None:
+        with self._lock:
+            self._counts.handshake_failures[reason] += 1
+
+    def notifications_failed(self, reason: str, count: int = 1) -> None:
+        with self._lock:
+            self._counts.notifications_failed[reason] += count
+
+    def notification_late(self, ended: str) -> None:
+        with self._lock:
+            self._counts.notifications_late[ended] += 1
+
+    def take(self) -> WorkerCounts:
+        with self._lock:
+            out, self._counts = self._counts, WorkerCounts()
+        return out
