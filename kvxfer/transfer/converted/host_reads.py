@@ -253,7 +253,9 @@ def merged(reads: Sequence[HostRead]) -> HostRead:
 
 def _assembled(remote_rank: int, offer: HostReads, runs: tuple[np.ndarray, ...]) -> HostRead:
     sink = np.zeros(BRIDGE_BYTES or 1, dtype=np.uint8)
-    roff, rstep, loff, lstep, length = _bridged(*runs, sink.ctypes.data)
+    roff, rstep, loff, lstep, length = runs
+    roff, rstep, loff, lstep, length = _bridged(roff, rstep, loff, lstep, length,
+                                                sink.ctypes.data)
     cuts, lstart, rstart = _cut(roff, rstep, loff, lstep, length)
     local, remote = _rows(loff, lstep, length, lstart), _rows(roff, rstep, length, rstart)
     return HostRead(remote_rank, offer, local, remote, cuts, sink, runs)
