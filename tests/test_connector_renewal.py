@@ -27,6 +27,7 @@ from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.transfer.results import PollResult, ReadStats
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.wire.messages import RenewRefused
 from kvxfer.wire.params import RemoteParams
 
 HOST = "127.0.0.1"
@@ -54,12 +55,12 @@ class Prefill:
         self.handshakes += 1
         return []
 
-    def _on_renew(self, lease_id: str, _requester: str, claim: bool) -> float | str | None:
-        if claim:
-            self.claims.append(lease_id)
-            return self.claim_ttl
-        self.renewals.append(lease_id)
-        return self.ttl
+    def _on_renew(self, lease_id: str, _requester: str, claim: bool) -> float:
+        (self.claims if claim else self.renewals).append(lease_id)
+        answer = self.claim_ttl if claim else self.ttl
+        if answer is None or isinstance(answer, str):  # refused: why, or "not held"
+            raise RenewRefused(answer or "the prefill does not hold it")
+        return answer
 
     def _on_release(self, lease_id: str, _requester: str, _reason: str) -> bool:
         self.releases.append(lease_id)

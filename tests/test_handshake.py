@@ -49,6 +49,7 @@ from kvxfer.wire.messages import (
     MetadataResponse,
     ReleaseAck,
     ReleaseLease,
+    RenewRefused,
 )
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION, MAGIC
@@ -801,9 +802,11 @@ if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
 def test_a_renewal_is_answered_with_the_ttl(held: bool) -> None:
     calls: list[tuple[str, str, bool]] = []
 
-    def on_renew(lease_id: str, requester: str, claim: bool) -> float | str | None:
+    def on_renew(lease_id: str, requester: str, claim: bool) -> float:
         calls.append((lease_id, requester, claim))
-        return 0.5 if held else "another decode claimed it first"
+        if not held:
+            raise RenewRefused("another decode claimed it first")
+        return 0.5
 
     with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=KEY, on_renew=on_renew) as served, \
@@ -819,7 +822,7 @@ def test_a_renewal_is_answered_with_the_ttl(held: bool) -> None:
 def test_an_unauthenticated_renewal_is_refused() -> None:
     calls: list[str] = []
 
-    def on_renew(lease_id: str, _requester: str, _claim: bool) -> float | None:
+    def on_renew(lease_id: str, _requester: str, _claim: bool) -> float:
         calls.append(lease_id)
         return 0.5
 

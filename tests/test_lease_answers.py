@@ -1,4 +1,4 @@
-"""The prefill's side-channel lease answers (:mod:`kvxfer.transfer.lease_answers`), alone.
+"""The prefill's side-channel lease answers (:mod:`kvxfer.transfer.leases`), alone.
 
 Its ranks are stand-ins with the lease methods of ``TransferWorker`` (the real
 workers answer in ``test_connector_renewal`` and ``test_vllm_worker_side``).
@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvxfer.transfer.lease_answers import LeaseAnswers, Release
+import pytest
+
+from kvxfer.transfer.leases import LeaseAnswers, Release
+from kvxfer.wire.messages import RenewRefused
 
 
 @dataclass
 class Rank:
     """One rank's leases: lease id -> claimer (None: unclaimed); ``answer`` is what
-    ``renew`` returns (seconds, or why not)."""
+    ``renew`` returns (seconds) or, a str, the refusal it raises."""
 
     leases: dict[str, str | None] = field(default_factory=dict)
     answer: float | str = 5.0
@@ -22,8 +25,10 @@ class Rank:
     ended: list[tuple[str, str]] = field(default_factory=list)
 
     def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
-              max_age: float = float("inf")) -> float | str:
+              max_age: float = float("inf")) -> float:
         self.renewed.append((request_id, ttl, requester, claim, max_age))
+        if isinstance(self.answer, str):
+            raise RenewRefused(self.answer)
         return self.answer
 
     def may_end(self, request_id: str, requester: str) -> bool:
@@ -49,7 +54,8 @@ def test_a_renewal_asks_every_rank_and_answers_the_least_time_left() -> None:
 def test_a_renewal_any_rank_refuses_is_refused_with_its_reason() -> None:
     ranks = [Rank(answer=5.0), Rank(answer="another decode claimed it first"), Rank(answer="x")]
     answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
-    assert answers.on_renew("L", "decode-b", False) == "another decode claimed it first"
+    with pytest.raises(RenewRefused, match=r"^another decode claimed it first$"):
+        answers.on_renew("L", "decode-b", False)
 
 
 def test_a_release_from_another_than_the_claimer_is_ignored() -> None:

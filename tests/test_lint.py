@@ -16,13 +16,13 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
               "kvxfer/engine/block_allocator.py", "kvxfer/transfer/converted/siblings.py",
               "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py",
-              "kvxfer/transfer/lease_answers.py", "kvxfer/transfer/lease_client.py",
+              "kvxfer/transfer/leases.py", "kvxfer/transfer/lease_client.py",
               "kvxfer/sidecar/connector_events.py",
               "kvxfer/wire/version.py", "kvxfer/wire/errors.py",
               "kvxfer/wire/replay.py", "kvxfer/wire/compat.py", "kvxfer/wire/metadata.py",
               "kvxfer/wire/messages.py", "kvxfer/wire/framing.py", "kvxfer/wire/envelope.py",
               "kvxfer/wire/notification.py",
-              "kvxfer/wire/params.py", "kvxfer/transfer/results.py", "kvxfer/transfer/leases.py",
+              "kvxfer/wire/params.py", "kvxfer/transfer/results.py",
               "kvxfer/transfer/reads/path.py", "kvxfer/transfer/reads/read.py",
               "kvxfer/transfer/converted/process_shares.py")
 

@@ -26,6 +26,7 @@ from kvxfer.vllm.plan import Hold, Load, StepPlan
 from kvxfer.vllm.settings import ConnectorSettings
 from kvxfer.vllm.transfers import StepResult, WorkerSide
 from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.messages import RenewRefused
 
 HOST = "127.0.0.1"
 BLOCK, HEADS, HEAD, BLOCKS = 16, 2, 8, 8
@@ -52,8 +53,10 @@ class Prefill:
         self.handshakes += 1
         return []
 
-    def _on_renew(self, lease_id: str, _requester: str, claim: bool) -> float | str:
+    def _on_renew(self, lease_id: str, _requester: str, claim: bool) -> float:
         self.claims.append(lease_id)
+        if isinstance(self.claim_ttl, str):
+            raise RenewRefused(self.claim_ttl)
         return self.claim_ttl
 
     def _on_release(self, lease_id: str, _requester: str, reason: str) -> bool:

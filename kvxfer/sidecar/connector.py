@@ -10,7 +10,7 @@ and :meth:`release_remote` is called from the sidecar's engine-loop thread
 only, the same thread that steps the engine, so engine calls and lease state
 changes here never race a step. Other threads only queue work for it: the
 listener's thread queues side-channel releases
-(:class:`~kvxfer.transfer.lease_answers.LeaseAnswers`), :meth:`release_remote`
+(:class:`~kvxfer.transfer.leases.LeaseAnswers`), :meth:`release_remote`
 queues a release for the sender thread.
 
 Prefill role (who calls what):
@@ -59,7 +59,7 @@ from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.transfer.lease_answers import LeaseAnswers
+    from kvxfer.transfer.leases import LeaseAnswers
     from kvxfer.transfer.side_channel.listener import HandshakeListener
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
     from kvxfer.transfer.worker import TransferWorker
@@ -179,7 +179,7 @@ class KVConnector:
                 "read_timeout": self.kv_read_timeout}
 
     def _start_listener(self, port: int) -> None:
-        from kvxfer.transfer.lease_answers import LeaseAnswers
+        from kvxfer.transfer.leases import LeaseAnswers
         from kvxfer.transfer.side_channel.listener import HandshakeListener
 
         def connecting(_requester: str) -> None:

@@ -20,19 +20,43 @@ Who calls what (every method is thread-safe):
 
 A verified "done" for a lease that is not held counts as late, by how that lease had
 ended: the last :data:`ENDED_REMEMBERED` ended leases are remembered for that.
+
+``LeaseAnswers``: a prefill's side-channel answers about its leases, over its rank
+tables. One per prefill instance: the sidecar's
+:class:`~kvxfer.sidecar.connector.KVConnector` (over all its TP ranks) and the vLLM
+worker's :class:`~kvxfer.vllm.transfers.WorkerSide` (its one rank) hand
+:meth:`LeaseAnswers.on_release` and :meth:`LeaseAnswers.on_renew` to their
+:class:`~kvxfer.transfer.side_channel.listener.HandshakeListener`:
+
+* the listener's thread calls :meth:`~LeaseAnswers.on_release` for a decode's
+  ``ReleaseLease``: it is ignored from another engine than the lease's claimer;
+  otherwise it is queued (the lease is ended by the owner's thread, not here) and the
+  answer says whether the lease is held right now;
+* the listener's thread calls :meth:`~LeaseAnswers.on_renew` for a ``RenewLease``:
+  every rank claims (the first claimer only) or extends the lease by ``ttl`` seconds,
+  never past ``max_age`` after it was held; the answer is the seconds it has left (the
+  least of all ranks), or the first rank's :class:`~kvxfer.wire.messages.RenewRefused`;
+* the owner's thread (the engine loop; vLLM's model runner) calls
+  :meth:`~LeaseAnswers.take_releases` now and then: every queued release ends its
+  lease on each rank still holding it (``end_lease(..., "abandoned")``); the ranks
+  report it through ``poll_released`` as for any other end. An id that is not a held
+  lease (ended already, or never handed out) changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvxfer.transfer.results import Released, Tally
 from kvxfer.wire.errors import BadSignature, ProtocolError
+from kvxfer.wire.messages import RenewRefused
 from kvxfer.wire.notification import ReadDone, decode_notif
 
 log = logging.getLogger(__name__)
@@ -76,25 +100,27 @@ class LeaseTable:
             self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
 
     def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
-              max_age: float = math.inf) -> float | str:
+              max_age: float = math.inf) -> float:
         """Extend lease ``request_id`` for decode ``requester`` to ``ttl`` seconds from now,
         never past ``max_age`` seconds after :meth:`hold`, never shorter; the seconds it
-        now has left, or why not (a str). A claim (``claim``) is granted to the first
-        engine that claims the lease (and again to it: a retried claim); a renewal only
-        to its claimer."""
+        now has left; :class:`~kvxfer.wire.messages.RenewRefused` says why not. A claim
+        (``claim``) is granted to the first engine that claims the lease (and again to
+        it: a retried claim); a renewal only to its claimer."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
-                return "the prefill no longer holds it (it ended, or was never handed out)"
+                raise RenewRefused("the prefill no longer holds it (it ended, or was never "
+                                   "handed out)")
             if claim and lease.claimer is None:
                 lease.claimer = requester
             if lease.claimer != requester:
-                return ("another decode claimed it first: a lease is read by one decode"
-                        if lease.claimer is not None else "it was renewed before it was claimed")
+                raise RenewRefused("another decode claimed it first: a lease is read by one "
+                                   "decode" if lease.claimer is not None else
+                                   "it was renewed before it was claimed")
             now = time.monotonic()
             end = lease.held_at + max_age
             if now >= end:
-                return f"it reached the maximum lease age of {max_age:g} s"
+                raise RenewRefused(f"it reached the maximum lease age of {max_age:g} s")
             lease.expires = max(lease.expires, min(now + ttl, end))
             return lease.expires - now
 
@@ -178,3 +204,81 @@ class LeaseTable:
         self._ended[request_id] = reason
         if len(self._ended) > ENDED_REMEMBERED:
             del self._ended[next(iter(self._ended))]  # the oldest (dicts keep insertion order)
+
+
+class RankLeases(Protocol):
+    """The lease table of one prefill rank (``TransferWorker``'s, thread-safe)."""
+
+    def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
+              max_age: float = ...) -> float: ...
+
+    def may_end(self, request_id: str, requester: str) -> bool: ...
+
+    def holds_lease(self, request_id: str) -> bool: ...
+
+    def end_lease(self, request_id: str, reason: str = ...) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Release:
+    """A decode's side-channel release of lease ``lease_id``, as queued for the owner."""
+
+    lease_id: str
+    requester: str  # the decode's engine id
+    reason: str
+
+
+class LeaseAnswers:
+    """A prefill's answers to releases and renewals over ``ranks`` (see the module
+    docstring). ``ttl`` (s): how long a claim or renewal extends a lease; ``max_age``
+    (s): no lease is renewed past that long after it was held."""
+
+    def __init__(self, ranks: Sequence[RankLeases], *, ttl: float, max_age: float) -> None:
+        self.ranks, self.ttl, self.max_age = ranks, ttl, max_age
+        self._releases: queue.SimpleQueue[Release] = queue.SimpleQueue()
+
+    def on_release(self, lease_id: str, requester: str, reason: str) -> bool:
+        """Listener thread: queue a decode's release for :meth:`take_releases` (only
+        its claimer's, or an unclaimed lease's); whether the lease is held right now."""
+        if not all(rank.may_end(lease_id, requester) for rank in self.ranks):
+            log.warning("decode %s released lease %s, which another decode claimed: ignored",
+                        requester, lease_id)
+            return False
+        self._releases.put(Release(lease_id, requester, reason))
+        return any(rank.holds_lease(lease_id) for rank in self.ranks)
+
+    def on_renew(self, lease_id: str, requester: str, claim: bool) -> float:
+        """Listener thread: claim (``claim``) or extend a held lease by ``ttl`` on every
+        rank: the seconds it has left. The first rank's refusal (ended, another claimer,
+        too old) is raised, after every rank was asked (as each would be asked alone)."""
+        answers: list[float] = []
+        refused: list[RenewRefused] = []
+        for rank in self.ranks:
+            try:
+                answers.append(rank.renew(lease_id, self.ttl, requester, claim=claim,
+                                          max_age=self.max_age))
+            except RenewRefused as exc:
+                refused.append(exc)
+        if refused:
+            raise refused[0]
+        log.debug("decode %s %s lease %s", requester, "claimed" if claim else "renewed",
+                  lease_id)
+        return min(answers)
+
+    def take_releases(self) -> list[Release]:
+        """Owner's thread: end the released leases on every rank still holding them; the
+        releases that ended a lease on some rank."""
+        taken: list[Release] = []
+        while True:
+            try:
+                release = self._releases.get_nowait()
+            except queue.Empty:
+                return taken
+            ended = [rank.end_lease(release.lease_id, "abandoned") for rank in self.ranks]
+            if not any(ended):
+                log.info("decode %s released lease %s, which is not held (ended already or "
+                         "never handed out): ignored", release.requester, release.lease_id)
+                continue
+            log.info("decode %s will not read lease %s (%s): freeing its blocks",
+                     release.requester, release.lease_id, release.reason)
+            taken.append(release)

@@ -273,12 +273,13 @@ class TransferWorker:
         self._wake.set()
 
     def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
-              max_age: float = math.inf) -> float | str:
+              max_age: float = math.inf) -> float:
         """Extend lease ``request_id`` for decode ``requester`` to ``ttl`` seconds from now,
         never past ``max_age`` seconds after :meth:`hold`, never shorter; the seconds it
-        now has left, or why not (a str). A claim (``claim``) is granted to the first
-        engine that claims the lease (and again to it: a retried claim); a renewal only
-        to its claimer. Thread-safe (the listener's thread calls it)."""
+        now has left; :class:`~kvxfer.wire.messages.RenewRefused` says why not. A claim
+        (``claim``) is granted to the first engine that claims the lease (and again to
+        it: a retried claim); a renewal only to its claimer. Thread-safe (the listener's
+        thread calls it)."""
         return self._leases.renew(request_id, ttl, requester, claim=claim, max_age=max_age)
 
     def may_end(self, request_id: str, requester: str) -> bool:

@@ -4,7 +4,7 @@ Lives in vLLM's worker process, next to the KV cache. It owns the rank's
 :class:`~kvxfer.transfer.worker.TransferWorker` (regions, descriptors, READs, leases,
 notifications), the :class:`~kvxfer.transfer.side_channel.listener.HandshakeListener` that serves
 the rank's metadata and answers lease claims, renewals and releases
-(:class:`~kvxfer.transfer.lease_answers.LeaseAnswers`), and the decode's
+(:class:`~kvxfer.transfer.leases.LeaseAnswers`), and the decode's
 :class:`~kvxfer.transfer.lease_client.LeaseClient` (claims and releases, from one
 :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`): the same objects a kvxfer
 sidecar uses. Nothing of the transfer or the leases is done here: this class only maps vLLM's
@@ -36,8 +36,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.transfer.lease_answers import LeaseAnswers
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
+from kvxfer.transfer.leases import LeaseAnswers
 from kvxfer.transfer.results import ReadStats
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener

@@ -176,6 +176,12 @@ class RenewAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"RenewAck.expires_in must not be negative, got {self.expires_in}")
 
 
+class RenewRefused(Exception):
+    """A prefill will not claim or renew a lease for the decode that asked: it ended, another
+    decode claimed it, or it reached its maximum age. The message says which; the listener
+    answers it as a :class:`RenewAck` with ``found=False`` and that ``reason``."""
+
+
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Prefill → decode: the request was refused; ``message`` names the reason."""
 

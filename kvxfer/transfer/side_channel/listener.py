@@ -37,6 +37,7 @@ from kvxfer.wire.messages import (
     ReleaseLease,
     RenewAck,
     RenewLease,
+    RenewRefused,
 )
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.replay import ReplayGuard
@@ -59,8 +60,8 @@ class HandshakeListener:
     (the :class:`ReleaseAck` says so); it must only hand the release over to the
     thread that owns the leases. Without it releases are refused as
     ``unavailable``. ``on_renew(lease_id, requester_engine_id, claim)`` claims
-    (``claim``) or extends a held lease and returns the seconds it now has left,
-    or why not (a str; None: it is not held), which the :class:`RenewAck` says.
+    (``claim``) or extends a held lease and returns the seconds it now has left, or
+    raises :class:`RenewRefused` saying why not; the :class:`RenewAck` says which.
     All must not block for long: requests are served one at a time.
 
     With ``hmac_key`` every request must be signed with it and fresh (timestamp
@@ -75,7 +76,7 @@ class HandshakeListener:
                  hmac_key: bytes | None = None,
                  on_request: Callable[[str], None] | None = None,
                  on_release: Callable[[str, str, str], bool] | None = None,
-                 on_renew: Callable[[str, str, bool], float | str | None] | None = None
+                 on_renew: Callable[[str, str, bool], float] | None = None
                  ) -> None:
         self.engine_id = engine_id
         self.host = host
@@ -264,17 +265,16 @@ class HandshakeListener:
             return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} holds no leases")
         try:
             ttl = self._on_renew(renew.lease_id, renew.requester_engine_id, renew.claim)
+        except RenewRefused as refused:
+            log.info("handshake listener at %s: refused to %s (engine %s) %s lease %s: %s",
+                     self.address, peer, renew.requester_engine_id,
+                     "the claim of" if renew.claim else "the renewal of", renew.lease_id, refused)
+            return RenewAck(renew.lease_id, False, 0.0, str(refused)[:MAX_RELEASE_REASON_CHARS])
         except Exception as exc:
             log.exception("handshake listener at %s: on_renew(%r) failed", self.address,
                           renew.lease_id)
             return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} could not "
                                                      f"renew lease {renew.lease_id!r}: {exc}")
-        if ttl is None or isinstance(ttl, str):
-            why = ttl or "the prefill does not hold it"
-            log.info("handshake listener at %s: refused to %s (engine %s) %s lease %s: %s",
-                     self.address, peer, renew.requester_engine_id,
-                     "the claim of" if renew.claim else "the renewal of", renew.lease_id, why)
-            return RenewAck(renew.lease_id, False, 0.0, why[:MAX_RELEASE_REASON_CHARS])
         return RenewAck(renew.lease_id, True, float(ttl))
 
 
