@@ -1,8 +1,9 @@
 """The NIXL notification a decode rank sends each prefill rank it read from: :class:`ReadDone`.
 
-Pure: msgspec and the standard library only, no I/O; ``kvxfer.transfer.worker`` sends
-and receives these bytes through NIXL. On the wire: ``MAGIC``, then the msgpack map of
-``{version, done, signature}``, signed with the shared key when there is one.
+Pure: msgspec and the standard library only, no I/O; a decode's
+:class:`~kvxfer.transfer.peers.Peer` sends these bytes through NIXL and the prefill's
+:class:`~kvxfer.transfer.leases.LeaseTable` receives them. On the wire: ``MAGIC``, then
+the msgpack map of ``{version, done, signature}``, signed with the shared key when there is one.
 """
 
 from __future__ import annotations
