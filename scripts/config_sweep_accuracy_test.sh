@@ -5,7 +5,7 @@
 # Usage: scripts/config_sweep_accuracy_test.sh [--kv_buffer_device cpu|cuda]
 #
 # Environment:
-#   SWEEP_LAYOUTS   layouts to sweep (default "LBHNC LBNHC BLHNC BLNHC BHLNC")
+#   SWEEP_LAYOUTS   layouts to sweep (default "LBHNC LBNHC BLHNC BLNHC BHLNC LHBNC")
 #   SWEEP_TP_PAIRS  prefill:decode TP pairs (default "1:1 1:3 3:1 3:3" for the default
 #                   model, SmolLM2 with 3 KV heads; "1:1 1:2 2:1 2:2" for MODEL=kvxfer-tiny)
 #   MODEL, PYTHON, STARTUP_TIMEOUT, LOGPROB_TOL, PREFILLER_BLOCK_SIZE, DECODER_BLOCK_SIZE:
@@ -19,7 +19,7 @@ usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 for arg in "$@"; do case "$arg" in -h|--help) usage; exit 0 ;; esac; done
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-LAYOUTS="${SWEEP_LAYOUTS:-LBHNC LBNHC BLHNC BLNHC BHLNC}"
+LAYOUTS="${SWEEP_LAYOUTS:-LBHNC LBNHC BLHNC BLNHC BHLNC LHBNC}"
 if [[ "${MODEL:-}" == kvxfer-tiny ]]; then DEFAULT_PAIRS="1:1 1:2 2:1 2:2"; else DEFAULT_PAIRS="1:1 1:3 3:1 3:3"; fi
 TP_PAIRS="${SWEEP_TP_PAIRS:-$DEFAULT_PAIRS}"
 

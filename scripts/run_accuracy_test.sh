@@ -7,7 +7,7 @@
 # Usage: scripts/run_accuracy_test.sh [--kv_buffer_device cpu|cuda] [--enable-cross-layers]
 #
 # Environment:
-#   KVXFER_KV_CACHE_LAYOUT  prefill KV layout (LBHNC, LBNHC, BLHNC, BLNHC, BHLNC; default LBHNC)
+#   KVXFER_KV_CACHE_LAYOUT  prefill KV layout (LBHNC, LBNHC, BLHNC, BLNHC, BHLNC, LHBNC; default LBHNC)
 #   DECODER_KV_LAYOUT       decode KV layout (default: the prefill's)
 #   PREFILLER_TP_SIZE       prefill tensor-parallel size (default 1)
 #   DECODER_TP_SIZE         decode tensor-parallel size (default 1)

@@ -209,7 +209,9 @@ def spec_for(s: dict, tp: int, block_size: int | None = None) -> CacheSpec:
     size = s["block_size"] if block_size is None else block_size
     real = CacheSpec(size, kv, s["head_size"], s["dtype"],
                      separate_kv_head_groups=s["groups"]).real_page_size_bytes
-    padded = real + s["pad"] if s["pad"] else None
+    # a padded page needs every head inside its block (not LHBNC, which vLLM refuses too)
+    heads_apart = any(s[side].heads_outside_block for side in ("local_layout", "remote_layout"))
+    padded = real + s["pad"] if s["pad"] and not heads_apart else None
     return CacheSpec(size, kv, s["head_size"], s["dtype"], padded, s["groups"])
 
 
@@ -380,7 +382,8 @@ def test_head_split_on_tokens_outside_heads_layout_names_the_fix(layout: KVCache
     remote = llama_like(layout, tp=1)
     with pytest.raises(IncompatibleLayoutError,
                        match=f"prefill layout {layout.name} cannot be head-split for decode TP 2 "
-                             f"> prefill TP 1; use LBHNC, BLHNC or BHLNC on the prefill side"):
+                             f"> prefill TP 1; use LBHNC, BLHNC, BHLNC or LHBNC on the prefill "
+                             f"side"):
         build_read_descriptors(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 8),
                                [0], [0], local_tp=2, remote_tp=1)
 

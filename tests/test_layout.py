@@ -29,7 +29,9 @@ from kvxfer.plan.layout import (
     reshape_kv_cache,
 )
 
-NAMES = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
+NAMES = tuple(layout.name for layout in KVCacheLayout)
+# a padded page needs every head inside its block: not LHBNC (vLLM refuses it as well)
+PADDABLE = tuple(layout.name for layout in KVCacheLayout if not layout.heads_outside_block)
 ALIASES = {"HND": "LBHNC", "HNC": "LBHNC", "NHD": "LBNHC", "NHC": "LBNHC"}
 ENV = "KVXFER_KV_CACHE_LAYOUT"
 SENTINEL = 0xA5
@@ -125,8 +127,10 @@ def expected_geometry(p: Params) -> Geometry:
     unit_elems = layers_in_unit * page // p.itemsize
     strides: dict[str, int] = {}
     inner = 1  # elements spanned by the dims already placed (inside the current one)
+    heads_out = p.layout.index("H") < p.layout.index("B")
     for letter in reversed(p.layout):
-        strides[letter] = unit_elems if letter == "B" else inner
+        # with H outside B a block is one head's N x C elements (no padding)
+        strides[letter] = (inner if heads_out else unit_elems) if letter == "B" else inner
         inner = strides[letter] * sizes[letter]
     return Geometry(sizes, strides, p.itemsize, layers_in_unit * page, layers_in_unit * real)
 
@@ -219,7 +223,8 @@ def write_and_check_placement(p: Params, device: str, tail: int = 48) -> None:
 MATRIX = [Params(layout, layers, torch.float32, groups=groups,
                  pad_elems=6 if padded else None, ratio=2 if split else 1)
           for layout, padded, groups, layers, split in itertools.product(
-              NAMES, (False, True), (False, True), (1, 2, 3), (False, True))]
+              NAMES, (False, True), (False, True), (1, 2, 3), (False, True))
+          if layout in PADDABLE or not padded]
 
 
 def with_dtype(p: Params, dtype: torch.dtype) -> Params:
@@ -243,13 +248,17 @@ def test_layout_properties_follow_the_name(name: str) -> None:
 
 
 def test_layout_members_and_documented_examples() -> None:
-    assert [m.name for m in KVCacheLayout] == list(NAMES)
+    # the six vLLM 0.32 defines (vllm/v1/kv_cache_layout.py), values in its convention
+    assert {m.name: m.value for m in KVCacheLayout} == {
+        "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+        "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
     assert KVCacheLayout.BLHNC.stride_order == (1, 0, 2, 3, 4)
     assert KVCacheLayout.LBNHC.stride_order == (0, 1, 3, 2, 4)
     assert KVCacheLayout.BHLNC.layer_view_order == (0, 1, 2, 3)
     assert KVCacheLayout.LBNHC.layer_view_order == (0, 2, 1, 3)
     assert [m.name for m in KVCacheLayout if m.is_block_contiguous] == ["LBHNC", "BLHNC"]
-    assert [m.name for m in KVCacheLayout if m.is_layer_compact] == ["LBHNC", "LBNHC"]
+    assert [m.name for m in KVCacheLayout if m.is_layer_compact] == ["LBHNC", "LBNHC", "LHBNC"]
+    assert [m.name for m in KVCacheLayout if m.heads_outside_block] == ["LHBNC"]
 
 
 @pytest.mark.parametrize("spelling", [*NAMES, *(n.lower() for n in NAMES), "bLhNc"])
@@ -442,8 +451,9 @@ def test_view_strides_follow_layer_view_order(p: Params, device: str) -> None:
 def random_params(draw: st.DrawFn) -> Params:
     block_size = draw(st.integers(1, 6))
     ratio = draw(st.sampled_from([r for r in range(1, block_size + 1) if block_size % r == 0]))
-    padded = draw(st.booleans())
-    return Params(layout=draw(st.sampled_from(NAMES)), layers=draw(st.integers(1, 3)),
+    layout = draw(st.sampled_from(NAMES))
+    padded = layout in PADDABLE and draw(st.booleans())
+    return Params(layout=layout, layers=draw(st.integers(1, 3)),
                   dtype=draw(st.sampled_from(DTYPES)), groups=draw(st.booleans()),
                   block_size=block_size, num_kv_heads=draw(st.integers(1, 3)),
                   head_size=draw(st.integers(1, 4)), num_blocks=draw(st.integers(1, 4)),
@@ -468,7 +478,7 @@ def test_kernel_block_size_equal_to_cache_block_is_no_split() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", NAMES)
 def test_allocate_kv_cache(layout: str, device: str) -> None:
-    p = Params(layout, 3, torch.bfloat16, pad_elems=4, ratio=2)
+    p = Params(layout, 3, torch.bfloat16, pad_elems=4 if layout in PADDABLE else None, ratio=2)
     raw, views = allocate_kv_cache(p.spec(), p.num_blocks, p.layers, layout, device=device,
                                    block_size=p.kernel_block_size)
     assert raw.dtype == torch.uint8
@@ -542,8 +552,17 @@ def test_reshape_rejects_non_positive_counts(num_blocks: int, layers: int, bad: 
 
 
 def test_reshape_rejects_unknown_layout() -> None:
-    with pytest.raises(ValueError, match="'LHBNC'"):
-        reshape_kv_cache(torch.zeros(1152, dtype=torch.uint8), SMALL, 3, 2, "LHBNC")
+    with pytest.raises(ValueError, match="'LHNBC'"):
+        reshape_kv_cache(torch.zeros(1152, dtype=torch.uint8), SMALL, 3, 2, "LHNBC")
+
+
+def test_heads_outside_blocks_refuse_a_padded_page() -> None:
+    spec = CacheSpec(4, 2, 3, torch.float32, page_size_padded=256)
+    with pytest.raises(ValueError, match=r"LHBNC keeps each KV head's blocks apart.*LBHNC"):
+        allocate_kv_cache(spec, 3, 2, "LHBNC")
+    one_head = CacheSpec(4, 1, 3, torch.float32, page_size_padded=256)
+    _, views = allocate_kv_cache(one_head, 3, 2, "LHBNC")  # one head: its blocks are pages
+    assert views[0].stride(0) * 4 == 256
 
 
 def test_allocate_rejects_non_positive_blocks() -> None:

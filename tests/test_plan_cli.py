@@ -192,7 +192,7 @@ def test_bench_descriptors_prints_json_rows() -> None:
     out = kvxfer("bench", "descriptors", "--repeats", "3", "--tokens", "256", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
-    assert {r["layout"] for r in rows} == {"LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC"}
+    assert {r["layout"] for r in rows} == {"LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC", "LHBNC"}
     coalesced = next(r for r in rows if r["layout"] == "BHLNC" and r["prefill_tp"] == 1
                      and r["decode_tp"] == 1)
     # 16 blocks, one descriptor each unless two random ids happen to be adjacent on both sides.

@@ -22,12 +22,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.plan.descriptors import RankDescriptors, SideGeometry, build_read_descriptors
-from kvxfer.plan.layout import CacheSpec, allocate_kv_cache, reshape_kv_cache
+from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, reshape_kv_cache
 from kvxfer.plan.regions import MixedLayoutError, RegionPlan, plan_regions
 from kvxfer.plan.topology import read_plan
 
-NAMES = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
-HEADS_OUTSIDE_TOKENS = {"LBHNC", "BLHNC", "BHLNC"}
+NAMES = tuple(layout.name for layout in KVCacheLayout)
+# a padded page needs every head inside its block: not LHBNC (vLLM refuses it as well)
+PADDABLE = tuple(layout.name for layout in KVCacheLayout if not layout.heads_outside_block)
+HEADS_OUTSIDE_TOKENS = {"LBHNC", "BLHNC", "BHLNC", "LHBNC"}
 COALESCED = {"BLNHC", "BHLNC"}
 DTYPE = torch.float16
 ITEMSIZE = 2
@@ -176,7 +178,12 @@ def expected_region_table(built: Built) -> list[tuple[int, int, int, tuple[int, 
     out = []
     # separate head groups get a region each wherever one head is contiguous; a one-token
     # block makes that true even for the tokens-outside-heads layouts
-    if s.groups and (s.layout in HEADS_OUTSIDE_TOKENS or s.block_size == 1):
+    if s.layout == "LHBNC" and s.heads > 1:  # each head's blocks are a slab of their own
+        head_len = s.block_size * s.content * ITEMSIZE
+        for view in built.slots:
+            out.extend((view[:, h].data_ptr(), head_len, head_len, (index[id(view)],))
+                       for h in range(s.heads))
+    elif s.groups and (s.layout in HEADS_OUTSIDE_TOKENS or s.block_size == 1):
         head_len = s.block_size * s.head_size * ITEMSIZE
         for view in built.slots:
             out.extend((view[:, h].data_ptr(), head_len, block_stride, (index[id(view)],))
@@ -235,6 +242,8 @@ def same_placement(a: str, b: str, s: Setup) -> bool:
     def strides(layout: str) -> dict[str, int]:
         inside = layout.index("L") > layout.index("B")
         unit = (s.slots_per_storage if inside else 1) * s.page // ITEMSIZE
+        if layout.index("H") < layout.index("B") and s.heads > 1:  # a block is one head's
+            unit = s.block_size * s.content
         found = layer_strides_by_spec(layout, sizes, unit)
         return {d: v for d, v in found.items() if sizes[d] > 1}  # size-1 dims never step
 
@@ -244,13 +253,14 @@ def same_placement(a: str, b: str, s: Setup) -> bool:
 MATRIX = [Setup(layout, layers, padded=padded, groups=groups, separate=separate)
           for layout, layers, padded, groups, separate in itertools.product(
               NAMES, (1, 2, 3), (False, True), (False, True), (False, True))
-          if not (separate and layers == 1)]
+          if not (separate and layers == 1) and (layout in PADDABLE or not padded)]
 # Size-1 dims (one KV head per rank, one-token blocks) hide part of the physical order.
 DEGENERATE = [Setup(layout, layers, padded=True, groups=groups, separate=separate, **dims)
               for layout, layers, groups, separate, dims in itertools.product(
                   NAMES, (1, 2, 3), (False, True), (False, True),
                   ({"num_kv_heads": 1}, {"block_size": 1}, {"num_kv_heads": 1, "block_size": 1}))
-              if not (separate and layers == 1)]
+              if not (separate and layers == 1)
+              and (layout in PADDABLE or (dims.get("num_kv_heads") == 1 and not groups))]
 
 
 def params(setups: list[Setup]) -> list[object]:
@@ -287,7 +297,7 @@ def test_inferred_layout(s: Setup) -> None:
 @pytest.mark.parametrize("layout", NAMES)
 def test_regions_from_oversized_buffer(layout: str) -> None:
     """A raw buffer larger than the cache: regions still address exactly the views."""
-    s = Setup(layout, 2, padded=True)
+    s = Setup(layout, 2, padded=layout in PADDABLE)
     raw = torch.zeros(2 * s.num_blocks * s.page + 96, dtype=torch.uint8)
     views = reshape_kv_cache(raw, s.spec(), s.num_blocks, 2, layout)
     plan = plan_regions({"a": views[0], "b": views[1]}, s.spec(), s.num_blocks, layout)
@@ -310,7 +320,7 @@ def test_first_appearance_order_defines_layer_index() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", NAMES)
 def test_memory_entry_names_device(layout: str, device: str) -> None:
-    s = Setup(layout, 2, padded=True, groups=True)
+    s = Setup(layout, 2, padded=layout in PADDABLE, groups=True)
     built = build(s, device)
     plan = plan_regions(built.caches, s.spec(), s.num_blocks)
     view = built.slots[0]
@@ -332,7 +342,8 @@ def shared(layout: str, layers: int = 2, **kw: object) -> tuple[Setup, list[torc
 KERNEL_SETUPS = [(Setup(layout, layers, padded=padded, groups=groups, separate=separate), ratio)
                  for layout, layers, padded, groups, separate, ratio in itertools.product(
                      NAMES, (1, 3), (False, True), (False, True), (False, True), (2, 4))
-                 if not (separate and layers == 1) and not (padded and ratio == 4)]
+                 if not (separate and layers == 1) and not (padded and ratio == 4)
+                 and (layout in PADDABLE or not padded)]
 
 
 @pytest.mark.parametrize(("s", "ratio"), [pytest.param(s, r, id=f"{s.id()}-r{r}")
@@ -384,6 +395,16 @@ def test_shape_mismatch_names_layer() -> None:
     assert "(3, 2, 4, 6)" in str(info.value)
 
 
+def test_heads_outside_blocks_read_as_lhbnc() -> None:
+    """A view whose heads are slabs of all blocks is LHBNC's, planned a region per head."""
+    s = Setup("LBHNC", 1)
+    view = torch.zeros(s.heads, s.num_blocks, s.block_size, s.content,
+                       dtype=DTYPE).permute(1, 0, 2, 3)
+    plan = plan_regions({"layer": view}, s.spec(), s.num_blocks)
+    assert plan.layout == "LHBNC" and len(plan.regions) == s.heads
+    check_regions_cover_views(plan, [view])
+
+
 def test_dtype_mismatch_names_layer() -> None:
     s, views = shared("BLHNC")
     spec = dataclasses.replace(s.spec(), dtype=torch.bfloat16)
@@ -393,11 +414,15 @@ def test_dtype_mismatch_names_layer() -> None:
     assert "torch.float16" in str(info.value)
 
 
-@pytest.mark.parametrize("layout", [None, "LBHNC"])
-@pytest.mark.parametrize("kind", ["heads-outside-blocks", "content-strided"])
+@pytest.mark.parametrize(("kind", "layout"), [
+    ("tokens-outside-blocks", None), ("tokens-outside-blocks", "LBHNC"),
+    ("heads-outside-blocks", "LBHNC"), ("content-strided", None), ("content-strided", "LBHNC")])
 def test_not_blocks_first_names_layer(kind: str, layout: str | None) -> None:
     s = Setup("LBHNC", 1)
-    if kind == "heads-outside-blocks":
+    if kind == "tokens-outside-blocks":
+        view = torch.zeros(s.block_size, s.num_blocks, s.heads, s.content,
+                           dtype=DTYPE).permute(1, 2, 0, 3)
+    elif kind == "heads-outside-blocks":  # LHBNC's placement, configured as LBHNC
         view = torch.zeros(s.heads, s.num_blocks, s.block_size, s.content,
                            dtype=DTYPE).permute(1, 0, 2, 3)
     else:
@@ -441,7 +466,7 @@ def test_unevenly_spaced_views_name_layers() -> None:
 @pytest.mark.parametrize("layout", NAMES)
 def test_skipped_layer_slot_names_layer(layout: str) -> None:
     """Evenly spaced views that are not neighbouring slots contradict the layout."""
-    s, views = shared(layout, layers=3, padded=True)
+    s, views = shared(layout, layers=3, padded=layout in PADDABLE)
     with pytest.raises(ValueError) as info:
         plan_regions({"first": views[0], "third": views[2]}, s.spec(), s.num_blocks, layout)
     assert re.search("'first'|'third'", str(info.value)), str(info.value)
@@ -550,7 +575,8 @@ class StorageCase:
 @st.composite
 def storage_cases(draw: st.DrawFn) -> StorageCase:
     sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=4)))
-    s = Setup(draw(st.sampled_from(NAMES)), sum(sizes), padded=draw(st.booleans()),
+    layout = draw(st.sampled_from(NAMES))
+    s = Setup(layout, sum(sizes), padded=layout in PADDABLE and draw(st.booleans()),
               groups=draw(st.booleans()), num_kv_heads=draw(st.sampled_from([1, 2])),
               block_size=draw(st.sampled_from([1, 2, 4])), head_size=draw(st.integers(1, 3)),
               num_blocks=draw(st.integers(1, 3)))

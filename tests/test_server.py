@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated
 
-LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
+LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC", "LHBNC")
 TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
 MIXED = ("BLHNC", "LBHNC")  # prefill layout, decode layout; started with the BLHNC group
 TOLERANCE = 1e-4

@@ -21,7 +21,7 @@ import torch
 import zmq
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess, pattern
-from kvxfer.plan.layout import parse_layout
+from kvxfer.plan.layout import KVCacheLayout, parse_layout
 from kvxfer.wire import version
 
 
@@ -63,12 +63,13 @@ def pick(rng: np.random.Generator, kind: str, count: int, limit: int) -> list[in
 # host reads, see test_converted_reads_are_host_read_on_one_host)
 CONVERTED = [("LBNHC", "LBNHC", 1, 2), ("BLNHC", "BLNHC", 2, 1), ("LBNHC", "BLNHC", 2, 4),
              ("BLNHC", "LBHNC", 1, 2), ("LBHNC", "LBNHC", 1, 1), ("BHLNC", "BLNHC", 4, 2),
-             ("BLNHC", "BHLNC", 1, 1)]
+             ("BLNHC", "BHLNC", 1, 1), ("LHBNC", "LBNHC", 2, 1), ("LBNHC", "LHBNC", 1, 2)]
 CASES = (
-    [(lay, lay, 1, 1) for lay in ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")]
-    + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC")
+    [(lay.name, lay.name, 1, 1) for lay in KVCacheLayout]
+    + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
        for p, d in ((1, 2), (2, 1), (1, 4), (4, 2))]
-    + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1)]
+    + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1), ("LHBNC", "LBHNC", 2, 1),
+       ("BLHNC", "LHBNC", 1, 2)]
     + CONVERTED
 )
 
@@ -79,11 +80,40 @@ def test_two_requests_in_flight_arrive_byte_exact(prefill: PrefillProcess, prefi
                                                   decode_tp: int) -> None:
     pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24)
     dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_blocks=20)
+    two_requests_byte_exact(prefill, pcfg, dcfg, CASES.index((prefill_layout, decode_layout,
+                                                             prefill_tp, decode_tp)))
+
+
+# K and V as head slots of their own (vLLM's num_head_slots = 2 x KV heads): every layout,
+# and the TP pairs, converted ones included
+HEAD_SLOT_CASES = ([(lay.name, lay.name, 1, 1) for lay in KVCacheLayout]
+                   + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
+                      for p, d in ((1, 2), (2, 1))]
+                   + [("LBNHC", "LBNHC", 1, 2), ("LHBNC", "BLNHC", 2, 1)])
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"),
+                         HEAD_SLOT_CASES)
+def test_separate_kv_head_slots_arrive_byte_exact(prefill: PrefillProcess, prefill_layout: str,
+                                                  decode_layout: str, prefill_tp: int,
+                                                  decode_tp: int) -> None:
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24,
+                       separate_kv_head_groups=True)
+    dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_blocks=20,
+                       separate_kv_head_groups=True)
+    two_requests_byte_exact(prefill, pcfg, dcfg, HEAD_SLOT_CASES.index(
+        (prefill_layout, decode_layout, prefill_tp, decode_tp)))
+
+
+def two_requests_byte_exact(prefill: PrefillProcess, pcfg: CacheConfig, dcfg: CacheConfig,
+                            seed: int) -> None:
+    """Two requests in flight at once, random and consecutive blocks, land byte-exact and
+    release their leases."""
+    prefill_tp = pcfg.tp
     remote = prefill.create(pcfg)
     decode = decode_instance(dcfg)
     try:
-        rng = np.random.default_rng(hash(CASES.index((prefill_layout, decode_layout, prefill_tp,
-                                                      decode_tp))))
+        rng = np.random.default_rng(seed)
         remote_a, remote_b = pick(rng, "random", 5, 12), pick(rng, "consecutive", 6, 12)
         remote_b = [12 + b for b in remote_b]  # disjoint from a
         local = pick(rng, "random", 11, 20)

@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill: handshake listener port (default 0: a free port)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument("--kv-cache-layout", default=os.environ.get("KVXFER_KV_CACHE_LAYOUT"),
-                        help="KV cache layout: LBHNC, LBNHC, BLHNC, BLNHC, BHLNC (aliases HND, "
-                             "NHD) (default $KVXFER_KV_CACHE_LAYOUT, else LBHNC)")
+                        help="KV cache layout: LBHNC, LBNHC, BLHNC, BLNHC, BHLNC, LHBNC "
+                             "(aliases HND, NHD) (default $KVXFER_KV_CACHE_LAYOUT, else LBHNC)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16)")
     parser.add_argument("--kv-packing", choices=["token", "vllm-cpu-vec"], default="token",
                         help="how K and V share a head's block: token (each token's K then its "

@@ -50,7 +50,13 @@ from kvxfer.engine.scheduler import Scheduler
 from kvxfer.engine.sequence import Request, RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
 from kvxfer.engine.weights import fingerprint, init_weights
-from kvxfer.plan.layout import CacheSpec, KVCacheLayout, allocate_kv_cache, default_layout
+from kvxfer.plan.layout import (
+    HEADS_OUTSIDE_TOKENS,
+    CacheSpec,
+    KVCacheLayout,
+    allocate_kv_cache,
+    default_layout,
+)
 from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
 from kvxfer.plan.topology import rank_heads
 
@@ -92,7 +98,8 @@ class LLMEngine:
         if kv_packing != TOKEN_PACKING and not self.layout.heads_outside_tokens:
             raise ValueError(f"kv_packing {kv_packing!r} keeps each head's K and V as tiles of "
                              f"a block, which needs heads outside tokens; layout "
-                             f"{self.layout.name} has them inside (use LBHNC, BLHNC or BHLNC)")
+                             f"{self.layout.name} has them inside (use "
+                             f"{', '.join(HEADS_OUTSIDE_TOKENS)})")
         self.kv_packing = kv_packing
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         if self.tokenizer.vocab_size > config.vocab_size:

@@ -34,7 +34,8 @@ class CacheConfig:
 
     ``kv_lora_rank > 0`` makes it an MLA latent cache: one head (``total_kv_heads``
     1) of ``head_size`` latent elements per token, the first ``kv_lora_rank`` of
-    them the compressed KV, on every rank. ``kernel_block_size`` (a divisor of
+    them the compressed KV, on every rank. ``separate_kv_head_groups``: K and V are
+    head slots of their own (the K heads, then the V heads; vLLM's ``num_head_slots``). ``kernel_block_size`` (a divisor of
     ``block_size``) keeps the views at that kernel block size; block ids stay logical.
     """
 
@@ -52,6 +53,7 @@ class CacheConfig:
     host_reads: bool = True  # offer and use host reads (kvxfer.transfer.converted.host_reads)
     # a prefill's cache in mappable memory (kvxfer.transfer.converted.mapped_reads)
     shared_memory: bool = True
+    separate_kv_head_groups: bool = False
 
     @property
     def kernel_ratio(self) -> int:
@@ -66,6 +68,7 @@ class CacheConfig:
     def spec(self) -> CacheSpec:
         return CacheSpec(self.block_size, heads_per_rank(self.tp, self.total_kv_heads),
                          self.head_size, getattr(torch, self.dtype),
+                         separate_kv_head_groups=self.separate_kv_head_groups,
                          latent=self.kv_lora_rank > 0)
 
     @property
@@ -89,10 +92,14 @@ def pattern(cfg: CacheConfig, rank: int, layer: int) -> torch.Tensor:
     TP agree on what a head holds.
     """
     b, n, c = cfg.num_blocks, cfg.block_size, cfg.spec().content_size
-    heads = torch.tensor(list(rank_heads(rank, cfg.tp, cfg.total_kv_heads)))
-    index = (torch.arange(b)[:, None, None, None] * cfg.total_kv_heads + heads[None, :, None, None])
+    own = list(rank_heads(rank, cfg.tp, cfg.total_kv_heads))
+    total = cfg.total_kv_heads
+    if cfg.separate_kv_head_groups:  # V head h is global slot total + h
+        own, total = own + [total + h for h in own], 2 * total
+    heads = torch.tensor(own)
+    index = (torch.arange(b)[:, None, None, None] * total + heads[None, :, None, None])
     index = (index * n + torch.arange(n)[None, None, :, None]) * c + torch.arange(c)
-    return ((index + layer * b * cfg.total_kv_heads * n * c) % (1 << 24)).to(torch.float32)
+    return ((index + layer * b * total * n * c) % (1 << 24)).to(torch.float32)
 
 
 @dataclass

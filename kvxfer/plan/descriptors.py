@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.plan.layout import HEADS_OUTSIDE_TOKENS
 from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
 from kvxfer.plan.regions import RegionPlan
 from kvxfer.plan.topology import HeadSlice
@@ -51,7 +52,7 @@ U64 = np.uint64
 IntArray = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
-SPLITTABLE_LAYOUTS = ("LBHNC", "BLHNC", "BHLNC")
+SPLITTABLE_LAYOUTS = HEADS_OUTSIDE_TOKENS
 
 
 class IncompatibleLayoutError(ValueError):

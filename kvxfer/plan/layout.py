@@ -37,6 +37,7 @@ class KVCacheLayout(enum.Enum):
     BLHNC = (B, L, H, N, C)
     BLNHC = (B, L, N, H, C)
     BHLNC = (B, H, L, N, C)
+    LHBNC = (L, H, B, N, C)  # each head's blocks are one slab per layer (vLLM's ROCm kernels)
 
     @property
     def stride_order(self) -> tuple[int, ...]:
@@ -59,6 +60,11 @@ class KVCacheLayout(enum.Enum):
         return self.value.index(H) < self.value.index(N)
 
     @property
+    def heads_outside_block(self) -> bool:
+        """H comes before B: a block is one ``N*C`` run per head, the heads a slab apart."""
+        return self.value.index(H) < self.value.index(B)
+
+    @property
     def layers_inside_block(self) -> bool:
         """L sits inside B: all layers of a block live in one block unit."""
         return self.value.index(L) > self.value.index(B)
@@ -68,6 +74,10 @@ class KVCacheLayout(enum.Enum):
         """Physical order of the per-layer view dims (B=0, H=1, N=2, C=3), L removed."""
         return tuple(d - 1 for d in self.value if d != L)
 
+
+#: the layouts whose blocks hold each head's tokens as one run (TP head splits are byte copies)
+HEADS_OUTSIDE_TOKENS: tuple[str, ...] = tuple(x.name for x in KVCacheLayout
+                                              if x.heads_outside_tokens)
 
 _ALIASES = {"HND": KVCacheLayout.LBHNC, "HNC": KVCacheLayout.LBHNC,
             "NHD": KVCacheLayout.LBNHC, "NHC": KVCacheLayout.LBNHC}
@@ -177,11 +187,21 @@ class CacheSpec:
 
 def layer_strides(spec: CacheSpec, num_blocks: int, num_layer_slots: int,
                   layout: KVCacheLayout) -> tuple[int, ...]:
-    """Element strides of the five logical dims (L, B, H, N, C) for ``layout``."""
+    """Element strides of the five logical dims (L, B, H, N, C) for ``layout``.
+
+    With H outside B a block's unit is one head's ``N*C`` run; padding, which belongs to
+    a whole page, then has nowhere to go (vLLM refuses it too)."""
     sizes = (num_layer_slots, num_blocks, spec.num_heads, spec.block_size, spec.content_size)
     order = layout.stride_order
-    layers_in_unit = num_layer_slots if layout.layers_inside_block else 1
-    block_unit = layers_in_unit * spec.page_size_bytes // spec.itemsize
+    if layout.heads_outside_block and spec.num_heads > 1:
+        if spec.page_size_padded is not None:
+            raise ValueError(f"layout {layout.name} keeps each KV head's blocks apart, so a "
+                             f"padded page (page_size_padded={spec.page_size_padded}) has no "
+                             f"place; use a layout with H inside B, such as LBHNC")
+        block_unit = spec.block_size * spec.content_size
+    else:
+        layers_in_unit = num_layer_slots if layout.layers_inside_block else 1
+        block_unit = layers_in_unit * spec.page_size_bytes // spec.itemsize
     strides = [0] * 5
     extent = 1
     for dim in reversed(order):

@@ -43,7 +43,7 @@ def kv_views(cache: torch.Tensor, packing: str = TOKEN_PACKING
     *lead, heads, block_size, content = cache.shape
     if block_size > 1 and (cache.stride(-1) != 1 or cache.stride(-2) != content):
         raise ValueError("kv_packing 'vllm-cpu-vec' needs each head's block contiguous: a "
-                         "layout with heads outside tokens (LBHNC, BLHNC, BHLNC)")
+                         "layout with heads outside tokens (LBHNC, BLHNC, BHLNC, LHBNC)")
     outer, offset = cache.stride()[:-2], cache.storage_offset()
     size = (*lead, heads, block_size, head_dim)
     keys = cache.as_strided(size, (*outer, 1, block_size), offset)  # [D, N] in memory

@@ -152,10 +152,13 @@ def _infer_layout(name: str, view: torch.Tensor, layer_step: int | None,
                   itemsize: int) -> KVCacheLayout:
     """Read a view's layout from its strides and the byte step to the next layer slot."""
     s_b, s_h, s_n, s_c = (s * itemsize for s in view.stride())
-    if s_c != itemsize or s_b < max(s_h, s_n):
-        raise ValueError(f"KV cache view {name!r} with strides {tuple(view.stride())} is not "
-                         f"blocks-first with contiguous content")
     heads_out = s_h > s_n or view.shape[1] == 1
+    if s_c == itemsize and heads_out and view.shape[1] > 1 and s_b >= s_n \
+            and s_h >= s_b * view.shape[0]:
+        return KVCacheLayout.LHBNC
+    if s_c != itemsize or s_b < max(s_h if view.shape[1] > 1 else 0, s_n):
+        raise ValueError(f"KV cache view {name!r} with strides {tuple(view.stride())} is not "
+                         f"blocks-first or heads-first with contiguous content")
     if layer_step is None or layer_step >= s_b * view.shape[0]:
         return KVCacheLayout.LBHNC if heads_out else KVCacheLayout.LBNHC
     if heads_out and layer_step < s_h:
@@ -271,7 +274,10 @@ def _strides_match(view: torch.Tensor, strides: tuple[int, ...]) -> bool:
 def _contradiction(group: Group, layout: KVCacheLayout, spec: CacheSpec, num_blocks: int,
                    step: int | None) -> str | None:
     """Why the views of one storage do not sit where ``layout`` puts its layer slots, or None."""
-    strides = layer_strides(spec, num_blocks, len(group), layout)
+    try:
+        strides = layer_strides(spec, num_blocks, len(group), layout)
+    except ValueError as exc:  # the layout cannot hold this spec (a padded page, heads apart)
+        return str(exc)
     for _, name, view in group:
         if not _strides_match(view, strides[B:]):
             return (f"KV cache view {name!r} has strides {tuple(view.stride())}, which "
@@ -299,7 +305,10 @@ def _group_regions(group: Group, layout: KVCacheLayout, spec: CacheSpec, mem_ind
     head_len = spec.block_size * spec.content_size * itemsize
     # a single head or a one-token block makes every head contiguous whatever the order
     heads_contiguous = layout.heads_outside_tokens or spec.num_heads == 1 or spec.block_size == 1
-    per_head = spec.separate_kv_head_groups and heads_contiguous
+    # K and V head groups, or heads that are slabs of their own (H outside B): a region
+    # per head, since a block of the layer is not one run
+    per_head = (spec.separate_kv_head_groups and heads_contiguous) or \
+        (layout.heads_outside_block and spec.num_heads > 1)
     coalesce = layout in (KVCacheLayout.BLNHC, KVCacheLayout.BHLNC) and not per_head
     if coalesce:
         layers = tuple(index for index, _, _ in group)
