@@ -35,8 +35,9 @@ class CacheConfig:
     ``kv_lora_rank > 0`` makes it an MLA latent cache: one head (``total_kv_heads``
     1) of ``head_size`` latent elements per token, the first ``kv_lora_rank`` of
     them the compressed KV, on every rank. ``separate_kv_head_groups``: K and V are
-    head slots of their own (the K heads, then the V heads; vLLM's ``num_head_slots``). ``kernel_block_size`` (a divisor of
-    ``block_size``) keeps the views at that kernel block size; block ids stay logical.
+    head slots of their own (the K heads, then the V heads; vLLM's ``num_head_slots``).
+    ``kernel_block_size`` (a divisor of ``block_size``) keeps the views at that kernel
+    block size; block ids stay logical.
     """
 
     layout: str = "LBHNC"

@@ -16,10 +16,10 @@ Pull mode with asynchronous loads, as vLLM's NixlConnector: the decode reads
 the prefill's blocks with NIXL READs while vLLM keeps stepping; the prefill
 keeps a request's blocks until its reader said "done", a release arrived, or
 the lease expired. What it supports today: one TP rank per instance, no
-pipeline parallelism, and vLLM's CPU attention backend (a layer's cache is
-``[blocks, KV heads, block size, 2 x head size]``, all layers in one allocation;
-inside a head's block K and V are stored as the backend's instruction set wants,
-``CompatInfo.kv_packing``), one KV cache group.
+pipeline parallelism, one KV cache group, and the layer views every attention
+backend of vLLM 0.32 hands a connector, in any of its layouts
+(:mod:`kvxfer.vllm.cache_shapes`); on the CPU backend K and V inside a head's
+block are stored as its instruction set wants (``CompatInfo.kv_packing``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvxfer.net.kv_key import load_kv_key
 from kvxfer.plan.layout import CacheSpec
-from kvxfer.plan.packing import VLLM_CPU_PACKING_PREFIX
+from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
+from kvxfer.vllm.cache_shapes import cache_spec
 from kvxfer.vllm.plan import StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
 from kvxfer.vllm.settings import ConnectorSettings
@@ -189,26 +190,44 @@ class KvxferConnector(KVConnectorBase_V1):
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self._vllm_config.model_config
-        views = _cache_views(kv_caches, model.get_head_size())
-        first = next(iter(views.values()))
-        num_blocks, heads, block_size, _ = first.shape
-        dtype = str(first.dtype).removeprefix("torch.")
+        first = next(iter(kv_caches.values()))
+        spec = cache_spec(first.shape, first.dtype, model.get_head_size(),
+                          model.get_num_kv_heads(self._vllm_config.parallel_config),
+                          self._num_head_slots())
+        num_blocks, block_size = first.shape[0], spec.block_size
         name = self._settings.model_id or _served_name(self._vllm_config)
         compat = CompatInfo(model=name, dtype=str(model.dtype).removeprefix("torch."),
-                            cache_dtype=dtype, head_size=model.get_head_size(),
-                            total_kv_heads=model.get_total_num_kv_heads(),
-                            num_layers=len({v.data_ptr() for v in views.values()}),
-                            kv_packing=_cpu_packing(model.dtype, block_size,
-                                                    model.get_head_size(),
-                                                    self._vllm_config.cache_config.cache_dtype))
+                            cache_dtype=str(first.dtype).removeprefix("torch."),
+                            head_size=spec.head_size, total_kv_heads=spec.num_kv_heads,
+                            num_layers=len({v.data_ptr() for v in kv_caches.values()}),
+                            kv_packing=self._packing(spec))
         self._worker = WorkerSide(self._settings, _engine_id(self._vllm_config), compat,
-                                  rank=0, tp_size=1, total_kv_heads=heads,
+                                  rank=0, tp_size=1, total_kv_heads=spec.num_kv_heads,
                                   key=_key(self._settings))
-        spec = CacheSpec(block_size=block_size, num_kv_heads=heads,
-                         head_size=model.get_head_size(), dtype=first.dtype)
-        self._worker.register(views, spec, num_blocks)
+        self._worker.register(kv_caches, spec, num_blocks)
         log.info("kvxfer: %d layers of %d blocks x %d tokens registered; side channel on "
                  "port %d", compat.num_layers, num_blocks, block_size, self._worker.port)
+
+    def _num_head_slots(self) -> int | None:
+        """The head-slot form the backend gave the cache (its ``customize_spec`` set it on
+        the group's spec); None, one slot per KV head, when vLLM passed no cache config."""
+        if self._kv_cache_config is None:
+            return None
+        groups = self._kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"KvxferConnector supports one KV cache group for now; this "
+                             f"model has {len(groups)} (a hybrid model): use NixlConnector")
+        return getattr(groups[0].kv_cache_spec, "num_head_slots", None)
+
+    def _packing(self, spec: CacheSpec) -> str:
+        """vLLM's CPU kernels keep a head's K and V their own way per instruction set; every
+        other backend keeps each token's K then its V (or K and V as slots of their own)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or spec.separate_kv_head_groups:
+            return TOKEN_PACKING
+        return _cpu_packing(self._vllm_config.model_config.dtype, spec.block_size,
+                            spec.head_size, self._vllm_config.cache_config.cache_dtype)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return None if self._worker is None else KvxferHandshakeMetadata(self._worker.port)
@@ -334,13 +353,3 @@ def _served_name(vllm_config: VllmConfig) -> str:
     name = vllm_config.model_config.served_model_name
     return str(name[0] if isinstance(name, list | tuple) else name)
 
-
-def _cache_views(kv_caches: dict[str, torch.Tensor], head_size: int) -> dict[str, torch.Tensor]:
-    """vLLM's per-layer caches as kvxfer's ``[B, H, N, C]`` views; a clear error for a
-    backend whose cache is shaped otherwise (GPU backends split K and V)."""
-    for name, cache in kv_caches.items():
-        if cache.dim() != 4 or cache.shape[-1] != 2 * head_size:
-            raise ValueError(f"KvxferConnector supports vLLM's CPU attention backend (a layer's "
-                             f"cache is [blocks, KV heads, block size, 2 x head size]); layer "
-                             f"{name!r} has shape {list(cache.shape)}")
-    return dict(kv_caches)
