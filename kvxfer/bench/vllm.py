@@ -53,6 +53,7 @@ SERVED_NAME = "smollm2"
 START_TIMEOUT_S = 300.0
 CONNECTORS = ("nixl", "kvxfer")
 DEFAULT_PROMPTS = (100, 500, 1500)
+FRAGMENTED = "fragmented"  # the 1,500-token case on caches recycled by filler prompts
 VLLM_PYTHON_ENV = "KVXFER_VLLM_PYTHON"
 
 
@@ -303,6 +304,21 @@ class Case:
     tokens: int
 
 
+def select_cases(spec: str | None, prompt_tokens: list[int]) -> tuple[list[int], bool]:
+    """The prompt lengths and whether the fragmented case run, from ``--cases`` (a comma
+    list of prompt lengths out of ``prompt_tokens`` and ``fragmented``; None: all)."""
+    if spec is None:
+        return list(prompt_tokens), True
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    valid = [str(t) for t in prompt_tokens] + [FRAGMENTED]
+    unknown = [name for name in names if name not in valid]
+    if unknown or not names:
+        raise ValueError(f"--cases: unknown case {', '.join(map(repr, unknown)) or '(none)'}; "
+                         f"valid: {', '.join(valid)} (prompt lengths come from "
+                         f"--prompt-tokens)")
+    return [t for t in prompt_tokens if str(t) in names], FRAGMENTED in names
+
+
 def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, salt: int,
                  decode_tokens: int) -> dict[str, Any]:
     rows: list[dict[str, float]] = []
@@ -341,10 +357,14 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
         params = prefill(pre.url, prompt_ids(64, 999_999))  # warm-up: the handshake
         timed_decode(dec.url, prompt_ids(64, 999_999), params, 2)
         for n, tokens in enumerate(args.prompt_tokens):
+            if tokens not in args.selected_tokens:
+                continue
             case = Case(f"{tokens} tokens", tokens)
             results[case.name] = measure_case(pre.url, dec.url, case, args.repeats,
                                               1000 * (n + 1), args.decode_tokens)
             print(f"  {connector}: {case.name} done", file=sys.stderr, flush=True)
+        if not args.fragmented:
+            return results
         # ~182 blocks of 128 tokens in 1 GiB: 16 fillers of 12 blocks cycle it. Both
         # instances at once (each has its own core): minutes of prefill compute each.
         print(f"  {connector}: cycling both caches with {args.fillers} filler prompts "
@@ -366,6 +386,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"one in .venv-vllm)")
     parser.add_argument("--prompt-tokens", type=int, action="append", default=None,
                         help="prompt length (repeatable; default 100, 500 and 1500)")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated cases to run: prompt lengths out of "
+                             f"--prompt-tokens and {FRAGMENTED!r} (the 1,500-token prompt on "
+                             f"caches recycled by filler prompts); default all")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
     parser.add_argument("--decode-tokens", type=int, default=8,
                         help="tokens each decode streams (default 8)")
@@ -379,11 +403,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.prompt_tokens = args.prompt_tokens or list(DEFAULT_PROMPTS)
+    try:
+        args.selected_tokens, args.fragmented = select_cases(args.cases, args.prompt_tokens)
+    except ValueError as exc:
+        print(f"kvxfer bench vllm: {exc}", file=sys.stderr)
+        return 2
     if not args.vllm_python:
         print(f"kvxfer bench vllm: no vLLM environment: pass --vllm-python or set "
               f"${VLLM_PYTHON_ENV} (`python3 dev.py setup-vllm` builds one)", file=sys.stderr)
         return 2
-    args.prompt_tokens = args.prompt_tokens or list(DEFAULT_PROMPTS)
     if min(args.prompt_tokens) < 1 or max(args.prompt_tokens) > 2000 or args.repeats < 1:
         print("kvxfer bench vllm: --prompt-tokens must be within 1..2000 (the instances' "
               "max model length is 2048) and --repeats at least 1", file=sys.stderr)
