@@ -1,6 +1,7 @@
 """KvxferConnector in real vLLM: a prefill and a decode with it, through kvxfer-proxy,
-answer as one vLLM instance (tokens and log-probabilities), leak nothing, and refuse a
-lease read twice."""
+answer as one vLLM instance (tokens and log-probabilities), read only what the decode's
+prefix cache lacks, leak nothing, and refuse a lease read twice (the request failing or,
+with ``kv_load_failure_policy`` "recompute", recomputed)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,24 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import completion, metric, proxy_for, streamed, streamed_text, wait_idle
+from helpers import (
+    completion,
+    metric,
+    proxy_for,
+    smollm2_id,
+    streamed,
+    streamed_text,
+    wait_idle,
+)
 
-from kvxfer.bench.vllm import SERVED_NAME, VllmServer, prefill, prompt_ids
+from kvxfer.bench.vllm import (
+    SERVED_NAME,
+    VllmServer,
+    kv_transfer_config,
+    model_directory,
+    prefill,
+    prompt_ids,
+)
 
 BLOCK_BYTES = 30 * 3 * 128 * 128 * 4  # one block of all 30 layers, float32
 
@@ -71,6 +87,58 @@ def test_a_lease_is_read_once(kvxfer_pair: tuple[VllmServer, VllmServer]) -> Non
     # vLLM's kv_load_failure_policy "fail": the replayed request ends in an error
     assert replay.status_code != 200 or replay.json()["choices"][0]["finish_reason"] != "length"
     assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
+
+
+def assert_same_answer(got: dict, alone: dict) -> None:
+    assert got["logprobs"]["tokens"] == alone["logprobs"]["tokens"]
+    worst = max(abs(a - b) for a, b in zip(got["logprobs"]["token_logprobs"],
+                                           alone["logprobs"]["token_logprobs"], strict=True))
+    assert worst <= 1e-4, f"log-probabilities differ by up to {worst}"
+
+
+def test_a_decode_prefix_hit_reads_only_the_blocks_past_it(
+        kvxfer_pair: tuple[VllmServer, VllmServer], proxy: str) -> None:
+    """The decode computed the first 600 tokens of a 700-token prompt before (4 whole
+    blocks of 128 in its prefix cache): the load reads the prefill's 2 blocks past them,
+    and the answer is one instance's."""
+    pre, decode = kvxfer_pair
+    prompt = prompt_ids(700, 4242)
+    completion(decode.url, {"prompt": prompt[:600], "max_tokens": 1})
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    alone = completion(pre.url, body)["choices"][0]
+    reads = metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count")
+    moved = metric(decode.url, "vllm:kvxfer_bytes_transferred_sum")
+    assert_same_answer(completion(proxy, body)["choices"][0], alone)
+    assert metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count") == reads + 1
+    assert metric(decode.url, "vllm:kvxfer_bytes_transferred_sum") - moved == 2 * BLOCK_BYTES
+
+
+def test_a_failed_load_is_recomputed_under_that_policy(
+        kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path) -> None:
+    """A decode with ``kv_load_failure_policy`` "recompute" given a lease another decode
+    already read: its claim is refused, the load fails, and vLLM computes the prompt
+    itself; the answer is one instance's, and the prefill keeps nothing."""
+    pre, first_decode = kvxfer_pair
+    prompt = prompt_ids(300, 77)
+    params = prefill(pre.url, prompt)
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    taken = completion(first_decode.url, {**body, "kv_transfer_params": params})
+    alone = completion(pre.url, body)["choices"][0]
+    assert_same_answer(taken["choices"][0], alone)
+    config = kv_transfer_config("kvxfer", {"model_id": smollm2_id()}, policy="recompute")
+    decode = VllmServer("kvxfer-decode-recompute", vllm_python, model_directory(), config, 0,
+                        log_dir)
+    try:
+        decode.start()
+        failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
+        got = completion(decode.url, {**body, "kv_transfer_params": params})["choices"][0]
+        assert got["finish_reason"] == "length"
+        assert_same_answer(got, alone)
+        assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
+        wait_idle(decode)
+    finally:
+        decode.stop()
+    wait_idle(pre)
 
 
 def test_nothing_left_behind(kvxfer_pair: tuple[VllmServer, VllmServer], proxy: str) -> None:
