@@ -14,7 +14,9 @@ HELP = "show regions, descriptors and bytes per request for a P/D configuration"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
-    parser.add_argument("--prefill-layout", default="LBHNC", help="prefill KV layout")
+    parser.add_argument("--prefill-layout", default="LBHNC",
+                        help="prefill KV layout: LBHNC (default), LBNHC, BLHNC, BLNHC, BHLNC "
+                             "or LHBNC")
     parser.add_argument("--decode-layout", default=None,
                         help="decode KV layout (default: the prefill layout)")
     parser.add_argument("--prefill-tp", type=int, default=1, help="prefill TP size")
