@@ -66,7 +66,7 @@ def test_invalid_settings_fail_with_one_line_and_exit_2() -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "kvxfer generate: error: unknown KV cache layout 'XYZ'; valid names: LBHNC, LBNHC, "
-        "BLHNC, BLNHC, BHLNC, HND, HNC, NHD, NHC"]
+        "BLHNC, BLNHC, BHLNC, LHBNC, HND, HNC, NHD, NHC"]
 
 
 def test_a_gguf_path_answers_like_the_model_name() -> None:
