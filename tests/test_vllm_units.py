@@ -54,7 +54,7 @@ GOOD: dict[str, Any] = {
     "side_channel_host": "0.0.0.0", "side_channel_port": 5600, "advertise_host": "10.0.0.2",
     "lease_ttl": 30, "lease_max_age": 600.5, "kv_read_timeout": 2.5, "handshake_timeout": 1,
     "read_wait": 0.2, "read_lanes": 4, "host_reads": False,
-    "kv_key_file": "/etc/kvxfer/kv.key", "model_id": "llama-3-8b"}
+    "kv_key_file": "/etc/kvxfer/kv.key", "model_id": "llama-3-8b", "ceiling_probe": True}
 SECONDS = ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout", "read_wait")
 
 
@@ -63,7 +63,8 @@ def test_settings_defaults() -> None:
     assert settings == ConnectorSettings.from_extra_config({}) == ConnectorSettings(
         side_channel_host="127.0.0.1", side_channel_port=0, advertise_host=None,
         lease_ttl=120.0, lease_max_age=None, kv_read_timeout=10.0, handshake_timeout=5.0,
-        read_wait=0.05, read_lanes=1, host_reads=True, kv_key_file=None, model_id=None)
+        read_wait=0.05, read_lanes=1, host_reads=True, kv_key_file=None, model_id=None,
+        ceiling_probe=False)
     assert settings.max_age == 480.0
     assert settings.host_for_peers == "127.0.0.1"
 
@@ -104,7 +105,7 @@ def test_settings_edge_values(extra: dict[str, Any], max_age: float) -> None:
     ("side_channel_host", None),  # not optional
     *[("side_channel_port", bad) for bad in (-1, 65536, "5600", 5600.0, True, None)],
     *[("read_lanes", bad) for bad in (0, -2, 1.5, "2", True, None)],
-    *[("host_reads", bad) for bad in (0, 1, "true", None)],
+    *[(key, bad) for key in ("host_reads", "ceiling_probe") for bad in (0, 1, "true", None)],
     *[(key, bad) for key in SECONDS
       for bad in (-1, -0.5, math.inf, -math.inf, math.nan, "10", [1], True, False)],
     *[(key, 0) for key in SECONDS if key != "read_wait"],

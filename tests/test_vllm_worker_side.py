@@ -155,6 +155,16 @@ def test_a_load_with_nothing_to_read_only_releases_the_lease(
     assert prefill.claims == [] and side.poll([]) == StepResult()
 
 
+def test_a_ceiling_probe_is_refused_unless_the_decode_allows_it(
+        side: WorkerSide, prefill: Prefill) -> None:
+    side.apply(StepPlan(loads=[load(prefill, "lease-probe", kvxfer_ceiling=True)]))
+    result = side.poll([])
+    assert (result.recving, result.error_blocks, result.failures) == ({"r"}, {3, 4}, 1)
+    assert prefill.wait_for_releases(1) == [("lease-probe",
+                                             "the decode could not use the lease")]
+    assert prefill.claims == [] and prefill.handshakes == 0
+
+
 def test_an_expired_lease_fails_at_once_and_nothing_is_sent(
         side: WorkerSide, prefill: Prefill) -> None:
     side.apply(StepPlan(loads=[load(prefill, "lease-old", lease_expires_at=time.time() - 1)]))

@@ -227,11 +227,13 @@ class TransferWorker:
 
     # -- decode side --------------------------------------------------------------------
     def start_read(self, request_id: str, remote_params: Mapping[str, Any] | RemoteParams,
-                   local_block_ids: Sequence[int]) -> None:
+                   local_block_ids: Sequence[int], *, ceiling: bool = False) -> None:
         """Queue a read of ``remote_params.remote_block_ids`` into ``local_block_ids``.
 
         Both lists count logical blocks (each side's ``spec.block_size``), whatever
-        kernel block size either side's views have.
+        kernel block size either side's views have. ``ceiling``: a benchmark's probe, the
+        same number of bytes as one READ of whole memory spans, over whatever this rank's
+        first blocks hold (:mod:`kvxfer.plan.ceiling`).
 
         Malformed params raise ValueError here; everything that needs the peer
         (handshake, geometry, block-id ranges) is reported through ``poll()``.
@@ -241,7 +243,7 @@ class TransferWorker:
         self._require_plan()
         assert self._reads is not None
         ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-        self._reads.submit(Read(request_id, remote, ids, time.monotonic()))
+        self._reads.submit(Read(request_id, remote, ids, time.monotonic(), ceiling=ceiling))
 
     def poll(self) -> PollResult:
         """Reads finished or failed since the last call (thread-safe)."""

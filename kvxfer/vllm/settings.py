@@ -15,7 +15,8 @@ Every key is optional::
                                         # kvxfer.transfer.converted.mapped_reads from a kvxfer
                                         # sidecar)
      "kv_key_file": null,               # the shared KV key: signs side channel and tickets
-     "model_id": null}                  # what peers must share (default: the served name)
+     "model_id": null,                  # what peers must share (default: the served name)
+     "ceiling_probe": false}            # benchmarks only: see CEILING_KEY
 
 A bad value raises :class:`SettingsError` naming the key, at vLLM's start-up.
 """
@@ -26,6 +27,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+# A decode load whose kv_transfer_params carry ``"kvxfer_ceiling": true`` is a benchmark's
+# probe: the same bytes as one READ of whole memory spans (kvxfer.plan.ceiling), landing
+# over whatever blocks this decode's cache starts with, other requests' included. Only a
+# decode started with ``ceiling_probe: true`` takes it; any other fails it as a bad load.
+CEILING_KEY = "kvxfer_ceiling"
 
 
 class SettingsError(ValueError):
@@ -52,6 +59,7 @@ class ConnectorSettings:
     host_reads: bool = True
     kv_key_file: str | None = None
     model_id: str | None = None
+    ceiling_probe: bool = False  # benchmarks only (CEILING_KEY)
 
     @property
     def max_age(self) -> float:
@@ -84,9 +92,10 @@ class ConnectorSettings:
         if values.get("read_lanes", 1) < 1:
             raise SettingsError(f"kv_connector_extra_config.read_lanes must be at least 1, got "
                                 f"{values['read_lanes']}")
-        if not isinstance(values.get("host_reads", True), bool):
-            raise SettingsError(f"kv_connector_extra_config.host_reads must be true or false, "
-                                f"got {values['host_reads']!r}")
+        for name in ("host_reads", "ceiling_probe"):
+            if not isinstance(values.get(name, False), bool):
+                raise SettingsError(f"kv_connector_extra_config.{name} must be true or "
+                                    f"false, got {values[name]!r}")
         for name in ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout",
                      "read_wait"):
             if name not in values or (values[name] is None and name == "lease_max_age"):

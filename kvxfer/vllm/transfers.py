@@ -44,7 +44,7 @@ from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 from kvxfer.transfer.worker import TransferWorker
 from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.settings import ConnectorSettings
+from kvxfer.vllm.settings import CEILING_KEY, ConnectorSettings
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
 from kvxfer.wire.params import RemoteParams
@@ -74,6 +74,7 @@ class _Load:
     remote: RemoteParams  # the blocks to read (a local prefix hit skips the first ones)
     lease: HeldLease
     reading: bool = False
+    ceiling: bool = False  # a benchmark's ceiling probe (ConnectorSettings.ceiling_probe)
 
 
 class WorkerSide:
@@ -182,6 +183,13 @@ class WorkerSide:
             self._fail(load, f"lease {full.remote_request_id} of prefill "
                              f"{full.remote_engine_id} refused: {exc}")
             return
+        ceiling = load.params.get(CEILING_KEY) is True
+        if ceiling and not self.settings.ceiling_probe:
+            self._fail(load, f"kv_transfer_params.{CEILING_KEY} asks for a benchmark's "
+                             f"ceiling probe, which this decode does not allow "
+                             f"(kv_connector_extra_config.ceiling_probe)")
+            self.leases.release(full, "the decode could not use the lease")
+            return
         # the tokens this load covers, which the prefill's blocks (of its own size) hold
         end = (load.skip_blocks + len(load.local_block_ids)) * self.block_size
         if full.remote_num_tokens is not None:
@@ -192,7 +200,7 @@ class WorkerSide:
             self._fail(load, f"prefill {full.remote_engine_id} at {full.address}: {exc}")
             self.leases.release(full, "the decode could not use the lease")
             return
-        self._loads[load.request_id] = _Load(load, remote, lease)
+        self._loads[load.request_id] = _Load(load, remote, lease, ceiling=ceiling)
         if not self.leases.claim(remote, lease):
             del self._loads[load.request_id]
             self._fail(load, "too many claims queued at this decode")
@@ -220,7 +228,8 @@ class WorkerSide:
 
     def _start_read(self, request_id: str, item: _Load) -> None:
         try:
-            self.worker.start_read(request_id, item.remote, item.load.local_block_ids)
+            self.worker.start_read(request_id, item.remote, item.load.local_block_ids,
+                                   ceiling=item.ceiling)
             item.reading = True
         except (ValueError, RuntimeError) as exc:
             del self._loads[request_id]

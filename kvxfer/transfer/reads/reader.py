@@ -31,6 +31,7 @@ import logging
 import queue
 import time
 
+from kvxfer.plan.ceiling import ceiling_descriptors
 from kvxfer.plan.descriptors import PeerReadPlan, build_requests_descriptors
 from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.host_reads import HostRead
@@ -240,6 +241,14 @@ def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
     local_ids, remote_ids = read.local_block_ids, remote.remote_block_ids
     direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
     descs = build_requests_descriptors(direct, local_ids, remote_ids) if direct else []
+    if read.ceiling:  # each rank's bytes as whole spans from where the request starts
+        if len(direct) != len(peer.plans):
+            raise TransferError("a ceiling probe needs a peer read by direct READs only")
+        return [DirectPath(local, peer, read, [
+            ceiling_descriptors(plan.local, plan.remote, rank.num_bytes, plan.remote_rank,
+                                local_start=int(rank.local[:, 0].min()),
+                                remote_start=int(rank.remote[:, 0].min()))
+            for plan, rank in zip(direct, descs, strict=True) if len(rank)])]
     converted = [(plan, *plan.ids(local_ids, remote_ids))
                  for plan in peer.plans if isinstance(plan, StagedRead)]
     hosted = [(peer.host[plan.remote_rank], lids, rids) for plan, lids, rids in converted
