@@ -2,25 +2,35 @@
 
 Starts real vLLM instances (from another Python environment, ``--vllm-python``:
 kvxfer's own never depends on vLLM) on the real model, one connector at a time:
-a prefill bound to CPU core 0 and a decode bound to core 1, both ``kv_both``, in
-float32. For each case it sends the same prompts to both pairs: the prefill
-computes the prompt (``do_remote_decode``, one token), then the decode is sent the
-prefill's ``kv_transfer_params`` and streams ``--decode-tokens`` tokens. Per case:
+a prefill bound to CPU core 0 and a decode bound to core 1 (every process of an
+instance, not only vLLM's worker), both ``kv_both``, in float32. For each case it
+sends the same prompts to both pairs: the prefill computes the prompt
+(``do_remote_decode``, one token), then the decode is sent the prefill's
+``kv_transfer_params`` and streams ``--decode-tokens`` tokens. Per case:
 
 - transfer time, bytes and descriptors of the decode's KV load, from the decode's
   own Prometheus metrics (``vllm:nixl_*`` and ``vllm:kvxfer_*``: NIXL's telemetry
   from post to completion for NixlConnector, from queueing the READ to its data
   landing for KvxferConnector, which also counts the hand-off to kvxfer's thread);
 - decode time to first token: from sending the decode request to its first
-  streamed token (load, then one step).
+  streamed token (load, then one step);
+- the ceiling, measured on the KvxferConnector pair, each repeat right after its
+  decode: a probe request whose decode READs the same number of bytes as one READ of
+  whole memory spans from the prefill's cache into the decode's (vLLM 0.32 keeps every
+  layer in one allocation: one descriptor), over whatever blocks lie there
+  (``ceiling_probe``, :mod:`kvxfer.plan.ceiling`).
+
+Target per case: KvxferConnector's transfer at least 0.8x the ceiling's speed and
+no slower than NixlConnector's, its decode TTFT no slower than NixlConnector's. The
+table says "met" or what missed; nothing is asserted.
 
 Cases: ``--prompt-tokens`` (default 100, 500 and 1500) and a fragmented cache:
 before it, both instances' caches are cycled with filler prompts, so that a
 request gets recycled blocks, which vLLM hands out in descending order: no two
 blocks of a request are adjacent and no descriptors merge. Every number is a
 median over ``--repeats`` runs after one warm-up pair (the handshake). The table
-gives NixlConnector / KvxferConnector ratios (above 1: kvxfer is faster),
-measured in the same run; nothing is asserted.
+gives NixlConnector / KvxferConnector ratios (above 1: kvxfer is faster) and
+KvxferConnector's speed as a share of the ceiling, measured in the same run.
 
 The launcher (:class:`VllmServer`) is also what the vLLM test tier starts its
 instances with.
@@ -47,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.vllm.settings import CEILING_KEY
+
 HELP = "vLLM's NixlConnector vs KvxferConnector: transfer time, bytes, descriptors, TTFT"
 
 SERVED_NAME = "smollm2"
@@ -55,6 +67,7 @@ CONNECTORS = ("nixl", "kvxfer")
 DEFAULT_PROMPTS = (100, 500, 1500)
 FRAGMENTED = "fragmented"  # the 1,500-token case on caches recycled by filler prompts
 VLLM_PYTHON_ENV = "KVXFER_VLLM_PYTHON"
+CEILING_SHARE = 0.8  # the target: KvxferConnector's transfer at least this share of the ceiling
 
 
 def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None,
@@ -95,7 +108,8 @@ def model_directory(model: str = "smollm2-135m-instruct") -> Path:
 
 @dataclass
 class VllmServer:
-    """One vLLM OpenAI server in its own process group, bound to ``core``.
+    """One vLLM OpenAI server in its own process group, every process of it bound to
+    ``core``.
 
     :meth:`start` waits until it answers (or raises with its log's tail); :meth:`stop`
     ends the whole group (API server, engine core, worker), also when a test failed.
@@ -146,7 +160,14 @@ class VllmServer:
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(self.command(), env=self.environment(),
                                             stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=self._bind)
+
+    def _bind(self) -> None:
+        """In the child, before vLLM starts: every process of the instance (API server,
+        engine core, worker, and their threads) runs on ``core``. vLLM binds only the
+        worker (``VLLM_CPU_OMP_THREADS_BIND``); the others, busy-waiting on their queues
+        with ``sched_yield``, would otherwise take turns on the other instance's core."""
+        os.sched_setaffinity(0, {self.core})
 
     def wait_ready(self) -> VllmServer:
         import httpx
@@ -320,22 +341,48 @@ def select_cases(spec: str | None, prompt_tokens: list[int]) -> tuple[list[int],
 
 
 def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, salt: int,
-                 decode_tokens: int) -> dict[str, Any]:
+                 decode_tokens: int, ceiling: bool = False) -> dict[str, Any]:
+    """Medians over ``repeats`` of one case; with ``ceiling`` (a KvxferConnector pair
+    whose decode allows probes) each repeat also runs a ceiling probe on a prompt of its
+    own of the same length (``ceiling_ms``, ``ceiling_descriptors``), before the request
+    in every other repeat and after it in the rest, so that drift favours neither."""
     rows: list[dict[str, float]] = []
     runs_adjacent = []
     for rep in range(repeats):
         prompt = prompt_ids(case.tokens, salt + rep)
         params = prefill(prefill_url, prompt)
         runs_adjacent.append(adjacent(params["remote_block_ids"]))
+        probe = _ceiling_probe(prefill_url, decode_url, case, salt + rep + 500) \
+            if ceiling and rep % 2 else {}
         before = transfer_counters(decode_url)
         ttft, _ = timed_decode(decode_url, prompt, params, decode_tokens)
         delta = settle_counters(decode_url, before)
-        rows.append({"transfer_ms": 1e3 * delta["xfer_time_seconds"],
-                     "bytes": delta["bytes_transferred"],
-                     "descriptors": delta["num_descriptors"], "ttft_ms": 1e3 * ttft})
+        row = {"transfer_ms": 1e3 * delta["xfer_time_seconds"],
+               "bytes": delta["bytes_transferred"],
+               "descriptors": delta["num_descriptors"], "ttft_ms": 1e3 * ttft}
+        if ceiling and not rep % 2:
+            probe = _ceiling_probe(prefill_url, decode_url, case, salt + rep + 500)
+        if probe and probe["bytes"] != row["bytes"]:
+            raise RuntimeError(f"{case.name}: the ceiling probe moved {probe['bytes']:.0f} "
+                               f"bytes, the read {row['bytes']:.0f}")
+        row.update({k: v for k, v in probe.items() if k != "bytes"})
+        rows.append(row)
     out: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out["prefill_blocks_adjacent"] = all(runs_adjacent)
     return out
+
+
+def _ceiling_probe(prefill_url: str, decode_url: str, case: Case, salt: int
+                   ) -> dict[str, float]:
+    """One ceiling probe: a prompt of the case's length prefilled, then decoded with
+    ``kvxfer_ceiling`` (its KV read as one READ of whole memory spans)."""
+    prompt = prompt_ids(case.tokens, salt)
+    params = {**prefill(prefill_url, prompt), CEILING_KEY: True}
+    before = transfer_counters(decode_url)
+    timed_decode(decode_url, prompt, params, 1)
+    delta = settle_counters(decode_url, before)
+    return {"ceiling_ms": 1e3 * delta["xfer_time_seconds"], "bytes": delta["bytes_transferred"],
+            "ceiling_descriptors": delta["num_descriptors"]}
 
 
 def cycle_cache(url: str, salt: int, requests: int) -> None:
@@ -352,7 +399,8 @@ def cycle_cache(url: str, salt: int, requests: int) -> None:
 def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
                   ) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
-    extra = {"read_lanes": args.read_lanes} if connector == "kvxfer" else None
+    ceiling = connector == "kvxfer"  # probes need KvxferConnector's decode
+    extra = {"read_lanes": args.read_lanes, "ceiling_probe": True} if ceiling else None
     with vllm_pair(connector, args.vllm_python, log_dir, extra=extra) as (pre, dec):
         params = prefill(pre.url, prompt_ids(64, 999_999))  # warm-up: the handshake
         timed_decode(dec.url, prompt_ids(64, 999_999), params, 2)
@@ -361,7 +409,7 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
                 continue
             case = Case(f"{tokens} tokens", tokens)
             results[case.name] = measure_case(pre.url, dec.url, case, args.repeats,
-                                              1000 * (n + 1), args.decode_tokens)
+                                              1000 * (n + 1), args.decode_tokens, ceiling)
             print(f"  {connector}: {case.name} done", file=sys.stderr, flush=True)
         if not args.fragmented:
             return results
@@ -375,7 +423,7 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
                 done.result()
         case = Case("1500 tokens, fragmented", 1500)
         results[case.name] = measure_case(pre.url, dec.url, case, args.repeats, 90_000,
-                                          args.decode_tokens)
+                                          args.decode_tokens, ceiling)
     return results
 
 
@@ -390,7 +438,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated cases to run: prompt lengths out of "
                              f"--prompt-tokens and {FRAGMENTED!r} (the 1,500-token prompt on "
                              f"caches recycled by filler prompts); default all")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per case (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per case (default 5)")
     parser.add_argument("--decode-tokens", type=int, default=8,
                         help="tokens each decode streams (default 8)")
     parser.add_argument("--fillers", type=int, default=16,
@@ -436,26 +484,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ratios(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    out = {}
+def _ratios(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
     for case, nixl in results["nixl"].items():
         ours = results["kvxfer"][case]
-        out[case] = {f"{k}_nixl_over_kvxfer": (nixl[k] / ours[k] if ours[k] else float("nan"))
-                     for k in ("transfer_ms", "ttft_ms")}
+        ratios: dict[str, Any] = {
+            f"{k}_nixl_over_kvxfer": (nixl[k] / ours[k] if ours[k] else float("nan"))
+            for k in ("transfer_ms", "ttft_ms")}
+        ratios["kvxfer_share_of_ceiling"] = (ours["ceiling_ms"] / ours["transfer_ms"]
+                                             if ours["transfer_ms"] else float("nan"))
+        ratios["nixl_share_of_ceiling"] = (ours["ceiling_ms"] / nixl["transfer_ms"]
+                                           if nixl["transfer_ms"] else float("nan"))
+        ratios["target"] = _target(ratios)
+        out[case] = ratios
     return out
+
+
+def _target(ratios: dict[str, Any]) -> str:
+    """"met", or what of the target missed in this case."""
+    missed = []
+    if not ratios["kvxfer_share_of_ceiling"] >= CEILING_SHARE:
+        missed.append(f"transfer {ratios['kvxfer_share_of_ceiling']:.2f}x of the ceiling "
+                      f"< {CEILING_SHARE}")
+    if not ratios["transfer_ms_nixl_over_kvxfer"] >= 1:
+        missed.append("transfer slower than NixlConnector's")
+    if not ratios["ttft_ms_nixl_over_kvxfer"] >= 1:
+        missed.append("TTFT slower than NixlConnector's")
+    return "met" if not missed else "missed: " + "; ".join(missed)
 
 
 def _table(report: dict[str, Any]) -> str:
     lines = [f"{'case':<26}{'connector':<10}{'transfer ms':>12}{'MB':>8}{'descs':>7}"
-             f"{'TTFT ms':>9}{'P blocks adjacent':>19}"]
+             f"{'TTFT ms':>9}{'of ceiling':>12}{'P blocks adjacent':>19}"]
     for case in report["connectors"]["nixl"]:
+        ratio = report["ratios"][case]
         for connector in CONNECTORS:
             row = report["connectors"][connector][case]
+            share = ratio[f"{connector}_share_of_ceiling"]
             lines.append(f"{case:<26}{connector:<10}{row['transfer_ms']:>12.2f}"
                          f"{row['bytes'] / 1e6:>8.1f}{row['descriptors']:>7.0f}"
-                         f"{row['ttft_ms']:>9.1f}{row['prefill_blocks_adjacent']!s:>19}")
-        ratio = report["ratios"][case]
+                         f"{row['ttft_ms']:>9.1f}{share:>11.2f}x"
+                         f"{row['prefill_blocks_adjacent']!s:>19}")
+        ours = report["connectors"]["kvxfer"][case]
+        lines.append(f"{case:<26}{'ceiling':<10}{ours['ceiling_ms']:>12.2f}"
+                     f"{ours['bytes'] / 1e6:>8.1f}{ours['ceiling_descriptors']:>7.0f}")
         lines.append(f"{'':<26}{'ratio':<10}{ratio['transfer_ms_nixl_over_kvxfer']:>11.2f}x"
-                     f"{'':>15}{ratio['ttft_ms_nixl_over_kvxfer']:>8.2f}x")
-    lines.append("ratio: NixlConnector / KvxferConnector (above 1: KvxferConnector is faster)")
+                     f"{'':>15}{ratio['ttft_ms_nixl_over_kvxfer']:>8.2f}x   {ratio['target']}")
+    lines.append("ratio: NixlConnector / KvxferConnector (above 1: KvxferConnector is faster); "
+                 "of ceiling: the ceiling's time over the connector's (its speed as a share "
+                 "of one READ of the same bytes); target: KvxferConnector at least "
+                 f"{CEILING_SHARE}x of the ceiling, no slower than NixlConnector in transfer "
+                 "and TTFT")
     return "\n".join(lines)
