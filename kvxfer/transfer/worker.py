@@ -232,8 +232,8 @@ class TransferWorker:
 
         Both lists count logical blocks (each side's ``spec.block_size``), whatever
         kernel block size either side's views have. ``ceiling``: a benchmark's probe, the
-        same number of bytes as one READ of whole memory spans, over whatever this rank's
-        first blocks hold (:mod:`kvxfer.plan.ceiling`).
+        same number of bytes as one READ of whole memory spans from the request's first
+        block on each side, over whatever blocks follow (:mod:`kvxfer.plan.ceiling`).
 
         Malformed params raise ValueError here; everything that needs the peer
         (handshake, geometry, block-id ranges) is reported through ``poll()``.

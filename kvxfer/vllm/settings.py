@@ -29,8 +29,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # A decode load whose kv_transfer_params carry ``"kvxfer_ceiling": true`` is a benchmark's
-# probe: the same bytes as one READ of whole memory spans (kvxfer.plan.ceiling), landing
-# over whatever blocks this decode's cache starts with, other requests' included. Only a
+# probe: the same bytes as one READ of whole memory spans (kvxfer.plan.ceiling), from the
+# load's first block on over whatever blocks follow, other requests' included. Only a
 # decode started with ``ceiling_probe: true`` takes it; any other fails it as a bad load.
 CEILING_KEY = "kvxfer_ceiling"
 

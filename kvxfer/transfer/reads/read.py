@@ -30,8 +30,8 @@ class Read:
     posted: float | None = None  # when its paths were posted (after any staging wait)
     paths: list[ReadPath] = field(default_factory=list)
     unnotified: bool = False  # some prefill rank could not be told by a notification
-    # a benchmark's probe: the same bytes as one READ of whole memory spans, landing over
-    # whatever blocks lie there (kvxfer.plan.ceiling), instead of the request's blocks
+    # a benchmark's probe: the same bytes as one READ of whole memory spans from the
+    # request's first block on each side, over whatever blocks follow (kvxfer.plan.ceiling)
     ceiling: bool = False
 
     @property
