@@ -37,16 +37,19 @@ class Sender:
     releases: list[tuple[str, str]] = field(default_factory=list)
     renewals: list[tuple[str, bool, Done]] = field(default_factory=list)
     closed: int = 0
+    ports: list[int] = field(default_factory=list)  # where each queued one goes
 
     def submit(self, host: str, port: int, lease_id: str, reason: str) -> bool:
         if self.accept:
             self.releases.append((lease_id, reason))
+            self.ports.append(port)
         return self.accept
 
     def submit_renew(self, host: str, port: int, lease_id: str, done: Done, *,
                      claim: bool = False) -> bool:
         if self.accept:
             self.renewals.append((lease_id, claim, done))
+            self.ports.append(port)
         return self.accept
 
     def close(self) -> None:
@@ -260,3 +263,60 @@ def test_the_releases_after_a_read_say_why() -> None:
     assert [reason for _, reason in sender.releases] == [
         "the decode's KV read failed: rank 0 could not start its READ",
         "the decode read the KV but could not notify every prefill rank"]
+
+
+def ranks_apart(lease_id: str = "lease-1") -> RemoteParams:
+    """A TP 2 prefill whose ranks listen apart (a vLLM instance: a process per rank)."""
+    return RemoteParams("prefill-x", "127.0.0.1", 5600, (0, 1), lease_id, 2, 20,
+                        time.time() + 60.0, remote_rank_ports=(5600, 5611))
+
+
+def test_a_lease_of_ranks_listening_apart_is_claimed_at_each_for_the_least_time() -> None:
+    sender = Sender()
+    leases, remote = client(sender), ranks_apart()
+    lease = leases.check(remote)
+    assert leases.claim(remote, lease)
+    assert sender.ports == [5600, 5611] and [c for _, c, _ in sender.renewals] == [True, True]
+    sent_at = time.monotonic()
+    sender.answer(granted(30.0), sent_at=sent_at)
+    assert leases.take_answers() == [] and not lease.claimed, "rank 1 has not answered"
+    sender.answer(granted(20.0), sent_at=sent_at + 0.5)
+    [answer] = leases.take_answers()
+    assert answer.answer is Answer.GRANTED and answer.expires_in == 20.0
+    assert lease.claimed and lease.deadline == sent_at + 20.0, "the earliest send, least time"
+
+
+@pytest.mark.parametrize("second", [refused("it ended"), None])
+def test_a_lease_one_rank_refuses_or_leaves_unanswered_is_lost(second: RenewAck | None) -> None:
+    sender = Sender()
+    leases, remote = client(sender), ranks_apart()
+    lease = leases.check(remote)
+    leases.claim(remote, lease)
+    sender.answer(granted(30.0))
+    sender.answer(second, why="it ended" if second else "timed out")
+    [answer] = leases.take_answers()
+    assert answer.answer is (Answer.REFUSED if second else Answer.UNANSWERED)
+    assert "port 5611" in answer.why and not lease.claimed and lease.lost is not None
+    assert leases.readiness(lease) is Readiness.ENDED
+    # rank 0 holds it for this decode: released at every port, not left to its TTL
+    assert sender.ports[2:] == [5600, 5611]
+    assert [reason for _, reason in sender.releases] == [
+        f"the claim was refused by another prefill rank: {answer.why}"] * 2
+
+
+def test_a_claim_every_rank_refuses_is_not_released() -> None:
+    sender = Sender()
+    leases, remote = client(sender), ranks_apart()
+    leases.claim(remote, leases.check(remote))
+    sender.answer(refused("another decode claimed it first"))
+    sender.answer(refused("another decode claimed it first"))
+    [answer] = leases.take_answers()
+    assert answer.answer is Answer.REFUSED and sender.releases == [], "maybe another's"
+
+
+def test_a_lease_of_ranks_listening_apart_is_released_at_each() -> None:
+    sender = Sender()
+    leases = client(sender)
+    assert leases.release(ranks_apart(), "the decode shut down")
+    assert sender.ports == [5600, 5611]
+    assert sender.releases == [("lease-1", "the decode shut down")] * 2

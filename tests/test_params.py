@@ -52,6 +52,15 @@ def test_params_decode_into_the_struct_ignoring_keys_they_do_not_know() -> None:
     ("lease_ticket", 7, "kv_transfer_params.lease_ticket must be str, got 7"),
     ("remote_block_size", -16, "kv_transfer_params.remote_block_size must be a positive "
                                "integer, got -16"),
+    ("remote_rank_ports", 5600, "kv_transfer_params.remote_rank_ports must be a list of TCP "
+                                "ports, got 5600"),
+    ("remote_rank_ports", [5600, 0], "kv_transfer_params.remote_rank_ports holds 0, which is "
+                                     "not a TCP port"),
+    ("remote_rank_ports", [5600], "kv_transfer_params.remote_rank_ports must name one port "
+                                  "per prefill rank (2), rank 0's being remote_port (5600); "
+                                  "got [5600]"),
+    ("remote_rank_ports", [5601, 5600], "kv_transfer_params.remote_rank_ports must name one "
+                                        "port per prefill rank"),
 ])
 def test_a_bad_value_is_refused_naming_its_key(key: str, value: Any, says: str) -> None:
     with pytest.raises(RemoteParamsError, match="^" + re.escape(says)) as caught:
@@ -64,3 +73,13 @@ def test_a_missing_key_or_a_non_object_is_refused() -> None:
         RemoteParams.parse({k: v for k, v in PARAMS.items() if k != "tp_size"})
     with pytest.raises(RemoteParamsError, match="must be an object, got list"):
         RemoteParams.parse([PARAMS])  # type: ignore[arg-type]
+
+
+def test_side_channels_name_each_port_with_the_ranks_it_serves() -> None:
+    one = RemoteParams.parse(PARAMS)
+    assert one.side_channels() == {5600: (0, 1)} and one.side_channels([1]) == {5600: (1,)}
+    apart = RemoteParams.parse({**PARAMS, "remote_rank_ports": [5600, 5700]})
+    assert apart.remote_rank_ports == (5600, 5700) and apart.address == "tcp://127.0.0.1:5600"
+    assert apart.side_channels() == {5600: (0,), 5700: (1,)}
+    assert apart.side_channels([1]) == {5700: (1,)}
+    assert apart.claims().rank_ports == (5600, 5700) and one.claims().rank_ports == ()

@@ -32,16 +32,23 @@ The life of a lease on the decode side:
   its lease (the prefill may have reused the blocks while it ran): :class:`LeaseEnded`.
 * :meth:`release` tells the prefill a lease will not be read (best effort, from the
   releaser's thread): the prefill frees its blocks before the TTL.
+
+A prefill whose ranks listen apart (``remote_rank_ports``: a vLLM instance, a process
+per rank) holds the lease on each: a claim or renewal goes to every port and is granted
+when every port granted it (for the least time any did); a claim some ports granted and
+another refused or left unanswered is lost, and released at every port. A release goes
+to every port.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,6 +124,35 @@ class LeaseAnswer:
             lease.lost = f"the prefill did not answer this decode's claim: {self.why}"
 
 
+class _Fanin:
+    """The answers of every side channel to one claim or renewal, made one: granted when
+    every port granted it (for the least time any granted), else the first refusal, else
+    the first unanswered. ``answered(answer, partly)`` gets it once the last port
+    answered; ``partly``: it is not granted, but some port granted it."""
+
+    def __init__(self, ports: int, answered: Callable[[LeaseAnswer, bool], None]) -> None:
+        self._left, self._answered = ports, answered
+        self._parts: list[LeaseAnswer] = []
+        self._lock = threading.Lock()
+
+    def add(self, part: LeaseAnswer) -> None:
+        with self._lock:
+            self._parts.append(part)
+            self._left -= 1
+            if self._left:
+                return
+        parts = self._parts
+        partly = any(p.answer is Answer.GRANTED for p in parts)
+        for kind in (Answer.REFUSED, Answer.UNANSWERED):
+            failed = [p for p in parts if p.answer is kind]
+            if failed:
+                self._answered(failed[0], partly)
+                return
+        first = min(parts, key=lambda p: p.sent_at)
+        self._answered(dataclasses.replace(first, expires_in=min(p.expires_in for p in parts)),
+                       False)
+
+
 class LeaseClient:
     """A decode's claims, renewals and releases (see the module docstring).
 
@@ -167,16 +203,29 @@ class LeaseClient:
         if renewer is None:
             return False
         lease_id = remote.remote_request_id
+        ports = list(remote.side_channels())  # one, unless the prefill's ranks listen apart
 
-        def done(ack: RenewAck | None, sent_at: float, why: str) -> None:  # sender thread
-            self._answers.put((lease, LeaseAnswer.of(lease_id, ack, sent_at, why, claim=claim)))
+        def answered(answer: LeaseAnswer, partly: bool) -> None:  # a sender thread
+            self._answers.put((lease, answer))
             self._answered.set()
+            if partly and claim:  # some ranks hold it for this decode: free them now
+                self.release(remote, f"the claim was refused by another prefill rank: "
+                                     f"{answer.why}")
 
+        fanin = _Fanin(len(ports), answered)
         lease.renewing = True
-        if not renewer.submit_renew(remote.remote_host, remote.remote_port, lease_id, done,
-                                    claim=claim):
-            lease.renewing = False
-            return False
+        for index, port in enumerate(ports):
+            def done(ack: RenewAck | None, sent_at: float, why: str, port: int = port) -> None:
+                fanin.add(LeaseAnswer.of(lease_id, ack, sent_at,
+                                         why if len(ports) == 1 else f"port {port}: {why}",
+                                         claim=claim))
+
+            if renewer.submit_renew(remote.remote_host, port, lease_id, done, claim=claim):
+                continue
+            if index == 0:  # nothing sent: renew_due tries again
+                lease.renewing = False
+                return False
+            done(None, time.monotonic(), "not sent: too many claims and renewals queued")
         return True
 
     def wait_for_answer(self, timeout: float) -> bool:
@@ -236,8 +285,9 @@ class LeaseClient:
         releaser = self._releaser  # read once: close() may clear it from another thread
         if releaser is None:
             return False
-        return releaser.submit(remote.remote_host, remote.remote_port,
-                               remote.remote_request_id, reason)
+        queued = [releaser.submit(remote.remote_host, port, remote.remote_request_id, reason)
+                  for port in remote.side_channels()]
+        return all(queued)
 
     def release_named(self, remote: RemoteParams, reason: str) -> bool:
         """Any thread: :meth:`release` a lease that a request named but never reached the

@@ -237,16 +237,18 @@ class Peers:
         slices = read_plan(local.rank, local.tp_size, remote.tp_size, self.total_kv_heads)
         notify = notify_plan(local.rank, local.tp_size, remote.tp_size, self.total_kv_heads)
         ranks = tuple(sorted(notify))
-        answer = self._client.fetch(remote.remote_host, remote.remote_port, ranks,
-                                    timeout=local.deadlines.handshake_timeout,
-                                    retries=local.deadlines.handshake_retries)
-        if answer.engine_id != remote.remote_engine_id:
-            raise TransferError(f"the side channel belongs to engine {answer.engine_id!r}, not "
-                                f"{remote.remote_engine_id!r}")
-        if answer.tp_size != remote.tp_size:
-            raise TransferError(f"engine reports TP {answer.tp_size} but kv_transfer_params say "
-                                f"tp_size={remote.tp_size}")
-        metas = {m.tp_rank: m for m in answer.ranks}
+        metas: dict[int, AgentMetadata] = {}
+        for port, served in remote.side_channels(ranks).items():  # one, unless ranks listen apart
+            answer = self._client.fetch(remote.remote_host, port, served,
+                                        timeout=local.deadlines.handshake_timeout,
+                                        retries=local.deadlines.handshake_retries)
+            if answer.engine_id != remote.remote_engine_id:
+                raise TransferError(f"the side channel at port {port} belongs to engine "
+                                    f"{answer.engine_id!r}, not {remote.remote_engine_id!r}")
+            if answer.tp_size != remote.tp_size:
+                raise TransferError(f"engine reports TP {answer.tp_size} but "
+                                    f"kv_transfer_params say tp_size={remote.tp_size}")
+            metas.update((m.tp_rank, m) for m in answer.ranks if m.tp_rank in served)
         missing = set(ranks) - set(metas)
         if missing:
             raise TransferError(f"handshake answer lacks ranks {sorted(missing)}")

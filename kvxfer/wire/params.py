@@ -4,20 +4,20 @@ Pure: msgspec and the standard library, no I/O.
 
 The keys are vLLM's (``remote_engine_id``, ``remote_host``, ``remote_port``,
 ``remote_block_ids``, ``remote_request_id``, ``tp_size``, ``remote_num_tokens``) plus
-kvxfer's ``lease_expires_at``, ``lease_ticket`` (:mod:`kvxfer.wire.tickets`) and
-``remote_block_size``. :meth:`RemoteParams.parse` is the one way in from a client's
-JSON: msgspec checks every type and bound the struct declares (bools are not ints,
-block ids are int64 descriptor offsets and may not wrap), the parser adds what a
-struct cannot say (no block id twice), and keys it does not know are ignored (a
-request carries ``do_remote_prefill`` and vLLM's others beside them). A bad value
-raises :class:`RemoteParamsError`, a ``ValueError`` whose message starts with
+kvxfer's ``lease_expires_at``, ``lease_ticket`` (:mod:`kvxfer.wire.tickets`),
+``remote_block_size`` and ``remote_rank_ports``. :meth:`RemoteParams.parse` is the one
+way in from a client's JSON: msgspec checks every type and bound the struct declares
+(bools are not ints, block ids are int64 descriptor offsets and may not wrap), the
+parser adds what a struct cannot say (no block id twice), and keys it does not know are
+ignored (a request carries ``do_remote_prefill`` and vLLM's others beside them). A bad
+value raises :class:`RemoteParamsError`, a ``ValueError`` whose message starts with
 ``kv_transfer_params.<key>``: the HTTP layer answers it with a 400 naming the key.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -59,6 +59,9 @@ class RemoteParams(msgspec.Struct, frozen=True):
     lease_ticket: str | None = None
     # The prefill's block size; absent (vLLM's params): the decode's own.
     remote_block_size: _Positive | None = None
+    # Each prefill rank's side-channel port, where its ranks listen apart (a vLLM instance
+    # runs a process per rank); absent: every rank answers at remote_port.
+    remote_rank_ports: tuple[_Port, ...] | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteParams:
@@ -71,6 +74,12 @@ class RemoteParams(msgspec.Struct, frozen=True):
             remote = msgspec.convert(params, cls, strict=True)
         except msgspec.ValidationError as exc:
             raise _refusal(params, str(exc)) from None
+        ports = remote.remote_rank_ports
+        if ports is not None and (len(ports) != remote.tp_size or ports[0] != remote.remote_port):
+            raise RemoteParamsError("remote_rank_ports", f"kv_transfer_params.remote_rank_ports "
+                                    f"must name one port per prefill rank ({remote.tp_size}), "
+                                    f"rank 0's being remote_port ({remote.remote_port}); got "
+                                    f"{list(ports)}")
         ids = remote.remote_block_ids
         if len(set(ids)) != len(ids):
             raise RemoteParamsError("remote_block_ids", "kv_transfer_params.remote_block_ids "
@@ -86,12 +95,23 @@ class RemoteParams(msgspec.Struct, frozen=True):
         return LeaseClaims(self.remote_engine_id, self.remote_host, self.remote_port,
                            self.remote_request_id, self.remote_block_ids,
                            -1 if self.remote_num_tokens is None else self.remote_num_tokens,
-                           self.tp_size, self.lease_expires_at)
+                           self.tp_size, self.lease_expires_at, self.remote_rank_ports or ())
 
     @property
     def address(self) -> str:
-        """The prefill's side channel, ``tcp://host:port``."""
+        """The prefill's side channel (rank 0's), ``tcp://host:port``."""
         return endpoint(self.remote_host, self.remote_port)
+
+    def side_channels(self, ranks: Sequence[int] | None = None) -> dict[int, tuple[int, ...]]:
+        """The side-channel ports that serve prefill ``ranks`` (all: None), each with the
+        ranks it serves, in rank order: a lease is claimed and released at every one."""
+        ranks = range(self.tp_size) if ranks is None else sorted(ranks)
+        served: dict[int, tuple[int, ...]] = {}
+        for rank in ranks:
+            port = self.remote_port if self.remote_rank_ports is None \
+                else self.remote_rank_ports[rank]
+            served[port] = (*served.get(port, ()), rank)
+        return served
 
     def tokens(self, start: int, end: int, local_block_size: int) -> RemoteParams:
         """These params narrowed to the prefill blocks that hold the prompt's tokens
@@ -118,11 +138,15 @@ _KINDS = {"remote_engine_id": "str", "remote_host": "str", "remote_request_id": 
           "remote_port": "int", "tp_size": "int", "remote_num_tokens": "int",
           TICKET_KEY: "str", "remote_block_ids": "a list of integers",
           "lease_expires_at": "a number of seconds since the epoch",
-          "remote_block_size": "a positive integer"}
+          "remote_block_size": "a positive integer",
+          "remote_rank_ports": "a list of TCP ports"}
 # What a key's value must be, in the words of an error about its bound.
 _BOUNDS = {"remote_engine_id": "is empty", "remote_host": "is empty",
            "remote_request_id": "is empty", "remote_port": "{value} is not a TCP port",
            "tp_size": "must be positive, got {value}"}
+# What an item of a list key must be, in the words of an error about its bound.
+_ITEM_BOUNDS = {"remote_block_ids": "outside [0, 2**63)",
+                "remote_rank_ports": "which is not a TCP port"}
 _PATH = re.compile(r" - at `\$\.(\w+)(?:\[(\d+)\])?`$")
 _MISSING = re.compile(r"^Object missing required field `(\w+)`")
 _TYPE = re.compile(r"^Expected `[^`]*`, got `")  # msgspec: a type error, not a bound
@@ -140,11 +164,11 @@ def _refusal(params: Mapping[str, Any], error: str) -> RemoteParamsError:
     key, index = at.group(1), at.group(2)
     value, wrong_type = params[key], _TYPE.match(error) is not None
     say = f"kv_transfer_params.{key}"
-    if index is not None:  # one block id
+    if index is not None:  # one block id or port
         item = value[int(index)]
         return RemoteParamsError(key, f"{say} must be {_KINDS[key]}, got {item!r} at "
                                       f"position {index}" if wrong_type else
-                                      f"{say} holds {item}, outside [0, 2**63)")
+                                      f"{say} holds {item}, {_ITEM_BOUNDS[key]}")
     if wrong_type or key not in _BOUNDS:
         return RemoteParamsError(key, f"{say} must be {_KINDS[key]}, got {value!r}")
     return RemoteParamsError(key, f"{say} {_BOUNDS[key].format(value=value)}")

@@ -2,16 +2,16 @@
 
 Pure: the standard library and msgspec, no I/O.
 
-A prefill that leases a prompt's blocks answers with vLLM's ``kv_transfer_params``
-keys plus ``lease_ticket``, an HMAC-SHA256 with the instances' shared key over
-the :class:`LeaseClaims` those keys state: engine id, side-channel host and port,
-lease id (``remote_request_id``), block ids, token count, TP size and expiry
-(``lease_expires_at``, seconds since the epoch on the prefill's clock). A decode
-recomputes the HMAC from the keys it was given and refuses the request unless it
-matches, so a client can neither forge params for another request's blocks nor
-alter a real ticket (other blocks, tokens, engine, host or port, a later expiry).
-The ticket does not stop a replay of unaltered params: the decode remembers the
-leases it consumed (:mod:`kvxfer.wire.lease_book`).
+A prefill that leases a prompt's blocks answers with vLLM's ``kv_transfer_params`` keys
+plus ``lease_ticket``, an HMAC-SHA256 with the instances' shared key over the
+:class:`LeaseClaims` those keys state: engine id, side-channel host and port (and each
+rank's port, where ranks listen apart), lease id (``remote_request_id``), block ids,
+token count, TP size and expiry (``lease_expires_at``, seconds since the epoch on the
+prefill's clock). A decode recomputes the HMAC from the keys it was given and refuses
+the request unless it matches, so a client can neither forge params for another
+request's blocks nor alter a real ticket (other blocks, tokens, engine, host or port, a
+later expiry). The ticket does not stop a replay of unaltered params: the decode
+remembers the leases it consumed (:mod:`kvxfer.wire.lease_book`).
 """
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ class LeaseClaims:
     num_tokens: int
     tp_size: int
     expires_at: float
+    rank_ports: tuple[int, ...] = ()  # each rank's side channel, where ranks listen apart
 
     def signed_bytes(self) -> bytes:
         return _DOMAIN + msgspec.msgpack.encode(
             (self.engine_id, self.host, self.port, self.lease_id, list(self.block_ids),
-             self.num_tokens, self.tp_size, float(self.expires_at)))
+             self.num_tokens, self.tp_size, float(self.expires_at), list(self.rank_ports)))
 
 
 def sign_ticket(key: bytes, claims: LeaseClaims) -> str:
