@@ -140,7 +140,7 @@ def scheduler(key: bytes | None = None, port: int | None = 7100, tp_size: int = 
         {"side_channel_host": "10.0.0.1", "lease_ttl": TTL, **extra})
     side = SchedulerSide(settings, ENGINE, BLOCK, tp_size, key)
     if port is not None:
-        side.set_side_channel_port(port)
+        side.set_side_channel_ports({rank: port + rank for rank in range(tp_size)})
     return side
 
 
@@ -167,7 +167,8 @@ def claims_of(params: dict[str, Any]) -> LeaseClaims:
     return LeaseClaims(params["remote_engine_id"], params["remote_host"],
                        params["remote_port"], params["remote_request_id"],
                        tuple(params["remote_block_ids"]), params["remote_num_tokens"],
-                       params["tp_size"], params["lease_expires_at"])
+                       params["tp_size"], params["lease_expires_at"],
+                       tuple(params.get("remote_rank_ports", ())))
 
 
 def answer(params: dict[str, Any]) -> bytes:
@@ -260,7 +261,8 @@ def test_prefill_finished_hands_out_the_lease(extra: dict[str, Any], port: int |
         "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": ENGINE,
         "remote_host": host, "remote_port": remote_port, "remote_block_ids": [7, 3, 9],
         "remote_request_id": hold.lease_id, "remote_num_tokens": 40,
-        "remote_block_size": 16, "tp_size": 2, "lease_expires_at": NOW + TTL}
+        "remote_block_size": 16, "tp_size": 2, "lease_expires_at": NOW + TTL,
+        "remote_rank_ports": [remote_port, remote_port + 1]}  # each rank listens apart
     # The proxy accepts it and forwards it unchanged: both ends of the contract agree.
     assert parse_prefill_answer(answer(handed), URL) == handed
     assert not side.build_plan({}, blocks_of({}), now=NOW)  # nothing dropped
@@ -278,6 +280,8 @@ def test_prefill_finished_with_a_key_signs_a_ticket() -> None:
         verify_ticket(b"another key", claims_of(handed), ticket)
     with pytest.raises(TicketError, match="does not verify"):  # an altered block list
         verify_ticket(KEY, claims_of({**handed, "remote_block_ids": [7, 3, 10]}), ticket)
+    with pytest.raises(TicketError, match="does not verify"):  # a rank's port redirected
+        verify_ticket(KEY, claims_of({**handed, "remote_rank_ports": [7100, 6666]}), ticket)
     relayed = parse_prefill_answer(answer(handed), URL)
     assert relayed == handed
     verify_ticket(KEY, claims_of(relayed), relayed[TICKET_KEY])  # survives the JSON trip

@@ -15,8 +15,10 @@ those call kvxfer's own regions, descriptors, handshake, worker and leases.
 Pull mode with asynchronous loads, as vLLM's NixlConnector: the decode reads
 the prefill's blocks with NIXL READs while vLLM keeps stepping; the prefill
 keeps a request's blocks until its reader said "done", a release arrived, or
-the lease expired. What it supports today: one TP rank per instance, no
-pipeline parallelism, one KV cache group, and the layer views every attention
+the lease expired. What it supports today: any TP size that divides the model's KV
+heads (each rank, a process of its own, registers its share and serves it on its own
+side channel; the params name every rank's port), no pipeline or context
+parallelism, one KV cache group, and the layer views every attention
 backend of vLLM 0.32 hands a connector, in any of its layouts
 (:mod:`kvxfer.vllm.cache_shapes`); on the CPU backend K and V inside a head's
 block are stored as its instruction set wants (``CompatInfo.kv_packing``).
@@ -72,7 +74,7 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvxferHandshakeMetadata(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler at start-up: its listener's port."""
+    """What a worker (one TP rank) tells the scheduler at start-up: its listener's port."""
 
     side_channel_port: int
 
@@ -146,11 +148,16 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
 
 def _refuse_unsupported(vllm_config: VllmConfig) -> None:
     parallel = vllm_config.parallel_config
-    for what, size in (("tensor_parallel_size", parallel.tensor_parallel_size),
-                       ("pipeline_parallel_size", parallel.pipeline_parallel_size)):
+    for what, size in (("pipeline_parallel_size", parallel.pipeline_parallel_size),
+                       ("decode_context_parallel_size", parallel.decode_context_parallel_size)):
         if size != 1:
-            raise ValueError(f"KvxferConnector supports {what} 1 for now, got {size}: run "
-                             f"one instance per rank, or use NixlConnector for this setup")
+            raise ValueError(f"KvxferConnector supports {what} 1 for now, got {size}: use "
+                             f"NixlConnector for this setup")
+    tp, heads = parallel.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads()
+    if heads % tp:
+        raise ValueError(f"KvxferConnector splits the model's {heads} KV heads over the TP "
+                         f"ranks, so tensor_parallel_size must divide {heads}, got {tp} (vLLM "
+                         f"would copy heads to several ranks)")
 
 
 def _settings(vllm_config: VllmConfig) -> ConnectorSettings:
@@ -196,17 +203,21 @@ class KvxferConnector(KVConnectorBase_V1):
                           self._num_head_slots())
         num_blocks, block_size = first.shape[0], spec.block_size
         name = self._settings.model_id or _served_name(self._vllm_config)
+        rank, tp_size = _tp_rank(), self._vllm_config.parallel_config.tensor_parallel_size
+        # the instance's heads: each rank holds an equal share (_refuse_unsupported)
+        total_kv_heads = spec.num_kv_heads * tp_size
         compat = CompatInfo(model=name, dtype=str(model.dtype).removeprefix("torch."),
                             cache_dtype=str(first.dtype).removeprefix("torch."),
-                            head_size=spec.head_size, total_kv_heads=spec.num_kv_heads,
+                            head_size=spec.head_size, total_kv_heads=total_kv_heads,
                             num_layers=len({v.data_ptr() for v in kv_caches.values()}),
                             kv_packing=self._packing(spec))
         self._worker = WorkerSide(self._settings, _engine_id(self._vllm_config), compat,
-                                  rank=0, tp_size=1, total_kv_heads=spec.num_kv_heads,
+                                  rank=rank, tp_size=tp_size, total_kv_heads=total_kv_heads,
                                   key=_key(self._settings))
         self._worker.register(kv_caches, spec, num_blocks)
-        log.info("kvxfer: %d layers of %d blocks x %d tokens registered; side channel on "
-                 "port %d", compat.num_layers, num_blocks, block_size, self._worker.port)
+        log.info("kvxfer: rank %d of %d: %d layers of %d blocks x %d tokens registered; side "
+                 "channel on port %d", rank, tp_size, compat.num_layers, num_blocks,
+                 block_size, self._worker.port)
 
     def _num_head_slots(self) -> int | None:
         """The head-slot form the backend gave the cache (its ``customize_spec`` set it on
@@ -281,9 +292,9 @@ class KvxferConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
                                     ) -> None:
         assert self._scheduler is not None
-        rank0 = metadata.get(0)
-        if isinstance(rank0, KvxferHandshakeMetadata):
-            self._scheduler.set_side_channel_port(rank0.side_channel_port)
+        self._scheduler.set_side_channel_ports(
+            {rank: meta.side_channel_port for rank, meta in metadata.items()
+             if isinstance(meta, KvxferHandshakeMetadata)})
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -347,6 +358,13 @@ def _cpu_packing(dtype: torch.dtype, block_size: int, head_size: int, cache_dtyp
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return f"{VLLM_CPU_PACKING_PREFIX}{_get_attn_isa(dtype, block_size, head_size, cache_dtype)}"
+
+
+def _tp_rank() -> int:
+    """This worker's rank in its TP group."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def _served_name(vllm_config: VllmConfig) -> str:

@@ -59,15 +59,22 @@ class SchedulerSide:
         self.settings, self.engine_id = settings, engine_id
         self.block_size, self.tp_size = block_size, tp_size
         self._key = key
-        self.side_channel_port: int | None = settings.side_channel_port or None
+        # each rank's listener port: the settings' (rank r on port + r) or vLLM's handshake
+        self.side_channel_ports: tuple[int, ...] | None = tuple(
+            settings.side_channel_port + rank for rank in range(tp_size)) \
+            if settings.side_channel_port else None
         self._producing: dict[str, int] = {}  # prefill request -> prompt tokens
         self._holds: dict[str, Hold] = {}     # prefill request -> lease sent to the worker
         self._plan = StepPlan()
 
     # -- both -------------------------------------------------------------------------------
-    def set_side_channel_port(self, port: int) -> None:
-        """The port the worker's listener bound (vLLM's handshake-metadata path)."""
-        self.side_channel_port = port
+    def set_side_channel_ports(self, ports: Mapping[int, int]) -> None:
+        """The port each rank's listener bound, by TP rank (vLLM's handshake-metadata
+        path); ValueError unless every rank sent one."""
+        if sorted(ports) != list(range(self.tp_size)):
+            raise ValueError(f"KvxferConnector: side-channel ports came from TP ranks "
+                             f"{sorted(ports)}, not from each of the {self.tp_size}")
+        self.side_channel_ports = tuple(ports[rank] for rank in range(self.tp_size))
 
     def build_plan(self, scheduled: Mapping[str, tuple[int, int]],
                    block_ids: Callable[[str], Sequence[int]],
@@ -144,17 +151,18 @@ class SchedulerSide:
         hold = self._holds.pop(request_id, None)
         if hold is None:
             return False, None  # its prompt was never computed: nothing to hand out
-        if not completed or self.side_channel_port is None:
+        if not completed or self.side_channel_ports is None:
             self._plan.drop_leases.append(hold.lease_id)
             return False, None
         return True, self._params(hold)
 
     def _params(self, hold: Hold) -> dict[str, Any]:
-        assert self.side_channel_port is not None
+        assert self.side_channel_ports is not None
         tokens = hold.num_tokens
+        ports = self.side_channel_ports if self.tp_size > 1 else ()  # each rank listens apart
         claims = LeaseClaims(self.engine_id, self.settings.host_for_peers,
-                             self.side_channel_port, hold.lease_id, hold.block_ids, tokens,
-                             self.tp_size, hold.expires_at)
+                             self.side_channel_ports[0], hold.lease_id, hold.block_ids, tokens,
+                             self.tp_size, hold.expires_at, ports)
         params: dict[str, Any] = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_id, "remote_host": claims.host,
@@ -162,6 +170,8 @@ class SchedulerSide:
             "remote_request_id": hold.lease_id, "remote_num_tokens": tokens,
             "remote_block_size": self.block_size,
             "tp_size": self.tp_size, "lease_expires_at": hold.expires_at}
+        if ports:
+            params["remote_rank_ports"] = list(ports)
         if self._key is not None:
             params[TICKET_KEY] = sign_ticket(self._key, claims)
         return params

@@ -3,7 +3,8 @@
 Every key is optional::
 
     {"side_channel_host": "127.0.0.1",  # where the prefill's handshake listener binds
-     "side_channel_port": 0,            # 0: a free port, told to the scheduler at start-up
+     "side_channel_port": 0,            # TP rank r listens on this + r; 0: free ports, told
+                                        # to the scheduler at start-up
      "advertise_host": null,            # what decodes are told to dial (default: the bind host)
      "lease_ttl": 120, "lease_max_age": null,   # seconds; max age defaults to 4 x ttl
      "kv_read_timeout": 10, "handshake_timeout": 5,

@@ -90,7 +90,8 @@ class WorkerSide:
                                      read_lanes=settings.read_lanes,
                                      host_reads=settings.host_reads)
         self.listener: HandshakeListener | None = None
-        sender = ReleaseSender(HandshakeClient(f"{engine_id}-r{rank}", compat, hmac_key=key))
+        # every rank claims as the engine: a lease is read by one decode, all its ranks
+        sender = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key))
         self.leases = LeaseClient(LeaseBook(key, max_age=settings.max_age), sender,
                                   read_timeout=settings.kv_read_timeout)
         self.answers = LeaseAnswers([self.worker], ttl=settings.lease_ttl,
@@ -113,8 +114,9 @@ class WorkerSide:
         """Plan and register the rank's KV cache, then serve it to peers."""
         self.worker.register_kv_caches(caches, spec, num_blocks)
         self.block_size = spec.block_size
+        base = self.settings.side_channel_port  # rank r listens on base + r (0: any port)
         self.listener = HandshakeListener(
-            self.settings.side_channel_host, self.settings.side_channel_port,
+            self.settings.side_channel_host, base + self.worker.rank if base else 0,
             engine_id=self.engine_id, compat=self.compat,
             metadata=lambda: [self.worker.metadata()], hmac_key=self._key,
             on_request=lambda _peer: self.worker.peer_connecting(),

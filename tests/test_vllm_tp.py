@@ -1,0 +1,152 @@
+"""KvxferConnector at TP > 1 without vLLM: real ``WorkerSide`` ranks, one per process in
+vLLM (here one per object: its own NIXL agent, listener, port and lease table), and the
+real ``SchedulerSide`` handing out the params.
+
+A prefill at TP ``p`` holds each lease on every rank; its params name every rank's
+side-channel port; a decode at TP ``d`` claims the lease at each port, reads its share
+of the heads from the prefill ranks that hold them, and every prefill rank's lease ends
+by the "done" of its readers. Every byte lands where the decode's heads are, nothing
+else changes, and no rank keeps a lease.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
+from kvxfer.vllm.plan import Load, StepPlan
+from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
+from kvxfer.vllm.settings import ConnectorSettings
+from kvxfer.vllm.transfers import StepResult, WorkerSide
+from kvxfer.wire.compat import CompatInfo
+
+BLOCK, HEADS, HEAD, BLOCKS, LAYERS = 16, 2, 8, 8, 3
+SETTINGS = ConnectorSettings(lease_ttl=30.0, kv_read_timeout=10.0, handshake_timeout=2.0,
+                             read_wait=0.01, host_reads=False)
+COMPAT = CompatInfo(model="tiny-vllm-tp", dtype="float32", cache_dtype="float32",
+                    head_size=HEAD, total_kv_heads=HEADS, num_layers=LAYERS)
+
+
+class Instance:
+    """An instance's TP ranks over one logical cache ``full`` ``[L, B, H, N, 2C]``: rank
+    ``r`` holds heads ``r * H / tp`` on, in one allocation of every layer (as vLLM 0.32)."""
+
+    def __init__(self, engine_id: str, tp: int, seed: int) -> None:
+        self.engine_id, self.tp = engine_id, tp
+        self.heads = HEADS // tp
+        spec = CacheSpec(BLOCK, self.heads, HEAD, torch.float32)
+        self.full = torch.randn(LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD,
+                                generator=torch.Generator().manual_seed(seed))
+        self.views: list[list[torch.Tensor]] = []
+        self.ranks: list[WorkerSide] = []
+        for rank in range(tp):
+            _, views = allocate_kv_cache(spec, BLOCKS, LAYERS, "LBHNC")
+            for layer, view in enumerate(views):
+                view.copy_(self.full[layer, :, rank * self.heads:(rank + 1) * self.heads])
+            side = WorkerSide(SETTINGS, engine_id, COMPAT, rank=rank, tp_size=tp,
+                              total_kv_heads=HEADS)
+            side.register({f"layer.{i}": v for i, v in enumerate(views)}, spec, BLOCKS)
+            self.views.append(views)
+            self.ranks.append(side)
+
+    def cache(self) -> torch.Tensor:
+        """The logical cache as the ranks hold it now."""
+        return torch.stack([torch.cat([self.views[r][layer] for r in range(self.tp)], dim=1)
+                            for layer in range(LAYERS)])
+
+    def close(self) -> None:
+        for side in self.ranks:
+            side.close()
+
+
+@pytest.fixture
+def instances(request: pytest.FixtureRequest) -> Iterator[tuple[Instance, Instance]]:
+    prefill_tp, decode_tp = request.param
+    made: list[Instance] = []
+    try:
+        made.append(Instance(f"vllm-prefill-tp{prefill_tp}", prefill_tp, 1))
+        made.append(Instance(f"vllm-decode-tp{decode_tp}", decode_tp, 2))
+        yield made[0], made[1]
+    finally:
+        for instance in reversed(made):
+            instance.close()
+
+
+def hand_out(prefill: Instance, blocks: list[int], tokens: int) -> dict[str, Any]:
+    """The prefill's scheduler leases ``blocks`` for a prompt of ``tokens``: every rank
+    holds the lease after the forward; the params it answers with."""
+    scheduler = SchedulerSide(SETTINGS, prefill.engine_id, BLOCK, prefill.tp)
+    scheduler.set_side_channel_ports({r: side.port for r, side in enumerate(prefill.ranks)})
+    params: dict[str, Any] = {"do_remote_decode": True}
+    scheduler.after_alloc("p", params, tokens, [BlockRef(b, False) for b in blocks], 0)
+    plan = scheduler.build_plan({"p": (0, tokens)}, lambda _: blocks)
+    for side in prefill.ranks:  # vLLM hands every worker the same plan
+        side.apply(plan)
+        side.after_forward()
+    keep, handed = scheduler.finished("p", params, completed=True)
+    assert keep and handed is not None
+    return handed
+
+
+def step_all(prefill: Instance, decode: Instance, finished: set[str]
+             ) -> tuple[list[StepResult], list[StepResult]]:
+    return ([side.poll(finished) for side in prefill.ranks],
+            [side.poll(set()) for side in decode.ranks])
+
+
+@pytest.mark.parametrize("instances", [(2, 1), (1, 2), (2, 2)], indirect=True,
+                         ids=["prefill-tp2-decode-tp1", "prefill-tp1-decode-tp2", "tp2-tp2"])
+def test_a_decode_reads_a_lease_from_every_prefill_rank_at_any_tp_pair(
+        instances: tuple[Instance, Instance]) -> None:
+    prefill, decode = instances
+    remote, local, tokens = [5, 2, 7], [1, 6, 3], 40
+    params = hand_out(prefill, remote, tokens)
+    if prefill.tp > 1:
+        assert params["remote_rank_ports"] == [side.port for side in prefill.ranks]
+    before = decode.cache()
+    for side in decode.ranks:
+        side.apply(StepPlan(loads=[Load("d", dict(params), tuple(local))]))
+    received: list[set[str]] = [set() for _ in decode.ranks]
+    sending: list[set[str]] = [set() for _ in prefill.ranks]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (all(received) and all(sending)):
+        prefills, decodes = step_all(prefill, decode, {"p"})
+        for seen, result in zip(received, decodes, strict=True):
+            assert result.failures == 0 and not result.error_blocks
+            seen |= result.recving
+        for seen, result in zip(sending, prefills, strict=True):
+            seen |= result.sending
+    assert received == [{"d"}] * decode.tp, "every decode rank finished its load"
+    assert sending == [{"p"}] * prefill.tp, "every prefill rank's lease ended by its readers"
+    after = decode.cache()
+    for src, dst in zip(remote, local, strict=True):
+        assert torch.equal(after[:, dst], prefill.full[:, src]), f"block {src} -> {dst}"
+    untouched = [b for b in range(BLOCKS) if b not in local]
+    assert torch.equal(after[:, untouched], before[:, untouched])
+    assert all(side.worker.num_leases == 0 for side in prefill.ranks)
+
+
+@pytest.mark.parametrize("instances", [(2, 1)], indirect=True, ids=["prefill-tp2-decode-tp1"])
+def test_a_lease_one_prefill_rank_no_longer_holds_is_not_read_and_is_released_on_each(
+        instances: tuple[Instance, Instance]) -> None:
+    prefill, decode = instances
+    params = hand_out(prefill, [5, 2], 20)
+    prefill.ranks[1].worker.end_lease(params["remote_request_id"], "abandoned")
+    before = decode.cache()
+    decode.ranks[0].apply(StepPlan(loads=[Load("d", dict(params), (1, 6))]))
+    deadline = time.monotonic() + 30
+    result = StepResult()
+    while time.monotonic() < deadline and not result.failures:
+        _, (result,) = step_all(prefill, decode, set())
+    assert result.recving == {"d"} and result.error_blocks == {1, 6}, "refused at rank 1"
+    assert torch.equal(decode.cache(), before), "nothing was read"
+    ended = prefill.ranks[0].worker
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ended.num_leases:
+        step_all(prefill, decode, {"p"})
+    assert ended.num_leases == 0, "rank 0's lease was not left to its TTL"
