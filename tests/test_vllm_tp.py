@@ -150,3 +150,23 @@ def test_a_lease_one_prefill_rank_no_longer_holds_is_not_read_and_is_released_on
     while time.monotonic() < deadline and ended.num_leases:
         step_all(prefill, decode, {"p"})
     assert ended.num_leases == 0, "rank 0's lease was not left to its TTL"
+
+
+def test_with_a_fixed_side_channel_port_rank_r_listens_on_port_plus_r() -> None:
+    import socket
+
+    with socket.socket() as probe:  # a free base port (and, almost surely, the next one)
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    settings = ConnectorSettings(side_channel_port=base, host_reads=False)
+    spec = CacheSpec(BLOCK, 1, HEAD, torch.float32)
+    side = WorkerSide(settings, "vllm-fixed-port", COMPAT, rank=1, tp_size=2,
+                      total_kv_heads=HEADS)
+    try:
+        _, views = allocate_kv_cache(spec, BLOCKS, LAYERS, "LBHNC")
+        side.register({f"layer.{i}": v for i, v in enumerate(views)}, spec, BLOCKS)
+        assert side.port == base + 1
+        scheduler = SchedulerSide(settings, "vllm-fixed-port", BLOCK, 2)
+        assert scheduler.side_channel_ports == (base, base + 1), "known without a handshake"
+    finally:
+        side.close()

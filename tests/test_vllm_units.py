@@ -451,3 +451,19 @@ def test_a_prefill_computed_again_drops_its_earlier_lease() -> None:
     plan = side.build_plan({"r": (0, 20)}, lambda _: [3, 4], now=101.0)
     assert plan.drop_leases == [first.lease_id]
     assert [h.block_ids for h in plan.holds] == [(3, 4)]
+
+
+def test_side_channel_ports_must_come_from_every_tp_rank() -> None:
+    side = scheduler(port=None, tp_size=3)
+    with pytest.raises(ValueError, match=r"from TP ranks \[0, 2\], not from each of the 3"):
+        side.set_side_channel_ports({0: 7100, 2: 7102})
+    side.set_side_channel_ports({2: 7300, 0: 7100, 1: 7200})
+    assert side.side_channel_ports == (7100, 7200, 7300)
+
+
+def test_a_tp_1_prefill_names_no_rank_ports() -> None:
+    side = scheduler(tp_size=1)
+    _, params = prefill(side)
+    _, handed = side.finished("p1", params, completed=True)
+    assert handed is not None and "remote_rank_ports" not in handed
+    assert handed["remote_port"] == 7100

@@ -108,8 +108,8 @@ def model_directory(model: str = "smollm2-135m-instruct") -> Path:
 
 @dataclass
 class VllmServer:
-    """One vLLM OpenAI server in its own process group, every process of it bound to
-    ``core``.
+    """One vLLM OpenAI server in its own process group, its workers bound to ``core``
+    (and, with ``pin``, every process of it: what a measurement needs).
 
     :meth:`start` waits until it answers (or raises with its log's tail); :meth:`stop`
     ends the whole group (API server, engine core, worker), also when a test failed.
@@ -122,6 +122,9 @@ class VllmServer:
     core: int
     log_dir: Path
     block_size: int | None = None
+    tp: int = 1  # TP ranks, a worker process each, all on ``core``
+    args: tuple[str, ...] = ()  # more of vLLM's arguments
+    pin: bool = False  # every process on ``core``, not only the workers (see _bind)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -140,11 +143,14 @@ class VllmServer:
                "--max-model-len", "2048", "--kv-transfer-config", json.dumps(self.kv_config)]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
-        return cmd
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
+        return cmd + list(self.args)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(self.core),
+        env.update(VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_OMP_THREADS_BIND="|".join([str(self.core)] * self.tp),
                    VLLM_HOST_IP="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), HF_HUB_OFFLINE="1",
                    VLLM_CACHE_ROOT=str(self.log_dir / "vllm-cache"),
@@ -160,13 +166,16 @@ class VllmServer:
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(self.command(), env=self.environment(),
                                             stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=self._bind)
+                                            start_new_session=True,
+                                            preexec_fn=self._bind if self.pin else None)
 
     def _bind(self) -> None:
         """In the child, before vLLM starts: every process of the instance (API server,
         engine core, worker, and their threads) runs on ``core``. vLLM binds only the
         worker (``VLLM_CPU_OMP_THREADS_BIND``); the others, busy-waiting on their queues
-        with ``sched_yield``, would otherwise take turns on the other instance's core."""
+        with ``sched_yield``, would otherwise take turns on the other instance's core:
+        that tripled transfer times in ``kvxfer bench vllm``. Tests leave them free, which
+        starts and steps instances faster."""
         os.sched_setaffinity(0, {self.core})
 
     def wait_ready(self) -> VllmServer:
@@ -225,12 +234,14 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
 
 @contextmanager
 def vllm_pair(connector: str, python: str, log_dir: Path, *,
-              extra: dict[str, Any] | None = None) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A prefill (core 0) and a decode (core 1) with ``connector``, started together."""
+              extra: dict[str, Any] | None = None, pin: bool = False
+              ) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A prefill (core 0) and a decode (core 1) with ``connector``, started together
+    (``pin``: :attr:`VllmServer.pin`)."""
     model = model_directory()
     config = kv_transfer_config(connector, extra)
-    prefill = VllmServer(f"{connector}-prefill", python, model, config, 0, log_dir)
-    decode = VllmServer(f"{connector}-decode", python, model, config, 1, log_dir)
+    prefill = VllmServer(f"{connector}-prefill", python, model, config, 0, log_dir, pin=pin)
+    decode = VllmServer(f"{connector}-decode", python, model, config, 1, log_dir, pin=pin)
     try:
         print(f"starting vLLM {connector} prefill and decode (40-120 s)...", file=sys.stderr,
               flush=True)
@@ -401,7 +412,7 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
     results: dict[str, dict[str, Any]] = {}
     ceiling = connector == "kvxfer"  # probes need KvxferConnector's decode
     extra = {"read_lanes": args.read_lanes, "ceiling_probe": True} if ceiling else None
-    with vllm_pair(connector, args.vllm_python, log_dir, extra=extra) as (pre, dec):
+    with vllm_pair(connector, args.vllm_python, log_dir, extra=extra, pin=True) as (pre, dec):
         params = prefill(pre.url, prompt_ids(64, 999_999))  # warm-up: the handshake
         timed_decode(dec.url, prompt_ids(64, 999_999), params, 2)
         for n, tokens in enumerate(args.prompt_tokens):
