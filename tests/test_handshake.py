@@ -33,7 +33,7 @@ from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 from kvxfer.transfer.side_channel.sockets import MAX_REQUEST_BYTES
 from kvxfer.wire.compat import CompatInfo, compat_hash
-from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.envelope import ANONYMOUS_HASH, decode_envelope, decode_payload, encode_message
 from kvxfer.wire.errors import (
     BadMagic,
     BadSignature,
@@ -238,6 +238,8 @@ def test_bad_signature_is_refused(case: str, ctx: zmq.Context[Any],
     assert answer is not None
     envelope = decode_envelope(answer[0], expected_hash=compat_hash(COMPAT), peer="listener")
     assert envelope.sender is None, "an unauthenticated peer is not told the model"
+    assert envelope.compat_hash == ANONYMOUS_HASH, "nor its hash, which would confirm it"
+    assert compat_hash(COMPAT).encode() not in answer[0]
     reply = refusal(answer, key=KEY)
     assert reply.code is ErrorCode.BAD_SIGNATURE
     assert reply.message == "authentication failed", "nothing else is told"
@@ -255,6 +257,7 @@ def test_a_replayed_signed_request_is_refused(ctx: zmq.Context[Any],
     assert again is not None and RANKS[0].agent_blob not in again[0]
     reply = refusal(again, key=KEY)
     assert (reply.code, reply.message) == (ErrorCode.BAD_SIGNATURE, "authentication failed")
+    assert compat_hash(COMPAT).encode() not in again[0], "a replayer is not told the model"
 
 
 def test_oversized_message_drops_the_peer_and_listener_keeps_serving(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
 from kvxfer.plan.regions import RegionPlan, plan_regions
 from kvxfer.wire.compat import CompatInfo, compat_diff, compat_hash
-from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
+from kvxfer.wire.envelope import ANONYMOUS_HASH, decode_envelope, decode_payload, encode_message
 from kvxfer.wire.errors import (
     BadMagic,
     BadSignature,
@@ -633,3 +633,17 @@ def test_corrupted_releases_raise_only_protocol_errors(position: int, flip: int)
     with pytest.raises(ProtocolError):  # signed: every change is caught somewhere
         envelope = decode(bytes(raw), hmac_key=KEY, local_compat=COMPAT)
         decode_payload(envelope, ReleaseLease, peer=PEER)
+
+
+def test_an_anonymous_error_reply_names_no_model_and_only_an_error_may_be_one() -> None:
+    raw = encode_message(ErrorReply(ErrorCode.BAD_SIGNATURE, "authentication failed"),
+                         compat=COMPAT, hmac_key=b"k" * 32, anonymous=True)
+    assert HASH.encode() not in raw and COMPAT.model.encode() not in raw
+    envelope = decode(raw, hmac_key=b"k" * 32, local_compat=OTHER)  # no hash is checked
+    assert (envelope.compat_hash, envelope.sender) == (ANONYMOUS_HASH, None)
+    assert decode_payload(envelope, ErrorReply).message == "authentication failed"
+    with pytest.raises(ValueError, match="only an error reply may be anonymous"):
+        encode_message(REQUEST, compat=COMPAT, anonymous=True)
+    blank = forge(envelope_dict(compat_hash=ANONYMOUS_HASH, sender=None))
+    with pytest.raises(HashMismatch):  # a request without a hash is not anonymous
+        decode(blank)

@@ -61,6 +61,10 @@ class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nonce: bytes = b""
 
 
+ANONYMOUS_HASH = ""
+"""The ``compat_hash`` of an error reply to a peer that did not authenticate: it names
+no model, and a receiver checks no hash on it."""
+
 _ENVELOPE = msgspec.msgpack.Decoder(Envelope)
 _PAYLOADS: dict[type[msgspec.Struct], msgspec.msgpack.Decoder[msgspec.Struct]] = {
     t: msgspec.msgpack.Decoder(t) for t in KIND_OF
@@ -76,17 +80,22 @@ def _signed_bytes(envelope: Envelope) -> bytes:
 
 
 def encode_message(message: Message, *, compat: CompatInfo, hmac_key: bytes | None = None,
-                   include_compat: bool = True) -> bytes:
+                   include_compat: bool = True, anonymous: bool = False) -> bytes:
     """The wire bytes of ``message``: magic, envelope, payload; signed when a key is given.
 
     ``include_compat`` sends this side's :class:`CompatInfo` along, so a peer
-    with a different hash can say which fields differ.
+    with a different hash can say which fields differ. ``anonymous`` (an
+    :class:`~kvxfer.wire.messages.ErrorReply` only, to a peer that did not
+    authenticate) sends neither it nor its hash (:data:`ANONYMOUS_HASH`): the hash
+    of the model's compatibility info would let anyone confirm which model is served.
     """
     kind = KIND_OF[type(message)]
+    if anonymous and kind is not MessageKind.ERROR_REPLY:
+        raise ValueError(f"only an error reply may be anonymous, not a {kind.value}")
     payload = ENCODER.encode(message)
-    sender = compat if include_compat else None
-    envelope = Envelope(version.KVXFER_PROTOCOL_VERSION, compat_hash(compat), kind, payload,
-                        None, sender)
+    sender = compat if include_compat and not anonymous else None
+    digest = ANONYMOUS_HASH if anonymous else compat_hash(compat)
+    envelope = Envelope(version.KVXFER_PROTOCOL_VERSION, digest, kind, payload, None, sender)
     if hmac_key is not None:
         envelope = msgspec.structs.replace(envelope, timestamp=time.time(),
                                            nonce=os.urandom(NONCE_BYTES))
@@ -122,8 +131,10 @@ def decode_envelope(raw: bytes, *, expected_hash: str | None, peer: str,
     if sender is not None and compat_hash(sender) != envelope.compat_hash:
         raise MalformedMessage("envelope", f"its compat_hash {envelope.compat_hash} is not the "
                                            f"hash of the CompatInfo it carries", peer=peer)
+    anonymous = envelope.kind is MessageKind.ERROR_REPLY and \
+        envelope.compat_hash == ANONYMOUS_HASH
     if (expected_hash is not None and envelope.kind not in HASH_FREE_KINDS
-            and envelope.compat_hash != expected_hash):
+            and not anonymous and envelope.compat_hash != expected_hash):
         differing = None
         if sender is not None and local_compat is not None:
             differing = compat_diff(local_compat, sender)

@@ -174,7 +174,7 @@ class HandshakeListener:
         delimiter = [b""] if len(body) == 2 and not body[0] else []
         body = body[len(delimiter):]
         requester: str | None = None
-        include_compat = True
+        anonymous = False
         try:
             if len(body) != 1:
                 raise MalformedMessage("request", f"{len(body)} frames after the identity, "
@@ -185,13 +185,14 @@ class HandshakeListener:
             log.warning("handshake listener at %s: %s", self.address, exc)
             reply = ErrorReply(exc.code, AUTH_FAILED if isinstance(exc, BadSignature)
                                else str(exc))
-            # An unauthenticated peer is not told which model this instance serves; with
-            # a key, only a signed request that failed the hash check is authenticated.
-            include_compat = (not isinstance(exc, BadSignature)
-                              and (self._key is None or isinstance(exc, HashMismatch)))
+            # An unauthenticated peer is not told which model this instance serves, not
+            # even its hash; with a key, only a signed request that failed the hash check
+            # is authenticated.
+            anonymous = (isinstance(exc, BadSignature)
+                         or (self._key is not None and not isinstance(exc, HashMismatch)))
         try:
             raw = encode_message(reply, compat=self._compat, hmac_key=self._key,
-                                 include_compat=include_compat)
+                                 anonymous=anonymous)
         except (TypeError, ValueError, OverflowError) as exc:  # metadata() returned bad values
             log.error("handshake listener at %s: cannot encode the answer: %s", self.address,
                       exc)
