@@ -221,3 +221,24 @@ def test_busy_port_is_a_one_line_error_naming_it() -> None:
     assert done.returncode == 2
     assert f"127.0.0.1:{port}" in done.stderr and "--port" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_an_api_key_file_others_may_read_is_refused_with_the_fix(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("sk-readable\n")
+    key.chmod(0o644)
+    done = run("-m", "proxy", "--api-key-file", str(key))
+    assert done.returncode == 2
+    assert f"--api-key-file {key} is accessible by others (mode 0644); run chmod 600" \
+        in done.stderr
+
+
+def test_a_key_on_the_command_line_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    from kvxfer.net.api_key import load_key
+
+    with caplog.at_level("WARNING", logger="kvxfer.net.api_key"):
+        assert load_key("sk-typed", None, "KVXFER_API_KEY", "--api-key") == "sk-typed"
+        assert load_key(None, None, "KVXFER_NO_SUCH_VARIABLE", "--api-key") is None
+    [warning] = caplog.records
+    assert "--api-key on the command line shows in the process list" in warning.getMessage()
+    assert "--api-key-file" in warning.getMessage() and "$KVXFER_API_KEY" in warning.getMessage()

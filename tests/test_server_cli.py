@@ -153,6 +153,7 @@ def test_the_api_key_comes_from_a_file_or_the_environment(
     key = "sk-from-" + source
     if source == "file":
         (tmp_path / "key").write_text(key + "\n")
+        (tmp_path / "key").chmod(0o600)
         spec, env = Spec(extra=("--api-key-file", str(tmp_path / "key"))), None
     else:
         spec, env = Spec(), {"KVXFER_API_KEY": key}

@@ -15,6 +15,7 @@ sidecar and the proxy say so at start-up).
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,10 @@ import msgspec
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvxfer.net.kv_key import unsafe_mode
+
+log = logging.getLogger(__name__)
 
 # Where ApiKeyMiddleware records, for the routes, whether the caller sent the key.
 SCOPE_AUTHENTICATED = "kvxfer.authenticated"
@@ -42,13 +47,18 @@ def load_key(key: str | None, key_file: str | None, env_var: str, flag: str) -> 
         raise ApiKeyError(f"give {flag} or {flag}-file, not both")
     if key_file is not None:
         try:
+            problem = unsafe_mode(Path(key_file).stat())
             text = Path(key_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ApiKeyError(f"cannot read {flag}-file {key_file}: {exc}") from None
+        if problem is not None:  # as the KV key file: others must not read it
+            raise ApiKeyError(f"{flag}-file {key_file} {problem}")
         key = text.splitlines()[0] if text.strip() else ""
         where = f"{flag}-file {key_file}"
     elif key is not None:
         where = flag
+        log.warning("%s on the command line shows in the process list to every user of this "
+                    "host; prefer %s-file (mode 600) or $%s", flag, flag, env_var)
     else:
         key = os.environ.get(env_var)
         where = f"${env_var}"

@@ -43,6 +43,17 @@ def mode_problem(mode: int, owner_uid: int) -> str | None:
     return None
 
 
+def unsafe_mode(info: os.stat_result) -> str | None:
+    """Why a key file with this ``stat`` is unsafe, with the fix (None: it is safe, or
+    the platform has no POSIX modes)."""
+    problem = None if sys.platform == "win32" else mode_problem(info.st_mode, info.st_uid)
+    if problem is None:
+        return None
+    return (f"{problem} (mode {stat.S_IMODE(info.st_mode):04o}); run chmod 600 on it (only "
+            f"a root-owned file may be group-readable, e.g. mode 0440 as Kubernetes mounts "
+            f"a Secret with fsGroup)")
+
+
 def load_kv_key(path: str | os.PathLike[str]) -> bytes:
     """The key in ``path``; :class:`KvKeyError` when it is missing, unreadable, unsafe
     by :func:`mode_problem` (POSIX), empty or shorter than :data:`MIN_KEY_BYTES` bytes."""
@@ -54,12 +65,9 @@ def load_kv_key(path: str | os.PathLike[str]) -> bytes:
                          f"{exc.strerror or exc}") from None
     if not stat.S_ISREG(info.st_mode):
         raise KvKeyError(f"kv key file {str(where)!r} is not a regular file")
-    problem = None if sys.platform == "win32" else mode_problem(info.st_mode, info.st_uid)
+    problem = unsafe_mode(info)
     if problem is not None:
-        raise KvKeyError(f"kv key file {str(where)!r} {problem} (mode "
-                         f"{stat.S_IMODE(info.st_mode):04o}); run chmod 600 on it (only a "
-                         f"root-owned file may be group-readable, e.g. mode 0440 as "
-                         f"Kubernetes mounts a Secret with fsGroup)")
+        raise KvKeyError(f"kv key file {str(where)!r} {problem}")
     if info.st_size > MAX_KEY_BYTES:
         raise KvKeyError(f"kv key file {str(where)!r} has {info.st_size} bytes, at most "
                          f"{MAX_KEY_BYTES} are expected")
