@@ -32,7 +32,7 @@ from sidecars import (
     prefill_body,
 )
 
-from kvxfer.net.hosts import advertised_host, bare_host, is_wildcard
+from kvxfer.net.hosts import advertised_host, bare_host, is_wildcard, unreachable_advertised
 from proxy.balancer import Balancer
 from proxy.config import ProxyConfig
 from proxy.discovery import hosts_file_resolver, is_name, split_hosts
@@ -70,6 +70,33 @@ def test_a_concrete_bind_advertises_itself_unless_told_otherwise() -> None:
     assert advertised_host("10.0.0.7", "prefill-0.prefill", "x") == "prefill-0.prefill"
     with pytest.raises(ValueError, match="wildcard"):
         advertised_host("10.0.0.7", "0.0.0.0", "x")
+
+
+@pytest.mark.parametrize(("bind", "advertised", "refused"), [
+    ("127.0.0.1", "prefill-0.invalid", True),  # does not resolve: nobody reaches it
+    ("127.0.0.1", "10.1.2.3", True),
+    ("::1", "fd00::5", True),
+    ("127.0.0.1", "localhost", False),
+    ("127.0.0.1", "127.0.0.2", False),
+    ("0.0.0.0", "10.1.2.3", False),
+    ("10.0.0.7", "prefill-0.invalid", False),  # a concrete bind: maybe behind NAT
+])
+def test_a_loopback_bind_advertised_elsewhere_is_refused(bind: str, advertised: str,
+                                                         refused: bool) -> None:
+    problem = unreachable_advertised(bind, advertised, "--side-channel-host")
+    assert (problem is not None) is refused, problem
+    if refused:
+        assert problem is not None and "set --side-channel-host 0.0.0.0" in problem
+
+
+def test_serve_refuses_a_loopback_side_channel_advertised_elsewhere() -> None:
+    done = subprocess.run([*SERVE, "--role", "prefill", "--port", "0", "--host", "0.0.0.0",
+                           "--advertise-host", "prefill-0.invalid"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "kvxfer serve: error: --side-channel-host '127.0.0.1' listens on loopback only" \
+        in done.stderr, done.stderr
+    assert "set --side-channel-host 0.0.0.0" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_serve_refuses_a_wildcard_side_channel_without_an_advertised_host() -> None:

@@ -90,3 +90,32 @@ def advertised_host(bind_host: str, advertise_host: str | None, what: str) -> st
                          f"ADDR (or set $KVXFER_ADVERTISE_HOST) with an address they can "
                          f"reach, e.g. the pod IP")
     return bare_host(bind_host)
+
+
+def _is_loopback(host: str) -> bool | None:
+    """Whether ``host`` (a literal or a name) is loopback only; None: it does not resolve."""
+    host = bare_host(host)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+
+
+def unreachable_advertised(bind_host: str, advertised: str, what: str) -> str | None:
+    """Why peers told ``advertised`` cannot reach a listener bound on ``bind_host`` (None:
+    they may): a loopback bind reaches only this machine, so an advertised address that
+    is not loopback (or does not resolve) cannot work. ``what`` names the bind flag."""
+    if is_wildcard(bind_host) or _is_loopback(bind_host) is not True:
+        return None  # every address, or a concrete one (NAT may map another to it)
+    if _is_loopback(advertised):
+        return None
+    return (f"{what} {bare_host(bind_host)!r} listens on loopback only, but peers are told "
+            f"to reach it at {advertised!r}, which is not this machine's loopback: set {what} "
+            f"0.0.0.0 (or the address {advertised!r} names) so that they can")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvxfer.net.hosts import advertised_host, bare_host
+from kvxfer.net.hosts import advertised_host, bare_host, unreachable_advertised
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,15 @@ class Settings:
 
     def side_channel_advertised(self) -> str:
         """The host decodes are told for this prefill's side channel (ValueError: a
-        wildcard bind without ``advertise_host``)."""
-        return advertised_host(self.side_channel_host, self.advertise_host,
-                               "--side-channel-host")
+        wildcard bind without ``advertise_host``, or a loopback bind advertised as an
+        address peers elsewhere would dial)."""
+        advertised = advertised_host(self.side_channel_host, self.advertise_host,
+                                     "--side-channel-host")
+        problem = unreachable_advertised(self.side_channel_host, advertised,
+                                         "--side-channel-host")
+        if problem is not None:
+            raise ValueError(problem)
+        return advertised
 
     def http_advertised(self) -> str:
         """The HTTP host for the ready line and /health (the bind host, a wildcard

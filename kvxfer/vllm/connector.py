@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvxfer.net.hosts import unreachable_advertised
 from kvxfer.net.kv_key import load_kv_key
 from kvxfer.plan.layout import CacheSpec
 from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
@@ -190,6 +191,11 @@ class KvxferConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._producing: dict[str, Request] = {}
         if role == KVConnectorRole.SCHEDULER:
+            problem = unreachable_advertised(self._settings.side_channel_host,
+                                             self._settings.host_for_peers,
+                                             "kv_connector_extra_config.side_channel_host")
+            if problem is not None:  # every read of this prefill would fail
+                raise ValueError(f"KvxferConnector: {problem}")
             self._scheduler = SchedulerSide(
                 self._settings, _engine_id(vllm_config), vllm_config.cache_config.block_size,
                 vllm_config.parallel_config.tensor_parallel_size, _key(self._settings))
