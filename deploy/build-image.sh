@@ -27,14 +27,14 @@
 # failure or Ctrl-C.
 #
 # Environment: IMAGE (kvxfer:dev), BASE_IMAGE (kvxfer-base:bookworm), DEBIAN_SUITE
-# (bookworm), DEBIAN_MIRROR (http://deb.debian.org/debian), SMOKE (1), COMPOSE_UP (1),
-# SMOKE_TIMEOUT (180 s per wait), DOCKER (a docker CLI that builds with BuildKit).
+# (bookworm), DEBIAN_MIRROR (default: the first Debian archive this machine's apt sources
+# name; required where they name none), SMOKE (1), COMPOSE_UP (1), SMOKE_TIMEOUT (180 s
+# per wait), DOCKER (a docker CLI that builds with BuildKit).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-kvxfer:dev}
 DEBIAN_SUITE=${DEBIAN_SUITE:-bookworm}
-DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 BASE_IMAGE=${BASE_IMAGE:-kvxfer-base:${DEBIAN_SUITE}}
 SMOKE=${SMOKE:-1}
 COMPOSE_UP=${COMPOSE_UP:-1}
@@ -45,6 +45,19 @@ HELPER_PIDS=()
 
 say() { printf '== %s\n' "$*" >&2; }
 die() { printf 'build-image: error: %s\n' "$*" >&2; exit 1; }
+
+apt_mirror() {  # the first http(s) archive of this machine's apt sources (both formats)
+    local root=${APT_ROOT:-} files=()
+    [ -f "$root/etc/apt/sources.list" ] && files+=("$root/etc/apt/sources.list")
+    for f in "$root"/etc/apt/sources.list.d/*.list "$root"/etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] && files+=("$f")
+    done
+    [ ${#files[@]} -gt 0 ] || return 0
+    awk '/^[[:space:]]*#/ {next}
+         $1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^https?:\/\//) { print $i; exit } }
+         $1 == "URIs:" { for (i = 2; i <= NF; i++) if ($i ~ /^https?:\/\//) { print $i; exit } }' \
+        "${files[@]}" | head -n 1
+}
 
 cleanup() {
     local code=$?
@@ -114,6 +127,11 @@ if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     [ "$(id -u)" = 0 ] || die "debootstrap needs root (or set BASE_IMAGE to an image you have)"
     say "base image $BASE_IMAGE: debootstrap --variant=minbase $DEBIAN_SUITE"
     started=$SECONDS
+    DEBIAN_MIRROR=${DEBIAN_MIRROR:-$(apt_mirror)}
+    [ -n "$DEBIAN_MIRROR" ] || die "this machine's apt sources name no http(s) Debian \
+archive to build the base image from: set DEBIAN_MIRROR to one (or BASE_IMAGE to an image \
+you have)"
+    say "base image from $DEBIAN_MIRROR ($DEBIAN_SUITE)"
     debootstrap --variant=minbase "$DEBIAN_SUITE" "$WORK/rootfs" "$DEBIAN_MIRROR" \
         >"$WORK/debootstrap.log" 2>&1 || { tail -20 "$WORK/debootstrap.log"; die "debootstrap failed"; }
     tar -C "$WORK/rootfs" -c . | "$DOCKER" import - "$BASE_IMAGE" >/dev/null

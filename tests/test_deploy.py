@@ -342,3 +342,56 @@ def test_every_dashboard_metric_is_exported(tmp_path: Path) -> None:
     assert len(queried) >= 20
     missing = sorted(queried - exported)
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
+
+
+def test_the_base_image_mirror_comes_from_this_machines_apt_sources(tmp_path: Path) -> None:
+    import subprocess
+
+    script = (ROOT / "deploy" / "build-image.sh").read_text()
+    function = re.search(r"^apt_mirror\(\) \{.*?^\}$", script, re.M | re.S)
+    assert function, "build-image.sh defines apt_mirror"
+    assert "DEBIAN_MIRROR:-http" not in script, "no archive is named as a default"
+
+    def mirror(root: Path) -> str:
+        done = subprocess.run(["bash", "-c", f"{function.group(0)}\napt_mirror"],
+                              env={"APT_ROOT": str(root), "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, check=True, timeout=10)
+        return done.stdout.strip()
+
+    apt = tmp_path / "etc" / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    assert mirror(tmp_path) == "", "none named: the script then asks for DEBIAN_MIRROR"
+    (apt / "sources.list.d" / "debian.sources").write_text(
+        "# a comment\nTypes: deb\nURIs: http://archive.test/debian\nSuites: bookworm\n")
+    assert mirror(tmp_path) == "http://archive.test/debian"
+    (apt / "sources.list").write_text("# deb http://commented.test/debian bookworm main\n"
+                                      "deb [arch=amd64] https://first.test/debian bookworm main\n")
+    assert mirror(tmp_path) == "https://first.test/debian"
+
+
+def test_no_tracked_file_names_a_package_host() -> None:
+    """Every http(s) URL in the repository names this machine, an address literal, or a
+    placeholder host (one label, or under example/invalid/test/svc/local)."""
+    import ipaddress
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    placeholder = re.compile(r"(^|\.)(example(\.\w+)?|invalid|test|svc|local|localhost)$")
+    named: list[str] = []
+    for name in files:
+        try:
+            text = (ROOT / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for host in re.findall(r"https?://\[?([A-Za-z0-9_.:-]+)", text):
+            host = host.split(":")[0] if host.count(":") == 1 else host
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+                continue
+            except ValueError:
+                pass
+            if "." not in host or placeholder.search(host):
+                continue
+            named.append(f"{name}: {host}")
+    assert named == [], named
