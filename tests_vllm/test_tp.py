@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 from helpers import completion, metric, proxy_for, wait_idle
 
-from kvxfer.bench.vllm import VllmServer, kv_transfer_config, model_directory, prompt_ids
+from kvxfer.bench.vllm import (
+    VllmServer,
+    kv_transfer_config,
+    model_directory,
+    prompt_ids,
+    started,
+)
 
 BLOCK_BYTES = 30 * 3 * 128 * 128 * 4  # one block of all 30 layers and 3 KV heads, float32
 
@@ -31,15 +37,8 @@ def tp_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmS
     wide = VllmServer("kvxfer-tp3", vllm_python, model, config, 0, log_dir, tp=3,
                       args=("--enforce-eager",))
     narrow = VllmServer("kvxfer-tp1", vllm_python, model, config, 1, log_dir)
-    try:
-        for server in (wide, narrow):
-            server.start_async()
-        for server in (wide, narrow):
-            server.wait_ready()
+    with started(wide, narrow):
         yield wide, narrow
-    finally:
-        narrow.stop()
-        wide.stop()
 
 
 def worst_gap(got: dict, alone: dict) -> float:

@@ -242,17 +242,25 @@ def vllm_pair(connector: str, python: str, log_dir: Path, *,
     config = kv_transfer_config(connector, extra)
     prefill = VllmServer(f"{connector}-prefill", python, model, config, 0, log_dir, pin=pin)
     decode = VllmServer(f"{connector}-decode", python, model, config, 1, log_dir, pin=pin)
-    try:
-        print(f"starting vLLM {connector} prefill and decode (40-120 s)...", file=sys.stderr,
-              flush=True)
-        for server in (prefill, decode):  # both boot at once; start() only waits
-            server.start_async()
-        for server in (prefill, decode):
-            server.wait_ready()
+    print(f"starting vLLM {connector} prefill and decode (40-120 s)...", file=sys.stderr,
+          flush=True)
+    with started(prefill, decode):
         yield prefill, decode
+
+
+@contextmanager
+def started(*servers: VllmServer) -> Iterator[None]:
+    """``servers`` booted at once and answering; every one stopped afterwards (in reverse
+    order), also when one failed to start."""
+    try:
+        for server in servers:
+            server.start_async()
+        for server in servers:
+            server.wait_ready()
+        yield
     finally:
-        decode.stop()
-        prefill.stop()
+        for server in reversed(servers):
+            server.stop()
 
 
 # -- measuring ---------------------------------------------------------------------------------
