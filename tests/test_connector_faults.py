@@ -9,9 +9,9 @@ from ``test_release``; its handshakes are refused, so no READ ever starts):
   queue, where every later request would wait behind it forever;
 * a decode submission still queued for the engine loop when it shuts down
   releases its lease (instead of leaving it to the TTL);
-* a read that landed but whose "done" could not be sent is counted
-  (``kvxfer_kv_done_unsent_total``) and released over the side channel; the
-  worker reports it (a real prefill process, NIXL notifications that fail).
+* a read's "done" reports reach the prefill's side channel, and only a read whose
+  prefill nobody could tell is released; a read whose NIXL "done" could not be sent
+  still comes with its report (a real prefill process, NIXL notifications that fail).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProces
 from kvxfer.sidecar.connector import KVConnector
 from kvxfer.sidecar.engine_loop import EngineLoop, Sink, Submission
 from kvxfer.transfer.results import PollResult, ReadStats
+from kvxfer.wire.messages import DoneReport
+from kvxfer.wire.notification import ReadDone
 from kvxfer.wire.params import RemoteParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
@@ -135,25 +137,35 @@ def test_a_decode_queued_at_shutdown_releases_its_lease(
         events.close()
 
 
-def test_a_read_whose_done_was_not_sent_is_counted_and_released(
+def test_a_read_sends_its_done_reports_and_releases_only_what_nobody_could_tell(
         connector: KVConnector, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker reports the request finished but "done" unsent to some prefill rank."""
+    """The worker reports one read finished with its "done" report, and one finished
+    after its prefill's connection was dropped (unnotified, no report): the first's
+    report reaches the prefill's side channel and nothing is released for it; the
+    second is released, saying why."""
     worker = connector.workers[0]
-    results: list[PollResult] = []  # once the read started (after the claim)
-    monkeypatch.setattr(worker, "start_read", lambda *args: results.append(PollResult(
-        finished=["read"], stats={"read": ReadStats(64, 1, 0.001)}, unnotified={"read"})))
+    report = DoneReport(0, ReadDone("lease-told", connector.engine_id, 0, 1, True))
+    results: list[PollResult] = []  # once a read started (after its claim)
+    ends = {"told": PollResult(finished=["told"], stats={"told": ReadStats(64, 1, 0.001)},
+                               reports={"told": (report,)}),
+            "dropped": PollResult(finished=["dropped"],
+                                  stats={"dropped": ReadStats(64, 1, 0.001)},
+                                  unnotified={"dropped"})}
+    monkeypatch.setattr(worker, "start_read", lambda rid, *args: results.append(ends[rid]))
     monkeypatch.setattr(worker, "poll", lambda: results.pop() if results else PollResult())
-    connector.add_remote("read", prompt(20), PARAMS, lease(recorder, "lease-read", 20))
-    poll_until(connector, lambda: connector.metrics.done_unsent._value.get() == 1)  # claimed
-    [(lease_id, _, reason)] = recorder.wait_for(1)
-    assert lease_id == "lease-read" and "could not notify" in reason
-    assert connector.take_transfer_error("read") is None, "the read itself succeeded"
+    connector.add_remote("told", prompt(20), PARAMS, lease(recorder, "lease-told", 20))
+    connector.add_remote("dropped", prompt(20), PARAMS, lease(recorder, "lease-dropped", 20))
+    poll_until(connector, lambda: len(recorder.reports) == 1 and len(recorder.calls) == 1)
+    assert recorder.reports == [report]
+    [(lease_id, _, reason)] = recorder.calls
+    assert lease_id == "lease-dropped" and "connection to the prefill was dropped" in reason
+    assert connector.take_transfer_error("told") is None, "the read itself succeeded"
 
 
-def test_the_worker_reports_a_read_whose_done_could_not_be_sent(
+def test_a_read_whose_done_could_not_be_sent_comes_with_its_report(
         prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """A lanes read (its "done" goes out after the copy, as its own notification) with
-    every notification failing: finished, and listed as unnotified."""
+    every notification failing: finished, with the report that still tells the prefill."""
     cfg = CacheConfig(num_layers=8, num_blocks=40)
     remote = prefill.create(cfg)
     decode = LoopbackInstance.create("decode", CacheConfig(num_layers=8, num_blocks=40,
@@ -177,7 +189,9 @@ def test_the_worker_reports_a_read_whose_done_could_not_be_sent(
             time.sleep(0.005)
             result = worker.poll()
         assert result.finished == ["quiet"], result
-        assert result.unnotified == {"quiet"}, "the unsent done was not reported"
+        assert not result.unnotified, "its report tells the prefill: nothing to release"
+        [report] = result.reports["quiet"]
+        assert (report.prefill_rank, report.done.request_id, report.done.ok) == (0, "quiet", True)
     finally:
         decode.close()
 

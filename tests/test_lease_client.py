@@ -21,7 +21,8 @@ from kvxfer.transfer.lease_client import (
     Readiness,
 )
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.messages import RenewAck
+from kvxfer.wire.messages import DoneReport, RenewAck
+from kvxfer.wire.notification import ReadDone
 from kvxfer.wire.params import RemoteParams
 
 Done = Callable[[RenewAck | None, float, str], None]
@@ -36,6 +37,7 @@ class Sender:
     accept: bool = True
     releases: list[tuple[str, str]] = field(default_factory=list)
     renewals: list[tuple[str, bool, Done]] = field(default_factory=list)
+    reports: list[DoneReport] = field(default_factory=list)
     closed: int = 0
     ports: list[int] = field(default_factory=list)  # where each queued one goes
 
@@ -49,6 +51,12 @@ class Sender:
                      claim: bool = False) -> bool:
         if self.accept:
             self.renewals.append((lease_id, claim, done))
+            self.ports.append(port)
+        return self.accept
+
+    def submit_done(self, host: str, port: int, report: DoneReport) -> bool:
+        if self.accept:
+            self.reports.append(report)
             self.ports.append(port)
         return self.accept
 
@@ -255,14 +263,31 @@ def test_a_named_lease_is_released_only_when_this_decode_may_claim_it() -> None:
     assert sender.releases == [("lease-new", "refused")]
 
 
-def test_the_releases_after_a_read_say_why() -> None:
+def test_the_release_after_a_failed_read_says_why() -> None:
     sender = Sender()
     leases, remote = client(sender), params()
     leases.release_after_failed_read(remote, "rank 0 could not start its READ")
-    leases.release_after_unsent_done(remote)
     assert [reason for _, reason in sender.releases] == [
-        "the decode's KV read failed: rank 0 could not start its READ",
-        "the decode read the KV but could not notify every prefill rank"]
+        "the decode's KV read failed: rank 0 could not start its READ"]
+
+
+def done_report(prefill_rank: int, lease_id: str = "lease-1") -> DoneReport:
+    return DoneReport(prefill_rank, ReadDone(lease_id, "decode-a", 0, 1, True))
+
+
+def test_each_done_report_goes_to_the_port_serving_its_prefill_rank() -> None:
+    """Ranks listening apart: rank 1's report goes to rank 1's port only; one port for
+    every rank: both go there. Nothing is released."""
+    sender = Sender()
+    leases = client(sender)
+    assert leases.report_done(ranks_apart(), [done_report(0), done_report(1)])
+    assert sender.ports == [5600, 5611] and sender.releases == []
+    assert [r.prefill_rank for r in sender.reports] == [0, 1]
+    sender.ports.clear()
+    assert leases.report_done(params(), [done_report(0)])
+    assert sender.ports == [params().remote_port]
+    sender.accept = False
+    assert not leases.report_done(params(), [done_report(0)]), "a report not queued is said"
 
 
 def ranks_apart(lease_id: str = "lease-1") -> RemoteParams:

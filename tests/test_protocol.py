@@ -509,8 +509,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 10): a change here changes the wire, so it needs a version bump.
-    assert HASH == "982ca6842bea83304c78150880baf631d7b6c94f7bd263a72b97b26805d061f4"
+    # Pinned (protocol 11): a change here changes the wire, so it needs a version bump.
+    assert HASH == "021114875f47280c1ac9b0441b7d49303eb0627b902815cfaaf98ab2c3d47a60"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -540,7 +540,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 10
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 11
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])
@@ -555,7 +555,7 @@ def test_kv_packing_is_token_or_a_vllm_cpu_isa(packing: str) -> None:
 
 def test_release_kinds_are_the_hash_free_ones() -> None:
     assert {MessageKind.RELEASE, MessageKind.RELEASE_ACK, MessageKind.RENEW,
-            MessageKind.RENEW_ACK} == HASH_FREE_KINDS
+            MessageKind.RENEW_ACK, MessageKind.DONE} == HASH_FREE_KINDS
 
 
 @pytest.mark.parametrize("message", [RELEASE, ACK], ids=lambda m: type(m).__name__)

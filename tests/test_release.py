@@ -36,6 +36,7 @@ from kvxfer.sidecar.connector import AbortOutcome, KVConnector
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.params import RemoteParams
 from proxy.contract import decode_request, parse_prefill_answer
 
@@ -211,14 +212,16 @@ def test_in_the_end_no_block_is_held_anywhere(rig: dict[str, Sidecar]) -> None:
 class Recorder:
     """A real side-channel listener of another model (so every handshake is refused
     with a hash mismatch, before any NIXL connection) that records the releases it
-    receives."""
+    receives, and the "done" reports."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str]] = []
+        self.reports: list[DoneReport] = []
         self.listener = HandshakeListener(
             HOST, engine_id="prefill-recorder", compat=compat_of_another_model(),
             metadata=lambda: [], on_release=self._on_release,
-            on_renew=lambda _lease, _requester, _claim: 60.0).start()  # claims granted
+            on_renew=lambda _lease, _requester, _claim: 60.0,  # claims granted
+            on_done=lambda report, _requester: self.reports.append(report) is None).start()
 
     def _on_release(self, lease_id: str, requester: str, reason: str) -> bool:
         self.calls.append((lease_id, requester, reason))

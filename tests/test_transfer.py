@@ -689,6 +689,7 @@ def test_a_staged_read_that_ends_after_its_peer_was_dropped_is_reported_unnotifi
             time.sleep(0.01)
             result = worker.poll()
         assert result.finished == ["late"] and result.unnotified == {"late"}
+        assert not result.reports, "no peer: nobody to report to, the caller releases"
     finally:
         decode.close()
 

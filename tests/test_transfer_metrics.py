@@ -169,9 +169,9 @@ def test_a_done_the_decode_could_not_send_is_counted(make: Make,
     pump(prefill, decode, until=lambda: value(decode, "kvxfer_kv_transfers_total",
                                               outcome="failed") == 1)
     assert value(decode, "kvxfer_kv_notifications_failed_total", reason="unsent") == 1
-    # unsent, so the decode released the lease over the side channel instead
+    # unsent, so the decode's side-channel report of its ok=False "done" ends the lease
     pump(prefill, decode, until=lambda: value(prefill, "kvxfer_kv_leases_released_total",
-                                              reason="abandoned") == 1)
+                                              reason="done") == 1)
 
 
 def test_notifications_the_prefill_cannot_verify_are_counted(make: Make) -> None:

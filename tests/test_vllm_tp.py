@@ -170,3 +170,49 @@ def test_with_a_fixed_side_channel_port_rank_r_listens_on_port_plus_r() -> None:
         assert scheduler.side_channel_ports == (base, base + 1), "known without a handshake"
     finally:
         side.close()
+
+
+REPAIR_S = 5.0  # a lost "done" is repaired within this (the lease TTL here is 30 s)
+
+
+@pytest.mark.parametrize("instances", [(1, 2)], indirect=True, ids=["prefill-tp1-decode-tp2"])
+def test_lost_notifications_are_repaired_reader_by_reader_over_the_side_channel(
+        instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every NIXL notification to the prefill is lost (its rank takes them off the agent
+    and drops them). Decode rank 0 reads first: its side-channel report counts one of
+    the lease's two readers, and the lease stays while rank 1 has not read. Rank 1's
+    report then ends it "done", within REPAIR_S of that read, far below the TTL."""
+    prefill, decode = instances
+    table = prefill.ranks[0].worker._leases
+    monkeypatch.setattr(table, "receive", lambda _notifications: None)
+    params = hand_out(prefill, [5, 2, 7], 40)
+    lease_id = params["remote_request_id"]
+    load = StepPlan(loads=[Load("d", dict(params), (1, 6, 3))])
+    sending: set[str] = set()
+
+    def step_until(rank: int) -> float:
+        decode.ranks[rank].apply(load)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            sending.update(prefill.ranks[0].poll({"p"}).sending)
+            result = decode.ranks[rank].poll(set())
+            assert result.failures == 0
+            if result.recving == {"d"}:
+                return time.monotonic()
+            time.sleep(0.002)
+        raise AssertionError(f"decode rank {rank} did not finish its load")
+
+    step_until(0)
+    settle = time.monotonic() + 1.0  # its report arrives within milliseconds
+    while time.monotonic() < settle:
+        sending.update(prefill.ranks[0].poll({"p"}).sending)
+        time.sleep(0.01)
+    assert prefill.ranks[0].worker.holds_lease(lease_id), \
+        "one reader's done ended a lease another decode rank still reads"
+    read_at = step_until(1)
+    while "p" not in sending and time.monotonic() < read_at + REPAIR_S:
+        sending.update(prefill.ranks[0].poll({"p"}).sending)
+        time.sleep(0.005)
+    assert "p" in sending, f"the lease was not freed within {REPAIR_S} s of the last read"
+    assert prefill.ranks[0].worker.num_leases == 0
+    assert torch.equal(decode.cache()[:, [1, 6, 3]], prefill.full[:, [5, 2, 7]])

@@ -192,7 +192,7 @@ class KVConnector:
             compat=compat_info(self.engine),
             metadata=lambda: [w.metadata() for w in self.workers], hmac_key=self._key,
             on_request=connecting, on_release=self.answers.on_release,
-            on_renew=self.answers.on_renew).start()
+            on_renew=self.answers.on_renew, on_done=self.answers.on_done).start()
 
     def _start_loads(self) -> None:
         from kvxfer.transfer.lease_client import LeaseClient

@@ -39,14 +39,17 @@ Who calls what:
   read recomputes or fails every member alike). Aborting the first member before the
   READ ended aborts the whole group (the others cannot start without its KV); aborting
   another member drops only that one.
-* A request that ends without the prefill having been told by NIXL sends the prefill a
-  release over its side channel (best effort, from the
-  :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender` thread, never from the loop):
-  refused at admission, aborted while waiting for blocks, a read that failed before a
-  NIXL connection existed (handshake refused: another model, layout or TP) or whose
-  failure notification could not be sent, and requests still waiting or reading at
-  :meth:`close`. After a successful read, or a failed one whose ``ok=False``
-  notifications went out, nothing more is sent: the notifications end the lease.
+* Every rank's read that ended, read or failed, sends its "done" reports over the
+  prefill's side channel (:meth:`LeaseClient.report_done`: acknowledged and resent, from
+  the :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender` thread, never from
+  the loop), next to its NIXL notifications: the lease ends when every reader was counted
+  either way, so a lost notification costs no TTL.
+* A request that ends without the prefill being told by any reader sends the prefill a
+  release over its side channel (best effort, from the same thread): refused at
+  admission, aborted while waiting for blocks, a read that failed before a NIXL
+  connection existed (handshake refused: another model, layout or TP) or whose
+  connection was dropped meanwhile, and requests still waiting or reading at
+  :meth:`close`.
 
 Invariant (the reason deferred aborts exist): a request's blocks are never freed or
 reused while any rank's READ may still be writing into them. An abort that arrives
@@ -68,7 +71,7 @@ from kvxfer.wire.lease_book import HeldLease
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
-    from kvxfer.transfer.results import ReadStats
+    from kvxfer.transfer.results import PollResult, ReadStats
     from kvxfer.transfer.worker import TransferWorker
     from kvxfer.wire.params import RemoteParams
 
@@ -102,8 +105,8 @@ class _Reading:
     failures: dict[int, str] = field(default_factory=dict)
     stats: list[ReadStats] = field(default_factory=list)
     aborted: bool = False
-    unnotified: set[int] = field(default_factory=set)  # failed ranks the prefill never heard of
-    done_unsent: set[int] = field(default_factory=set)  # read ranks whose "done" was not sent
+    # ranks whose prefill was never told and cannot be (no connection), and why
+    unnotified: dict[int, str] = field(default_factory=dict)
 
 
 class KVLoads:
@@ -245,7 +248,7 @@ class KVLoads:
             except (ValueError, RuntimeError) as exc:
                 read.ranks_left.discard(rank)
                 read.failures[rank] = f"rank {rank} could not start its READ: {exc}"
-                read.unnotified.add(rank)
+                read.unnotified[rank] = read.failures[rank]
         if not read.ranks_left:
             self._resolve(item.request_id)
 
@@ -282,28 +285,33 @@ class KVLoads:
                 if read is not None:
                     read.ranks_left.discard(rank)
                     read.stats.append(result.stats[request_id])
-                    if request_id in result.unnotified:
-                        read.done_unsent.add(rank)
+                    self._report(request_id, rank, read, result, f"rank {rank} read it, but "
+                                 f"its connection to the prefill was dropped meanwhile")
             for request_id, reason in result.failed.items():
                 read = self._reads.get(request_id)
                 if read is not None:
                     read.ranks_left.discard(rank)
                     read.failures[rank] = reason
-                    if request_id in result.unnotified:
-                        read.unnotified.add(rank)
+                    self._report(request_id, rank, read, result, reason)
         for request_id in [rid for rid, read in self._reads.items() if not read.ranks_left]:
             self._resolve(request_id)
+
+    def _report(self, request_id: str, rank: int, read: _Reading, result: PollResult,
+                why: str) -> None:
+        """Send rank ``rank``'s "done" reports of an ended read; a prefill nobody could
+        tell gets a release once every rank ended (``why``)."""
+        self.leases.report_done(read.remote, result.reports.get(request_id, ()))
+        if request_id in result.unnotified:
+            read.unnotified[rank] = why
 
     # -- resolution -------------------------------------------------------------------------
     def _resolve(self, request_id: str) -> None:
         """Every rank ended its READ: hand the request back to the engine."""
         read = self._reads.pop(request_id)
         self._check_lease_outlived(read)
-        if read.unnotified:  # some prefill rank still waits for a reader that gave up
-            why = "; ".join(read.failures[rank] for rank in sorted(read.unnotified))
+        if read.unnotified:  # some prefill rank waits for a reader that cannot tell it
+            why = "; ".join(read.unnotified[rank] for rank in sorted(read.unnotified))
             self.leases.release_after_failed_read(read.remote, why)
-        elif read.done_unsent:
-            self._release_unsent_done(read)
         if read.stats:
             self.metrics.transfer_bytes.inc(sum(s.num_bytes for s in read.stats))
             self.metrics.transfer_descriptors.inc(sum(s.descriptors for s in read.stats))
@@ -326,15 +334,6 @@ class KVLoads:
         except LeaseEnded as exc:
             read.failures[0] = str(exc)
             read.stats.clear()
-
-    def _release_unsent_done(self, read: _Reading) -> None:
-        """The KV was read but some prefill rank was not told "done": count it and release
-        the lease over the side channel, so those ranks free the blocks before the TTL."""
-        self.metrics.done_unsent.inc()
-        log.warning("the KV of lease %s was read, but ranks %s could not send their \"done\"; "
-                    "releasing it over the side channel", read.remote.remote_request_id,
-                    sorted(read.done_unsent))
-        self.leases.release_after_unsent_done(read.remote)
 
     def _finish_ok(self, request_id: str, read: _Reading) -> None:
         self.metrics.transfers.labels("ok").inc()

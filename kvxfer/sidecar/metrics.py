@@ -105,10 +105,6 @@ class SidecarMetrics:
             "kvxfer_kv_reads_skipped", "Decode: requests whose prompt KV the prefix cache held "
             "in full: nothing read, the lease released over the side channel at once",
             registry=r)
-        self.done_unsent = Counter("kvxfer_kv_done_unsent", "Decode: KV reads that succeeded "
-                                   "but could not send \"done\" to every prefill rank (the "
-                                   "lease was released over the side channel instead)",
-                                   registry=r)
         self.handshake_failures = Counter(
             "kvxfer_kv_handshake_failures", "Decode: handshakes with a prefill that failed, "
             "one per decode TP rank and handshake (retries included), by reason (timeout, "

@@ -32,6 +32,9 @@ The life of a lease on the decode side:
   its lease (the prefill may have reused the blocks while it ran): :class:`LeaseEnded`.
 * :meth:`release` tells the prefill a lease will not be read (best effort, from the
   releaser's thread): the prefill frees its blocks before the TTL.
+* :meth:`report_done` sends a finished or failed read's "done" of each reader over the
+  side channel (acknowledged, resent while unanswered), next to its NIXL notification:
+  whichever arrives first counts, so a lost notification costs no TTL.
 
 A prefill whose ranks listen apart (``remote_rank_ports``: a vLLM instance, a process
 per rank) holds the lease on each: a claim or renewal goes to every port and is granted
@@ -56,7 +59,7 @@ from kvxfer.wire.lease_book import HeldLease, LeaseBook
 
 if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
-    from kvxfer.wire.messages import RenewAck
+    from kvxfer.wire.messages import DoneReport, RenewAck
     from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
@@ -305,10 +308,18 @@ class LeaseClient:
         """A READ failed and some prefill rank was never told by a NIXL notification."""
         return self.release(remote, f"the decode's KV read failed: {why}")
 
-    def release_after_unsent_done(self, remote: RemoteParams) -> bool:
-        """The KV was read but some prefill rank's "done" notification was not sent."""
-        return self.release(remote, "the decode read the KV but could not notify every "
-                                    "prefill rank")
+    def report_done(self, remote: RemoteParams, reports: Iterable[DoneReport]) -> bool:
+        """Any thread: send a read's "done" ``reports`` (one per prefill rank it read, see
+        :class:`~kvxfer.transfer.results.PollResult`) to the side channel serving each
+        rank, acknowledged and resent (queued for the releaser's thread); False when not
+        all were queued."""
+        releaser = self._releaser
+        if releaser is None:
+            return False
+        queued = [releaser.submit_done(remote.remote_host, port, report)
+                  for report in reports
+                  for port in remote.side_channels([report.prefill_rank])]
+        return all(queued)
 
     def close(self) -> None:
         """Send the releases still queued (for about a second at most), then stop the

@@ -56,7 +56,7 @@ from typing import Protocol
 
 from kvxfer.transfer.results import Released, Tally
 from kvxfer.wire.errors import BadSignature, ProtocolError
-from kvxfer.wire.messages import RenewRefused
+from kvxfer.wire.messages import DoneReport, RenewRefused
 from kvxfer.wire.notification import ReadDone, decode_notif
 
 log = logging.getLogger(__name__)
@@ -166,18 +166,28 @@ class LeaseTable:
                     self._tally.notifications_failed(
                         "bad_signature" if isinstance(exc, BadSignature) else "malformed")
                     continue
-                self._count_done(sender, note)
+                self.count_done(note, f"agent {sender!r}")
 
-    def _count_done(self, sender: str, note: ReadDone) -> None:
-        """Record one reader's "done"; the lease ends once all its readers said it."""
+    def count_done(self, note: ReadDone, sender: str, *, report: bool = False) -> bool:
+        """Record one reader's "done" (from a NIXL notification or, ``report``, the side
+        channel: each counted once per reader); the lease ends once all its readers said
+        it. Whether the lease was held as it came: a late one is counted as late (not a
+        report of a lease that ended "done": its notification came first, as it should),
+        and one from another engine than the lease's claimer changes nothing."""
         with self._lock:
             lease = self._leases.get(note.request_id)
             if lease is None:  # a late reader of an ended lease, or a stray note
                 ended = self._ended.get(note.request_id, "unknown")
-                self._tally.notification_late(ended)
-                log.info("ignoring a done for lease %s from %s, which is not held "
-                         "(ended: %s)", note.request_id, sender, ended)
-                return
+                if not (report and ended == "done"):
+                    self._tally.notification_late(ended)
+                log.debug("ignoring a done for lease %s from %s, which is not held "
+                          "(ended: %s)", note.request_id, sender, ended)
+                return False
+            if lease.claimer not in (None, note.reader_engine_id):
+                log.warning("ignoring a done for lease %s from %s: decode %s claimed it, not "
+                            "%s", note.request_id, sender, lease.claimer,
+                            note.reader_engine_id)
+                return False
             lease.done_by.add((note.reader_engine_id, note.reader_rank))
             needed = lease.readers if lease.readers is not None else note.expected_readers
             if not note.ok:
@@ -185,6 +195,7 @@ class LeaseTable:
                          note.reader_rank, note.request_id)
             if len(lease.done_by) >= needed:
                 self._end(note.request_id, "done")
+            return True
 
     def expire(self) -> None:
         """Worker thread: end the leases whose time ran out."""
@@ -208,6 +219,13 @@ class LeaseTable:
 
 class RankLeases(Protocol):
     """The lease table of one prefill rank (``TransferWorker``'s, thread-safe)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def count_done(self, note: ReadDone, sender: str) -> bool:
+        """A reader's "done" reported over the side channel (:meth:`LeaseTable.count_done`
+        with ``report``)."""
 
     def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
               max_age: float = ...) -> float: ...
@@ -264,6 +282,16 @@ class LeaseAnswers:
         log.debug("decode %s %s lease %s", requester, "claimed" if claim else "renewed",
                   lease_id)
         return min(answers)
+
+    def on_done(self, report: DoneReport, requester: str) -> bool:
+        """Listener thread: count a decode reader's "done" reported over the side channel
+        on the rank it names, as its NIXL notification would be; whether that rank held
+        the lease. ValueError for a rank this instance does not serve."""
+        for rank in self.ranks:
+            if rank.rank == report.prefill_rank:
+                return rank.count_done(report.done, f"decode {requester} (side channel)")
+        raise ValueError(f"this instance serves ranks {sorted(r.rank for r in self.ranks)}, "
+                         f"not {report.prefill_rank}")
 
     def take_releases(self) -> list[Release]:
         """Owner's thread: end the released leases on every rank still holding them; the

@@ -40,6 +40,7 @@ from kvxfer.transfer.results import TransferError
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.errors import failure_reason
 from kvxfer.wire.errors import HandshakeError
+from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.params import RemoteParams
@@ -91,10 +92,19 @@ class Peer:
     def done(self, local: LocalRank, lease_id: str, rank: int, ok: bool) -> bytes:
         """The signed "done" notification for prefill rank ``rank``: ``local`` read
         lease ``lease_id`` (``ok``) or gave up on it."""
-        return encode_notif(ReadDone(request_id=lease_id, reader_engine_id=local.engine_id,
-                                     reader_rank=local.rank,
-                                     expected_readers=self.expected_readers[rank], ok=ok),
-                            local.key)
+        return encode_notif(self._read_done(local, lease_id, rank, ok), local.key)
+
+    def reports(self, local: LocalRank, lease_id: str, ok: bool) -> tuple[DoneReport, ...]:
+        """The same "done" for every prefill rank ``local`` reads, as side-channel
+        reports: the caller sends them, acknowledged, so that a lost notification (or a
+        read no READ told) still ends the lease."""
+        return tuple(DoneReport(rank, self._read_done(local, lease_id, rank, ok))
+                     for rank in sorted(self.agents))
+
+    def _read_done(self, local: LocalRank, lease_id: str, rank: int, ok: bool) -> ReadDone:
+        return ReadDone(request_id=lease_id, reader_engine_id=local.engine_id,
+                        reader_rank=local.rank, expected_readers=self.expected_readers[rank],
+                        ok=ok)
 
     def tell(self, local: LocalRank, lease_id: str, ranks: Sequence[int], ok: bool) -> bool:
         """Send "done" to prefill ``ranks`` (those not told by a READ, or all when a read

@@ -1,6 +1,6 @@
 """What one rank's :class:`~kvxfer.transfer.worker.TransferWorker` reports to its caller.
 
-Pure: the standard library only. :class:`PollResult` (reads that ended, with their
+Pure: the standard library and the wire types. :class:`PollResult` (reads that ended, with their
 :class:`ReadStats`), :class:`Released` (leases that ended), :class:`WorkerCounts`
 (events only metrics care about), :class:`TransferError`, and the two thread-safe
 boxes the worker's thread fills and the caller's thread empties: :class:`ReadResults`
@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+
+from kvxfer.wire.messages import DoneReport
 
 
 class TransferError(RuntimeError):
@@ -38,14 +40,19 @@ class ReadStats:
 class PollResult:
     """Reads that ended since the last :meth:`TransferWorker.poll`.
 
-    ``unnotified`` holds the requests, failed or finished, whose prefill ranks
-    were not all told by a NIXL notification.
+    ``reports`` holds, per request that ended, the "done" of each prefill rank it read
+    from, for the caller to send over the side channel (:class:`DoneReport`: acknowledged
+    and resent, so that the lease ends even when a NIXL notification was lost or none
+    went out). ``unnotified`` holds the requests, failed or finished, whose prefill was
+    neither told nor can be (its connection was dropped before it was known): the
+    caller releases their leases over the side channel.
     """
 
     finished: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     stats: dict[str, ReadStats] = field(default_factory=dict)
     unnotified: set[str] = field(default_factory=set)
+    reports: dict[str, tuple[DoneReport, ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.finished or self.failed)
@@ -83,20 +90,26 @@ class ReadResults:
         self._results = PollResult()
         self._ready = threading.Event()  # set when a read finished or failed
 
-    def finished(self, request_id: str, stats: ReadStats, unnotified: bool) -> None:
+    def finished(self, request_id: str, stats: ReadStats, unnotified: bool,
+                 reports: tuple[DoneReport, ...] = ()) -> None:
         with self._lock:
             self._results.finished.append(request_id)
             self._results.stats[request_id] = stats
-            if unnotified:
-                self._results.unnotified.add(request_id)
+            self._end(request_id, unnotified, reports)
         self._ready.set()
 
-    def failed(self, request_id: str, reason: str, unnotified: bool) -> None:
+    def failed(self, request_id: str, reason: str, unnotified: bool,
+               reports: tuple[DoneReport, ...] = ()) -> None:
         with self._lock:
             self._results.failed[request_id] = reason
-            if unnotified:
-                self._results.unnotified.add(request_id)
+            self._end(request_id, unnotified, reports)
         self._ready.set()
+
+    def _end(self, request_id: str, unnotified: bool, reports: tuple[DoneReport, ...]) -> None:
+        if unnotified:
+            self._results.unnotified.add(request_id)
+        if reports:
+            self._results.reports[request_id] = reports
 
     def take(self) -> PollResult:
         """Everything since the last call (any thread)."""

@@ -20,10 +20,12 @@ Contract (who calls what, when):
   notification to its prefill rank. ``poll()`` returns what finished or failed
   since the last call; a failed request carries a reason naming the peer. A
   failed read notifies the prefill ranks (``ok=False``) when a NIXL connection
-  exists; when it does not (handshake failed, peer dead) or a notification could
-  not be sent, the request is also listed in ``PollResult.unnotified``: the
-  prefill still holds the lease, and the caller should release it over the side
-  channel (``HandshakeClient.release``).
+  exists. Every read that ended with a known peer comes with its "done" reports
+  (``PollResult.reports``), which the caller sends over the side channel
+  (``ReleaseSender.submit_done``): they end the lease where a notification was lost
+  or none went out. A read whose peer was never known, or was dropped, is listed in
+  ``PollResult.unnotified``: the caller releases the lease over the side channel
+  (``HandshakeClient.release``).
 * Prefill side, per request: ``hold(request_id, block_ids, readers, ttl)``
   leases the blocks until every expected decode reader has notified "done", the
   caller ends it (``end_lease``, e.g. on a side-channel release) or the lease
@@ -89,6 +91,7 @@ from kvxfer.transfer.results import PollResult, ReadResults, Released, Tally, Wo
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.notification import ReadDone
 from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
@@ -300,6 +303,11 @@ class TransferWorker:
         changes. Thread-safe; a "done" arriving later for it is ignored (counted late).
         """
         return self._leases.end(request_id, reason)
+
+    def count_done(self, note: ReadDone, sender: str) -> bool:
+        """Any thread: count a reader's "done" that came over the side channel (see
+        :meth:`LeaseTable.count_done`)."""
+        return self._leases.count_done(note, sender, report=True)
 
     def poll_released(self) -> list[Released]:
         """Leases that ended since the last call; their blocks may be freed now."""

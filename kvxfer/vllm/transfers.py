@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
 from kvxfer.transfer.leases import LeaseAnswers
-from kvxfer.transfer.results import ReadStats
+from kvxfer.transfer.results import PollResult, ReadStats
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.side_channel.release_sender import ReleaseSender
@@ -120,7 +120,8 @@ class WorkerSide:
             engine_id=self.engine_id, compat=self.compat,
             metadata=lambda: [self.worker.metadata()], hmac_key=self._key,
             on_request=lambda _peer: self.worker.peer_connecting(),
-            on_release=self.answers.on_release, on_renew=self.answers.on_renew).start()
+            on_release=self.answers.on_release, on_renew=self.answers.on_renew,
+            on_done=self.answers.on_done).start()
 
     def close(self) -> None:
         """Stop serving, release the leases of loads not yet read, stop the workers."""
@@ -244,6 +245,7 @@ class WorkerSide:
             item = self._loads.pop(request_id, None)
             if item is None:
                 continue
+            self._report(request_id, item, polled)
             try:
                 self.leases.check_in_time(item.remote, item.lease)
             except LeaseEnded as exc:  # the blocks may have been reused
@@ -251,15 +253,23 @@ class WorkerSide:
                 continue
             self._result.recving.add(request_id)
             self._result.reads.append(polled.stats[request_id])
-            if request_id in polled.unnotified:
-                self.leases.release_after_unsent_done(item.remote)
         for request_id, reason in polled.failed.items():
             item = self._loads.pop(request_id, None)
             if item is None:
                 continue
+            self._report(request_id, item, polled)
             self._fail(item.load, reason)
-            if request_id in polled.unnotified:
-                self.leases.release_after_failed_read(item.remote, reason)
+
+    def _report(self, request_id: str, item: _Load, polled: PollResult) -> None:
+        """Send an ended read's "done" reports; release a lease nobody could tell."""
+        self.leases.report_done(item.remote, polled.reports.get(request_id, ()))
+        if request_id in polled.unnotified:
+            failure = polled.failed.get(request_id)
+            if failure is None:
+                self.leases.release(item.remote, "the decode read it, but its connection to "
+                                                 "the prefill was dropped meanwhile")
+            else:
+                self.leases.release_after_failed_read(item.remote, failure)
 
     def _fail(self, load: Load, reason: str) -> None:
         log.warning("KV load of request %s failed; vLLM's kv_load_failure_policy decides: %s",

@@ -5,7 +5,9 @@ Two exchanges share the side channel: metadata (decode asks with a
 :class:`MetadataResponse`) and leases (a decode that will not read a lease tells
 the prefill with a :class:`ReleaseLease`, which frees the blocks at once instead of
 at lease expiry; one still waiting to read claims or renews it with a
-:class:`RenewLease`). A refusal is an :class:`ErrorReply`. An envelope
+:class:`RenewLease`; one that read it, or gave up reading, reports each reader's "done"
+with a :class:`DoneReport`, acknowledged, as the repair of a lost NIXL notification).
+A refusal is an :class:`ErrorReply`. An envelope
 (:mod:`kvxfer.wire.envelope`) names its payload's :class:`MessageKind`.
 """
 
@@ -19,6 +21,7 @@ import msgspec
 
 from kvxfer.wire.errors import ErrorCode, MalformedMessage, require
 from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.notification import ReadDone
 
 
 class MessageKind(str, enum.Enum):
@@ -30,11 +33,13 @@ class MessageKind(str, enum.Enum):
     RELEASE_ACK = "release_ack"
     RENEW = "renew"
     RENEW_ACK = "renew_ack"
+    DONE = "done"
     ERROR_REPLY = "error_reply"
 
 
 HASH_FREE_KINDS: frozenset[MessageKind] = frozenset({
-    MessageKind.RELEASE, MessageKind.RELEASE_ACK, MessageKind.RENEW, MessageKind.RENEW_ACK})
+    MessageKind.RELEASE, MessageKind.RELEASE_ACK, MessageKind.RENEW, MessageKind.RENEW_ACK,
+    MessageKind.DONE})
 """Kinds whose compatibility hash :func:`decode_envelope` does not check: they carry
 no KV metadata, only a lease id, so two instances of different models may exchange
 them (a decode whose handshake was refused for a model mismatch still releases)."""
@@ -176,6 +181,29 @@ class RenewAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"RenewAck.expires_in must not be negative, got {self.expires_in}")
 
 
+class DoneReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode rank → prefill rank ``prefill_rank``, over the side channel: the same
+    :class:`~kvxfer.wire.notification.ReadDone` its NIXL notification carries (or would
+    have carried: reads copied on the prefill's host send none).
+
+    The prefill counts it as that notification: once per reader and lease, so the copy
+    that arrives second changes nothing. The answer is a :class:`ReleaseAck` whose
+    ``found`` says whether the lease was still held as the report arrived; a decode
+    resends a report that got no answer (see
+    :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`).
+    """
+
+    prefill_rank: int
+    done: ReadDone
+
+    def __post_init__(self) -> None:
+        require(self.prefill_rank >= 0,
+                f"DoneReport.prefill_rank must not be negative, got {self.prefill_rank}")
+        require(len(self.done.request_id) <= MAX_LEASE_ID_CHARS,
+                f"DoneReport's lease id has {len(self.done.request_id)} characters, at most "
+                f"{MAX_LEASE_ID_CHARS} are allowed")
+
+
 class RenewRefused(Exception):
     """A prefill will not claim or renew a lease for the decode that asked: it ended, another
     decode claimed it, or it reached its maximum age. The message says which; the listener
@@ -190,9 +218,9 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 Message = (MetadataRequest | MetadataResponse | ReleaseLease | ReleaseAck | RenewLease
-           | RenewAck | ErrorReply)
+           | RenewAck | DoneReport | ErrorReply)
 MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ReleaseLease, ReleaseAck,
-                   RenewLease, RenewAck, ErrorReply)
+                   RenewLease, RenewAck, DoneReport, ErrorReply)
 
 KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
     MetadataRequest: MessageKind.METADATA_REQUEST,
@@ -201,6 +229,7 @@ KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
     ReleaseAck: MessageKind.RELEASE_ACK,
     RenewLease: MessageKind.RENEW,
     RenewAck: MessageKind.RENEW_ACK,
+    DoneReport: MessageKind.DONE,
     ErrorReply: MessageKind.ERROR_REPLY,
 }
 """The kind each message type travels as."""

@@ -38,7 +38,9 @@ from __future__ import annotations
 #      host copies converted reads straight from its memory (kvxfer.transfer.converted.host_reads).
 #  10: HostReads.memory (SharedRegion): the shared buffers (memfds) the rank's cache lies
 #      in, which a decode on its host may map (kvxfer.transfer.converted.mapped_reads).
-KVXFER_PROTOCOL_VERSION: int = 10
+#  11: message kind "done" (DoneReport, hash-free): a decode rank's "done" over the side
+#      channel, acknowledged with a ReleaseAck, next to its NIXL notification.
+KVXFER_PROTOCOL_VERSION: int = 11
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""

@@ -84,7 +84,6 @@ class ReadPath(ABC):
         self.ranks = tuple(ranks)
         self.num_bytes = 0  # placed into this rank's views
         self.descriptors = 0  # NIXL descriptors, or copies
-        self.unnotified = False  # it landed, but not every "done" could be sent
 
     def reserve(self) -> bool:
         """Take what :meth:`post` needs; False to wait (nothing is taken then)."""

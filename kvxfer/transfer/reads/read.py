@@ -1,11 +1,10 @@
 """``Read``: one decode rank's read of one request, whichever paths it takes.
 
 Only what every path shares lives here: the request, the prefill's params, the local
-block ids, when it started and when its paths were posted, the paths themselves
-(:class:`~kvxfer.transfer.reads.path.ReadPath`, each with its own state) and whether a
-"done" could not be sent. Made by :meth:`~kvxfer.transfer.worker.TransferWorker.start_read`
-on the caller's thread, then owned by the worker's thread
-(:class:`~kvxfer.transfer.reads.reader.Reader`).
+block ids, when it started and when its paths were posted, and the paths themselves
+(:class:`~kvxfer.transfer.reads.path.ReadPath`, each with its own state). Made by
+:meth:`~kvxfer.transfer.worker.TransferWorker.start_read` on the caller's thread, then owned
+by the worker's thread (:class:`~kvxfer.transfer.reads.reader.Reader`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ class Read:
     started: float  # monotonic, when start_read queued it
     posted: float | None = None  # when its paths were posted (after any staging wait)
     paths: list[ReadPath] = field(default_factory=list)
-    unnotified: bool = False  # some prefill rank could not be told by a notification
     # a benchmark's probe: the same bytes as one READ of whole memory spans from the
     # request's first block on each side, over whatever blocks follow (kvxfer.plan.ceiling)
     ceiling: bool = False

@@ -16,13 +16,15 @@ Posting a read plans its paths once from its peer's plans (:func:`paths_for`: ho
 mapped copies, read lanes or staging, direct READs), reserves what they need (a
 converted read waits behind earlier ones for staging space, first come first served),
 then posts them. A finished read tells the prefill ranks no READ told (converted reads,
-ranks nobody reads); results go to the caller's :class:`~kvxfer.transfer.results.ReadResults`.
+ranks nobody reads); results go to the caller's :class:`~kvxfer.transfer.results.ReadResults`
+with a side-channel "done" report for each prefill rank of the peer, which the caller
+sends (acknowledged): the lease ends even when a notification was lost.
 
 Every failure ends in :meth:`Reader._fail`, the one failure path: the read's paths are
 abandoned (nothing writes into its blocks any more), the prefill ranks are told
-``ok=False`` where a NIXL connection exists and the failure allows it (else the request
-is reported unnotified, and its caller releases the lease over the side channel), and
-a peer at fault is taken for dead for a moment.
+``ok=False`` where a NIXL connection exists and the failure allows it, and reported so
+over the side channel (a peer never handshaken is reported unnotified instead: its
+caller releases the lease), and a peer at fault is taken for dead for a moment.
 """
 
 from __future__ import annotations
@@ -193,20 +195,20 @@ class Reader:
 
     def _finish(self, read: Read, now: float) -> None:
         """Every path landed: give back what they hold, tell the prefill ranks no READ
-        told, and report the read."""
+        told, and report the read with its side-channel "done" reports."""
         for path in read.paths:
             path.finish()
-        unnotified = read.unnotified or any(path.unnotified for path in read.paths)
         peer = self._peers.get(read.engine)
-        if peer is not None:  # ranks nobody reads still hold the blocks, and ranks read
-            # through staging or on this host were not told with a READ: release them
-            told = read.told
-            if not peer.tell(self._local, read.lease_id,
-                             [rank for rank in peer.agents if rank not in told], ok=True):
-                unnotified = True
-        elif any(not path.notifies for path in read.paths):  # nobody to tell: the caller
-            unnotified = True  # releases over the side channel
-        self._results.finished(read.request_id, read.stats(now), unnotified)
+        if peer is None:  # dropped meanwhile: ranks read through staging or on this host
+            # were not told with a READ, and nobody can be now: the caller releases
+            self._results.finished(read.request_id, read.stats(now),
+                                   unnotified=any(not path.notifies for path in read.paths))
+            return
+        told = read.told  # ranks nobody reads still hold the blocks: tell them too
+        peer.tell(self._local, read.lease_id,
+                  [rank for rank in peer.agents if rank not in told], ok=True)
+        self._results.finished(read.request_id, read.stats(now), unnotified=False,
+                               reports=peer.reports(self._local, read.lease_id, ok=True))
 
     def _fail(self, read: Read, failure: ReadFailed) -> None:
         """Fail one read (see the module docstring)."""
@@ -214,9 +216,13 @@ class Reader:
             path.abandon(str(failure))
         log.warning("read for request %s failed: %s", read.request_id, failure)
         peer = self._peers.get(read.engine)
-        told = failure.notify and peer is not None and \
-            peer.tell(self._local, read.lease_id, list(peer.agents), ok=False)
-        self._results.failed(read.request_id, str(failure), unnotified=not told)
+        if peer is None:
+            self._results.failed(read.request_id, str(failure), unnotified=True)
+        else:
+            if failure.notify:
+                peer.tell(self._local, read.lease_id, list(peer.agents), ok=False)
+            self._results.failed(read.request_id, str(failure), unnotified=False,
+                                 reports=peer.reports(self._local, read.lease_id, ok=False))
         if failure.peer_gone is not None and peer is not None:
             self._peers.forget_dead(read.engine, failure.peer_gone)
 

@@ -25,6 +25,7 @@ from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
 from kvxfer.wire.errors import HandshakeError, MalformedMessage
 from kvxfer.wire.messages import (
     MAX_RELEASE_REASON_CHARS,
+    DoneReport,
     ErrorReply,
     MessageKind,
     MetadataRequest,
@@ -119,26 +120,46 @@ class HandshakeClient:
         :class:`HandshakeError` naming the peer address on any failure
         (:class:`PeerRefused` for an :class:`ErrorReply`).
         """
+        message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS])
+        return self._acknowledged(host, port, message, lease_id, "release", timeout,
+                                  probe_first=True)
+
+    def report_done(self, host: str, port: int, report: DoneReport, *,
+                    timeout: float = RELEASE_TIMEOUT_S) -> bool:
+        """Tell the prefill listening at ``host:port`` a reader's "done" (``report``); True
+        when it held that lease as the report came, False when not (nothing changed).
+        One attempt, failures raised as by :meth:`release` (the caller resends); sent at
+        once, a refused TCP connect is looked for only when no answer came within
+        :data:`PROBE_AFTER_S` (a report goes with every read: no probe when all is well)."""
+        return self._acknowledged(host, port, report, report.done.request_id, "done report",
+                                  timeout, probe_first=False)
+
+    def _acknowledged(self, host: str, port: int, message: ReleaseLease | DoneReport,
+                      lease_id: str, what: str, timeout: float, *, probe_first: bool) -> bool:
+        """Send ``message`` (about lease ``lease_id``) in one attempt, after a TCP probe
+        (``probe_first``) or with one when no answer comes at once; its ReleaseAck's
+        ``found``."""
         if self._closed:
             raise RuntimeError("HandshakeClient is closed")
         if not timeout > 0:
-            raise ValueError(f"release timeout must be positive, got {timeout!r}")
+            raise ValueError(f"{what} timeout must be positive, got {timeout!r}")
         if not 0 < port < 65536:
-            raise ValueError(f"release port must be in 1..65535, got {port!r}")
+            raise ValueError(f"{what} port must be in 1..65535, got {port!r}")
         address = endpoint(host, port)
-        message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS])
         request = encode_message(message, compat=self.compat, hmac_key=self._key)
-        why_not = connect_error(host, port, min(timeout, PROBE_TIMEOUT_S))
+        why_not = connect_error(host, port, min(timeout, PROBE_TIMEOUT_S)) if probe_first \
+            else None
         if why_not is not None and "timed out" not in why_not:
             raise PeerUnreachable(f"cannot connect to {address}: {why_not}", peer=address,
                                   expected="a listening side channel", found=why_not)
-        frames = self._exchange(host, address, request, timeout)
+        frames = self._exchange(host, address, request, timeout,
+                                probe_port=None if probe_first else port)
         if frames is None:
-            raise HandshakeTimeout(f"no answer from {address} to the release of lease "
+            raise HandshakeTimeout(f"no answer from {address} to the {what} of lease "
                                    f"{lease_id!r} within {timeout:g} s", peer=address,
                                    expected=f"an answer within {timeout:g} s",
                                    found="no answer")
-        return self._parse_ack(frames, address, lease_id, ReleaseAck, "release").found
+        return self._parse_ack(frames, address, lease_id, ReleaseAck, what).found
 
     def renew(self, host: str, port: int, lease_id: str, *,
               timeout: float = RELEASE_TIMEOUT_S, claim: bool = False) -> RenewAck:

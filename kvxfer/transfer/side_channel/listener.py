@@ -1,5 +1,5 @@
 """Prefill side of the side channel: :class:`HandshakeListener` serves every local TP
-rank's metadata, and hands releases and renewals of its leases to its owner."""
+rank's metadata, and hands releases, renewals and "done" reports of its leases to its owner."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from kvxfer.wire.errors import (
 )
 from kvxfer.wire.messages import (
     MAX_RELEASE_REASON_CHARS,
+    DoneReport,
     ErrorReply,
     MessageKind,
     MetadataRequest,
@@ -62,6 +63,9 @@ class HandshakeListener:
     ``unavailable``. ``on_renew(lease_id, requester_engine_id, claim)`` claims
     (``claim``) or extends a held lease and returns the seconds it now has left, or
     raises :class:`RenewRefused` saying why not; the :class:`RenewAck` says which.
+    ``on_done(report, requester_engine_id)`` counts a reader's :class:`DoneReport` and
+    returns whether the lease was held (a :class:`ReleaseAck` says so), or raises
+    ValueError for a rank this instance does not serve (``unknown_rank``).
     All must not block for long: requests are served one at a time.
 
     With ``hmac_key`` every request must be signed with it and fresh (timestamp
@@ -76,13 +80,14 @@ class HandshakeListener:
                  hmac_key: bytes | None = None,
                  on_request: Callable[[str], None] | None = None,
                  on_release: Callable[[str, str, str], bool] | None = None,
-                 on_renew: Callable[[str, str, bool], float] | None = None
+                 on_renew: Callable[[str, str, bool], float] | None = None,
+                 on_done: Callable[[DoneReport, str], bool] | None = None
                  ) -> None:
         self.engine_id = engine_id
         self.host = host
         self._compat, self._hash = compat, compat_hash(compat)
         self._metadata, self._on_request = metadata, on_request
-        self._on_release, self._on_renew = on_release, on_renew
+        self._on_release, self._on_renew, self._on_done = on_release, on_renew, on_done
         self._key = hmac_key
         self._replay = ReplayGuard()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -221,6 +226,8 @@ class HandshakeListener:
             return self._release(decode_payload(envelope, ReleaseLease, peer=peer), peer), None
         if envelope.kind is MessageKind.RENEW:
             return self._renew(decode_payload(envelope, RenewLease, peer=peer), peer), None
+        if envelope.kind is MessageKind.DONE:
+            return self._done(decode_payload(envelope, DoneReport, peer=peer), peer), None
         request = decode_payload(envelope, MetadataRequest, peer=peer)
         try:
             served = {m.tp_rank: m for m in self._metadata()}
@@ -259,6 +266,25 @@ class HandshakeListener:
                                                      f"release lease {release.lease_id!r}: "
                                                      f"{exc}")
         return ReleaseAck(release.lease_id, bool(found))
+
+    def _done(self, report: DoneReport, peer: str) -> ReleaseAck | ErrorReply:
+        """Hand a reader's "done" to ``on_done``; the ack says whether the lease was held."""
+        lease_id, reader = report.done.request_id, report.done.reader_engine_id
+        if self._on_done is None:
+            return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} holds no leases")
+        try:
+            found = self._on_done(report, reader)
+        except ValueError as exc:
+            log.warning("handshake listener at %s: refused a done for lease %s from %s "
+                        "(engine %s): %s", self.address, lease_id, peer, reader, exc)
+            return ErrorReply(ErrorCode.UNKNOWN_RANK, str(exc))
+        except Exception as exc:
+            log.exception("handshake listener at %s: on_done(%r) failed", self.address,
+                          lease_id)
+            return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} could not "
+                                                     f"count the done of lease {lease_id!r}: "
+                                                     f"{exc}")
+        return ReleaseAck(lease_id, bool(found))
 
     def _renew(self, renew: RenewLease, peer: str) -> RenewAck | ErrorReply:
         """Hand a renewal to ``on_renew``; the ack says whether and for how long."""

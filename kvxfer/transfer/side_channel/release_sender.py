@@ -1,9 +1,11 @@
-"""Decode side: :class:`ReleaseSender` sends releases, renewals and claims from one
-background thread, so that no caller waits on a peer."""
+"""Decode side: :class:`ReleaseSender` sends releases, renewals, claims and "done" reports
+from one background thread, so that no caller waits on a peer."""
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -13,18 +15,20 @@ from dataclasses import dataclass
 
 from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.side_channel.client import RELEASE_TIMEOUT_S, HandshakeClient
+from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerUnreachable
 from kvxfer.transfer.side_channel.sockets import (
     JOIN_TIMEOUT_S,
     POLL_INTERVAL_S,
     PROBE_TIMEOUT_S,
 )
 from kvxfer.wire.errors import HandshakeError
-from kvxfer.wire.messages import RenewAck
+from kvxfer.wire.messages import DoneReport, RenewAck
 
 log = logging.getLogger(__name__)
 
 RELEASE_QUEUE = 1024          # releases waiting to be sent; more are dropped (and logged)
 RELEASE_DRAIN_S = 1.0         # how long ReleaseSender.close() keeps sending what is queued
+DONE_RESENDS_S = (0.25, 0.5, 1.0, 2.0)  # pauses before each resend of an unanswered report
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,14 @@ class _Renewal:
     claim: bool
 
 
+@dataclass(frozen=True)
+class _Report:
+    """A queued "done" report and how many times it was sent already."""
+
+    report: DoneReport
+    sent: int = 0
+
+
 class ReleaseSender:
     """Decode side: sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
 
@@ -42,7 +54,10 @@ class ReleaseSender:
     thread and HTTP handlers can call it. Releases are best effort: at most
     ``max_queued`` wait (further ones are dropped), each gets one attempt of
     ``timeout`` seconds, and failures are only logged; a lost release means the
-    prefill frees the blocks at lease expiry instead. :meth:`close` keeps
+    prefill frees the blocks at lease expiry instead. A "done" report
+    (:meth:`submit_done`) is resent after each pause of :data:`DONE_RESENDS_S` while it
+    gets no answer (about 4 s in all): it is what frees the prefill's blocks when the
+    NIXL notification was lost. :meth:`close` keeps
     sending what is queued for at most ``drain_s`` seconds, then drops the rest
     and stops the thread. ``sent``, ``dropped`` and ``failed`` count outcomes
     (``sent``: the prefill answered, whether or not it held the lease). The
@@ -56,6 +71,8 @@ class ReleaseSender:
         self._client, self._timeout, self._drain_s = client, timeout, drain_s
         self._queue: queue.Queue[object] = queue.Queue(max_queued)
         self._give_up_at: float | None = None  # set by close(): drop what is still queued then
+        self._resends: list[tuple[float, int, tuple[str, int, str, _Report]]] = []  # a heap
+        self._order = itertools.count()  # ties in the heap: first queued, first resent
         self._closed = False
         self.sent = self.dropped = self.failed = 0
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -64,19 +81,7 @@ class ReleaseSender:
 
     def submit(self, host: str, port: int, lease_id: str, reason: str) -> bool:
         """Queue one release; False (logged) when closed or the queue is full."""
-        if self._closed:
-            log.info("release of lease %s at %s not sent: the sender is closed", lease_id,
-                     endpoint(host, port))
-            return False
-        try:
-            self._queue.put_nowait((host, port, lease_id, reason))
-        except queue.Full:
-            self.dropped += 1
-            log.warning("release of lease %s at %s dropped: %d releases already wait; the "
-                        "prefill frees it at lease expiry", lease_id, endpoint(host, port),
-                        self._queue.maxsize)
-            return False
-        return True
+        return self._put((host, port, lease_id, reason), "release")
 
     def submit_renew(self, host: str, port: int, lease_id: str,
                      done: Callable[[RenewAck | None, float, str], None], *,
@@ -85,12 +90,27 @@ class ReleaseSender:
         sent_at, why)`` is called on the sender's thread with the ack (None on failure),
         the monotonic time it was sent and, unless renewed, why not. False (and no call)
         when closed or the queue is full."""
+        return self._put((host, port, lease_id, _Renewal(done, claim)),
+                         "claim" if claim else "renewal")
+
+    def submit_done(self, host: str, port: int, report: DoneReport) -> bool:
+        """Queue one reader's "done" report for the prefill rank at ``host:port``
+        (:meth:`HandshakeClient.report_done`); False (logged) when closed or full."""
+        return self._put((host, port, report.done.request_id, _Report(report)), "done report")
+
+    def _put(self, item: tuple[str, int, str, str | _Renewal | _Report], what: str) -> bool:
+        host, port, lease_id, _ = item
         if self._closed:
+            log.info("%s of lease %s at %s not sent: the sender is closed", what, lease_id,
+                     endpoint(host, port))
             return False
         try:
-            self._queue.put_nowait((host, port, lease_id, _Renewal(done, claim)))
+            self._queue.put_nowait(item)
         except queue.Full:
             self.dropped += 1
+            log.warning("%s of lease %s at %s dropped: %d messages already wait; the "
+                        "prefill frees it at lease expiry", what, lease_id,
+                        endpoint(host, port), self._queue.maxsize)
             return False
         return True
 
@@ -112,23 +132,65 @@ class ReleaseSender:
 
     def _run(self) -> None:
         while True:
-            try:  # the timeout only matters when close() found the queue full
-                item = self._queue.get(timeout=POLL_INTERVAL_S if self._closed else None)
+            wait = self._resends[0][0] - time.monotonic() if self._resends else None
+            if self._closed:  # the timeout only matters when close() found the queue full
+                wait = POLL_INTERVAL_S if wait is None else min(wait, POLL_INTERVAL_S)
+            try:
+                item = self._queue.get(timeout=None if wait is None else max(0.0, wait))
             except queue.Empty:
+                item = None
+            if item is self._STOP or (item is None and self._closed and not self._resends):
+                self._drop_resends()
                 return
-            if item is self._STOP:
+            while self._resends and self._resends[0][0] <= time.monotonic():
+                self._handle(heapq.heappop(self._resends)[2])
+            if item is not None:
+                assert isinstance(item, tuple)
+                self._handle(item)
+
+    def _handle(self, item: tuple[str, int, str, str | _Renewal | _Report]) -> None:
+        host, port, lease_id, reason = item
+        if self._give_up_at is not None and time.monotonic() > self._give_up_at:
+            self.dropped += 1
+            log.info("release of lease %s at %s dropped: shutting down", lease_id,
+                     endpoint(host, port))
+            return
+        if isinstance(reason, _Renewal):
+            self._send_renew(host, port, lease_id, reason)
+        elif isinstance(reason, _Report):
+            self._send_report(host, port, reason)
+        else:
+            self._send(host, port, lease_id, reason)
+
+    def _send_report(self, host: str, port: int, queued: _Report) -> None:
+        """Send a "done" report; one without an answer is resent after the next pause."""
+        done = queued.report.done
+        try:
+            found = self._client.report_done(host, port, queued.report, timeout=self._timeout)
+        except Exception as exc:  # the thread must survive anything
+            unanswered = isinstance(exc, (HandshakeTimeout, PeerUnreachable))
+            if unanswered and queued.sent < len(DONE_RESENDS_S) and not self._closed:
+                due = time.monotonic() + DONE_RESENDS_S[queued.sent]
+                retry = (host, port, done.request_id, _Report(queued.report, queued.sent + 1))
+                heapq.heappush(self._resends, (due, next(self._order), retry))
+                log.info("the done of lease %s at %s got no answer (%s): resending it",
+                         done.request_id, endpoint(host, port), exc)
                 return
-            assert isinstance(item, tuple)
-            host, port, lease_id, reason = item
-            if self._give_up_at is not None and time.monotonic() > self._give_up_at:
-                self.dropped += 1
-                log.info("release of lease %s at %s dropped: shutting down", lease_id,
-                         endpoint(host, port))
-                continue
-            if isinstance(reason, _Renewal):
-                self._send_renew(host, port, lease_id, reason)
-            else:
-                self._send(host, port, lease_id, reason)
+            self.failed += 1
+            log.warning("the done of lease %s at %s failed after %d attempt(s) (%s): the "
+                        "prefill frees it at lease expiry", done.request_id,
+                        endpoint(host, port), queued.sent + 1, exc)
+            return
+        self.sent += 1
+        log.debug("reported the done of lease %s (rank %d) at %s: %s", done.request_id,
+                  done.reader_rank, endpoint(host, port),
+                  "counted" if found else "it was not held (ended already)")
+
+    def _drop_resends(self) -> None:
+        if self._resends:
+            self.dropped += len(self._resends)
+            log.info("%d done reports not resent: shutting down", len(self._resends))
+            self._resends.clear()
 
     def _send_renew(self, host: str, port: int, lease_id: str, renewal: _Renewal) -> None:
         sent_at, done = time.monotonic(), renewal.done

@@ -1,0 +1,208 @@
+"""A decode reader's "done" over the side channel (``DoneReport``): counted as its NIXL
+notification would be, acknowledged, and resent while unanswered.
+
+The prefill's lease table is the real one (pure, no NIXL); the listener, client and
+sender are real ZMQ sockets on 127.0.0.1. Real NIXL reads whose notifications are lost
+are in ``test_vllm_tp`` (rank by rank) and ``test_transfer``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.transfer.leases import LeaseAnswers, LeaseTable
+from kvxfer.transfer.results import Tally
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.errors import PeerRefused
+from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.release_sender import DONE_RESENDS_S, ReleaseSender
+from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.messages import DoneReport
+from kvxfer.wire.notification import ReadDone
+
+HOST = "127.0.0.1"
+COMPAT = CompatInfo(model="done-reports", dtype="float32", cache_dtype="float32",
+                    head_size=8, total_kv_heads=2, num_layers=2)
+KEY = b"k" * 32
+
+
+class Rank:
+    """A prefill rank's real lease table under the name ``LeaseAnswers`` asks for."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.tally = Tally()
+        self.table = LeaseTable(None, self.tally)
+
+    def count_done(self, note: ReadDone, sender: str) -> bool:
+        return self.table.count_done(note, sender, report=True)
+
+    def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
+              max_age: float = float("inf")) -> float:
+        return self.table.renew(request_id, ttl, requester, claim=claim, max_age=max_age)
+
+    def may_end(self, request_id: str, requester: str) -> bool:
+        return self.table.may_end(request_id, requester)
+
+    def holds_lease(self, request_id: str) -> bool:
+        return self.table.holds(request_id)
+
+    def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
+        return self.table.end(request_id, reason)
+
+
+def done(lease: str, reader: str = "decode-a", rank: int = 0, readers: int = 1,
+         ok: bool = True) -> ReadDone:
+    return ReadDone(lease, reader, rank, readers, ok)
+
+
+# -- the lease table ----------------------------------------------------------------------------
+
+def test_each_reader_counts_once_whichever_way_its_done_came() -> None:
+    table = LeaseTable(None, Tally())
+    table.hold("L", [1, 2], readers=2, ttl=60)
+    assert table.count_done(done("L", rank=0, readers=2), "agent a")  # NIXL
+    assert table.count_done(done("L", rank=0, readers=2), "side channel", report=True)
+    assert table.holds("L"), "the same reader twice is one reader"
+    assert table.count_done(done("L", rank=1, readers=2), "side channel", report=True)
+    assert not table.holds("L")
+    assert [(r.request_id, r.reason) for r in table.take_released()] == [("L", "done")]
+
+
+def test_a_report_after_the_notification_ended_the_lease_is_not_counted_late() -> None:
+    tally = Tally()
+    table = LeaseTable(None, tally)
+    for lease in ("done-first", "expired"):
+        table.hold(lease, [1], readers=1, ttl=60 if lease == "done-first" else 0.01)
+    table.count_done(done("done-first"), "agent a")
+    time.sleep(0.02)
+    table.expire()
+    assert not table.count_done(done("done-first"), "side channel", report=True)
+    assert not table.count_done(done("expired"), "side channel", report=True)
+    assert not table.count_done(done("done-first"), "agent a"), "a second NIXL done is late"
+    assert dict(tally.take().notifications_late) == {"expired": 1, "done": 1}
+
+
+def test_a_done_from_another_engine_than_the_claimer_ends_nothing() -> None:
+    table = LeaseTable(None, Tally())
+    table.hold("L", [1], readers=None, ttl=60)
+    table.renew("L", 60, "decode-a", claim=True)
+    assert not table.count_done(done("L", reader="decode-b"), "side channel", report=True)
+    assert not table.count_done(done("L", reader="decode-b"), "agent b")
+    assert table.holds("L")
+    assert table.count_done(done("L", reader="decode-a"), "side channel", report=True)
+    assert not table.holds("L")
+
+
+def test_a_report_is_counted_on_the_rank_it_names_only() -> None:
+    ranks = [Rank(0), Rank(1)]
+    for rank in ranks:
+        rank.table.hold("L", [3], readers=1, ttl=60)
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    assert answers.on_done(DoneReport(1, done("L")), "decode-a")
+    assert ranks[0].table.holds("L") and not ranks[1].table.holds("L")
+    with pytest.raises(ValueError, match=r"serves ranks \[0, 1\], not 2"):
+        answers.on_done(DoneReport(2, done("L")), "decode-a")
+
+
+def test_a_report_is_validated() -> None:
+    with pytest.raises(ValueError, match="prefill_rank must not be negative"):
+        DoneReport(-1, done("L"))
+    with pytest.raises(ValueError, match="lease id has 1025 characters"):
+        DoneReport(0, done("x" * 1025))
+
+
+# -- over real sockets ------------------------------------------------------------------------
+
+@pytest.fixture
+def prefill() -> Iterator[tuple[HandshakeListener, list[Rank]]]:
+    ranks = [Rank(0), Rank(1)]
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    with HandshakeListener(HOST, engine_id="prefill-r", compat=COMPAT, metadata=lambda: [],
+                           hmac_key=KEY, on_release=answers.on_release,
+                           on_renew=answers.on_renew, on_done=answers.on_done) as listener:
+        yield listener, ranks
+
+
+def test_a_report_is_acknowledged_with_whether_the_lease_was_held(
+        prefill: tuple[HandshakeListener, list[Rank]]) -> None:
+    listener, ranks = prefill
+    ranks[0].table.hold("L", [3], readers=1, ttl=60)
+    with HandshakeClient("decode-a", COMPAT, KEY) as client:
+        assert client.report_done(HOST, listener.port, DoneReport(0, done("L")))
+        assert not ranks[0].table.holds("L")
+        assert not client.report_done(HOST, listener.port, DoneReport(0, done("L"))), \
+            "ended already: acknowledged, nothing changed"
+        with pytest.raises(PeerRefused, match=r"unknown_rank.*not 5"):
+            client.report_done(HOST, listener.port, DoneReport(5, done("L")))
+
+
+def test_an_unsigned_report_ends_no_lease(prefill: tuple[HandshakeListener, list[Rank]]) -> None:
+    listener, ranks = prefill
+    ranks[0].table.hold("L", [3], readers=1, ttl=60)
+    with HandshakeClient("decode-a", COMPAT, None) as client, \
+            pytest.raises(PeerRefused, match="authentication failed"):
+        client.report_done(HOST, listener.port, DoneReport(0, done("L")))
+    assert ranks[0].table.holds("L")
+
+
+def test_a_listener_without_leases_refuses_reports() -> None:
+    with HandshakeListener(HOST, engine_id="no-leases", compat=COMPAT,
+                           metadata=lambda: []) as listener, \
+            HandshakeClient("decode-a", COMPAT) as client, \
+            pytest.raises(PeerRefused, match="holds no leases"):
+        client.report_done(HOST, listener.port, DoneReport(0, done("L")))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return int(probe.getsockname()[1])
+
+
+def test_an_unanswered_report_is_resent_until_the_prefill_answers() -> None:
+    """Nothing listens when the report is first sent; the listener comes up before the
+    second resend, and the lease ends by the resent report."""
+    port = free_port()
+    rank = Rank(0)
+    rank.table.hold("L", [3], readers=1, ttl=60)
+    answers = LeaseAnswers([rank], ttl=10.0, max_age=40.0)
+    sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+    try:
+        assert sender.submit_done(HOST, port, DoneReport(0, done("L")))
+        time.sleep(DONE_RESENDS_S[0] / 2)  # the first attempt found nobody
+        assert rank.table.holds("L")
+        with HandshakeListener(HOST, port, engine_id="late", compat=COMPAT,
+                               metadata=lambda: [], on_done=answers.on_done):
+            deadline = time.monotonic() + sum(DONE_RESENDS_S)
+            while rank.table.holds("L") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not rank.table.holds("L"), "the resent report did not end the lease"
+        assert sender.sent == 1 and sender.failed == 0
+    finally:
+        sender.close()
+
+
+def test_a_refused_report_is_not_resent() -> None:
+    calls: list[DoneReport] = []
+
+    def refuse(report: DoneReport, _requester: str) -> bool:
+        calls.append(report)
+        raise ValueError("not served here")
+
+    with HandshakeListener(HOST, engine_id="refuses", compat=COMPAT, metadata=lambda: [],
+                           on_done=refuse) as listener:
+        sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+        try:
+            sender.submit_done(HOST, listener.port, DoneReport(0, done("L")))
+            deadline = time.monotonic() + 5
+            while not sender.failed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(DONE_RESENDS_S[0] * 2)
+            assert sender.failed == 1 and len(calls) == 1
+        finally:
+            sender.close()
