@@ -65,7 +65,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[di
     other_key = write_key(tmp_path_factory.mktemp("other") / "kv.key")
     keyed = ("--kv-key-file", str(key_file))
     with SidecarGroup(tmp_path_factory.mktemp("trust")) as group:
-        names = ["prefill", "short", "decode", "small", "wrong"]
+        names = ["prefill", "short", "decode", "small", "wrong", "recompute"]
         started = group.start([
             Spec("prefill", extra=keyed),
             Spec("prefill", num_blocks=16,
@@ -73,6 +73,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[di
             Spec("decode", policy="fail", extra=keyed),
             Spec("decode", policy="fail", num_blocks=SMALL_BLOCKS, extra=keyed),
             Spec("decode", policy="fail", extra=("--kv-key-file", str(other_key))),
+            Spec("decode", policy="recompute", extra=keyed),
         ])
         yield dict(zip(names, started, strict=True))
 
@@ -232,8 +233,37 @@ def test_an_expired_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
     short.wait_for("the 0.5 s lease expired", idle, timeout=10)
     refused(decode(dec, prompt, params), "in the past")
     fresh = lease(short, prompt)
-    refused(decode(dec, prompt, {**fresh, "lease_expires_at": 0}), "in the past")
+    refused(decode(dec, prompt, {**fresh, "lease_expires_at": 0}), "does not verify")
     short.wait_for("the lease expired", idle, timeout=10)
+
+
+RECOMPUTES = "kvxfer_kv_recomputes_total"
+
+
+def test_under_recompute_a_lease_that_cannot_be_read_is_recomputed_and_a_forged_one_refused(
+        rig: dict[str, Sidecar], key: bytes) -> None:
+    """Policy ``recompute``: a genuine lease that expired (a request that waited in a
+    queue) and one another decode claimed first are not read, and each request is
+    answered as one instance answers it; forged or altered params still get a 400."""
+    short, prefill, rec = rig["short"], rig["prefill"], rig["recompute"]
+    prompt = "a prompt that waited in a queue past its lease"
+    want = reference(short, prompt)
+    before = rec.metric(RECOMPUTES)
+    expired = lease(short, prompt)
+    short.wait_for("the 0.5 s lease expired", idle, timeout=10)
+    assert same(decode(rec, prompt, expired), want)
+    refused(decode(rec, prompt, {**expired, "lease_expires_at": expired["lease_expires_at"]
+                                 + 3600}), "does not verify")
+    refused(decode(rec, prompt, {k: v for k, v in expired.items() if k != "lease_ticket"}),
+            "lease_ticket is missing")
+    claimed = lease(prefill, prompt)
+    port, lease_id = claimed["remote_port"], claimed["remote_request_id"]
+    with HandshakeClient("decode-first0000000", STRANGER, hmac_key=key) as first:
+        assert first.renew(HOST, port, lease_id, claim=True).found
+        assert same(decode(rec, prompt, claimed), reference(prefill, prompt))
+        still_held(prefill, claimed)
+        assert first.release(HOST, port, lease_id, "the claimer will not read it either")
+    assert rec.metric(RECOMPUTES) == before + 2
 
 
 def test_a_decode_with_another_key_refuses_the_ticket(rig: dict[str, Sidecar],

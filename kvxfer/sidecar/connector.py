@@ -331,7 +331,9 @@ class KVConnector:
 
         First the lease is checked (:meth:`LeaseClient.check`): an expired, forged,
         altered or already used lease raises :class:`~kvxfer.wire.lease_book.LeaseRefused` (a
-        ValueError) and nothing is read or released (it may be another request's).
+        ValueError) and nothing is read or released (it may be another request's); under
+        policy ``recompute`` an expired one (or one whose claim is refused) is served by
+        computing the prompt here instead.
 
         Then the prefill is asked to grant this decode the lease (a claim, sent from
         the renewer thread); the request waits until it is granted, and a refused

@@ -15,7 +15,10 @@ Who calls what:
   with the key, never claimed here before) or refuses it, then claims it at the
   prefill (``RenewLease(claim=True)``, from the renewer thread); a later :meth:`poll`
   admits it once the claim was granted, or rejects it (400) when it was refused: the
-  prefill grants a lease to one decode engine only. When the engine has no free
+  prefill grants a lease to one decode engine only. Under policy ``recompute`` a lease
+  that cannot be read (expired, its claim refused) is not read but its request is served
+  all the same, its prompt computed here; only params that are malformed, forged or
+  replayed get a 400. When the engine has no free
   blocks for the prompt the request waits here, first come first served; while it
   waits or reads, :meth:`poll` renews its lease over the side channel before it runs
   out, and a READ starts only with enough of the lease left. Admitted:
@@ -67,7 +70,7 @@ from typing import TYPE_CHECKING
 from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
-from kvxfer.wire.lease_book import HeldLease
+from kvxfer.wire.lease_book import HeldLease, LeaseExpired
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
@@ -139,7 +142,14 @@ class KVLoads:
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
             remote: RemoteParams, siblings: list[tuple[str, SamplingParams]] | None) -> None:
         """See :meth:`KVConnector.add_remote`."""
-        lease = self.leases.check(remote)  # before any READ
+        members = [(request_id, params), *(siblings or [])]
+        try:
+            lease = self.leases.check(remote)  # before any READ
+        except LeaseExpired as exc:  # genuine, but over: the prompt itself may be served
+            if self.failure_policy != "recompute":
+                raise
+            self._recompute_unread(members, prompt, str(exc))
+            return
         item = _Waiting(request_id, prompt, params, remote, lease, list(siblings or []))
         try:  # an invalid request is refused at once, before the prefill is asked
             for member_id, member_params in [(request_id, params), *item.siblings]:
@@ -184,16 +194,36 @@ class KVLoads:
             self._start_read(item)
 
     def _drop_unclaimed(self, events: ConnectorEvents) -> None:
-        """Refuse waiting requests whose claim the prefill refused: nothing read, nothing
-        released (the lease may be another decode's), a 400 for every member."""
+        """Waiting requests whose claim the prefill refused: nothing read, nothing released
+        (the lease may be another decode's); recomputed (policy ``recompute``) or a 400
+        for every member."""
         for item in [p for p in self._pending if p.lease.refused]:
             why = item.lease.lost
             self._pending.remove(item)
             message = (f"lease {item.remote.remote_request_id} of prefill "
                        f"{item.remote.remote_engine_id} was not read: the prefill refused "
                        f"this decode's claim: {why}")
+            if self.failure_policy == "recompute":
+                try:
+                    self._recompute_unread([(item.request_id, item.params), *item.siblings],
+                                           item.prompt, message)
+                    continue
+                except ValueError as exc:
+                    message = str(exc)
             log.warning("request %s: %s", item.request_id, message)
             events.rejected.update(dict.fromkeys(item.ids, message))
+
+    def _recompute_unread(self, members: list[tuple[str, SamplingParams]], prompt: list[int],
+                          why: str) -> None:
+        """Serve a request whose lease cannot be read by computing its prompt here, as a
+        single instance would (policy ``recompute``); ValueError when the engine refuses
+        it (nothing queued then)."""
+        for member_id, member_params in members:
+            self.engine.check_request(member_id, prompt, member_params)
+        log.warning("request %s: recomputing its prompt: %s", members[0][0], why)
+        self.metrics.recomputes.inc()
+        for member_id, member_params in members:
+            self.engine.add_request(member_id, prompt, member_params)
 
     def _drop_unadmitted(self, item: _Waiting, exc: Exception,
                          events: ConnectorEvents | None) -> None:

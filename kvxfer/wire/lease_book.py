@@ -51,6 +51,11 @@ class LeaseRefused(ValueError):
     """The params name a lease this decode must not read (expired, forged, used)."""
 
 
+class LeaseExpired(LeaseRefused):
+    """The params' lease ended by its own expiry (its ticket, with a key, is genuine):
+    not read, but the request itself may be served by recomputing its prompt."""
+
+
 @dataclass
 class HeldLease:
     """A claimed lease that is still to be read (decode side, engine-loop thread).
@@ -128,19 +133,22 @@ class LeaseBook:
               now: float | None = None) -> HeldLease:
         """Check ``claims`` (and ``ticket``) before any READ and mark the lease used.
 
-        Raises :class:`LeaseRefused` naming the reason; nothing is recorded then.
+        Raises :class:`LeaseRefused` naming the reason (:class:`LeaseExpired` for a lease
+        that is genuine but ended); nothing is recorded then.
         """
         now = time.time() if now is None else now
         expires = claims.expires_at
-        if not math.isfinite(expires) or expires <= now:
-            raise LeaseRefused(f"kv_transfer_params.lease_expires_at is {expires!r}, "
-                               f"{now - expires:.3f} s in the past by this instance's clock: "
-                               f"the lease ended and its blocks may hold other data")
-        if self._key is not None:
+        if self._key is not None:  # first: a forged ticket is refused as forged, expired or not
             try:
                 verify_ticket(self._key, claims, ticket)
             except TicketError as exc:
                 raise LeaseRefused(str(exc)) from None
+        if not math.isfinite(expires):
+            raise LeaseRefused(f"kv_transfer_params.lease_expires_at is {expires!r}")
+        if expires <= now:
+            raise LeaseExpired(f"kv_transfer_params.lease_expires_at is {now - expires:.3f} s "
+                               f"in the past by this instance's clock: the lease ended and "
+                               f"its blocks may hold other data")
         if expires - now > self.max_age + CLOCK_MARGIN_S:
             raise LeaseRefused(f"kv_transfer_params.lease_expires_at is {expires - now:.0f} s "
                                f"ahead, more than the maximum lease age of {self.max_age:g} s")
