@@ -21,7 +21,7 @@ from kvxfer.transfer.side_channel.errors import PeerRefused
 from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.transfer.side_channel.release_sender import DONE_RESENDS_S, ReleaseSender
 from kvxfer.wire.compat import CompatInfo
-from kvxfer.wire.messages import DoneReport
+from kvxfer.wire.messages import DoneReport, ReleaseOutcome
 from kvxfer.wire.notification import ReadDone
 
 HOST = "127.0.0.1"
@@ -206,3 +206,25 @@ def test_a_refused_report_is_not_resent() -> None:
             assert sender.failed == 1 and len(calls) == 1
         finally:
             sender.close()
+
+
+def test_a_release_ends_the_lease_as_its_outcome_says() -> None:
+    """A decode whose prefix cache held the whole prompt releases with ``cached``; the
+    prefill's owner thread ends the lease so (``leases_released{reason="cached"}``), not
+    as abandoned; any other release is ``abandoned``."""
+    ranks = [Rank(0), Rank(1)]
+    answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
+    for rank in ranks:
+        rank.table.hold("hit", [3], readers=1, ttl=60)
+        rank.table.hold("refused", [4], readers=1, ttl=60)
+    with HandshakeListener(HOST, engine_id="prefill-r", compat=COMPAT, metadata=lambda: [],
+                           hmac_key=KEY, on_release=answers.on_release) as listener, \
+            HandshakeClient("decode-a", COMPAT, KEY) as client:
+        assert client.release(HOST, listener.port, "hit", "its prefix cache holds it",
+                              outcome=ReleaseOutcome.CACHED)
+        assert client.release(HOST, listener.port, "refused", "the request was refused")
+    assert [r.outcome for r in answers.take_releases()] == [ReleaseOutcome.CACHED,
+                                                           ReleaseOutcome.ABANDONED]
+    for rank in ranks:
+        assert {r.request_id: r.reason for r in rank.table.take_released()} == {
+            "hit": "cached", "refused": "abandoned"}

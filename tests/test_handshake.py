@@ -582,7 +582,7 @@ def releases() -> list[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def release_listener(releases: list[tuple[str, str, str]]) -> Iterator[HandshakeListener]:
-    def on_release(lease_id: str, requester: str, reason: str) -> bool:
+    def on_release(lease_id: str, requester: str, reason: str, _outcome: str) -> bool:
         releases.append((lease_id, requester, reason))
         return lease_id == HELD
 
@@ -645,7 +645,7 @@ def test_a_bad_release_is_refused_without_a_callback(
 def test_a_badly_signed_release_is_refused(key: bytes | None, ctx: zmq.Context[Any]) -> None:
     calls: list[str] = []
 
-    def on_release(lease_id: str, _requester: str, _reason: str) -> bool:
+    def on_release(lease_id: str, _requester: str, _reason: str, _outcome: str) -> bool:
         calls.append(lease_id)
         return True
 
@@ -677,7 +677,7 @@ def test_a_listener_without_leases_refuses_releases(client: HandshakeClient,
 
 
 def test_a_failing_on_release_is_answered_as_unavailable(client: HandshakeClient) -> None:
-    def on_release(lease_id: str, _requester: str, _reason: str) -> bool:
+    def on_release(lease_id: str, _requester: str, _reason: str, _outcome: str) -> bool:
         raise RuntimeError(f"queue closed for {lease_id}")
 
     with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,

@@ -89,14 +89,17 @@ def test_a_full_hit_reads_nothing_and_frees_the_lease_at_once(
     prompt = tokens(10 + sum(pair), 65)  # the decode needs 64 tokens: whole blocks of both
     prefill = group[f"prefill-{pair[0]}"]
     ask(group, pair, prompt)
-    abandoned = prefill.metric("kvxfer_kv_leases_released_total", reason="abandoned")
+    released = {reason: prefill.metric("kvxfer_kv_leases_released_total", reason=reason)
+                for reason in ("cached", "abandoned")}
     choices, warm = ask(group, pair, prompt, n=2)  # siblings start from the cached KV too
     assert len(choices) == 2
     assert warm["kv_reads_skipped"] == 1 and warm["kv_transfer_bytes"] == 0
     assert warm["prefix_cache_hits"] == 64 * 2  # both samples found all 64
     prefill.wait_for("its lease released", lambda h: h["leases"] == 0, timeout=10)
-    assert prefill.metric("kvxfer_kv_leases_released_total",
-                          reason="abandoned") == abandoned + 1
+    assert {reason: prefill.metric("kvxfer_kv_leases_released_total", reason=reason)
+            for reason in released} == {"cached": released["cached"] + 1,
+                                        "abandoned": released["abandoned"]}, \
+        "a full prefix hit is reported as one, not as a lease abandoned"
 
 
 def test_health_and_metrics_say_whether_the_cache_is_on(group: dict[str, Sidecar]) -> None:

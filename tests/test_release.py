@@ -223,7 +223,7 @@ class Recorder:
             on_renew=lambda _lease, _requester, _claim: 60.0,  # claims granted
             on_done=lambda report, _requester: self.reports.append(report) is None).start()
 
-    def _on_release(self, lease_id: str, requester: str, reason: str) -> bool:
+    def _on_release(self, lease_id: str, requester: str, reason: str, _outcome: str) -> bool:
         self.calls.append((lease_id, requester, reason))
         return True
 

@@ -59,7 +59,7 @@ class Prefill:
             raise RenewRefused(self.claim_ttl)
         return self.claim_ttl
 
-    def _on_release(self, lease_id: str, _requester: str, reason: str) -> bool:
+    def _on_release(self, lease_id: str, _requester: str, reason: str, _outcome: str) -> bool:
         self.releases.append((lease_id, reason))
         return True
 

@@ -29,7 +29,7 @@ Who calls what:
   prefix (``engine.num_cached_tokens``, a multiple of both block sizes): the READ then
   covers only the prefill blocks past it, into the blocks past it. When the cache holds
   every token the decode needs (all but the last), nothing is read: the lease is
-  released over the side channel at once (the prefill counts it ``abandoned``) and the
+  released over the side channel at once (the prefill counts it ``cached``) and the
   request runs (``kvxfer_kv_reads_skipped_total``);
 * :meth:`poll` collects every rank's results; when all ranks ended it calls
   ``engine.finish_kv_load``: ok, or on any failure recompute (policy ``recompute``) or
@@ -299,7 +299,8 @@ class KVLoads:
         free the prefill's lease now, run the request (and its siblings)."""
         log.debug("request %s: the prefix cache holds its prompt; lease %s not read",
                   item.request_id, item.remote.remote_request_id)
-        self.leases.release(item.remote, "the decode's prefix cache holds the prompt's KV")
+        self.leases.release(item.remote, "the decode's prefix cache holds the prompt's KV",
+                            cached=True)
         self.metrics.reads_skipped.inc()
         self.engine.finish_kv_load(item.request_id, ok=True)
         if item.siblings:

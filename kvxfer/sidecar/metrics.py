@@ -29,7 +29,7 @@ TRANSFER_DESCRIPTORS_BUCKETS = tuple(float(4**k) for k in range(10))  # 1 .. 262
 
 # The label values of each counter, exported from the start (at 0) so that rates and
 # alerts see them before the first event.
-LEASE_END_REASONS = ("done", "abandoned", "expired")
+LEASE_END_REASONS = ("done", "abandoned", "cached", "expired")
 TRANSFER_OUTCOMES = ("ok", "failed", "aborted")
 # kvxfer.transfer.side_channel.errors.FAILURE_REASONS, and "connect": NIXL could not connect
 # after it
@@ -63,9 +63,10 @@ class SidecarMetrics:
         self.leases_held = Gauge("kvxfer_kv_leases_held", "Prefill: requests whose blocks are "
                                  "leased to decode readers", registry=r)
         self.leases_released = Counter("kvxfer_kv_leases_released", "Prefill: leases ended, by "
-                                       "reason (done: every reader notified; abandoned: the "
+                                       "reason (done: every reader said so; abandoned: the "
                                        "decode released it unread over the side channel; "
-                                       "expired: TTL)", ["reason"], registry=r)
+                                       "cached: released unread, the decode's prefix cache "
+                                       "held it all; expired: TTL)", ["reason"], registry=r)
         self.transfer_bytes = Counter("kvxfer_kv_transfer_bytes", "Decode: KV bytes read from "
                                       "prefill instances (all TP ranks)", registry=r)
         self.transfer_descriptors = Counter("kvxfer_kv_transfer_descriptors", "Decode: NIXL "
@@ -119,7 +120,7 @@ class SidecarMetrics:
         self.notifications_late = Counter(
             "kvxfer_kv_notifications_late", "Prefill: \"done\" notifications for a lease "
             "no longer held, one per notification, by how that lease had ended (done, "
-            "abandoned, expired; unknown: ended too long ago to be remembered, or never "
+            "abandoned, cached, expired; unknown: ended too long ago to be remembered, or never "
             "held)", ["reason"], registry=r)
         for counter, labels in ((self.leases_released, LEASE_END_REASONS),
                                 (self.transfers, TRANSFER_OUTCOMES),

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
+from kvxfer.wire.messages import ReleaseOutcome
 
 if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
@@ -282,13 +283,16 @@ class LeaseClient:
                              f"used: the lease ended {now - lease.deadline:.3f} s before the "
                              f"read did")
 
-    def release(self, remote: RemoteParams, reason: str) -> bool:
+    def release(self, remote: RemoteParams, reason: str, *, cached: bool = False) -> bool:
         """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
-        for the releaser's thread); False when not queued."""
+        for the releaser's thread; ``cached``: because this decode's prefix cache holds
+        all of it); False when not queued."""
         releaser = self._releaser  # read once: close() may clear it from another thread
         if releaser is None:
             return False
-        queued = [releaser.submit(remote.remote_host, port, remote.remote_request_id, reason)
+        outcome = ReleaseOutcome.CACHED if cached else ReleaseOutcome.ABANDONED
+        queued = [releaser.submit(remote.remote_host, port, remote.remote_request_id, reason,
+                                  outcome)
                   for port in remote.side_channels()]
         return all(queued)
 

@@ -30,7 +30,8 @@ worker's :class:`~kvxfer.vllm.transfers.WorkerSide` (its one rank) hand
 
 * the listener's thread calls :meth:`~LeaseAnswers.on_release` for a decode's
   ``ReleaseLease``: it is ignored from another engine than the lease's claimer;
-  otherwise it is queued (the lease is ended by the owner's thread, not here) and the
+  otherwise it is queued (the lease is ended by the owner's thread, not here, as
+  ``abandoned`` or, when the decode's prefix cache held it all, ``cached``) and the
   answer says whether the lease is held right now;
 * the listener's thread calls :meth:`~LeaseAnswers.on_renew` for a ``RenewLease``:
   every rank claims (the first claimer only) or extends the lease by ``ttl`` seconds,
@@ -56,7 +57,7 @@ from typing import Protocol
 
 from kvxfer.transfer.results import Released, Tally
 from kvxfer.wire.errors import BadSignature, ProtocolError
-from kvxfer.wire.messages import DoneReport, RenewRefused
+from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewRefused
 from kvxfer.wire.notification import ReadDone, decode_notif
 
 log = logging.getLogger(__name__)
@@ -244,6 +245,7 @@ class Release:
     lease_id: str
     requester: str  # the decode's engine id
     reason: str
+    outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED
 
 
 class LeaseAnswers:
@@ -255,14 +257,15 @@ class LeaseAnswers:
         self.ranks, self.ttl, self.max_age = ranks, ttl, max_age
         self._releases: queue.SimpleQueue[Release] = queue.SimpleQueue()
 
-    def on_release(self, lease_id: str, requester: str, reason: str) -> bool:
+    def on_release(self, lease_id: str, requester: str, reason: str,
+                   outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Listener thread: queue a decode's release for :meth:`take_releases` (only
         its claimer's, or an unclaimed lease's); whether the lease is held right now."""
         if not all(rank.may_end(lease_id, requester) for rank in self.ranks):
             log.warning("decode %s released lease %s, which another decode claimed: ignored",
                         requester, lease_id)
             return False
-        self._releases.put(Release(lease_id, requester, reason))
+        self._releases.put(Release(lease_id, requester, reason, outcome))
         return any(rank.holds_lease(lease_id) for rank in self.ranks)
 
     def on_renew(self, lease_id: str, requester: str, claim: bool) -> float:
@@ -302,7 +305,8 @@ class LeaseAnswers:
                 release = self._releases.get_nowait()
             except queue.Empty:
                 return taken
-            ended = [rank.end_lease(release.lease_id, "abandoned") for rank in self.ranks]
+            ended = [rank.end_lease(release.lease_id, release.outcome.value)
+                     for rank in self.ranks]
             if not any(ended):
                 log.info("decode %s released lease %s, which is not held (ended already or "
                          "never handed out): ignored", release.requester, release.lease_id)

@@ -77,8 +77,8 @@ class WorkerCounts:
 @dataclass(frozen=True)
 class Released:
     request_id: str
-    # "done" (every reader notified), "abandoned" (end_lease: the decode will not read)
-    # or "expired" (the lease ran out)
+    # "done" (every reader said so), "abandoned" (end_lease: the decode will not read),
+    # "cached" (released: the decode's prefix cache held it all) or "expired" (ran out)
     reason: str
 
 

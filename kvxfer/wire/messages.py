@@ -94,6 +94,13 @@ class MetadataResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"blocks, rank {first.tp_rank} into {first.kernel_ratio}")
 
 
+class ReleaseOutcome(str, enum.Enum):
+    """How a released lease ends on the prefill (its ``leases_released`` label)."""
+
+    ABANDONED = "abandoned"  # the decode will not read it (refused, aborted, failed)
+    CACHED = "cached"        # the decode's prefix cache held all of it: nothing to read
+
+
 MAX_LEASE_ID_CHARS = 1024  # a request id (<= 200 characters) plus "@<serial>", with room
 MAX_RELEASE_REASON_CHARS = 1024  # senders truncate; the reason is only logged
 
@@ -104,12 +111,14 @@ class ReleaseLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``lease_id`` is the ``remote_request_id`` of the prefill's ``kv_transfer_params``
     (unique per prefill engine, so a release can never end another lease).
     ``reason`` is free text for the prefill's log (e.g. why the decode refused
-    the request). Sent only when no NIXL "done" notification will come.
+    the request); ``outcome`` how the lease ends there. Sent only when no reader's
+    "done" will come.
     """
 
     lease_id: str
     requester_engine_id: str
     reason: str
+    outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED
 
     def __post_init__(self) -> None:
         require(bool(self.lease_id), "ReleaseLease.lease_id must not be empty")

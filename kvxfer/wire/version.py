@@ -39,7 +39,8 @@ from __future__ import annotations
 #  10: HostReads.memory (SharedRegion): the shared buffers (memfds) the rank's cache lies
 #      in, which a decode on its host may map (kvxfer.transfer.converted.mapped_reads).
 #  11: message kind "done" (DoneReport, hash-free): a decode rank's "done" over the side
-#      channel, acknowledged with a ReleaseAck, next to its NIXL notification.
+#      channel, acknowledged with a ReleaseAck, next to its NIXL notification;
+#      ReleaseLease.outcome ("abandoned", "cached": a full prefix-cache hit).
 KVXFER_PROTOCOL_VERSION: int = 11
 
 MAGIC = b"KVXF"

@@ -32,6 +32,7 @@ from kvxfer.wire.messages import (
     MetadataResponse,
     ReleaseAck,
     ReleaseLease,
+    ReleaseOutcome,
     RenewAck,
     RenewLease,
     check_response,
@@ -109,7 +110,8 @@ class HandshakeClient:
                                expected=f"an answer within {timeout:g} s", found=why)
 
     def release(self, host: str, port: int, lease_id: str, reason: str, *,
-                timeout: float = RELEASE_TIMEOUT_S) -> bool:
+                timeout: float = RELEASE_TIMEOUT_S,
+                outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Tell the prefill listening at ``host:port`` that lease ``lease_id`` will not
         be read; True when it held that lease, False when it did not (nothing changed).
 
@@ -120,7 +122,8 @@ class HandshakeClient:
         :class:`HandshakeError` naming the peer address on any failure
         (:class:`PeerRefused` for an :class:`ErrorReply`).
         """
-        message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS])
+        message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS],
+                               outcome)
         return self._acknowledged(host, port, message, lease_id, "release", timeout,
                                   probe_first=True)
 

@@ -36,6 +36,7 @@ from kvxfer.wire.messages import (
     MetadataResponse,
     ReleaseAck,
     ReleaseLease,
+    ReleaseOutcome,
     RenewAck,
     RenewLease,
     RenewRefused,
@@ -56,7 +57,7 @@ class HandshakeListener:
     :meth:`close`. ``metadata()`` is called for each request, on the serving
     thread, and returns this instance's ranks; ``on_request(requester_engine_id)``
     is called on that thread after each successful answer.
-    ``on_release(lease_id, requester_engine_id, reason)`` is called on that
+    ``on_release(lease_id, requester_engine_id, reason, outcome)`` is called on that
     thread for each :class:`ReleaseLease` and returns whether the lease is held
     (the :class:`ReleaseAck` says so); it must only hand the release over to the
     thread that owns the leases. Without it releases are refused as
@@ -79,7 +80,7 @@ class HandshakeListener:
                  compat: CompatInfo, metadata: Callable[[], Sequence[AgentMetadata]],
                  hmac_key: bytes | None = None,
                  on_request: Callable[[str], None] | None = None,
-                 on_release: Callable[[str, str, str], bool] | None = None,
+                 on_release: Callable[[str, str, str, ReleaseOutcome], bool] | None = None,
                  on_renew: Callable[[str, str, bool], float] | None = None,
                  on_done: Callable[[DoneReport, str], bool] | None = None
                  ) -> None:
@@ -258,7 +259,7 @@ class HandshakeListener:
             return ErrorReply(ErrorCode.UNAVAILABLE, why)
         try:
             found = self._on_release(release.lease_id, release.requester_engine_id,
-                                     release.reason)
+                                     release.reason, release.outcome)
         except Exception as exc:
             log.exception("handshake listener at %s: on_release(%r) failed", self.address,
                           release.lease_id)

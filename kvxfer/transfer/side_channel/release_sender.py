@@ -22,7 +22,7 @@ from kvxfer.transfer.side_channel.sockets import (
     PROBE_TIMEOUT_S,
 )
 from kvxfer.wire.errors import HandshakeError
-from kvxfer.wire.messages import DoneReport, RenewAck
+from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewAck
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,14 @@ class _Renewal:
 
     done: Callable[[RenewAck | None, float, str], None]
     claim: bool
+
+
+@dataclass(frozen=True)
+class _Release:
+    """A queued release: why (for the prefill's log) and how the lease ends there."""
+
+    reason: str
+    outcome: ReleaseOutcome
 
 
 @dataclass(frozen=True)
@@ -79,9 +87,10 @@ class ReleaseSender:
                                         name=f"kvxfer-release-{client.engine_id}")
         self._thread.start()
 
-    def submit(self, host: str, port: int, lease_id: str, reason: str) -> bool:
+    def submit(self, host: str, port: int, lease_id: str, reason: str,
+               outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Queue one release; False (logged) when closed or the queue is full."""
-        return self._put((host, port, lease_id, reason), "release")
+        return self._put((host, port, lease_id, _Release(reason, outcome)), "release")
 
     def submit_renew(self, host: str, port: int, lease_id: str,
                      done: Callable[[RenewAck | None, float, str], None], *,
@@ -98,7 +107,8 @@ class ReleaseSender:
         (:meth:`HandshakeClient.report_done`); False (logged) when closed or full."""
         return self._put((host, port, report.done.request_id, _Report(report)), "done report")
 
-    def _put(self, item: tuple[str, int, str, str | _Renewal | _Report], what: str) -> bool:
+    def _put(self, item: tuple[str, int, str, _Release | _Renewal | _Report],
+             what: str) -> bool:
         host, port, lease_id, _ = item
         if self._closed:
             log.info("%s of lease %s at %s not sent: the sender is closed", what, lease_id,
@@ -148,7 +158,7 @@ class ReleaseSender:
                 assert isinstance(item, tuple)
                 self._handle(item)
 
-    def _handle(self, item: tuple[str, int, str, str | _Renewal | _Report]) -> None:
+    def _handle(self, item: tuple[str, int, str, _Release | _Renewal | _Report]) -> None:
         host, port, lease_id, reason = item
         if self._give_up_at is not None and time.monotonic() > self._give_up_at:
             self.dropped += 1
@@ -208,9 +218,11 @@ class ReleaseSender:
         except Exception:
             log.exception("the renewal callback of lease %s failed", lease_id)
 
-    def _send(self, host: str, port: int, lease_id: str, reason: str) -> None:
+    def _send(self, host: str, port: int, lease_id: str, release: _Release) -> None:
+        reason = release.reason
         try:
-            found = self._client.release(host, port, lease_id, reason, timeout=self._timeout)
+            found = self._client.release(host, port, lease_id, reason, timeout=self._timeout,
+                                         outcome=release.outcome)
         except (HandshakeError, ValueError, RuntimeError) as exc:
             self.failed += 1
             log.warning("could not release lease %s: %s (the prefill frees it at lease "
