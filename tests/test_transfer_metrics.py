@@ -30,6 +30,7 @@ from test_release import Recorder, prompt
 
 from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import KVConnector, compat_info
+from kvxfer.sidecar.connector_events import AbortOutcome
 from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
 from kvxfer.transfer.nixl_agent import NixlAgent
 from kvxfer.transfer.side_channel.errors import FAILURE_REASONS
@@ -238,3 +239,17 @@ def test_the_help_text_names_every_reason(make: Make) -> None:
                  "# TYPE kvxfer_kv_transfer_size_bytes histogram",
                  "# TYPE kvxfer_kv_transfer_size_descriptors histogram"):
         assert line in text, line
+
+
+def test_a_lease_whose_client_left_before_the_answer_ends_at_once(make: Make) -> None:
+    """The client of a finished prefill request left before its answer (the lease's
+    params) reached it, as a proxy that gave up on a frozen prefill does: the abort ends
+    the lease now (``abandoned``) instead of leaving its blocks to the TTL."""
+    prefill = make("prefill")
+    held(prefill, "p")
+    assert prefill.abort("p") is AbortOutcome.LEASED
+    pump(prefill, until=lambda: value(prefill, "kvxfer_kv_leases_released_total",
+                                      reason="abandoned") == 1)
+    assert prefill.workers[0].num_leases == 0 and prefill.engine.num_free_blocks == \
+        prefill.engine.num_blocks
+    assert prefill.abort("p") is AbortOutcome.NOT_MINE, "ended once"

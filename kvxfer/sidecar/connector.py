@@ -364,9 +364,22 @@ class KVConnector:
         outcome = None if self.loads is None else self.loads.abort(request_id)
         if outcome is not None:
             return outcome
-        if request_id in self._lease_of:
+        if self.end_unanswered(request_id):
             return AbortOutcome.LEASED
         return AbortOutcome.NOT_MINE
+
+    def end_unanswered(self, request_id: str) -> bool:
+        """Prefill, the loop's thread: the client of ``request_id`` left before its
+        answer (the lease's params) reached it, so nobody can read the lease: end it now
+        on every rank (``abandoned``) instead of at its TTL. Whether it held one."""
+        lease_id = self._lease_of.get(request_id)
+        if lease_id is None:
+            return False
+        log.info("request %s: its client left before it got the params of lease %s; "
+                 "freeing its blocks", request_id, lease_id)
+        for worker in self.workers:
+            worker.end_lease(lease_id, "abandoned")
+        return True
 
     def release_remote(self, remote: RemoteParams, reason: str) -> bool:
         """Any thread: tell the prefill that ``remote``'s lease will not be read (queued

@@ -15,7 +15,7 @@ class AbortOutcome(enum.Enum):
 
     DROPPED = "dropped"    # it was waiting for blocks and never reached the engine
     DEFERRED = "deferred"  # a READ is in flight; the engine aborts it when all ranks end
-    LEASED = "leased"      # prefill: its blocks are leased to readers; the lease ends it
+    LEASED = "leased"      # prefill: its lease, whose params the client never got, ended
     NOT_MINE = "not_mine"  # the connector does not own it: the caller aborts the engine request
 
 

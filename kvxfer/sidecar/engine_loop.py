@@ -316,8 +316,9 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return  # finished already
+        if tracked is None:  # finished, but its client left before the answer reached it
+            self.connector.end_unanswered(request_id)
+            return
         tracked.sink.closed = True
         outcome = self.connector.abort(request_id)
         if outcome is AbortOutcome.DROPPED:
@@ -328,7 +329,8 @@ class EngineLoop:
                 else AbortOutcome.DROPPED
         if outcome is AbortOutcome.DROPPED:
             self._forget(request_id)
-        # DEFERRED (or aborted in the engine): its "abort" output ends it; LEASED: the release
+        # DEFERRED (or aborted in the engine): its "abort" output ends it; LEASED: its lease
+        # ended, and its release frees the blocks
 
     def _connector_events(self, events: ConnectorEvents) -> None:
         if events.released:
