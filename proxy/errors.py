@@ -50,6 +50,14 @@ def unavailable(message: str) -> ProxyError:
     return ProxyError(503, message, "service_unavailable")
 
 
+class NoInstance(ProxyError):
+    """No instance of a role took the request (each was unreachable or draining): nothing
+    was started on any of them (503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "service_unavailable")
+
+
 def gateway_timeout(message: str) -> ProxyError:
     return ProxyError(504, message, "upstream_timeout")
 

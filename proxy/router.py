@@ -11,7 +11,10 @@ Order of events for ``POST /v1/completions`` (and chat):
 
 Only an instance that could not be *connected to*, or that answered 503
 ``x-kvxfer-draining`` (shutting down; it started nothing), is skipped for the
-next one: then nothing was done there. Any later failure of the decode call (5xx,
+next one: then nothing was done there. When no decode took the request, nothing
+will read the lease the prefill holds: the proxy releases it at the prefill
+(``POST /v1/kv/release`` with its params; a prefill that lacks the route, as vLLM's,
+frees it at its TTL). Any later failure of the decode call (5xx,
 timeout, broken stream) is reported to the client, naming the prefill that
 holds the leased blocks, and not retried: the decode may have started reading
 them. The prefill frees its blocks when the decode reports the read done or
@@ -40,7 +43,7 @@ from proxy.contract import (
     prefill_request,
     wants_stream,
 )
-from proxy.errors import ProxyError, unavailable
+from proxy.errors import NoInstance, ProxyError
 from proxy.fanout import (
     StreamMerger,
     choices_per_prompt,
@@ -58,6 +61,7 @@ from proxy.upstream import Answer, Draining, OpenStream, Unreachable, Upstream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RELEASE_PATH = "/v1/kv/release"  # a kvxfer prefill's: ends a lease for its params' holder
 
 
 class PDRouter:
@@ -80,6 +84,9 @@ class PDRouter:
             if wants_stream(body):
                 return await self._decode_stream(route, content, request_id)
             return await self._decode_json(route, content, request_id)
+        except NoInstance:  # no decode started anything: nobody will read the lease
+            await self._release(prefill, params, request_id)
+            raise
         except ProxyError as exc:
             raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
                              f"the KV of request {params.get('remote_request_id')!r} until the "
@@ -91,8 +98,21 @@ class PDRouter:
         if not self.balancer.has_healthy("decode"):
             raise self._unavailable("decode")
 
-    def _unavailable(self, role: str) -> Exception:
-        return unavailable(f"no healthy {role} instance: " + "; ".join(
+    async def _release(self, prefill: Instance, params: dict[str, Any], request_id: str
+                       ) -> None:
+        """Ask ``prefill`` to end the lease ``params`` name (best effort, logged)."""
+        content = msgspec.json.encode({"kv_transfer_params": params})
+        try:
+            await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
+        except Exception as exc:
+            log.info("request %s: prefill %s did not release lease %s (it ends at its TTL): "
+                     "%s", request_id, prefill.url, params.get("remote_request_id"), exc)
+            return
+        log.info("request %s: no decode took it; released lease %s at %s", request_id,
+                 params.get("remote_request_id"), prefill.url)
+
+    def _unavailable(self, role: str) -> NoInstance:
+        return NoInstance(f"no healthy {role} instance: " + "; ".join(
             f"{i.url} ({i.last_error or 'unhealthy'})" for i in self.balancer.instances(role)))
 
     async def _fan_out(self, route: str, body: dict[str, Any], bodies: list[dict[str, Any]],

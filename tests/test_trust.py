@@ -186,6 +186,22 @@ def read_then_lease_another(prefill: Sidecar, dec: Sidecar, prompt: str, other_p
     return params, lease(prefill, other_prompt), other_want
 
 
+def test_a_prefill_releases_a_lease_only_for_params_it_signed(rig: dict[str, Sidecar]) -> None:
+    """``POST /v1/kv/release`` (what the proxy sends when no decode took a request):
+    altered or ticket-less params end nothing; the params as handed out end the lease."""
+    prefill = rig["prefill"]
+    params = lease(prefill, "a prompt whose params someone tries to release")
+    for forged in ({**params, "remote_block_ids": [b + 1 for b in params["remote_block_ids"]]},
+                   {k: v for k, v in params.items() if k != "lease_ticket"}):
+        answer = prefill.post("/v1/kv/release", {"kv_transfer_params": forged})
+        assert answer.status_code == 400, answer.text
+        assert "does not verify" in answer.text or "is missing" in answer.text, answer.text
+    still_held(prefill, params)
+    answer = prefill.post("/v1/kv/release", {"kv_transfer_params": params})
+    assert answer.status_code == 200 and answer.json() == {"released": True}, answer.text
+    prefill.wait_for("the lease released", idle, timeout=10)
+
+
 def test_a_replayed_ticket_is_refused(rig: dict[str, Sidecar]) -> None:
     prefill, dec = rig["prefill"], rig["decode"]
     prompt, other_prompt = ("a prompt read once and replayed",

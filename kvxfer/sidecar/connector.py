@@ -55,7 +55,7 @@ from kvxfer.sidecar.kv_loads import KVLoads
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import LeaseBook
-from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
+from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket, verify_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, SamplingParams
@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
+PARAMS_HOLDER = "params-holder"  # who releases through release_handed_out (no decode engine)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -391,6 +392,22 @@ class KVConnector:
         if loads is None:
             return False
         return loads.leases.release_named(remote, reason)
+
+    def release_handed_out(self, remote: RemoteParams, reason: str) -> bool:
+        """Any thread: end a lease this prefill handed out, unclaimed by any decode, for a
+        caller that shows its params (the proxy, when no decode will read them); queued
+        for the engine loop, as a decode's release. ValueError for another prefill's
+        params or, with a key, params this prefill did not sign; whether it was held
+        and unclaimed."""
+        if self.answers is None:
+            raise RuntimeError(f"a {self.role} instance hands out no leases")
+        if remote.remote_engine_id != self.engine_id:
+            raise ValueError(f"the params name prefill {remote.remote_engine_id}, this is "
+                             f"{self.engine_id}")
+        if self._key is not None:
+            verify_ticket(self._key, remote.claims(), remote.lease_ticket)
+        # a lease a decode claimed is that decode's to end early: refused (logged) then
+        return self.answers.on_release(remote.remote_request_id, PARAMS_HOLDER, reason)
 
     def poll(self) -> ConnectorEvents:
         """Collect READ results and released leases; admit waiting decode requests."""

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
@@ -31,6 +32,7 @@ from kvxfer.sidecar.openai_api.kv_params import unread_lease
 from kvxfer.sidecar.openai_api.prepared import Prepared
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest, decode_body
 from kvxfer.sidecar.openai_api.validation import prepare_chat, prepare_completion
+from kvxfer.wire.params import RemoteParams
 
 if TYPE_CHECKING:
     from kvxfer.sidecar.instance import Sidecar
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-ROUTES = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+RELEASE = "/v1/kv/release"
+ROUTES = (COMPLETIONS, CHAT, RELEASE, "/v1/models", "/health", "/metrics")
 MAX_REQUEST_ID_CHARS = 200
 
 
@@ -142,6 +145,25 @@ class Handlers:
     async def metrics(self) -> Response:
         return Response(self.side.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def release(self, request: Request) -> Response:
+        """A prefill ends a lease it handed out that no decode claimed, for a caller that
+        shows its ``kv_transfer_params`` (the proxy, when no decode will read them): 200
+        ``{"released": bool}`` (False: ended already, or claimed by a decode, which alone
+        may end it then); 400 for params that are malformed, another prefill's or, with
+        a key, not signed by it."""
+        raw = await request.body()
+        try:
+            remote = RemoteParams.parse(msgspec.json.decode(raw, type=_ReleaseBody)
+                                        .kv_transfer_params)
+            released = self.side.connector.release_handed_out(
+                remote, "the caller holding its params says no decode will read it")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise OpenAIError(400, f"cannot release: {exc}",
+                              param="kv_transfer_params") from None
+        except RuntimeError as exc:  # not a prefill
+            raise OpenAIError(400, str(exc)) from None
+        return json_response({"released": released})
+
     def _refuse_draining(self) -> Response:
         """503 for a new request while draining; the header tells a proxy that nothing
         was started (a decode left the lease alone), so another instance may take it."""
@@ -202,6 +224,10 @@ class Handlers:
         except asyncio.CancelledError:  # the server is shutting down
             answer.abort()
             raise
+
+
+class _ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
+    kv_transfer_params: dict[str, object]
 
 
 def _submissions(prepared: Prepared, ids: list[str]) -> list[Submission]:

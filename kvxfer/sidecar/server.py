@@ -6,7 +6,8 @@
 builds the sidecar and runs uvicorn until SIGINT/SIGTERM.
 
 Routes (:mod:`kvxfer.sidecar.handlers`): ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``POST /v1/chat/completions``, ``POST /v1/kv/release`` (a prefill ends an unclaimed lease
+for whoever shows its params), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 Handlers never touch the engine: they validate (:mod:`kvxfer.sidecar.openai_api`), submit
 to the :class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events. A client that
 disconnects (streaming or not) aborts its requests; an abort during a KV read
@@ -56,6 +57,7 @@ from kvxfer.net.hosts import listen_tcp
 from kvxfer.sidecar.handlers import (
     CHAT,
     COMPLETIONS,
+    RELEASE,
     CountRequests,
     Handlers,
     install_error_handlers,
@@ -92,6 +94,7 @@ def create_app(settings: Settings, sidecar: Sidecar | None = None) -> FastAPI:
     handlers = Handlers(side)
     app.add_api_route(COMPLETIONS, handlers.completions, methods=["POST"])
     app.add_api_route(CHAT, handlers.chat, methods=["POST"])
+    app.add_api_route(RELEASE, handlers.release, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/health", handlers.health, methods=["GET"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
