@@ -102,14 +102,19 @@ class PDRouter:
                        ) -> None:
         """Ask ``prefill`` to end the lease ``params`` name (best effort, logged)."""
         content = msgspec.json.encode({"kv_transfer_params": params})
+        lease = params.get("remote_request_id")
         try:
-            await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
+            answer = await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
         except Exception as exc:
             log.info("request %s: prefill %s did not release lease %s (it ends at its TTL): "
-                     "%s", request_id, prefill.url, params.get("remote_request_id"), exc)
+                     "%s", request_id, prefill.url, lease, exc)
             return
-        log.info("request %s: no decode took it; released lease %s at %s", request_id,
-                 params.get("remote_request_id"), prefill.url)
+        try:
+            released = msgspec.json.decode(answer.content).get("released") is True
+        except (msgspec.DecodeError, AttributeError):
+            released = False
+        log.info("request %s: no decode took it; lease %s at %s %s", request_id, lease,
+                 prefill.url, "released" if released else "not released (ended or claimed)")
 
     def _unavailable(self, role: str) -> NoInstance:
         return NoInstance(f"no healthy {role} instance: " + "; ".join(
@@ -126,14 +131,19 @@ class PDRouter:
             if not isinstance(error, Exception):
                 raise error  # cancellation and the like: not an answer
             raise for_prompt(index, error) from error
-        leases = [r[1] for r in prefills if not isinstance(r, BaseException)]  # all of them
+        held = [r for r in prefills if not isinstance(r, BaseException)]  # all of them
         contents = [msgspec.json.encode(decode_request(b, params))
-                    for b, params in zip(bodies, leases, strict=True)]
+                    for b, (_, params) in zip(bodies, held, strict=True)]
         n = choices_per_prompt(body)
-        if wants_stream(body):
-            return await self._fan_out_stream(route, contents, request_id, n, wants_usage(body))
-        answers = await gather_or_cancel([self._post_decode(route, c, request_id)
-                                          for c in contents])
+        try:
+            if wants_stream(body):
+                return await self._fan_out_stream(route, contents, request_id, n,
+                                                  wants_usage(body))
+            answers = await gather_or_cancel([self._post_decode(route, c, request_id)
+                                              for c in contents])
+        except NoInstance:  # a lease some decode claimed stays (the prefill refuses it)
+            await gather_settled([self._release(p, params, request_id) for p, params in held])
+            raise
         merged = merge_answers([(a.content, i.url) for i, a in answers], n)
         return Response(merged, 200, media_type="application/json")
 

@@ -205,16 +205,15 @@ def end_lease(prefill: KVConnector, params: dict[str, Any], how: str,
               decode: KVConnector) -> None:
     """End the lease of ``params`` the way ``how`` says, before the READ whose "done"
     comes late."""
-    lease = params["remote_request_id"]
-    if how == "done":  # read once: that reader's "done" ends it
-        read_directly(decode, params, "first")
-    elif how == "abandoned":
-        prefill.workers[0].end_lease(lease)
+    if how == "abandoned":
+        prefill.workers[0].end_lease(params["remote_request_id"])
     released = "kvxfer_kv_leases_released_total"
     pump(prefill, until=lambda: value(prefill, released, reason=how) == 1)
 
 
-@pytest.mark.parametrize("how", ["done", "abandoned", "expired", "unknown"])
+# Not "done": a reader's second copy of its "done" for a lease its first copy ended is
+# expected since readers also report over the side channel (test_done_reports).
+@pytest.mark.parametrize("how", ["abandoned", "expired", "unknown"])
 def test_a_done_for_a_lease_no_longer_held_counts_as_late(make: Make, how: str) -> None:
     prefill = make("prefill", lease_ttl=0.3 if how == "expired" else 60.0)
     decode = make("decode", failure_policy="fail")

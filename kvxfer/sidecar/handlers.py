@@ -157,7 +157,7 @@ class Handlers:
                                         .kv_transfer_params)
             released = self.side.connector.release_handed_out(
                 remote, "the caller holding its params says no decode will read it")
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as exc:
             raise OpenAIError(400, f"cannot release: {exc}",
                               param="kv_transfer_params") from None
         except RuntimeError as exc:  # not a prefill

@@ -18,7 +18,7 @@ Who calls what:
   prefill grants a lease to one decode engine only. Under policy ``recompute`` a lease
   that cannot be read (expired, its claim refused) is not read but its request is served
   all the same, its prompt computed here; only params that are malformed, forged or
-  replayed get a 400. When the engine has no free
+  already used here get a 400. When the engine has no free
   blocks for the prompt the request waits here, first come first served; while it
   waits or reads, :meth:`poll` renews its lease over the side channel before it runs
   out, and a READ starts only with enough of the lease left. Admitted:

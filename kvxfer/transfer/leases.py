@@ -172,14 +172,15 @@ class LeaseTable:
     def count_done(self, note: ReadDone, sender: str, *, report: bool = False) -> bool:
         """Record one reader's "done" (from a NIXL notification or, ``report``, the side
         channel: each counted once per reader); the lease ends once all its readers said
-        it. Whether the lease was held as it came: a late one is counted as late (not a
-        report of a lease that ended "done": its notification came first, as it should),
-        and one from another engine than the lease's claimer changes nothing."""
+        it. Whether the lease was held as it came: a late notification is counted as late
+        (not a report, whose notification was counted, nor one for a lease that ended
+        "done": its readers' other copy came first), and one from another engine than
+        the lease's claimer changes nothing."""
         with self._lock:
             lease = self._leases.get(note.request_id)
             if lease is None:  # a late reader of an ended lease, or a stray note
                 ended = self._ended.get(note.request_id, "unknown")
-                if not (report and ended == "done"):
+                if not report and ended != "done":
                     self._tally.notification_late(ended)
                 log.debug("ignoring a done for lease %s from %s, which is not held "
                           "(ended: %s)", note.request_id, sender, ended)
@@ -305,6 +306,11 @@ class LeaseAnswers:
                 release = self._releases.get_nowait()
             except queue.Empty:
                 return taken
+            if not all(rank.may_end(release.lease_id, release.requester)
+                       for rank in self.ranks):  # a decode claimed it since: its to end
+                log.info("lease %s was claimed by a decode after %s released it: kept",
+                         release.lease_id, release.requester)
+                continue
             ended = [rank.end_lease(release.lease_id, release.outcome.value)
                      for rank in self.ranks]
             if not any(ended):

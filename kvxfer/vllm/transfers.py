@@ -92,7 +92,12 @@ class WorkerSide:
         self.listener: HandshakeListener | None = None
         # every rank claims as the engine: a lease is read by one decode, all its ranks
         sender = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key))
-        self.leases = LeaseClient(LeaseBook(key, max_age=settings.max_age), sender,
+        try:  # its own thread: a claim must not wait behind reports to a frozen prefill
+            renewer = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key))
+        except BaseException:
+            sender.close()
+            raise
+        self.leases = LeaseClient(LeaseBook(key, max_age=settings.max_age), sender, renewer,
                                   read_timeout=settings.kv_read_timeout)
         self.answers = LeaseAnswers([self.worker], ttl=settings.lease_ttl,
                                     max_age=settings.max_age)
@@ -263,13 +268,12 @@ class WorkerSide:
     def _report(self, request_id: str, item: _Load, polled: PollResult) -> None:
         """Send an ended read's "done" reports; release a lease nobody could tell."""
         self.leases.report_done(item.remote, polled.reports.get(request_id, ()))
-        if request_id in polled.unnotified:
-            failure = polled.failed.get(request_id)
-            if failure is None:
-                self.leases.release(item.remote, "the decode read it, but its connection to "
-                                                 "the prefill was dropped meanwhile")
-            else:
-                self.leases.release_after_failed_read(item.remote, failure)
+        failure = polled.failed.get(request_id)
+        if request_id in polled.unnotified and failure is not None:
+            # a failed load is recomputed or failed whole by vLLM, whatever the other ranks
+            # read; a finished one is not released: this decode's other ranks (processes
+            # of their own) may still be reading it, so it is left to its TTL
+            self.leases.release_after_failed_read(item.remote, failure)
 
     def _fail(self, load: Load, reason: str) -> None:
         log.warning("KV load of request %s failed; vLLM's kv_load_failure_policy decides: %s",
