@@ -62,7 +62,7 @@ class Prefill:
             raise RenewRefused(answer or "the prefill does not hold it")
         return answer
 
-    def _on_release(self, lease_id: str, _requester: str, _reason: str) -> bool:
+    def _on_release(self, lease_id: str, _requester: str, _reason: str, _outcome: str) -> bool:
         self.releases.append(lease_id)
         return True
 

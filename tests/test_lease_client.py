@@ -21,7 +21,7 @@ from kvxfer.transfer.lease_client import (
     Readiness,
 )
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.messages import DoneReport, RenewAck
+from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewAck
 from kvxfer.wire.notification import ReadDone
 from kvxfer.wire.params import RemoteParams
 
@@ -41,7 +41,8 @@ class Sender:
     closed: int = 0
     ports: list[int] = field(default_factory=list)  # where each queued one goes
 
-    def submit(self, host: str, port: int, lease_id: str, reason: str) -> bool:
+    def submit(self, host: str, port: int, lease_id: str, reason: str,
+               outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         if self.accept:
             self.releases.append((lease_id, reason))
             self.ports.append(port)
