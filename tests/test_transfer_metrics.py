@@ -201,8 +201,7 @@ def test_notifications_the_prefill_cannot_verify_are_counted(make: Make) -> None
 
 # -- late notifications ---------------------------------------------------------------------
 
-def end_lease(prefill: KVConnector, params: dict[str, Any], how: str,
-              decode: KVConnector) -> None:
+def end_lease(prefill: KVConnector, params: dict[str, Any], how: str) -> None:
     """End the lease of ``params`` the way ``how`` says, before the READ whose "done"
     comes late."""
     if how == "abandoned":
@@ -221,7 +220,7 @@ def test_a_done_for_a_lease_no_longer_held_counts_as_late(make: Make, how: str) 
     if how == "unknown":  # a lease this prefill never handed out
         params = {**params, "remote_request_id": "never-held"}
     else:
-        end_lease(prefill, params, how, decode)
+        end_lease(prefill, params, how)
     late = "kvxfer_kv_notifications_late_total"
     read_directly(decode, params, "late")
     pump(prefill, decode, until=lambda: value(prefill, late, reason=how) == 1)

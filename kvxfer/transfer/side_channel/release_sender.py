@@ -163,7 +163,9 @@ class ReleaseSender:
         host, port, lease_id, reason = item
         if self._give_up_at is not None and time.monotonic() > self._give_up_at:
             self.dropped += 1
-            log.info("release of lease %s at %s dropped: shutting down", lease_id,
+            what = ("renewal" if isinstance(reason, _Renewal)
+                    else "done report" if isinstance(reason, _Report) else "release")
+            log.info("%s of lease %s at %s dropped: shutting down", what, lease_id,
                      endpoint(host, port))
             return
         if isinstance(reason, _Renewal):
