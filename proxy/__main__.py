@@ -58,12 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
                         help="longest wait to connect to an instance (default 5)")
     parser.add_argument("--prefill-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="longest wait for a prefill's answer (one token); a frozen or "
-                             "overloaded prefill answers the client 504 after this "
-                             "(default 30)")
+                        help="longest wait for a prefill's answer (one token); after it a "
+                             "frozen or overloaded prefill's request runs on another one "
+                             "(--retries), else the client gets 504 (default 30)")
     parser.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="longest wait for a whole non-streamed decode answer, or for "
                              "each next chunk of a stream (default 600)")
+    parser.add_argument("--retries", type=int, default=1, metavar="N",
+                        help="run a request again, on other instances where there are any, "
+                             "up to N times when its prefill or decode failed (5xx, broken "
+                             "connection, a prefill timeout) before anything was sent to the "
+                             "client (default 1; 0 turns retries off)")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
                         help="pause between health checks of every instance (default 5)")
     parser.add_argument("--health-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -105,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         host=args.host, port=args.port, policy=args.policy, api_key=api_key,
         upstream_api_key=upstream_key, connect_timeout=args.connect_timeout,
         prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
+        retries=args.retries,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, log_level=args.log_level,
         access_log=args.access_log)

@@ -12,13 +12,14 @@ Policies order the *healthy* instances of a role for one request:
   same rotation (so equally loaded instances still alternate).
 
 The request path tries the candidates in that order and moves to the next
-only when one cannot be reached (see :mod:`proxy.router`).
+when one cannot be reached; a request runs again after a failure only on
+instances that did not fail it (see :mod:`proxy.router`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -71,8 +72,9 @@ class Balancer:
             return list(self._instances[role])
         return [i for r in ROLES for i in self._instances[r]]
 
-    def candidates(self, role: str) -> list[Instance]:
-        """The healthy instances of ``role`` in the order this request should try them.
+    def candidates(self, role: str, avoid: Collection[str] = ()) -> list[Instance]:
+        """The healthy instances of ``role`` in the order this request should try them,
+        those whose URL is in ``avoid`` (a try of the request failed there) last.
 
         Each call advances the rotation by one. Empty when none is healthy.
         """
@@ -84,10 +86,13 @@ class Balancer:
         ordered = healthy[start:] + healthy[:start]
         if self.policy == "least_outstanding":
             ordered.sort(key=lambda i: i.outstanding)  # stable: the rotation breaks ties
+        if avoid:
+            ordered.sort(key=lambda i: i.url in avoid)
         return ordered
 
-    def has_healthy(self, role: str) -> bool:
-        return any(i.in_rotation for i in self._instances[role])
+    def has_healthy(self, role: str, avoid: Collection[str] = ()) -> bool:
+        """Whether an instance of ``role`` whose URL is not in ``avoid`` is in rotation."""
+        return any(i.in_rotation and i.url not in avoid for i in self._instances[role])
 
     def set_members(self, role: str, urls: list[str]) -> list[Instance]:
         """Make ``urls`` the members of ``role``: add the new ones (unhealthy until

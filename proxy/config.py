@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 POLICIES: tuple[str, ...] = ("round_robin", "least_outstanding")
 ROLES: tuple[str, ...] = ("prefill", "decode")
+MAX_RETRIES = 5  # each attempt may wait prefill_timeout + request_timeout
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,9 @@ class ProxyConfig:
     ``request_timeout``);
     ``request_timeout`` bounds a whole non-streamed decode answer, and for a
     streamed answer the wait for its headers and for each next chunk.
+    ``retries`` is how many more times a request whose prefill or decode call failed
+    before anything reached the client runs again, on other instances where there are
+    any (:mod:`proxy.router`).
     ``health_interval`` is the pause between two rounds of ``GET /health``;
     ``health_timeout`` bounds one check, and ``health_failures`` checks in a row
     without an answer take a healthy instance out of the rotation
@@ -50,6 +54,7 @@ class ProxyConfig:
     connect_timeout: float = 5.0
     prefill_timeout: float = 30.0
     request_timeout: float = 600.0
+    retries: int = 1
     health_interval: float = 5.0
     health_timeout: float = 5.0
     health_failures: int = 2
@@ -73,6 +78,8 @@ class ProxyConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
+        if not 0 <= self.retries <= MAX_RETRIES:
+            raise ConfigError(f"--retries must be 0..{MAX_RETRIES}, got {self.retries!r}")
         if not self.health_failures >= 1:
             raise ConfigError(f"--health-failures must be at least 1, got "
                               f"{self.health_failures!r}")

@@ -58,8 +58,24 @@ class NoInstance(ProxyError):
         super().__init__(503, message, "service_unavailable")
 
 
-def gateway_timeout(message: str) -> ProxyError:
-    return ProxyError(504, message, "upstream_timeout")
+class UpstreamFailed(ProxyError):
+    """An instance took a call and failed it: answered 5xx, broke the connection, or gave
+    no answer in time (502, or 504 ``upstream_timeout``). ``role`` and ``url`` name it.
+    Raised before any byte of its answer reached the client, the router may run the
+    request again on other instances (:mod:`proxy.router`)."""
+
+    def __init__(self, status: int, message: str, kind: str, role: str, url: str) -> None:
+        super().__init__(status, message, kind)
+        self.role = role
+        self.url = url
+
+
+def upstream_failed(role: str, url: str, message: str) -> UpstreamFailed:
+    return UpstreamFailed(502, message, "upstream_error", role, url)
+
+
+def upstream_timeout(role: str, url: str, message: str) -> UpstreamFailed:
+    return UpstreamFailed(504, message, "upstream_timeout", role, url)
 
 
 class UpstreamRejected(Exception):

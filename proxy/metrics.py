@@ -64,6 +64,10 @@ class ProxyMetrics:
         self.upstream_errors = Counter(
             "kvxfer_proxy_upstream_errors", "failed calls to an instance, by kind",
             ["role", "instance", "kind"], registry=r)
+        self.retries = Counter(
+            "kvxfer_proxy_retries",
+            "requests run again after a failed call, by the role of the instance that failed",
+            ["role"], registry=r)
         self.client_disconnects = Counter(
             "kvxfer_proxy_client_disconnects",
             "requests whose client left before the answer ended (upstream call cancelled)",

@@ -14,11 +14,20 @@ Only an instance that could not be *connected to*, or that answered 503
 next one: then nothing was done there. When no decode took the request, nothing
 will read the lease the prefill holds: the proxy releases it at the prefill
 (``POST /v1/kv/release`` with its params; a prefill that lacks the route, as vLLM's,
-frees it at its TTL). Any later failure of the decode call (5xx,
-timeout, broken stream) is reported to the client, naming the prefill that
-holds the leased blocks, and not retried: the decode may have started reading
-them. The prefill frees its blocks when the decode reports the read done or
-releases the lease, or else when the lease expires.
+frees it at its TTL).
+
+A call that an instance took and failed before any byte of the answer reached
+the client (a 5xx, as a decode's 502 for a KV read that failed; a broken
+connection; a prefill's timeout) runs the whole request again, up to
+``--retries`` times, while an instance that no try failed on can take it: a new
+prefill, then a decode, those of the failed tries last. Before that the proxy asks the
+prefill to release the failed try's lease (refused when a decode claimed it:
+that decode ends it). A decode's timeout is not retried (it may still be
+working), nor a stream that broke after its first byte: the client is told,
+with the prefill that holds the leased blocks named. The prefill frees its
+blocks when the decode reports the read done or releases the lease, or else
+when the lease expires; a prefill the proxy gave up on ends the lease when it
+sees the proxy leave.
 
 A completions request with several prompts runs one such pair per prompt (see
 :mod:`proxy.fanout`): first every prefill, all at once; if one failed, the
@@ -28,8 +37,10 @@ answered; else every decode, all at once, their answers or streams merged.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -43,7 +54,7 @@ from proxy.contract import (
     prefill_request,
     wants_stream,
 )
-from proxy.errors import NoInstance, ProxyError
+from proxy.errors import NoInstance, ProxyError, UpstreamFailed
 from proxy.fanout import (
     StreamMerger,
     choices_per_prompt,
@@ -67,30 +78,82 @@ RELEASE_PATH = "/v1/kv/release"  # a kvxfer prefill's: ends a lease for its para
 class PDRouter:
     """Routes requests over the balancer's instances; one per app."""
 
-    def __init__(self, balancer: Balancer, upstream: Upstream, metrics: ProxyMetrics) -> None:
+    def __init__(self, balancer: Balancer, upstream: Upstream, metrics: ProxyMetrics,
+                 retries: int = 0) -> None:
         self.balancer = balancer
         self.upstream = upstream
         self.metrics = metrics
+        self.retries = retries
+        self._background: set[asyncio.Task[None]] = set()
 
     async def complete(self, route: str, body: dict[str, Any], request_id: str) -> Response:
-        """Answer a completion request (``route`` is its path) through prefill and decode."""
+        """Answer a completion request (``route`` is its path) through prefill and decode,
+        run again up to ``retries`` times when a call failed before any byte of the answer
+        went to the client (:func:`worth_retrying`) and an instance that no try failed on
+        could take it (:meth:`_untried`)."""
         self._need_decode()
         bodies = split_prompts(route, body)
         if bodies is not None:
             return await self._fan_out(route, body, bodies, request_id)
-        prefill, params = await self._prefill(route, body, request_id)
+        failed: set[str] = set()  # instances in a failed try: the next one avoids them
+        for attempt in itertools.count(1):
+            try:
+                return await self._pair(route, body, request_id, failed)
+            except UpstreamFailed as exc:
+                if attempt > self.retries or not worth_retrying(exc) \
+                        or not self._untried(exc, failed):
+                    raise
+                self.metrics.retries.labels(exc.role).inc()
+                log.warning("request %s: %s; running it again (retry %d of %d)", request_id,
+                            exc.message, attempt, self.retries)
+                self._need_decode()
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _untried(self, exc: UpstreamFailed, failed: set[str]) -> bool:
+        """Whether an instance that no try of the request failed on could take the next
+        one: a prefill for a failed prefill; a prefill or a decode for a failed decode
+        (its KV read may have failed because of the prefill). The same instances again
+        would most likely fail again, a frozen one only after the same wait."""
+        roles = ("prefill",) if exc.role == "prefill" else ("prefill", "decode")
+        return any(self.balancer.has_healthy(role, failed) for role in roles)
+
+    async def _pair(self, route: str, body: dict[str, Any], request_id: str,
+                    failed: set[str]) -> Response:
+        """One try: a prefill, then a decode with its params; the instances it used are
+        added to ``failed`` when it fails."""
+        try:
+            prefill, params = await self._prefill(route, body, request_id, failed)
+        except UpstreamFailed as exc:
+            failed.add(exc.url)
+            raise
         content = msgspec.json.encode(decode_request(body, params))
         try:
             if wants_stream(body):
-                return await self._decode_stream(route, content, request_id)
-            return await self._decode_json(route, content, request_id)
+                return await self._decode_stream(route, content, request_id, failed)
+            return await self._decode_json(route, content, request_id, failed)
         except NoInstance:  # no decode started anything: nobody will read the lease
             await self._release(prefill, params, request_id)
             raise
+        except UpstreamFailed as exc:
+            # the decode may have failed before claiming the lease (then nobody reads it)
+            # or because the prefill failed its read: the next try avoids both
+            failed.update((exc.url, prefill.url))
+            self._in_background(self._release(prefill, params, request_id))
+            raise UpstreamFailed(exc.status, f"{exc.message} (prefill instance {prefill.url} "
+                                 f"holds the KV of request {params.get('remote_request_id')!r} "
+                                 f"until the decode releases it or its lease expires)",
+                                 exc.kind, exc.role, exc.url) from exc
         except ProxyError as exc:
             raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
                              f"the KV of request {params.get('remote_request_id')!r} until the "
                              f"decode releases it or its lease expires)", exc.kind) from exc
+
+    def _in_background(self, call: Coroutine[Any, Any, None]) -> None:
+        """Run ``call`` without waiting for it (a release at a prefill that may be cut
+        off must not delay the retry); kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _need_decode(self) -> None:
         """503 before any prefill when no decode is healthy: a prefill would only lease
@@ -187,11 +250,11 @@ class PDRouter:
             "decode", lambda i: self._fetch(i, "GET", "/v1/models", request_id))
         return passthrough(response)
 
-    async def _prefill(self, route: str, body: dict[str, Any], request_id: str
-                       ) -> tuple[Instance, dict[str, Any]]:
+    async def _prefill(self, route: str, body: dict[str, Any], request_id: str,
+                       avoid: Collection[str] = ()) -> tuple[Instance, dict[str, Any]]:
         content = msgspec.json.encode(prefill_request(body))
         instance, response = await self._with_failover(
-            "prefill", lambda i: self._fetch(i, "POST", route, request_id, content))
+            "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), avoid)
         try:
             return instance, parse_prefill_answer(response.content, instance.url)
         except ProxyError as exc:
@@ -199,22 +262,24 @@ class PDRouter:
             instance.last_error = exc.message
             raise
 
-    async def _post_decode(self, route: str, content: bytes, request_id: str
-                           ) -> tuple[Instance, Answer]:
+    async def _post_decode(self, route: str, content: bytes, request_id: str,
+                           avoid: Collection[str] = ()) -> tuple[Instance, Answer]:
         return await self._with_failover(
-            "decode", lambda i: self._fetch(i, "POST", route, request_id, content))
+            "decode", lambda i: self._fetch(i, "POST", route, request_id, content), avoid)
 
-    async def _open_decode(self, route: str, content: bytes, request_id: str
-                           ) -> tuple[Instance, OpenStream]:
+    async def _open_decode(self, route: str, content: bytes, request_id: str,
+                           avoid: Collection[str] = ()) -> tuple[Instance, OpenStream]:
         return await self._with_failover(
-            "decode", lambda i: self._open(i, route, request_id, content))
+            "decode", lambda i: self._open(i, route, request_id, content), avoid)
 
-    async def _decode_json(self, route: str, content: bytes, request_id: str) -> Response:
-        _, response = await self._post_decode(route, content, request_id)
+    async def _decode_json(self, route: str, content: bytes, request_id: str,
+                           avoid: Collection[str]) -> Response:
+        _, response = await self._post_decode(route, content, request_id, avoid)
         return passthrough(response)
 
-    async def _decode_stream(self, route: str, content: bytes, request_id: str) -> Response:
-        instance, stream = await self._open_decode(route, content, request_id)
+    async def _decode_stream(self, route: str, content: bytes, request_id: str,
+                             avoid: Collection[str]) -> Response:
+        instance, stream = await self._open_decode(route, content, request_id, avoid)
 
         async def close() -> None:
             self.balancer.release(instance)
@@ -243,10 +308,11 @@ class PDRouter:
             self.balancer.release(instance)
             raise
 
-    async def _with_failover(self, role: str, call: Callable[[Instance], Awaitable[T]]
-                             ) -> tuple[Instance, T]:
-        """``call`` on the first candidate of ``role`` that can be connected to."""
-        for instance in self.balancer.candidates(role):
+    async def _with_failover(self, role: str, call: Callable[[Instance], Awaitable[T]],
+                             avoid: Collection[str] = ()) -> tuple[Instance, T]:
+        """``call`` on the first candidate of ``role`` that can be connected to (those in
+        ``avoid`` last)."""
+        for instance in self.balancer.candidates(role, avoid):
             try:
                 return instance, await call(instance)
             except Unreachable as exc:  # a Draining instance too: nothing was started
@@ -255,6 +321,13 @@ class PDRouter:
                             instance.url, exc.reason if isinstance(exc, Draining)
                             else f"unreachable ({exc.reason})")
         raise self._unavailable(role)
+
+
+def worth_retrying(exc: UpstreamFailed) -> bool:
+    """Whether a request whose call failed with ``exc`` runs again: any failure but a
+    decode's timeout (a decode that is slow, not broken, would only be asked twice and
+    the client wait twice as long)."""
+    return not (exc.role == "decode" and exc.status == 504)
 
 
 def passthrough(answer: Answer) -> Response:

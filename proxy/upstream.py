@@ -11,7 +11,7 @@ client request. This module turns every way a call can fail into one exception:
 - :class:`~proxy.errors.UpstreamRejected`: the instance answered 4xx (passed
   through to the client unchanged), except a 401: the proxy's own key was
   refused, a 502 that says to set ``--upstream-api-key``;
-- :class:`~proxy.errors.ProxyError` 502 (5xx, broken connection) or 504
+- :class:`~proxy.errors.UpstreamFailed` 502 (5xx, broken connection) or 504
   (timeout), its message naming the stage ("prefill" / "decode") and the URL.
 
 The stage of a call is the role of the instance it goes to. Failures are named
@@ -32,7 +32,12 @@ import msgspec
 from kvxfer.net.hosts import DRAINING_HEADER
 from proxy.balancer import Instance
 from proxy.config import ProxyConfig
-from proxy.errors import UpstreamRejected, bad_gateway, gateway_timeout
+from proxy.errors import (
+    UpstreamRejected,
+    bad_gateway,
+    upstream_failed,
+    upstream_timeout,
+)
 from proxy.metrics import ProxyMetrics
 
 # Connections in the pool, all instances together; well above the concurrency one
@@ -235,9 +240,10 @@ class Upstream:
         if name == READ_TIMEOUT:
             limit = self.request_timeout if limit is None else limit
             self._error(instance, "timeout", f"no answer within {limit:g} s")
-            return gateway_timeout(f"{who} did not answer within {limit:g} s ({name})")
+            return upstream_timeout(instance.role, instance.url,
+                                    f"{who} did not answer within {limit:g} s ({name})")
         self._error(instance, "broken", detail)
-        return bad_gateway(f"{who} failed: {detail}")
+        return upstream_failed(instance.role, instance.url, f"{who} failed: {detail}")
 
     def _rejection(self, instance: Instance, answer: Answer) -> Exception:
         """What reports a non-2xx answer: a 4xx passes through, anything else is a 502."""
@@ -253,8 +259,9 @@ class Upstream:
             return UpstreamRejected(status, answer.content, answer.content_type,
                                     instance.role, instance.url)
         self._error(instance, f"http_{status}", f"answered HTTP {status}")
-        return bad_gateway(f"{instance.role} instance {instance.url} answered HTTP {status}: "
-                           f"{error_excerpt(answer.content)}")
+        return upstream_failed(instance.role, instance.url,
+                               f"{instance.role} instance {instance.url} answered HTTP {status}: "
+                               f"{error_excerpt(answer.content)}")
 
 
 def upstream_auth(config: ProxyConfig) -> dict[str, str]:

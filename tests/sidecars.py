@@ -145,6 +145,16 @@ class Launched:
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return self.client.get(f"{self.url}{path}", **kw)
 
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics as {(name, sorted labels): value}."""
+        text = self.get("/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample's value (0.0 when absent)."""
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
     STOP_SIGNAL: int = signal.SIGTERM
 
     def send_signal(self, sig: int | None = None) -> None:
@@ -186,16 +196,6 @@ class Sidecar(Launched):
         response = self.get("/health")
         assert response.status_code == 200, f"{self.spec.name} /health: {response.text}"
         return dict(response.json())
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of /metrics as {(name, sorted labels): value}."""
-        text = self.get("/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def metric(self, name: str, **labels: str) -> float:
-        """One sample's value (0.0 when absent)."""
-        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def wait_for(self, what: str, check: Any, timeout: float = 20.0) -> dict[str, Any]:
         """Poll /health until ``check(health)`` is true; AssertionError names ``what``."""

@@ -316,10 +316,10 @@ def test_no_reachable_instance_is_503_naming_the_role(
 
 @pytest.mark.parametrize(("role", "stream"), [("prefill", False), ("decode", False),
                                               ("decode", True)])
-def test_upstream_5xx_is_502_naming_stage_and_instance(
+def test_upstream_5xx_without_retries_is_502_naming_stage_and_instance(
         role: str, stream: bool, stubs: dict[str, list[Stub]], start_proxy: StartProxy,
         client: httpx.Client) -> None:
-    proxy = start_proxy()
+    proxy = start_proxy(retries=0)
     for stub in stubs[role]:
         stub.behaviour.fail_status = 500
     answer = client.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": stream})
@@ -332,7 +332,64 @@ def test_upstream_5xx_is_502_naming_stage_and_instance(
     assert failed.finished
     if role == "decode":  # the prefill's lease is reported, not retried elsewhere
         assert "holds the KV of request" in message
-        assert len(stubs["prefill"][0].record.calls() + stubs["prefill"][1].record.calls()) == 1
+        assert len(stubs["prefill"][0].record.calls("/v1/completions")
+                   + stubs["prefill"][1].record.calls("/v1/completions")) == 1
+
+
+def retries_counted(client: httpx.Client, proxy: ServerThread, role: str) -> float:
+    samples = metric_samples(client.get(proxy.url + "/metrics").text)
+    return samples.get(("kvxfer_proxy_retries_total", frozenset({("role", role)})), 0.0)
+
+
+@pytest.mark.parametrize(("role", "stream"), [("prefill", False), ("decode", False),
+                                              ("decode", True)])
+def test_a_5xx_runs_the_request_again_on_the_other_instances(
+        role: str, stream: bool, stubs: dict[str, list[Stub]], start_proxy: StartProxy,
+        client: httpx.Client) -> None:
+    """The first instance of ``role`` in the rotation fails every call: the request runs
+    again, a new prefill and a decode, on instances other than the failed try's, and
+    answers 200."""
+    proxy = start_proxy()
+    broken, working = stubs[role]  # the rotation's first request tries ``broken`` first
+    broken.behaviour.fail_status = 500
+    answer = client.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": stream})
+    assert answer.status_code == 200, answer.text
+    assert len(broken.record.calls("/v1/completions")) == 1
+    assert len(working.record.calls("/v1/completions")) == 1
+    first, second = (len(s.record.calls("/v1/completions")) for s in stubs["prefill"])
+    assert (first, second) == (1, 1), "the retry prefills anew, on the other prefill"
+    assert retries_counted(client, proxy, role) == 1.0
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_try_failing_answers_the_last_failure(
+        role: str, stubs: dict[str, list[Stub]], start_proxy: StartProxy,
+        client: httpx.Client) -> None:
+    """Retries allowed for three tries, but there are two instances: each is tried once,
+    and the client gets the second failure."""
+    proxy = start_proxy(retries=2)
+    for stub in stubs[role]:
+        stub.behaviour.fail_status = 503
+    answer = client.post(proxy.url + "/v1/completions", json={"prompt": "x"})
+    assert answer.status_code == 502
+    assert [len(s.record.calls("/v1/completions")) for s in stubs[role]] == [1, 1], \
+        "the retry went to the instance that had not failed, and no third try was made"
+    second = stubs[role][1].url
+    assert error_message(answer).startswith(f"{role} instance {second} answered HTTP 503")
+    assert retries_counted(client, proxy, role) == 1.0
+
+
+def test_no_retry_on_the_instances_that_failed(stubs: dict[str, list[Stub]],
+                                               start_proxy: StartProxy,
+                                               client: httpx.Client) -> None:
+    """One prefill, failing: the same instance is not asked again."""
+    broken = stubs["prefill"][0]
+    proxy = start_proxy(prefill=[broken.url])
+    broken.behaviour.fail_status = 500
+    answer = client.post(proxy.url + "/v1/completions", json={"prompt": "x"})
+    assert answer.status_code == 502
+    assert len(broken.record.calls("/v1/completions")) == 1
+    assert retries_counted(client, proxy, "prefill") == 0.0
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -350,16 +407,20 @@ def test_upstream_4xx_passes_through(role: str, stubs: dict[str, list[Stub]],
 def test_upstream_timeout_is_504_and_cancels_the_call(
         role: str, stubs: dict[str, list[Stub]], start_proxy: StartProxy,
         client: httpx.Client) -> None:
+    """A decode's timeout is not retried (it may be slow, not broken); a prefill's is, on
+    the other prefill: the client gets 504 when both time out."""
     proxy = start_proxy(request_timeout=0.3)
     for stub in stubs[role]:
         stub.behaviour.delay_s = 5.0
     answer = client.post(proxy.url + "/v1/completions", json={"prompt": "x"})
     assert answer.status_code == 504
-    url = next(s.url for s in stubs[role] if s.record.calls())
-    assert error_message(answer).startswith(
-        f"{role} instance {url} did not answer within 0.3 s")
-    call = only_call(stubs[role])
-    wait_until(lambda: call.disconnected, WAIT_S, f"the {role} stub to see the proxy leave")
+    calls = [(s.url, c) for s in stubs[role] for c in s.record.calls()]
+    assert len(calls) == (2 if role == "prefill" else 1)
+    assert any(error_message(answer).startswith(f"{role} instance {url} did not answer "
+                                                f"within 0.3 s") for url, _ in calls)
+    for _, call in calls:
+        wait_until(lambda c=call: c.disconnected, WAIT_S,
+                   f"the {role} stub to see the proxy leave")
 
 
 @pytest.mark.parametrize(("failure", "status", "says"), [

@@ -55,7 +55,7 @@ def test_help_lists_the_flags() -> None:
                  "--decoder-ports", "--policy", "least_outstanding", "--api-key",
                  "KVXFER_PROXY_API_KEY", "--connect-timeout", "--request-timeout",
                  "--health-interval", "--api-key-file", "--upstream-api-key",
-                 "--upstream-api-key-file", "KVXFER_API_KEY", "--prefill-timeout"):
+                 "--upstream-api-key-file", "KVXFER_API_KEY", "--prefill-timeout", "--retries"):
         assert flag in done.stdout
 
 
@@ -67,6 +67,8 @@ def test_help_lists_the_flags() -> None:
     (["--request-timeout", "0"], "--request-timeout must be positive, got 0.0"),
     (["--prefill-timeout", "-1"], "--prefill-timeout must be positive, got -1.0"),
     (["--health-failures", "0"], "--health-failures must be at least 1, got 0"),
+    (["--retries", "-1"], "--retries must be 0..5, got -1"),
+    (["--retries", "6"], "--retries must be 0..5, got 6"),
     (["--upstream-api-key", " "], "--upstream-api-key is empty"),
     (["--api-key-file", "no/such/key"], "cannot read --api-key-file no/such/key"),
     (["--policy", "random"], "invalid choice: 'random'")])

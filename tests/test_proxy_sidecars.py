@@ -24,10 +24,13 @@ fleet with one prefill.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -281,7 +284,9 @@ def test_a_failed_kv_transfer_is_a_502_naming_the_decode(fleet: Fleet) -> None:
     # the proxy
     assert f"prefill instance {prefill.url} holds the KV of request '" in message, message
     assert "'mm-1" not in message, message
+    # not retried: the proxy has no other prefill or decode, and the same pair fails alike
     assert decode.metric("kvxfer_kv_transfers_total", outcome="failed") == failed + 1
+    assert proxy.metric("kvxfer_proxy_retries_total", role="decode") == 0
     decode.wait_for("the failed request's blocks free", idle)
     prefill.wait_for("the unread lease released", idle, timeout=20)
     assert prefill.metric("kvxfer_kv_leases_released_total", reason="abandoned") == abandoned + 1
@@ -497,6 +502,35 @@ def test_no_healthy_decode_is_a_503_before_any_prefill(fleet: Fleet) -> None:
     assert stream.status_code == 503, stream.text
     assert completion_calls([prefill]) == calls, "the proxy prefilled for no decode"
     assert prefill.health()["leases"] == 0
+
+
+def test_a_frozen_prefill_is_retried_on_the_other(fleet: Fleet, tmp_path: Path) -> None:
+    """A prefill frozen (SIGSTOP) behind a proxy with a 1.5 s prefill timeout: the request
+    runs again on the other prefill and answers what one instance answers. Resumed, the
+    frozen prefill computes the request the proxy gave up on, sees nobody waiting and ends
+    that lease at once: no block is held till the lease's TTL (120 s)."""
+    frozen, alive = fleet.prefills
+    wait_fleet_idle(fleet)
+    want = reference(fleet, COMPLETIONS, BODIES[COMPLETIONS])
+    proxy = ProxyProcess(tmp_path, [frozen, alive], fleet.decodes,
+                         ("--health-interval", "3600", "--prefill-timeout", "1.5"))
+    try:
+        start_proxies([proxy])
+        before = served(alive)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            response = proxy.post(COMPLETIONS, BODIES[COMPLETIONS])  # the rotation's first
+            assert_same_answer(COMPLETIONS, ok(response)["choices"], want)
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        assert served(alive) == before + 1
+        assert proxy.metric("kvxfer_proxy_retries_total", role="prefill") == 1
+        assert proxy.metric("kvxfer_proxy_upstream_errors_total", role="prefill",
+                            instance=frozen.url, kind="timeout") == 1
+        frozen.wait_for("the lease of the request nobody waits for ended", idle, timeout=15)
+        wait_fleet_idle(fleet)
+    finally:
+        proxy.stop()
 
 
 # -- an instance down (LAST: kills a prefill of the shared fleet) -------------------------
