@@ -49,3 +49,28 @@ def kvxfer_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, V
     # is a compatible peer (with --kv-packing vllm-cpu-vec) or differs in kv_packing only
     with vllm_pair("kvxfer", vllm_python, log_dir, extra={"model_id": smollm2_id()}) as pair:
         yield pair
+
+
+def _servers(value: object) -> Iterator[VllmServer]:
+    if isinstance(value, VllmServer):
+        yield value
+    elif isinstance(value, tuple | list):
+        for inner in value:
+            yield from _servers(inner)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries the log tails of the vLLM instances it used: what a
+    CI run that cannot be repeated needs to tell a vLLM stall from a kvxfer one."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    seen: set[str] = set()
+    for value in getattr(item, "funcargs", {}).values():
+        for server in _servers(value):
+            if server.name not in seen:
+                seen.add(server.name)
+                report.sections.append((f"vLLM {server.name} log (tail)",
+                                        server.log_tail(80)))
