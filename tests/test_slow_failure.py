@@ -12,6 +12,9 @@ are signalled, by PID. Each wait is bounded; a thaw happens in ``finally``.
   prefill's lease ends after the thaw;
 * frozen prefill behind the proxy: 504 within the prefill timeout (was the
   600 s request timeout), and after the thaw the prefill holds nothing;
+* a request that reached a frozen sidecar on a kept-alive connection is answered
+  after the thaw, however long the freeze (uvicorn's 5 s default keep-alive timeout
+  used to close that connection on waking, the request unread);
 * no port scanning through a decode, even for a caller with its HTTP key: params
   naming any other address lack a valid lease ticket, are refused with a 400 at
   once, and the decode never connects there.
@@ -23,6 +26,7 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -155,6 +159,28 @@ def test_a_frozen_prefill_behind_the_proxy_is_a_504_within_the_prefill_timeout(
     # and the next request goes through
     answer = rig.proxy.post(COMPLETIONS, BODY)
     assert answer.status_code == 200, answer.text
+
+
+def test_a_request_sent_to_a_frozen_sidecar_on_a_kept_alive_connection_is_answered(
+        rig: Rig) -> None:
+    frozen = rig.frozen
+    with httpx.Client(headers={"authorization": f"Bearer {KEY}"}, timeout=30,
+                      trust_env=False) as client:
+        assert client.get(f"{frozen.url}/health").status_code == 200  # the connection opens
+        result: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                result["status"] = client.get(f"{frozen.url}/health").status_code
+            except httpx.HTTPError as exc:
+                result["status"] = repr(exc)
+
+        with Frozen(frozen):
+            asker = threading.Thread(target=ask, daemon=True)
+            asker.start()  # on the kept-alive connection, idle for well under 4 s
+            time.sleep(6.5)  # past uvicorn's default 5 s keep-alive timeout
+        asker.join(20)
+    assert result.get("status") == 200, result
 
 
 @pytest.mark.parametrize("ticket", ["none", "forged", "another lease's"])

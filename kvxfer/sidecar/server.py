@@ -68,6 +68,12 @@ from kvxfer.sidecar.settings import Settings
 log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
+# How long an idle client connection stays open. Far above the 4 s after which the proxy
+# drops its own idle ones (proxy.upstream.KEEPALIVE_S), so that the sidecar never closes a
+# connection the proxy may be sending on; and above uvicorn's 5 s default for a reason
+# found in ``kvxfer bench soak``: a sidecar frozen for longer than the timeout closed, on
+# waking, the kept-alive connections whose requests had reached it meanwhile, unread.
+KEEP_ALIVE_S = 75
 
 
 class PortInUse(OSError):
@@ -153,7 +159,8 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
                         "sidecar's HTTP API", settings.host, port)
         app = create_app(settings, side)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         http = f"[{side.http_host}]" if ":" in side.http_host else side.http_host
         line = f"kvxfer serve ready: http://{http}:{port} {side.describe(port)}"
         server = _Server(config, lambda: (ready or _print_ready)(line), side)
