@@ -1,0 +1,36 @@
+"""``kvxfer bench soak`` as a user runs it, short: mixed load through the proxy while every
+kind of fault hits the workers. It fails whenever the soak finds a problem: a wrong answer
+served as 200, a request past its deadline, or blocks or leases held once all is idle.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sidecars import ROOT
+
+KINDS = ("kill", "stop", "term", "lease")
+
+
+@pytest.mark.heavy
+def test_a_short_soak_under_every_kind_of_fault_answers_right_and_leaves_nothing_held(
+        tmp_path: Path) -> None:
+    path, logs = tmp_path / "soak.json", tmp_path / "logs"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvxfer.cli", "bench", "soak", "--duration", "45",
+         "--fault-interval", "5", "--json", "--json-file", str(path), "--log-dir", str(logs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert path.exists(), f"no report (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    report = json.loads(path.read_text())
+    where = f"\nfaults:\n{done.stderr[-3000:]}\nlogs in {logs}"
+    assert report["successes"] > 0, f"{report['errors']}{where}"
+    assert all(report["faults"][kind] >= 1 for kind in KINDS), f"{report['faults']}{where}"
+    assert report["wrong_answers"] == 0, f"{report['wrong_examples']}{where}"
+    assert report["past_deadline"] == 0, f"{report['by_kind']}{where}"
+    held = report["held_total"]
+    assert held["used_blocks"] == 0 and held["leases"] == 0, f"{report['held']}{where}"
+    assert done.returncode == 0, f"failed checks: {report['failed_checks']}{where}"
