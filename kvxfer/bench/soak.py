@@ -1,10 +1,9 @@
 """``kvxfer bench soak``: mixed load through the proxy while workers fail, every answer checked.
 
-A ``--role both`` reference, two prefills and two decodes (prefix caching on, decodes
-``--kv-load-failure-policy recompute``, the second prefill with a short ``--lease-ttl``) and
-the proxy, on 127.0.0.1 with ports fixed up front (a restart comes back at the same ones) and
-keys on as deployed (0600 files, removed at exit). Client threads send mixed requests; every
-200 must match the reference's answer to the same body, choice by choice; anything else is
+A ``--role both`` reference, two prefills (leases of 20 s, and of ``--lease-ttl``) and two
+decodes (prefix caching on, ``recompute``) behind the proxy, on 127.0.0.1 at ports fixed up
+front, keys on as deployed (0600 files, removed at exit). Client threads send mixed requests;
+every 200 must match the reference's answer to the same body, choice by choice; others are
 classed by status and error type or by transport failure. Faults hit the workers in turn:
 ``kill`` (SIGKILL, restart), ``stop`` (SIGSTOP, SIGCONT), ``term`` (SIGTERM drains; restart),
 ``lease`` (a decode stopped past the short TTL: its leases expire, it must recompute). Then
@@ -42,7 +41,8 @@ HELP = "mixed load through the proxy under injected faults, every answer checked
 
 KINDS = ("kill", "stop", "term", "lease")
 WORKERS = ("prefill-0", "decode-0", "prefill-1", "decode-1")
-SHORT_TTL = "prefill-1"  # the prefill with --lease-ttl
+SHORT_TTL = "prefill-1"  # the prefill with --lease-ttl; the other's leases last LONG_TTL s:
+LONG_TTL = 20.0  # a lease whose decode was killed after claiming it ends in the settle
 HELD = ("used_blocks", "leases", "requests_in_flight")
 STOP_TIMEOUT_S = 20.0
 DRAIN_BOUND_S = 45.0  # a SIGTERMed sidecar's drain (its --drain-timeout is 30 s) and exit
@@ -56,7 +56,6 @@ PREFIX = ("You are the soak's assistant. Answer in one short sentence, keep to t
 QUESTIONS = tuple(f"Question {i}: what comes after {7 * i}?" for i in range(8))
 UNRELATED = ("Hi", "Count to five:", "Zebra", "A list of colours, then birds: " * 9,
              "0123456789 " * 30)
-
 
 FLAGS = (  # (flag, type, default, help)
     ("--duration", float, 60.0, "seconds of load"),
@@ -187,7 +186,8 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
                 *(["--kv-load-failure-policy", "recompute"] if role == "decode" else []),
                 *(["--side-channel-port", str(side[int(name[-1])])] if role == "prefill"
                   else []),
-                *(["--lease-ttl", str(args.lease_ttl)] if name == SHORT_TTL else [])]
+                *(["--lease-ttl", str(args.lease_ttl if name == SHORT_TTL else LONG_TTL)]
+                  if role == "prefill" else [])]
         children[name] = Child(name, argv, f"http://127.0.0.1:{http[i]}", env, log_dir)
     upstream = {role: [str(http[names.index(n)]) for n in WORKERS if n.startswith(role)]
                 for role in ("prefill", "decode")}
