@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest wait for a whole non-streamed decode answer, or for "
                              "each next chunk of a stream (default 600)")
     parser.add_argument("--retries", type=int, default=1, metavar="N",
-                        help="run a request again, on other instances where there are any, "
-                             "up to N times when its prefill or decode failed (5xx, broken "
+                        help="run a request again, on instances that did not fail it, up to "
+                             "N times when its prefill or decode failed (5xx, broken "
                              "connection, a prefill timeout) before anything was sent to the "
                              "client (default 1; 0 turns retries off)")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",

@@ -33,8 +33,8 @@ class ProxyConfig:
     ``request_timeout`` bounds a whole non-streamed decode answer, and for a
     streamed answer the wait for its headers and for each next chunk.
     ``retries`` is how many more times a request whose prefill or decode call failed
-    before anything reached the client runs again, on other instances where there are
-    any (:mod:`proxy.router`).
+    before anything reached the client runs again, while an instance that did not fail
+    it can take it (:mod:`proxy.router`).
     ``health_interval`` is the pause between two rounds of ``GET /health``;
     ``health_timeout`` bounds one check, and ``health_failures`` checks in a row
     without an answer take a healthy instance out of the rotation

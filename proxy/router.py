@@ -20,9 +20,9 @@ A call that an instance took and failed before any byte of the answer reached
 the client (a 5xx, as a decode's 502 for a KV read that failed; a broken
 connection; a prefill's timeout) runs the whole request again, up to
 ``--retries`` times, while an instance that no try failed on can take it: a new
-prefill, then a decode, those of the failed tries last. Before that the proxy asks the
-prefill to release the failed try's lease (refused when a decode claimed it:
-that decode ends it). A decode's timeout is not retried (it may still be
+prefill, then a decode, those of the failed tries last. Meanwhile the proxy asks the
+prefill to release the failed try's lease, without waiting for its answer (refused
+when a decode claimed it: that decode ends it). A decode's timeout is not retried (it may still be
 working), nor a stream that broke after its first byte: the client is told,
 with the prefill that holds the leased blocks named. The prefill frees its
 blocks when the decode reports the read done or releases the lease, or else
@@ -134,19 +134,17 @@ class PDRouter:
         except NoInstance:  # no decode started anything: nobody will read the lease
             await self._release(prefill, params, request_id)
             raise
-        except UpstreamFailed as exc:
+        except ProxyError as exc:
+            message = (f"{exc.message} (prefill instance {prefill.url} holds the KV of request "
+                       f"{params.get('remote_request_id')!r} until the decode releases it or "
+                       f"its lease expires)")
+            if not isinstance(exc, UpstreamFailed):
+                raise ProxyError(exc.status, message, exc.kind) from exc
             # the decode may have failed before claiming the lease (then nobody reads it)
             # or because the prefill failed its read: the next try avoids both
             failed.update((exc.url, prefill.url))
             self._in_background(self._release(prefill, params, request_id))
-            raise UpstreamFailed(exc.status, f"{exc.message} (prefill instance {prefill.url} "
-                                 f"holds the KV of request {params.get('remote_request_id')!r} "
-                                 f"until the decode releases it or its lease expires)",
-                                 exc.kind, exc.role, exc.url) from exc
-        except ProxyError as exc:
-            raise ProxyError(exc.status, f"{exc.message} (prefill instance {prefill.url} holds "
-                             f"the KV of request {params.get('remote_request_id')!r} until the "
-                             f"decode releases it or its lease expires)", exc.kind) from exc
+            raise UpstreamFailed(exc.status, message, exc.kind, exc.role, exc.url) from exc
 
     def _in_background(self, call: Coroutine[Any, Any, None]) -> None:
         """Run ``call`` without waiting for it (a release at a prefill that may be cut
