@@ -80,6 +80,15 @@ def wants_stream(body: dict[str, Any]) -> bool:
     return body.get("stream") is True
 
 
+def one_token(body: dict[str, Any]) -> bool:
+    """Whether the client asks for one token (``max_completion_tokens``, else ``max_tokens``,
+    is 1): the prefill's token is then the whole answer."""
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    return type(limit) is int and limit == 1
+
+
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill call's body: the client's, computing one token, not streamed."""
     prefill = dict(body)

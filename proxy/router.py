@@ -9,6 +9,13 @@ Order of events for ``POST /v1/completions`` (and chat):
 3. pick a decode instance the same way and send the client's body plus those
    params; relay its answer (JSON, or SSE chunk by chunk) to the client.
 
+The prefill's params carry the token it sampled (``first_token``): a kvxfer decode
+answers it at once, before it reads any KV, and continues from it, so the client's
+first token costs the prefill and two local hops; a decode that does not know the key
+(vLLM's) samples it again from the last prompt token. A request for one token
+(``max_tokens`` 1) is the prefill's alone: sent as the client wrote it, answered as one
+instance would, with no lease made.
+
 Only an instance that could not be *connected to*, or that answered 503
 ``x-kvxfer-draining`` (shutting down; it started nothing), is skipped for the
 next one: then nothing was done there. When no decode took the request, nothing
@@ -50,6 +57,7 @@ from proxy.balancer import Balancer, Instance
 from proxy.contract import (
     decode_request,
     drain_request,
+    one_token,
     parse_prefill_answer,
     prefill_request,
     wants_stream,
@@ -120,7 +128,9 @@ class PDRouter:
     async def _pair(self, route: str, body: dict[str, Any], request_id: str,
                     failed: set[str]) -> Response:
         """One try: a prefill, then a decode with its params; the instances it used are
-        added to ``failed`` when it fails."""
+        added to ``failed`` when it fails. A request for one token is the prefill's alone."""
+        if one_token(body):
+            return await self._prefill_alone(route, body, request_id, failed)
         try:
             prefill, params = await self._prefill(route, body, request_id, failed)
         except UpstreamFailed as exc:
@@ -145,6 +155,25 @@ class PDRouter:
             failed.update((exc.url, prefill.url))
             self._in_background(self._release(prefill, params, request_id))
             raise UpstreamFailed(exc.status, message, exc.kind, exc.role, exc.url) from exc
+
+    async def _prefill_alone(self, route: str, body: dict[str, Any], request_id: str,
+                             failed: set[str]) -> Response:
+        """The client's request, as sent, to a prefill instance that answers it as one
+        instance would: its one token is the prefill's, so no KV moves and no lease is
+        made (no ``kv_transfer_params``)."""
+        content = msgspec.json.encode({k: v for k, v in body.items()
+                                       if k != "kv_transfer_params"})
+        try:
+            if wants_stream(body):
+                instance, stream = await self._with_failover(
+                    "prefill", lambda i: self._open(i, route, request_id, content), failed)
+                return self._relay(route, request_id, instance, stream)
+            _, answer = await self._with_failover(
+                "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), failed)
+            return passthrough(answer)
+        except UpstreamFailed as exc:
+            failed.add(exc.url)
+            raise
 
     def _in_background(self, call: Coroutine[Any, Any, None]) -> None:
         """Run ``call`` without waiting for it (a release at a prefill that may be cut
@@ -278,7 +307,11 @@ class PDRouter:
     async def _decode_stream(self, route: str, content: bytes, request_id: str,
                              avoid: Collection[str]) -> Response:
         instance, stream = await self._open_decode(route, content, request_id, avoid)
+        return self._relay(route, request_id, instance, stream)
 
+    def _relay(self, route: str, request_id: str, instance: Instance,
+               stream: OpenStream) -> Response:
+        """The client's answer: ``stream`` from ``instance``, chunk by chunk."""
         async def close() -> None:
             self.balancer.release(instance)
             await stream.aclose()

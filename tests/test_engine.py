@@ -297,7 +297,8 @@ def test_request_limits_and_duplicates() -> None:
         engine.add_request("r", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="request id must be a non-empty string, got ''"):
         engine.add_request("", [1, 2], GREEDY)
-    with pytest.raises(ValueError, match=r"hold_blocks .* and remote_kv .* exclude each other"):
+    with pytest.raises(ValueError,
+                       match=r"hold_blocks .* and remote_kv or first .* exclude each other"):
         engine.add_request("both", [1, 2], GREEDY, hold_blocks=True, remote_kv=True)
 
 
@@ -374,3 +375,38 @@ def test_requests_from_other_threads(prompts: list[list[int]],
     assert sorted(finals, key=int) == [str(i) for i in range(len(prompts))]
     assert [finals[str(i)].token_ids for i in range(len(prompts))] == \
         [o.token_ids for o in one_at_a_time]
+
+
+# -- a request given its first token -----------------------------------------------------
+
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True,
+                           logprobs=1)], ids=["greedy", "seeded"])
+def test_a_request_given_its_first_token_continues_as_one_instance(
+        prompts: list[list[int]], params: SamplingParams) -> None:
+    """Given the first token (as a prefill sampled it), the engine answers the rest that
+    one instance answers: the same tokens, log-probabilities and seeded draws."""
+    engine = make_engine()
+    prompt = prompts[1]
+    want = engine.generate([prompt], params)[0]
+    first = want.logprobs[0]
+    answered = engine.first_output("r", prompt, params, first)
+    assert answered.new_token_ids == [first.token_id] and not answered.finished
+    engine.add_request("r", prompt, params, first=first)
+    rest = drain(engine)
+    assert [t for o in rest for t in o.new_token_ids] == want.token_ids[1:]
+    assert [x.logprob for o in rest for x in o.logprobs] == pytest.approx(
+        [x.logprob for x in want.logprobs[1:]], abs=1e-4)
+    assert rest[-1].finished and rest[-1].token_ids == want.token_ids
+
+
+def test_a_first_token_that_ends_the_request_is_refused(prompts: list[list[int]]) -> None:
+    engine = make_engine()
+    params = SamplingParams(max_tokens=1)
+    first = Logprob(65, -0.5)
+    assert engine.first_output("one", prompts[0], params, first).finish_reason == "length"
+    with pytest.raises(ValueError, match="its first token ends it .length."):
+        engine.add_request("one", prompts[0], params, first=first)
+    with pytest.raises(ValueError, match="top log-probabilities, the request asks for 2"):
+        engine.add_request("two", prompts[0], GREEDY, first=first)
+    assert engine.num_used_blocks == 0 and not engine.has_work()

@@ -75,7 +75,8 @@ def test_a_warm_decode_reads_only_the_blocks_past_its_cached_prefix(
     _, warm = ask(group, pair, second)
     cached = 192  # of the 200 shared tokens: 6 blocks of 32, 12 of 16
     assert warm["prefix_cache_hits"] == cached
-    assert warm["prefix_cache_queries"] == len(second) - 1
+    # every prompt token: the decode continues from the prefill's first token
+    assert warm["prefix_cache_queries"] == len(second)
     # bytes are counted at the smaller block size: per such block, the same
     fine = min(pair)
     per_block = cold["kv_transfer_bytes"] / -(-len(first) // fine)
@@ -83,18 +84,25 @@ def test_a_warm_decode_reads_only_the_blocks_past_its_cached_prefix(
     assert warm["kv_reads_skipped"] == 0
 
 
+# (prompt tokens, n): the decode needs 64 tokens, whole blocks of both sizes: all but the
+# last of 65 when it samples the first token itself (n > 1), all 64 when it continues from
+# the prefill's
+FULL_HITS = [(65, 2), (64, 1)]
+
+
 @pytest.mark.parametrize("pair", PAIRS, ids=[f"block{p}-to-block{d}" for p, d in PAIRS])
+@pytest.mark.parametrize("length, n", FULL_HITS, ids=[f"{k}-tokens-n{n}" for k, n in FULL_HITS])
 def test_a_full_hit_reads_nothing_and_frees_the_lease_at_once(
-        group: dict[str, Sidecar], pair: tuple[int, int]) -> None:
-    prompt = tokens(10 + sum(pair), 65)  # the decode needs 64 tokens: whole blocks of both
+        group: dict[str, Sidecar], pair: tuple[int, int], length: int, n: int) -> None:
+    prompt = tokens(10 + sum(pair) + length, length)
     prefill = group[f"prefill-{pair[0]}"]
     ask(group, pair, prompt)
     released = {reason: prefill.metric("kvxfer_kv_leases_released_total", reason=reason)
                 for reason in ("cached", "abandoned")}
-    choices, warm = ask(group, pair, prompt, n=2)  # siblings start from the cached KV too
-    assert len(choices) == 2
+    choices, warm = ask(group, pair, prompt, n=n)  # siblings start from the cached KV too
+    assert len(choices) == n
     assert warm["kv_reads_skipped"] == 1 and warm["kv_transfer_bytes"] == 0
-    assert warm["prefix_cache_hits"] == 64 * 2  # both samples found all 64
+    assert warm["prefix_cache_hits"] == 64 * n  # every sample found all 64
     prefill.wait_for("its lease released", lambda h: h["leases"] == 0, timeout=10)
     assert {reason: prefill.metric("kvxfer_kv_leases_released_total", reason=reason)
             for reason in released} == {"cached": released["cached"] + 1,

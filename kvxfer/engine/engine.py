@@ -16,9 +16,14 @@ so no block can be freed or handed to another request while the forward writes i
 Disaggregated flow: prefill engine ``add_request(..., hold_blocks=True)``; the
 request's final output carries ``block_ids`` and its blocks stay allocated
 (HELD) until ``release``. Decode engine ``add_request(..., remote_kv=True)``
-allocates blocks for the whole prompt and parks the request; once the first
-``prompt_len - 1`` tokens' KV is in those blocks, ``finish_kv_load(ok=True)``
-computes only the last prompt token and decoding continues as usual.
+allocates blocks for the whole prompt and parks the request; once the KV it needs
+is in those blocks, ``finish_kv_load(ok=True)`` runs it: it computes the last
+prompt token to sample the first output token (``prompt_len - 1`` tokens read), or,
+given the token the prefill sampled (``first``), continues from that token with the
+whole prompt's KV read (:meth:`kv_tokens_needed`). A request given its ``first``
+token starts with it as its first output, already answered (:meth:`first_output`
+is that answer, computed without the engine), and its random stream advanced past
+that token's draw, as one instance's would be.
 
 Prefix caching (``enable_prefix_caching``, :mod:`kvxfer.engine.prefix_cache`):
 full blocks whose KV is final stay cached after their request ends and are
@@ -45,7 +50,7 @@ from kvxfer.engine.config import ModelConfig
 from kvxfer.engine.model import Segment, Transformer, check_tp
 from kvxfer.engine.models import TINY_MODEL, load_model
 from kvxfer.engine.prefix_cache import PrefixCache
-from kvxfer.engine.sampler import SamplingParams, make_generator, sample
+from kvxfer.engine.sampler import Logprob, SamplingParams, make_generator, sample, skip_draw
 from kvxfer.engine.scheduler import Scheduler
 from kvxfer.engine.sequence import Request, RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
@@ -173,22 +178,24 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, hold_blocks: bool = False, remote_kv: bool = False,
-                    remote_block_size: int | None = None) -> None:
+                    remote_block_size: int | None = None, first: Logprob | None = None) -> None:
         """Queue a request; see the module docstring for ``hold_blocks`` / ``remote_kv``.
 
         ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
-        request's cached prefix is aligned (default: this engine's). Raises ValueError
-        for invalid input and NoFreeBlocks when a ``remote_kv`` request's blocks are
-        not free, before anything is allocated or queued.
+        request's cached prefix is aligned (default: this engine's). ``first``: the
+        request's first output token, sampled elsewhere and already answered (its
+        output, :meth:`first_output`, is not reported again). Raises ValueError for
+        invalid input (a ``first`` that would end the request included: there is
+        nothing left to compute) and NoFreeBlocks when a ``remote_kv`` request's blocks
+        are not free, before anything is allocated or queued.
         """
         with self._lock:
             prompt = self._check_request(request_id, prompt_token_ids, params)
-            if hold_blocks and remote_kv:
+            if hold_blocks and (remote_kv or first is not None):
                 raise ValueError(f"request {request_id!r}: hold_blocks (prefill role) and "
-                                 f"remote_kv (decode role) exclude each other")
-            request = Request(request_id, prompt, params,
-                              detokenizer=self.tokenizer.detokenizer(prompt),
-                              generator=make_generator(params), hold_blocks=hold_blocks)
+                                 f"remote_kv or first (decode role) exclude each other")
+            request = self._new_request(request_id, prompt, params, first)
+            request.hold_blocks = hold_blocks
             if remote_kv:
                 if not self.scheduler.take_blocks(request, remote_block_size):
                     raise NoFreeBlocks(self.scheduler.blocks_for(len(prompt)),
@@ -197,6 +204,47 @@ class LLMEngine:
             else:
                 self.scheduler.add(request)
             self._requests[request_id] = request
+
+    def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     first: Logprob | None) -> Request:
+        request = Request(request_id, prompt, params,
+                          detokenizer=self.tokenizer.detokenizer(prompt),
+                          generator=make_generator(params))
+        if first is not None:
+            self._check_first(request_id, first, params)
+            request.append_token(first, self._eos_ids)
+            skip_draw(request.generator, self.config.vocab_size)
+            request.take_output()  # answered already (first_output)
+            if request.finished:
+                raise ValueError(f"request {request_id!r}: its first token ends it "
+                                 f"({request.finish_reason}); nothing is left to compute")
+        return request
+
+    def _check_first(self, request_id: str, first: Logprob, params: SamplingParams) -> None:
+        vocab = self.config.vocab_size
+        ids = [first.token_id, *(token for token, _ in first.top)]
+        if not all(0 <= token < vocab for token in ids):
+            raise ValueError(f"request {request_id!r}: the first token's ids {ids} are not "
+                             f"all in [0, {vocab})")
+        wanted = min(params.logprobs or 0, vocab)
+        if len(first.top) != wanted:
+            raise ValueError(f"request {request_id!r}: the first token comes with "
+                             f"{len(first.top)} top log-probabilities, the request asks "
+                             f"for {wanted}")
+
+    def first_output(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, first: Logprob) -> RequestOutput:
+        """What a request given its ``first`` token answers at once, before any KV is
+        read: exactly what :meth:`step` would report after sampling that token (text,
+        a stop string or end-of-text, ``max_tokens``). Touches no engine state, so any
+        thread may call it. ValueError for ids outside the vocabulary or a number of
+        top log-probabilities other than the request asks for."""
+        prompt = list(prompt_token_ids)
+        request = Request(request_id, prompt, params,
+                          detokenizer=self.tokenizer.detokenizer(prompt), generator=None)
+        self._check_first(request_id, first, params)
+        request.append_token(first, self._eos_ids)
+        return request.take_output()
 
     def check_request(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> None:
@@ -247,11 +295,18 @@ class LLMEngine:
         with self._lock:
             return self._get(request_id).num_cached
 
+    def kv_tokens_needed(self, request_id: str) -> int:
+        """How many leading prompt tokens' KV a ``remote_kv`` request must be given to run:
+        all but the last, whose logits sample the first output token; all of them when
+        it was given its first token."""
+        with self._lock:
+            return _kv_needed(self._get(request_id))
+
     def finish_kv_load(self, request_id: str, ok: bool, *, recompute: bool = True,
                        reason: str = "") -> None:
         """Decode side: the KV READ for a ``remote_kv`` request ended.
 
-        ``ok``: the first ``prompt_len - 1`` tokens' KV is in the request's blocks.
+        ``ok``: the KV of its first :meth:`kv_tokens_needed` tokens is in its blocks.
         Otherwise recompute the prompt past its cached prefix in the same blocks, or
         (``recompute`` False) finish with ``finish_reason="error"`` and ``reason``,
         freeing the blocks.
@@ -262,8 +317,7 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r} is {request.state.value}, "
                                  f"not waiting for KV")
             if ok or recompute:
-                request.num_computed = len(request.prompt_token_ids) - 1 if ok \
-                    else request.num_cached
+                request.num_computed = _kv_needed(request) if ok else request.num_cached
                 self.scheduler.start_running(request)
                 return
             self._end(request, "error", reason or "KV transfer failed")
@@ -469,3 +523,8 @@ class LLMEngine:
             logprobs=list(request.logprobs), finished=True, finish_reason=request.finish_reason,
             error=request.error, num_prompt_tokens=len(request.prompt_token_ids),
             block_ids=list(request.block_ids))
+
+
+def _kv_needed(request: Request) -> int:
+    """See :meth:`LLMEngine.kv_tokens_needed`."""
+    return len(request.prompt_token_ids) - (0 if request.output_token_ids else 1)

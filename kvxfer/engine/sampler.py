@@ -90,6 +90,16 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed)
 
 
+def skip_draw(generator: torch.Generator | None, vocab_size: int) -> None:
+    """Advance ``generator`` past one :func:`sample` draw over ``vocab_size`` tokens
+    without the logits: a decode that continues from a token the prefill drew keeps the
+    request's random stream where one instance would have it. A draw consumes the same
+    whatever the probabilities are, only their number counts (a test checks it for this
+    torch)."""
+    if generator is not None:
+        torch.multinomial(torch.ones(vocab_size), 1, generator=generator)
+
+
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest most-likely set whose mass reaches ``top_p``.
 

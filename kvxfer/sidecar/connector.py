@@ -55,10 +55,11 @@ from kvxfer.sidecar.kv_loads import KVLoads
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import LeaseBook
+from kvxfer.wire.messages import ReleaseOutcome
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket, verify_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
-    from kvxfer.engine import LLMEngine, SamplingParams
+    from kvxfer.engine import LLMEngine, Logprob, SamplingParams
     from kvxfer.transfer.leases import LeaseAnswers
     from kvxfer.transfer.side_channel.listener import HandshakeListener
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
@@ -258,12 +259,14 @@ class KVConnector:
             self.loads.close()
 
     # -- prefill ----------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids: list[int],
-             num_prompt_tokens: int) -> dict[str, Any]:
+    def hold(self, request_id: str, block_ids: list[int], num_prompt_tokens: int,
+             first: Logprob | None = None) -> dict[str, Any]:
         """Lease a finished ``hold_blocks`` request's blocks on every rank.
 
         Returns the ``kv_transfer_params`` of the answer. ``remote_block_ids``
-        are the prompt's blocks (``ceil(num_prompt_tokens / block_size)``). The
+        are the prompt's blocks (``ceil(num_prompt_tokens / block_size)``);
+        ``first_token`` is ``first``, the token the request sampled
+        (:class:`~kvxfer.wire.params.FirstToken`), for a decode to continue from. The
         lease id (``remote_request_id``) is 128 random bits: unique, so a late or
         repeated "done" for an ended lease can never release a new one, and
         unguessable, so nobody can name a lease they were not handed. With a key,
@@ -298,6 +301,9 @@ class KVConnector:
                   "tp_size": self.engine.tp, "lease_expires_at": claims.expires_at}
         if self._key is not None:
             params[TICKET_KEY] = sign_ticket(self._key, claims)
+        if first is not None:
+            params["first_token"] = {"id": first.token_id, "logprob": first.logprob,
+                                     "top": [list(pair) for pair in first.top]}
         return params
 
     def _add_lease(self, lease_id: str, lease: _Leased) -> None:
@@ -382,7 +388,8 @@ class KVConnector:
             worker.end_lease(lease_id, "abandoned")
         return True
 
-    def release_remote(self, remote: RemoteParams, reason: str) -> bool:
+    def release_remote(self, remote: RemoteParams, reason: str,
+                       outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
         for the sender thread; False when not queued). For a decode request that ends
         before reaching the engine loop, e.g. refused by the HTTP layer. Only a lease
@@ -391,7 +398,7 @@ class KVConnector:
         loads = self.loads
         if loads is None:
             return False
-        return loads.leases.release_named(remote, reason)
+        return loads.leases.release_named(remote, reason, outcome)
 
     def release_handed_out(self, remote: RemoteParams, reason: str) -> bool:
         """Any thread: end a lease this prefill handed out, unclaimed by any decode, for a
@@ -431,12 +438,14 @@ class KVConnector:
                                     (m.notifications_late, counts.notifications_late)):
                 for reason, count in counted.items():
                     metric.labels(reason).inc(count)
+            for (peer, path), moved in counts.paths.items():
+                m.count_path(peer, path, moved.num_bytes, moved.seconds, moved.ceiling)
 
 
 def _lease_end_reason(reasons: set[str]) -> str:
     """One label for a lease whose ranks ended it for ``reasons``: a rank that expired
     means a reader was lost, a release means nobody read; "done" only when all read."""
-    for reason in ("expired", "abandoned", "cached"):
+    for reason in ("expired", "abandoned", "cached", "answered"):
         if reason in reasons:
             return reason
     return "done"

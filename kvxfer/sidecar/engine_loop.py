@@ -4,6 +4,8 @@ HTTP handlers (asyncio) never touch the engine: they :meth:`EngineLoop.submit`
 requests and :meth:`EngineLoop.abort` them, both of which queue a command and
 wake the thread. The thread, in a loop:
 
+0. (on the caller's thread, in :meth:`EngineLoop.submit`) answers the first token of
+   a decode request that brought the one its prefill sampled;
 1. runs queued commands (``add_request`` / connector admission, aborts);
 2. polls the connector (READ results, released leases, decode admissions);
 3. steps the engine when it has work and hands each output to its request's
@@ -33,7 +35,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.sidecar.connector import AbortOutcome, ConnectorEvents, KVConnector
+from kvxfer.sidecar.kv_loads import first_logprob
 from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.wire.messages import ReleaseOutcome
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams
@@ -205,11 +209,36 @@ class EngineLoop:
             self._ids.difference_update(ids)
 
     def submit(self, submissions: list[Submission], sink: Sink) -> None:
-        """Queue requests (ids from :meth:`reserve_ids`); events arrive through ``sink``."""
+        """Queue requests (ids from :meth:`reserve_ids`); events arrive through ``sink``.
+
+        A decode submission that brings the prefill's first token has it answered here,
+        on the caller's thread, before the loop even sees the request
+        (:meth:`_answer_first_token`)."""
         with self._submit_lock:  # so that no submission slips in after the final drain
             if self._closed or not self.running:
                 raise EngineStopped(self.error or "the engine loop is not running")
-            self._command("submit", (submissions, sink))
+            queued = [sub for sub in submissions if not self._answer_first_token(sub, sink)]
+            if queued:
+                self._command("submit", (queued, sink))
+
+    def _answer_first_token(self, sub: Submission, sink: Sink) -> bool:
+        """Send the first output of a decode submission given its first token, at once:
+        the client has its first token as soon as the prefill sampled it, not after the
+        claim, the READ and a step. True when that output ends the request (end-of-text,
+        a stop string, ``max_tokens`` 1): nothing is read then, the lease is released."""
+        first = first_logprob(sub.remote)
+        if first is None or sub.remote is None:
+            return False
+        output = self.engine.first_output(sub.request_id, sub.prompt, sub.params, first)
+        self._count(output)
+        sink.push(Event(sub.index, output))
+        if not output.finished:
+            return False
+        self.connector.release_remote(sub.remote, f"the prefill's first token ended the "
+                                                  f"request ({output.finish_reason})",
+                                      ReleaseOutcome.ANSWERED)
+        self._release_id(sub.request_id)
+        return True
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """The client left: abort these requests (a READ in flight finishes first)."""
@@ -347,13 +376,16 @@ class EngineLoop:
             if tracked is None:
                 log.warning("output for untracked request %s dropped", output.request_id)
                 continue
-            if output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
-                self.metrics.prompt_tokens.inc(output.num_prompt_tokens)
-            self.metrics.generation_tokens.inc(len(output.new_token_ids))
+            self._count(output)
             if not output.finished:
                 tracked.sink.push(Event(tracked.index, output))
                 continue
             self._finish(output, tracked)
+
+    def _count(self, output: RequestOutput) -> None:
+        if output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
+            self.metrics.prompt_tokens.inc(output.num_prompt_tokens)
+        self.metrics.generation_tokens.inc(len(output.new_token_ids))
 
     def _finish(self, output: RequestOutput, tracked: _Tracked) -> None:
         request_id = output.request_id
@@ -368,8 +400,11 @@ class EngineLoop:
         params = None
         if tracked.hold and output.finish_reason in ("stop", "length"):
             try:
+                # the first token, when it is the only one (a decode continues from it)
+                first = output.logprobs[0] if len(output.token_ids) == 1 \
+                    and len(output.logprobs) == 1 else None
                 params = self.connector.hold(request_id, output.block_ids,
-                                             output.num_prompt_tokens)
+                                             output.num_prompt_tokens, first)
             except Exception as exc:
                 log.exception("leasing the blocks of request %s failed", request_id)
                 if not self.connector.is_leased(request_id):

@@ -28,9 +28,14 @@ Who calls what:
 * with the engine's prefix cache, the parked request's first blocks may hold a cached
   prefix (``engine.num_cached_tokens``, a multiple of both block sizes): the READ then
   covers only the prefill blocks past it, into the blocks past it. When the cache holds
-  every token the decode needs (all but the last), nothing is read: the lease is
+  every token the decode needs (all but the last; all of them when the prefill's first
+  token came with the params), nothing is read: the lease is
   released over the side channel at once (the prefill counts it ``cached``) and the
   request runs (``kvxfer_kv_reads_skipped_total``);
+* a request whose params bring the token the prefill sampled (``first_token``; ``n`` 1)
+  had it answered when it was submitted; parked, recomputed or run from a full prefix
+  hit, it starts with that token as its first output (:func:`first_logprob`), so it needs
+  the KV of every prompt token, not all but the last (``engine.kv_tokens_needed``);
 * :meth:`poll` collects every rank's results; when all ranks ended it calls
   ``engine.finish_kv_load``: ok, or on any failure recompute (policy ``recompute``) or
   fail the request (policy ``fail``; :meth:`take_transfer_error` then tells the loop
@@ -71,9 +76,10 @@ from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
 from kvxfer.wire.lease_book import HeldLease, LeaseExpired
+from kvxfer.wire.messages import ReleaseOutcome
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
-    from kvxfer.engine import LLMEngine, SamplingParams
+    from kvxfer.engine import LLMEngine, Logprob, SamplingParams
     from kvxfer.transfer.results import PollResult, ReadStats
     from kvxfer.transfer.worker import TransferWorker
     from kvxfer.wire.params import RemoteParams
@@ -112,6 +118,18 @@ class _Reading:
     unnotified: dict[int, str] = field(default_factory=dict)
 
 
+def first_logprob(remote: RemoteParams | None) -> Logprob | None:
+    """The first token ``remote``'s prefill sampled (``first_token``), as the engine takes
+    it; None when the params bring none (vLLM's prefills, ``n > 1``): then the decode
+    samples it from the last prompt token, which it computes again."""
+    from kvxfer.engine import Logprob
+
+    first = None if remote is None else remote.first_token
+    if first is None:
+        return None
+    return Logprob(first.id, first.logprob, tuple(first.top))
+
+
 class KVLoads:
     """A decode's remote-KV requests over ``workers`` (see the module docstring)."""
 
@@ -148,7 +166,7 @@ class KVLoads:
         except LeaseExpired as exc:  # genuine, but over: the prompt itself may be served
             if self.failure_policy != "recompute":
                 raise
-            self._recompute_unread(members, prompt, str(exc))
+            self._recompute_unread(members, prompt, remote, str(exc))
             return
         item = _Waiting(request_id, prompt, params, remote, lease, list(siblings or []))
         try:  # an invalid request is refused at once, before the prefill is asked
@@ -206,7 +224,7 @@ class KVLoads:
             if self.failure_policy == "recompute":
                 try:
                     self._recompute_unread([(item.request_id, item.params), *item.siblings],
-                                           item.prompt, message)
+                                           item.prompt, item.remote, message)
                     continue
                 except ValueError as exc:
                     message = str(exc)
@@ -214,16 +232,17 @@ class KVLoads:
             events.rejected.update(dict.fromkeys(item.ids, message))
 
     def _recompute_unread(self, members: list[tuple[str, SamplingParams]], prompt: list[int],
-                          why: str) -> None:
+                          remote: RemoteParams, why: str) -> None:
         """Serve a request whose lease cannot be read by computing its prompt here, as a
-        single instance would (policy ``recompute``); ValueError when the engine refuses
-        it (nothing queued then)."""
+        single instance would (policy ``recompute``), from the first token ``remote``
+        gave it, if any; ValueError when the engine refuses it (nothing queued then)."""
         for member_id, member_params in members:
             self.engine.check_request(member_id, prompt, member_params)
         log.warning("request %s: recomputing its prompt: %s", members[0][0], why)
         self.metrics.recomputes.inc()
         for member_id, member_params in members:
-            self.engine.add_request(member_id, prompt, member_params)
+            self.engine.add_request(member_id, prompt, member_params,
+                                    first=first_logprob(remote))
 
     def _drop_unadmitted(self, item: _Waiting, exc: Exception,
                          events: ConnectorEvents | None) -> None:
@@ -248,7 +267,8 @@ class KVLoads:
         try:
             for request_id, params in [(item.request_id, item.params), *item.siblings]:
                 self.engine.add_request(request_id, item.prompt, params, remote_kv=True,
-                                        remote_block_size=item.remote.remote_block_size)
+                                        remote_block_size=item.remote.remote_block_size,
+                                        first=first_logprob(item.remote))
                 parked.append(request_id)
         except Exception:
             for request_id in parked:  # frees their blocks; nobody reads them yet
@@ -258,7 +278,7 @@ class KVLoads:
     # -- reads ------------------------------------------------------------------------------
     def _start_read(self, item: _Waiting) -> None:
         cached = self.engine.num_cached_tokens(item.request_id)
-        if cached and cached >= len(item.prompt) - 1:
+        if cached and cached >= self.engine.kv_tokens_needed(item.request_id):
             self._skip_read(item)
             return
         local, remote = self._blocks_to_read(item, cached)
@@ -300,7 +320,7 @@ class KVLoads:
         log.debug("request %s: the prefix cache holds its prompt; lease %s not read",
                   item.request_id, item.remote.remote_request_id)
         self.leases.release(item.remote, "the decode's prefix cache holds the prompt's KV",
-                            cached=True)
+                            ReleaseOutcome.CACHED)
         self.metrics.reads_skipped.inc()
         self.engine.finish_kv_load(item.request_id, ok=True)
         if item.siblings:

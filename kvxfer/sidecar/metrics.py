@@ -29,7 +29,7 @@ TRANSFER_DESCRIPTORS_BUCKETS = tuple(float(4**k) for k in range(10))  # 1 .. 262
 
 # The label values of each counter, exported from the start (at 0) so that rates and
 # alerts see them before the first event.
-LEASE_END_REASONS = ("done", "abandoned", "cached", "expired")
+LEASE_END_REASONS = ("done", "abandoned", "cached", "answered", "expired")
 TRANSFER_OUTCOMES = ("ok", "failed", "aborted")
 # kvxfer.transfer.side_channel.errors.FAILURE_REASONS, and "connect": NIXL could not connect
 # after it

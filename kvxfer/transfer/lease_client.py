@@ -25,7 +25,8 @@ The life of a lease on the decode side:
 * :meth:`take_answers` applies the prefill's answers (:class:`LeaseAnswer`): granted
   (claimed, the deadline moved on), refused (lost: never read; ``refused`` when it was
   the claim) or unanswered (a claim: lost, not retried, so that a dead or frozen
-  prefill costs one attempt; a renewal: retried until the deadline).
+  prefill costs one attempt, and released, since a frozen prefill may grant it on
+  waking; a renewal: retried until the deadline).
 * :meth:`readiness` says whether a READ may start now (claimed, not lost, enough of the
   lease left for a READ bounded by ``read_timeout``); :meth:`check_unread` refuses one
   whose lease ended meanwhile, and :meth:`check_in_time` a finished READ that outlived
@@ -215,6 +216,9 @@ class LeaseClient:
             if partly and claim:  # some ranks hold it for this decode: free them now
                 self.release(remote, f"the claim was refused by another prefill rank: "
                                      f"{answer.why}")
+            elif claim and answer.answer is Answer.UNANSWERED:
+                # a frozen prefill may grant it on waking, to a decode that gave up on it
+                self.release(remote, f"this decode gave up on its claim: {answer.why}")
 
         fanin = _Fanin(len(ports), answered)
         lease.renewing = True
@@ -283,20 +287,21 @@ class LeaseClient:
                              f"used: the lease ended {now - lease.deadline:.3f} s before the "
                              f"read did")
 
-    def release(self, remote: RemoteParams, reason: str, *, cached: bool = False) -> bool:
+    def release(self, remote: RemoteParams, reason: str,
+                outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
-        for the releaser's thread; ``cached``: because this decode's prefix cache holds
-        all of it); False when not queued."""
+        for the releaser's thread; ``outcome``: why, as the prefill counts it); False
+        when not queued."""
         releaser = self._releaser  # read once: close() may clear it from another thread
         if releaser is None:
             return False
-        outcome = ReleaseOutcome.CACHED if cached else ReleaseOutcome.ABANDONED
         queued = [releaser.submit(remote.remote_host, port, remote.remote_request_id, reason,
                                   outcome)
                   for port in remote.side_channels()]
         return all(queued)
 
-    def release_named(self, remote: RemoteParams, reason: str) -> bool:
+    def release_named(self, remote: RemoteParams, reason: str,
+                      outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Any thread: :meth:`release` a lease that a request named but never reached the
         owner with, only when this decode may claim it (:meth:`check`): a refused request
         must not free a lease it merely names. False when not queued."""
@@ -306,7 +311,7 @@ class LeaseClient:
             log.info("not releasing lease %s named by a refused request: %s",
                      remote.remote_request_id, exc)
             return False
-        return self.release(remote, reason)
+        return self.release(remote, reason, outcome)
 
     def release_after_failed_read(self, remote: RemoteParams, why: str) -> bool:
         """A READ failed and some prefill rank was never told by a NIXL notification."""

@@ -99,6 +99,7 @@ class ReleaseOutcome(str, enum.Enum):
 
     ABANDONED = "abandoned"  # the decode will not read it (refused, aborted, failed)
     CACHED = "cached"        # the decode's prefix cache held all of it: nothing to read
+    ANSWERED = "answered"    # the prefill's first token was the whole answer: nothing to read
 
 
 MAX_LEASE_ID_CHARS = 1024  # a request id (<= 200 characters) plus "@<serial>", with room

@@ -5,13 +5,14 @@ Pure: msgspec and the standard library, no I/O.
 The keys are vLLM's (``remote_engine_id``, ``remote_host``, ``remote_port``,
 ``remote_block_ids``, ``remote_request_id``, ``tp_size``, ``remote_num_tokens``) plus
 kvxfer's ``lease_expires_at``, ``lease_ticket`` (:mod:`kvxfer.wire.tickets`),
-``remote_block_size`` and ``remote_rank_ports``. :meth:`RemoteParams.parse` is the one
-way in from a client's JSON: msgspec checks every type and bound the struct declares
-(bools are not ints, block ids are int64 descriptor offsets and may not wrap), the
-parser adds what a struct cannot say (no block id twice), and keys it does not know are
-ignored (a request carries ``do_remote_prefill`` and vLLM's others beside them). A bad
-value raises :class:`RemoteParamsError`, a ``ValueError`` whose message starts with
-``kv_transfer_params.<key>``: the HTTP layer answers it with a 400 naming the key.
+``remote_block_size``, ``remote_rank_ports`` and ``first_token`` (:class:`FirstToken`).
+:meth:`RemoteParams.parse` is the one way in from a client's JSON: msgspec checks every
+type and bound the struct declares (bools are not ints, block ids are int64 descriptor
+offsets and may not wrap), the parser adds what a struct cannot say (no block id twice),
+and keys it does not know are ignored (a request carries ``do_remote_prefill`` and
+vLLM's others beside them). A bad value raises :class:`RemoteParamsError`, a
+``ValueError`` whose message starts with ``kv_transfer_params.<key>``: the HTTP layer
+answers it with a 400 naming the key.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ _Name = Annotated[str, Meta(min_length=1)]
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Positive = Annotated[int, Meta(ge=1)]
 _BlockId = Annotated[int, Meta(ge=0, le=MAX_BLOCK_ID - 1)]
+_MAX_TOP = 20  # the most alternatives a request may ask for (the sampler's MAX_LOGPROBS)
 
 
 class RemoteParamsError(ValueError):
@@ -41,6 +43,24 @@ class RemoteParamsError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
         self.key = key
+
+
+class FirstToken(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The first output token the prefill sampled, as ``kv_transfer_params.first_token``:
+    its ``id``, its ``logprob`` and, when the request asked for log-probabilities, its
+    ``top`` alternatives as ``[id, logprob]`` pairs, most likely first (what the prefill's
+    sampler reported). A decode that takes it answers it at once and continues from it,
+    instead of computing the last prompt token again to sample it.
+
+    Not signed with the lease: it can only change the answer of whoever holds the params,
+    never which KV is read. The decode checks the ids against its vocabulary and the
+    number of alternatives against the request (:mod:`kvxfer.sidecar.openai_api.kv_params`).
+    """
+
+    id: Annotated[int, Meta(ge=0)]
+    logprob: Annotated[float, Meta(le=0.0)]
+    top: Annotated[tuple[tuple[Annotated[int, Meta(ge=0)], Annotated[float, Meta(le=0.0)]],
+                         ...], Meta(max_length=_MAX_TOP)] = ()
 
 
 class RemoteParams(msgspec.Struct, frozen=True):
@@ -62,6 +82,8 @@ class RemoteParams(msgspec.Struct, frozen=True):
     # Each prefill rank's side-channel port, where its ranks listen apart (a vLLM instance
     # runs a process per rank); absent: every rank answers at remote_port.
     remote_rank_ports: tuple[_Port, ...] | None = None
+    # The prefill's sampled first token; absent (vLLM's params, or n > 1): recomputed.
+    first_token: FirstToken | None = None
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> RemoteParams:
@@ -139,7 +161,9 @@ _KINDS = {"remote_engine_id": "str", "remote_host": "str", "remote_request_id": 
           TICKET_KEY: "str", "remote_block_ids": "a list of integers",
           "lease_expires_at": "a number of seconds since the epoch",
           "remote_block_size": "a positive integer",
-          "remote_rank_ports": "a list of TCP ports"}
+          "remote_rank_ports": "a list of TCP ports",
+          "first_token": 'an object {"id": int, "logprob": number <= 0, "top": '
+                         '[[id, logprob], ...] of at most 20 pairs}'}
 # What a key's value must be, in the words of an error about its bound.
 _BOUNDS = {"remote_engine_id": "is empty", "remote_host": "is empty",
            "remote_request_id": "is empty", "remote_port": "{value} is not a TCP port",
@@ -148,12 +172,16 @@ _BOUNDS = {"remote_engine_id": "is empty", "remote_host": "is empty",
 _ITEM_BOUNDS = {"remote_block_ids": "outside [0, 2**63)",
                 "remote_rank_ports": "which is not a TCP port"}
 _PATH = re.compile(r" - at `\$\.(\w+)(?:\[(\d+)\])?`$")
+_NESTED = re.compile(r" - at `\$\.first_token[.\[`]")
 _MISSING = re.compile(r"^Object missing required field `(\w+)`")
 _TYPE = re.compile(r"^Expected `[^`]*`, got `")  # msgspec: a type error, not a bound
 
 
 def _refusal(params: Mapping[str, Any], error: str) -> RemoteParamsError:
     """msgspec's validation ``error`` about ``params``, in the words of the key it names."""
+    if _NESTED.search(error):  # inside first_token, the one object-valued key
+        return RemoteParamsError("first_token", f"kv_transfer_params.first_token must be "
+                                                f"{_KINDS['first_token']}: {error}")
     missing = _MISSING.match(error)
     if missing:
         key = missing.group(1)

@@ -41,7 +41,9 @@ from __future__ import annotations
 #  11: message kind "done" (DoneReport, hash-free): a decode rank's "done" over the side
 #      channel, acknowledged with a ReleaseAck, next to its NIXL notification;
 #      ReleaseLease.outcome ("abandoned", "cached": a full prefix-cache hit).
-KVXFER_PROTOCOL_VERSION: int = 11
+#  12: ReleaseLease.outcome "answered": the first token the prefill sampled (its
+#      kv_transfer_params.first_token) ended the request, so the decode read nothing.
+KVXFER_PROTOCOL_VERSION: int = 12
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""

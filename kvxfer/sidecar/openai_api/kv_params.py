@@ -13,11 +13,12 @@ from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.openai_api.request_bodies import CommonFields, is_int
 
 if TYPE_CHECKING:
+    from kvxfer.engine import SamplingParams
     from kvxfer.wire.params import RemoteParams
 
 
-def kv_intent(req: CommonFields, prompts: list[list[int]],
-               info: ModelInfo) -> tuple[bool, RemoteParams | None]:
+def kv_intent(req: CommonFields, prompts: list[list[int]], params: SamplingParams,
+              info: ModelInfo) -> tuple[bool, RemoteParams | None]:
     """(hold the blocks, read the KV from) for this request on this role."""
     kv = req.kv_transfer_params
     if kv is None:
@@ -39,8 +40,34 @@ def kv_intent(req: CommonFields, prompts: list[list[int]],
     if info.role == "decode" and kv.get("do_remote_prefill") is True:
         _one_prompt(prompts)
         _check_siblings_fit(req.n or 1, len(prompts[0]), info)
-        return False, _remote_params(kv, len(prompts[0]), info.block_size)
+        remote = _remote_params(kv, len(prompts[0]), info.block_size)
+        return False, _first_token(remote, req.n or 1, params, info)
     return False, None
+
+
+def _first_token(remote: RemoteParams, n: int, params: SamplingParams,
+                 info: ModelInfo) -> RemoteParams:
+    """``remote`` with the prefill's first token when this decode continues from it:
+    dropped for ``n > 1`` (the prefill sampled one choice; the decode samples all ``n``,
+    each from the last prompt token); a 400 for ids outside the vocabulary, or a number
+    of top log-probabilities other than the request asks for (one instance would
+    answer another number)."""
+    first = remote.first_token
+    if first is None:
+        return remote
+    if n > 1:
+        return msgspec.structs.replace(remote, first_token=None)
+    ids = [first.id, *(token for token, _ in first.top)]
+    if not all(token < info.vocab_size for token in ids):
+        raise bad_request(f"kv_transfer_params.first_token names token ids {ids}, not all in "
+                          f"this model's vocabulary [0, {info.vocab_size})",
+                          "kv_transfer_params")
+    wanted = min(params.logprobs or 0, info.vocab_size)
+    if len(first.top) != wanted:
+        raise bad_request(f"kv_transfer_params.first_token has {len(first.top)} top "
+                          f"log-probabilities but the request asks for {wanted}",
+                          "kv_transfer_params")
+    return remote
 
 
 def _check_siblings_fit(n: int, num_tokens: int, info: ModelInfo) -> None:
