@@ -36,6 +36,7 @@ from kvxfer.sidecar.connector import AbortOutcome, KVConnector
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.listener import HandshakeListener
 from kvxfer.wire.compat import CompatInfo
+from kvxfer.wire.errors import HandshakeError
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.params import RemoteParams
 from proxy.contract import decode_request, parse_prefill_answer
@@ -194,6 +195,27 @@ def test_a_release_of_a_lease_not_held_changes_nothing(rig: dict[str, Sidecar]) 
     assert answer.status_code == 200, answer.text  # its blocks were intact and still leased
     prefill.wait_for("the lease released", back_to(start), timeout=RELEASE_WITHIN_S)
     assert grew(before, lease_counts(prefill)) == {"done": 1, "abandoned": 0, "expired": 0}
+
+
+def test_a_kept_connection_serves_every_later_call(rig: dict[str, Sidecar]) -> None:
+    """A sender's client keeps the connection of an answered call for the next calls to
+    that side channel, and never keeps one that went unanswered (a late reply could be
+    taken for the next call's)."""
+    port = rig["prefill"].health()["side_channel_port"]
+    with HandshakeClient("decode-kept", compat_of_another_model(),
+                         keep_connections=True) as client, socket.socket() as mute:
+        for attempt in range(3):
+            assert client.release(HOST, port, f"no-such-lease-{attempt}", "kept") is False
+            assert client.connections == 1
+        mute.bind((HOST, 0))
+        mute.listen()  # accepts TCP, never speaks ZMTP: no answer
+        with pytest.raises(HandshakeError, match="no answer"):
+            client.release(HOST, mute.getsockname()[1], "lease", "mute", timeout=0.3)
+        assert client.connections == 1
+        assert client.release(HOST, port, "no-such-lease", "kept") is False
+    with HandshakeClient("decode-fresh", compat_of_another_model()) as plain:
+        assert plain.release(HOST, port, "no-such-lease", "fresh") is False
+        assert plain.connections == 0
 
 
 def test_the_release_shows_in_the_prefill_metrics_help(rig: dict[str, Sidecar]) -> None:

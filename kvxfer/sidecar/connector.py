@@ -202,9 +202,13 @@ class KVConnector:
         from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 
         compat = compat_info(self.engine)
-        releaser = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))
+        def sender() -> ReleaseSender:  # its thread alone uses its client: connections kept
+            return ReleaseSender(HandshakeClient(self.engine_id, compat, self._key,
+                                                 keep_connections=True))
+
+        releaser = sender()
         try:  # its own thread: a renewal must not wait behind releases to a dead prefill
-            renewer = ReleaseSender(HandshakeClient(self.engine_id, compat, self._key))
+            renewer = sender()
         except BaseException:
             releaser.close()
             raise

@@ -91,9 +91,11 @@ class WorkerSide:
                                      host_reads=settings.host_reads)
         self.listener: HandshakeListener | None = None
         # every rank claims as the engine: a lease is read by one decode, all its ranks
-        sender = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key))
+        sender = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key,
+                                               keep_connections=True))
         try:  # its own thread: a claim must not wait behind reports to a frozen prefill
-            renewer = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key))
+            renewer = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key,
+                                                    keep_connections=True))
         except BaseException:
             sender.close()
             raise

@@ -54,16 +54,29 @@ class HandshakeClient:
     One ZMQ context per client; each :meth:`fetch` attempt opens and closes its
     own DEALER socket. Safe to call from several threads at once. Caching the
     answer per remote engine is the caller's job.
+
+    With ``keep_connections`` (a client that one thread uses, as a
+    :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`'s), a call that
+    was answered leaves its connection open for the next call to the same address, so
+    a claim, renewal, release or "done" report costs its one exchange, not a TCP and
+    ZMTP handshake first (nor, for a release, a TCP probe). A call that got no answer
+    or failed closes it: a late reply can never be taken for the next call's.
     """
 
     def __init__(self, engine_id: str, compat: CompatInfo,
-                 hmac_key: bytes | None = None) -> None:
+                 hmac_key: bytes | None = None, *, keep_connections: bool = False) -> None:
         self.engine_id = engine_id
         self.compat, self._hash = compat, compat_hash(compat)
         self._key = hmac_key
         self._replay = ReplayGuard()  # replies, too, are refused when replayed
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._kept: dict[str, zmq.Socket[bytes]] | None = {} if keep_connections else None
         self._closed = False
+
+    @property
+    def connections(self) -> int:
+        """Connections kept open (0 without ``keep_connections``)."""
+        return len(self._kept or {})
 
     def fetch(self, host: str, port: int, ranks: Sequence[int], *, timeout: float = 5.0,
               retries: int = 2) -> MetadataResponse:
@@ -150,6 +163,7 @@ class HandshakeClient:
             raise ValueError(f"{what} port must be in 1..65535, got {port!r}")
         address = endpoint(host, port)
         request = encode_message(message, compat=self.compat, hmac_key=self._key)
+        probe_first = probe_first and address not in (self._kept or {})  # known to answer
         why_not = connect_error(host, port, min(timeout, PROBE_TIMEOUT_S)) if probe_first \
             else None
         if why_not is not None and "timed out" not in why_not:
@@ -187,9 +201,11 @@ class HandshakeClient:
         return self._parse_ack(frames, address, lease_id, RenewAck, "renewal")
 
     def close(self) -> None:
-        """Release the ZMQ context (idempotent)."""
+        """Close the kept connections and the ZMQ context (idempotent)."""
         if not self._closed:
             self._closed = True
+            for sock in (self._kept or {}).values():
+                sock.close(linger=0)
             self._ctx.term()
 
     def __enter__(self) -> HandshakeClient:
@@ -201,15 +217,21 @@ class HandshakeClient:
 
     def _exchange(self, host: str, address: str, request: bytes, timeout: float, *,
                   probe_port: int | None = None) -> list[bytes] | None:
-        """One attempt on a fresh DEALER: the reply frames, or None after ``timeout``.
+        """One attempt on a fresh DEALER (or the kept one): the reply frames, or None after
+        ``timeout``.
 
         With ``probe_port``, no answer within :data:`PROBE_AFTER_S` is explained by a TCP
         connect, and one that is refused raises :class:`PeerUnreachable` (free when the
         peer answers, unlike a probe before every request)."""
-        sock = new_socket(self._ctx, zmq.DEALER, host, MAX_RESPONSE_BYTES)
+        sock = self._kept.pop(address, None) if self._kept is not None else None
+        fresh = sock is None
+        if sock is None:
+            sock = new_socket(self._ctx, zmq.DEALER, host, MAX_RESPONSE_BYTES)
+        frames: list[bytes] | None = None
         try:
             try:
-                sock.connect(address)
+                if fresh:
+                    sock.connect(address)
                 sock.send(request, zmq.NOBLOCK)  # queued until the connection is up
             except zmq.ZMQError as exc:
                 raise HandshakeError(f"cannot send a handshake request to {address}: {exc}",
@@ -218,18 +240,22 @@ class HandshakeClient:
             if probe_port is not None and wait_ms > PROBE_AFTER_S * 1000:
                 early = round(PROBE_AFTER_S * 1000)
                 if sock.poll(early, zmq.POLLIN):
-                    return sock.recv_multipart()
+                    frames = sock.recv_multipart()
+                    return frames
                 wait_ms -= early
                 why_not = connect_error(host, probe_port, PROBE_TIMEOUT_S)
                 if why_not is not None and "timed out" not in why_not:
                     raise PeerUnreachable(f"cannot connect to {address}: {why_not}",
                                           peer=address, expected="a listening side channel",
                                           found=why_not)
-            if not sock.poll(wait_ms, zmq.POLLIN):
-                return None
-            return sock.recv_multipart()
+            if sock.poll(wait_ms, zmq.POLLIN):
+                frames = sock.recv_multipart()
+            return frames
         finally:
-            sock.close(linger=0)
+            if self._kept is not None and frames is not None and not self._closed:
+                self._kept[address] = sock  # answered: nothing more can arrive on it
+            else:
+                sock.close(linger=0)
 
     def _parse(self, frames: list[bytes], address: str,
                ranks: Sequence[int]) -> MetadataResponse:
