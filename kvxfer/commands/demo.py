@@ -4,7 +4,7 @@ Starts the three processes on free loopback ports with a real model (SmolLM2-135
 Instruct by default; ``--model kvxfer-tiny`` for the seeded built-in one), sends a
 completion, a chat question and a streamed chat through the proxy, and shows for each what
 moved between the sidecars: blocks, bytes, descriptors, transfer time and GB/s,
-and the time to first token split into prefill, KV transfer and decode. The
+and the time to first token split into prefill and hand-over to the decode. The
 numbers come from the sidecars' and the proxy's own ``/metrics``, read before and
 after each request (requests run one at a time, so the differences are exact).
 
@@ -218,11 +218,11 @@ def _print_moved(moved: dict[str, float], prompt_tokens: int, block_size: int,
           f"{moved['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s)")
     if moved["recomputes"]:
         print("    (the transfer failed and the decode recomputed the prompt)")
-    if ttft_s is not None:
-        decode_s = max(0.0, ttft_s - moved["prefill_s"] - moved["transfer_s"])
+    if ttft_s is not None:  # the decode answers the prefill's token before it reads
+        handover_s = max(0.0, ttft_s - moved["prefill_s"])
         print(f"    time to first token {ttft_s * 1e3:.1f} ms = prefill "
-              f"{moved['prefill_s'] * 1e3:.1f} ms + KV transfer {moved['transfer_s'] * 1e3:.2f}"
-              f" ms + decode {decode_s * 1e3:.1f} ms")
+              f"{moved['prefill_s'] * 1e3:.1f} ms + hand-over to the decode "
+              f"{handover_s * 1e3:.1f} ms (the KV transfer runs after it)")
 
 
 def _printable(text: str) -> str:
