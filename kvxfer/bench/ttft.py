@@ -1,0 +1,522 @@
+"""``kvxfer bench ttft``: time to first and second token, one instance next to P/D.
+
+Starts, each its own process on 127.0.0.1 (logs in ``--log-dir``, else a temporary
+folder removed at exit): a ``kvxfer serve --role both`` (the baseline, "one instance"),
+a ``--role prefill`` and a ``--role decode`` sidecar, and the proxy in front of those
+two (``python -m proxy``, no retries, no prefill timeout in the way). The client sends
+the one instance its requests directly and P/D's to the proxy, as each is deployed.
+
+Every target gets the same prompts (token ids, ``--lengths`` tokens long), alternating
+target request by request (the one asked first swapping every repeat), after one
+unmeasured warm-up request each (it pays the decode's handshake). Every request is
+streamed greedily (``temperature 0``, ``ignore_eos``, ``logprobs 0``: one chunk per
+token) and timed on the client's side:
+
+- time to first token (TTFT): from sending to the first chunk that carries a token;
+- time to second token (TT2T): from sending to the second token;
+- inter-token latency (ITL): the mean gap between the tokens after the first;
+- P/D only, the KV transfer: the decode sidecar's ``kvxfer_kv_transfer_duration_seconds``
+  (its /metrics read before and after the request).
+
+Per length and target it reports the median and p90 of each, every other target's
+ratios to one instance, and a verdict against issue 25's two targets: median TTFT at
+most 1.05x one instance's, and median TT2T at most one instance's plus the median
+transfer plus one decode step (one instance's median ITL). The verdict informs; the
+command exits 1 only when requests failed. ``--plot`` draws TTFT against prompt length.
+
+A further transfer mode is one more entry of :data:`MODES`, with its processes started
+in :func:`deployment` and its URL among the targets it yields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvxfer.bench.proxy import free_port
+from kvxfer.bench.serve import BenchError, _metrics, _prompt
+from kvxfer.bench.soak import Child
+
+HELP = "time to first and second token and inter-token latency, one instance vs P/D"
+
+BASELINE = "one"
+MODES = {BASELINE: "one instance", "pd": "P/D (proxy)"}  # the baseline first
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_LENGTHS = (20, 50, 120, 500, 1000, 2000)
+TTFT_LIMIT = 1.05  # issue 25: P/D median TTFT at most 1.05x one instance's
+BLOCK_SIZE = 16  # kvxfer serve's default
+REQUEST_TIMEOUT_S = 600.0
+# The bench runs without keys: none a caller's environment holds may reach the children.
+KEY_VARIABLES = ("KVXFER_API_KEY", "KVXFER_PROXY_API_KEY", "KVXFER_KV_KEY_FILE")
+TRANSFER_S = "kvxfer_kv_transfer_duration_seconds_sum"
+METRICS = ("ttft_ms", "tt2t_ms", "itl_ms")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"model of every sidecar, a name from `kvxfer models` "
+                             f"(default {DEFAULT_MODEL}; kvxfer-tiny is the fast one)")
+    parser.add_argument("--lengths", type=lengths, default=DEFAULT_LENGTHS, metavar="N,N,...",
+                        help="prompt lengths in tokens, comma-separated (default "
+                             f"{','.join(map(str, DEFAULT_LENGTHS))})")
+    parser.add_argument("--repeats", type=int, default=6,
+                        help="measured requests per target and length (default 6)")
+    parser.add_argument("--max-tokens", type=int, default=8,
+                        help="tokens of each streamed answer, 2 or more (default 8)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw TTFT against prompt length, one line per target "
+                             "(needs matplotlib: pip install matplotlib)")
+    parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
+    parser.add_argument("--log-dir", metavar="DIR", help="keep every process's log in DIR "
+                                                         "(default: removed at exit)")
+
+
+def lengths(text: str) -> tuple[int, ...]:
+    """``--lengths``: distinct prompt lengths, ascending; each of 2 tokens or more (a P/D
+    decode reads all but the last token's KV)."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}"
+                                         ) from None
+    if not values or values[0] < 2:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be 2 tokens or more, got {text!r}")
+    return tuple(values)
+
+
+class RequestFailed(RuntimeError):
+    """A measured request got no answer, an error, or too few tokens; the message says which."""
+
+
+# -- statistics (pure) ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One streamed answer; seconds, from sending the request."""
+
+    ttft: float
+    tt2t: float
+    itl: float  # the mean gap between the tokens after the first
+    transfer: float | None  # the decode's KV read; None: no decode behind the target
+
+
+def sample(sent: float, token_times: Sequence[float], transfer: float | None) -> Sample:
+    """The :class:`Sample` of a request sent at ``sent`` whose tokens arrived at
+    ``token_times`` (one entry per token, same clock)."""
+    if len(token_times) < 2:
+        raise RequestFailed(f"streamed {len(token_times)} token(s); 2 or more are timed")
+    first, second, last = token_times[0], token_times[1], token_times[-1]
+    return Sample(first - sent, second - sent, (last - first) / (len(token_times) - 1),
+                  transfer)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, interpolated linearly between the
+    nearest ranks (numpy's default); p50 is the median."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = q / 100 * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread_ms(seconds: Sequence[float]) -> dict[str, float] | None:
+    """``{"p50": ms, "p90": ms}`` of durations in seconds; None for none."""
+    if not seconds:
+        return None
+    return {f"p{q}": round(1000 * percentile(seconds, q), 3) for q in (50, 90)}
+
+
+def summarize(samples: Sequence[Sample], failures: Sequence[str]) -> dict[str, Any]:
+    """One target's figures at one length (milliseconds)."""
+    transfers = [s.transfer for s in samples if s.transfer is not None]
+    return {"requests": len(samples) + len(failures), "failed": len(failures),
+            "first_error": failures[0] if failures else None,
+            "ttft_ms": spread_ms([s.ttft for s in samples]),
+            "tt2t_ms": spread_ms([s.tt2t for s in samples]),
+            "itl_ms": spread_ms([s.itl for s in samples]),
+            "transfer_ms": spread_ms(transfers)}
+
+
+def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    """``other``'s TTFT, TT2T and ITL over ``base``'s, p50 and p90 (``ttft_p50`` ...)."""
+    found = {}
+    for metric in METRICS:
+        for q in ("p50", "p90"):
+            if base[metric] and other[metric] and base[metric][q] > 0:
+                found[f"{metric[:-3]}_{q}"] = round(other[metric][q] / base[metric][q], 4)
+    return found
+
+
+def verdict(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any] | None:
+    """``other`` against issue 25's targets, on medians (ms): TTFT at most
+    :data:`TTFT_LIMIT` x ``base``'s; TT2T at most ``base``'s plus ``other``'s transfer
+    (0 without one) plus one decode step (``base``'s ITL). None: something unmeasured."""
+    if not all(s[m] for s in (base, other) for m in METRICS):
+        return None
+    ttft, tt2t = other["ttft_ms"]["p50"], other["tt2t_ms"]["p50"]
+    transfer = other["transfer_ms"]["p50"] if other["transfer_ms"] else 0.0
+    ttft_limit = TTFT_LIMIT * base["ttft_ms"]["p50"]
+    tt2t_parts = (base["tt2t_ms"]["p50"], transfer, base["itl_ms"]["p50"])
+    tt2t_limit = sum(tt2t_parts)
+    return {"ttft": {"ms": ttft, "limit_ms": round(ttft_limit, 3), "ok": ttft <= ttft_limit},
+            "tt2t": {"ms": tt2t, "limit_ms": round(tt2t_limit, 3), "ok": tt2t <= tt2t_limit,
+                     "one_instance_ms": tt2t_parts[0], "transfer_ms": transfer,
+                     "decode_step_ms": tt2t_parts[2]}}
+
+
+def length_report(length: int, summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One prompt length: every target's figures, and the others against the baseline."""
+    base = summaries[BASELINE]
+    return {"prompt_tokens": length, "modes": summaries,
+            "vs_one": {mode: {"ratios": ratios(base, s), "verdict": verdict(base, s)}
+                       for mode, s in summaries.items() if mode != BASELINE}}
+
+
+# -- output (pure) ----------------------------------------------------------------------------
+
+
+def _pair(spread: dict[str, float] | None) -> str:
+    return f"{spread['p50']:9.1f} {spread['p90']:9.1f}" if spread else f"{'-':>9} {'-':>9}"
+
+
+def _ratio(found: dict[str, float], key: str) -> str:
+    return f"{found[key]:6.3f}x" if key in found else f"{'':7}"
+
+
+def table_lines(report: dict[str, Any]) -> list[str]:
+    """The table: a row per length and target (ms, p50 and p90; ratios of medians)."""
+    c = report["config"]
+    pair, ratio = f"{'p50':>9} {'p90':>9}", f"{'ratio':>7}"
+    lines = [f"kvxfer bench ttft (model {c['model']}, {c['repeats']} requests per target and "
+             f"length, {c['max_tokens']} tokens each; ms; ratios of medians to one instance)",
+             (f"{'':22} {'time to 1st token':^19} {'':7} {'time to 2nd token':^19} {'':7} "
+              f"{'inter-token':^19} {'KV transfer':^19}").rstrip(),
+             f"{'tokens':>6}  {'target':<14} {pair} {ratio} {pair} {ratio} {pair} {pair}  failed"]
+    for row in report["lengths"]:
+        for mode, s in row["modes"].items():
+            found = row["vs_one"].get(mode, {}).get("ratios", {})
+            lines.append(f"{row['prompt_tokens']:>6}  {MODES[mode]:<14} {_pair(s['ttft_ms'])} "
+                         f"{_ratio(found, 'ttft_p50')} {_pair(s['tt2t_ms'])} "
+                         f"{_ratio(found, 'tt2t_p50')} {_pair(s['itl_ms'])} "
+                         f"{_pair(s['transfer_ms'])}  {s['failed']}")
+            if s["first_error"]:
+                lines.append(f"{'':24}first failure: {s['first_error']}")
+    return lines
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """One line per length and non-baseline target: each figure against its target."""
+    lines = []
+    for row in report["lengths"]:
+        for mode, versus in row["vs_one"].items():
+            head = f"{MODES[mode]}, {row['prompt_tokens']} tokens:"
+            v = versus["verdict"]
+            if v is None:
+                lines.append(f"{head} not judged (requests failed)")
+                continue
+            t, s = v["ttft"], v["tt2t"]
+            lines.append(
+                f"{head} TTFT {t['ms']:.1f} ms, target <= {t['limit_ms']:.1f} ({TTFT_LIMIT}x "
+                f"one instance): {'ok' if t['ok'] else 'OVER'}; TT2T {s['ms']:.1f} ms, target "
+                f"<= {s['limit_ms']:.1f} (one instance {s['one_instance_ms']:.1f} + transfer "
+                f"{s['transfer_ms']:.1f} + a decode step {s['decode_step_ms']:.1f}): "
+                f"{'ok' if s['ok'] else 'OVER'}")
+    return lines
+
+
+def require_matplotlib() -> None:
+    """Fail before measuring, not after, when ``--plot`` cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install matplotlib (or install "
+                         "kvxfer with its bench extra)") from None
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    """TTFT against prompt length: per target its median (solid) and p90 (dashed), and
+    the TTFT target, :data:`TTFT_LIMIT` x one instance's median (dotted)."""
+    require_matplotlib()
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font cache, once
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for mode, label in MODES.items():
+        points = [(r["prompt_tokens"], r["modes"][mode]["ttft_ms"]) for r in report["lengths"]
+                  if r["modes"][mode]["ttft_ms"]]
+        x = [n for n, _ in points]
+        line = axes.plot(x, [s["p50"] for _, s in points], marker="o", label=f"{label}, p50")
+        axes.plot(x, [s["p90"] for _, s in points], linestyle="--",
+                  color=line[0].get_color(), label=f"{label}, p90")
+    base = [(r["prompt_tokens"], r["modes"][BASELINE]["ttft_ms"]) for r in report["lengths"]
+            if r["modes"][BASELINE]["ttft_ms"]]
+    axes.plot([n for n, _ in base], [TTFT_LIMIT * s["p50"] for _, s in base], linestyle=":",
+              color="grey", label=f"target: {TTFT_LIMIT}x one instance's p50")
+    axes.set(xscale="log", yscale="log", xlabel="prompt length (tokens)",
+             ylabel="time to first token (ms)",
+             title=f"kvxfer bench ttft: {report['config']['model']}")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    axes.set_xticks([r["prompt_tokens"] for r in report["lengths"]])
+    axes.xaxis.set_major_formatter(plain)
+    axes.xaxis.set_minor_formatter(NullFormatter())
+    axes.yaxis.set_major_formatter(plain)
+    axes.yaxis.set_minor_formatter(plain)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one mode's requests go, and the decode whose /metrics times its KV reads."""
+
+    url: str
+    decode: str | None = None
+
+
+def num_blocks(longest: int, max_tokens: int) -> int:
+    """KV blocks per sidecar: two of the longest requests at once (a prefill's lease ends
+    just after its decode answered), at least ``kvxfer serve``'s default 256."""
+    return max(256, 2 * math.ceil((longest + max_tokens) / BLOCK_SIZE))
+
+
+def _child_env() -> dict[str, str]:
+    """This environment without keys, this checkout's packages first on the path."""
+    import proxy
+
+    env = {k: v for k, v in os.environ.items() if k not in KEY_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(proxy.__file__).resolve().parent.parent),
+                                         env.get("PYTHONPATH", "")])
+    env["PYTHONUNBUFFERED"] = "1"  # the ready line, at once
+    return env
+
+
+def _argvs(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[str]]:
+    """The command line of every process, by name (the proxy's is named "proxy")."""
+    blocks = num_blocks(max(args.lengths), args.max_tokens)
+    sidecars = {name: [sys.executable, "-m", "kvxfer.cli", "--log-level", "WARNING", "serve",
+                       "--role", name, "--model", args.model, "--port", str(ports[name]),
+                       "--block-size", str(BLOCK_SIZE), "--num-blocks", str(blocks),
+                       "--kv-load-failure-policy", "fail"]
+                for name in ("both", "prefill", "decode")}
+    # No retry and no prefill timeout: a slow or failed request shows as it is.
+    proxy = [sys.executable, "-m", "proxy", "--port", str(ports["proxy"]),
+             "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(ports["prefill"]),
+             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(ports["decode"]),
+             "--retries", "0", "--prefill-timeout", str(REQUEST_TIMEOUT_S),
+             "--health-timeout", "30", "--log-level", "warning"]
+    return {**sidecars, "proxy": proxy}
+
+
+@contextmanager
+def deployment(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Target]]:
+    """The sidecars, then the proxy, ready: each mode's :class:`Target`. All are stopped
+    on exit, Ctrl-C included (each runs in a session of its own: only we get the SIGINT)."""
+    ports: set[int] = set()
+    while len(ports) < 4:
+        ports.add(free_port())
+    names = ("both", "prefill", "decode", "proxy")
+    port = dict(zip(names, sorted(ports), strict=True))
+    url = {name: f"http://127.0.0.1:{port[name]}" for name in names}
+    env = _child_env()
+    children = {name: Child(name, argv, url[name], env, log_dir)
+                for name, argv in _argvs(args, port).items()}
+    with ExitStack() as stack:  # unwinds in reverse: the proxy first
+        for group in (names[:3], names[3:]):  # the sidecars load their models in parallel
+            for name in group:
+                children[name].start()
+                stack.callback(children[name].stop)
+            for name in group:
+                children[name].wait_ready()
+        yield {BASELINE: Target(url["both"]), "pd": Target(url["proxy"], url["decode"])}
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def _tokens(event: dict[str, Any]) -> int:
+    """Tokens one SSE chunk carries: its logprobs' tokens (one a token, text or not)."""
+    count = 0
+    for choice in event.get("choices", ()):
+        logprobs = choice.get("logprobs") or {}
+        count += len(logprobs.get("tokens") or ()) or int(bool(choice.get("text")))
+    return count
+
+
+def stream(client: Any, url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
+    """POST a streamed completion: (when sent, when each token arrived), perf_counter s."""
+    times: list[float] = []
+    sent = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RequestFailed(f"{url} answered {response.status_code}: "
+                                f"{response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                now = time.perf_counter()
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    raise RequestFailed(f"{url} streamed an error: {event['error']}")
+                times.extend([now] * _tokens(event))
+    return sent, times
+
+
+def measure_one(client: Any, target: Target, prompt: list[int], max_tokens: int) -> Sample:
+    """One request to ``target``; its decode's KV read from /metrics around it."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 0}
+    try:
+        before = _metrics(client, target.decode) if target.decode else {}
+        sent, times = stream(client, target.url, body)
+        after = _metrics(client, target.decode) if target.decode else {}
+    except httpx.HTTPError as exc:  # a process gone or stalled: this request failed
+        raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
+    transfer = after.get(TRANSFER_S, 0.0) - before.get(TRANSFER_S, 0.0) if target.decode else None
+    return sample(sent, times, transfer)
+
+
+def measure_length(client: Any, targets: dict[str, Target], length: int,
+                   args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--repeats`` requests per target of one length, alternating: each target's summary."""
+    samples: dict[str, list[Sample]] = {mode: [] for mode in targets}
+    failures: dict[str, list[str]] = {mode: [] for mode in targets}
+    modes, prompt = list(targets), _prompt(length)
+    for repeat in range(args.repeats):
+        shift = repeat % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            try:
+                samples[mode].append(measure_one(client, targets[mode], prompt,
+                                                 args.max_tokens))
+            except RequestFailed as exc:
+                failures[mode].append(str(exc))
+    return {mode: summarize(samples[mode], failures[mode]) for mode in modes}
+
+
+def measure(targets: dict[str, Target], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A warm-up request per target, then every length: one :func:`length_report` each."""
+    import httpx
+
+    rows = []
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+        for mode, target in targets.items():
+            try:
+                measure_one(client, target, _prompt(args.lengths[0]), args.max_tokens)
+            except RequestFailed as exc:
+                raise BenchError(f"the warm-up request to {MODES[mode]} failed: {exc}") from None
+        for length in args.lengths:
+            started = time.monotonic()
+            summaries = measure_length(client, targets, length, args)
+            rows.append(length_report(length, summaries))
+            medians = (f"{MODES[m]} {s['ttft_ms']['p50']:.1f} ms" if s["ttft_ms"] else
+                       f"{MODES[m]} failed" for m, s in summaries.items())
+            _progress(f"{length} tokens, median TTFT: {', '.join(medians)} "
+                      f"({time.monotonic() - started:.1f} s)")
+    return rows
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def _progress(text: str) -> None:
+    print(f"kvxfer bench ttft: {text}", file=sys.stderr, flush=True)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise :class:`BenchError` for arguments that cannot run (the model's context
+    included, read without loading its weights)."""
+    from kvxfer.engine.checkpoint import CheckpointError
+    from kvxfer.engine.models import model_config
+
+    if args.repeats < 1 or args.max_tokens < 2:
+        raise BenchError(f"--repeats must be 1 or more (got {args.repeats}) and --max-tokens "
+                         f"2 or more (got {args.max_tokens})")
+    try:
+        context = model_config(args.model).max_position_embeddings
+    except (CheckpointError, OSError) as exc:
+        raise BenchError(f"--model {args.model}: {exc}") from None
+    longest = max(args.lengths) + args.max_tokens
+    if longest > context:
+        raise BenchError(f"--lengths {max(args.lengths)} plus --max-tokens {args.max_tokens} "
+                         f"is {longest} tokens, past {args.model}'s context of {context}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    try:
+        check_args(args)
+        if args.plot:
+            require_matplotlib()
+    except BenchError as exc:
+        print(f"kvxfer bench ttft: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = _run(args)
+    except BenchError as exc:
+        print(f"kvxfer bench ttft: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # every process it started is stopped by now
+        print("kvxfer bench ttft: interrupted", file=sys.stderr)
+        return 130
+    _write(report, args)
+    return 1 if report["failed_requests"] else 0
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvxfer-ttft-") as root:
+        log_dir = Path(args.log_dir or root)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _progress(f"starting {', '.join(MODES.values())} with {args.model} (logs in "
+                  f"{log_dir if args.log_dir else 'a temporary folder'})")
+        started = time.monotonic()
+        with deployment(args, log_dir) as targets:
+            _progress(f"ready after {time.monotonic() - started:.1f} s; measuring "
+                      f"{len(args.lengths)} lengths, {args.repeats} requests per target each")
+            rows = measure(targets, args)
+    config = {"model": args.model, "lengths": list(args.lengths), "repeats": args.repeats,
+              "max_tokens": args.max_tokens, "block_size": BLOCK_SIZE, "baseline": BASELINE,
+              "modes": MODES, "ttft_limit": TTFT_LIMIT}
+    failed = sum(s["failed"] for row in rows for s in row["modes"].values())
+    return {"config": config, "lengths": rows, "failed_requests": failed}
+
+
+def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json_file:
+        Path(args.json_file).write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot:
+        write_plot(report, args.plot)
+        _progress(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print("\n".join(table_lines(report)))
+    print("\nverdict (medians):")
+    print("\n".join(f"  {line}" for line in verdict_lines(report)))
