@@ -13,7 +13,8 @@ share a ``--system-tokens`` system prompt, each followed by ``--user-tokens`` to
 of its own. Requests go round robin over the pairs, the pair asked first rotating,
 so that drift on a busy machine hits all of them alike. Per request it measures, as
 the proxy would see it, time to first token: the prefill request (``max_tokens=1``,
-``do_remote_decode``) and then the streamed decode request until its first token;
+``do_remote_decode``) and then the streamed decode request until the first token it
+computes, its second (the first is the prefill's, answered before any read);
 the decode's part alone; the KV bytes the decode read and how long its read took
 (its ``kvxfer_kv_transfer_bytes_total`` and ``kvxfer_kv_transfer_duration_seconds``).
 Prefills are bound to one CPU and decodes to another (``--no-pin``: not). Figures
@@ -89,13 +90,15 @@ def prompts(args: argparse.Namespace) -> tuple[list[int], list[list[int]]]:
 
 def _request(client: Any, pair: dict[str, str], prompt: list[int]) -> dict[str, float]:
     """One request as the proxy sends it: TTFT, the decode's part of it, bytes read."""
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    # one chunk per token: the first is the prefill's, the second the decode's first own
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
     before = _metrics(client, pair["decode"])
     start = time.perf_counter()
     answer = _post(client, f"{pair['prefill']}/v1/completions",
                    {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     decode_start = time.perf_counter()
-    first = None
+    first, chunks = None, 0
     with client.stream("POST", f"{pair['decode']}/v1/completions",
                        json={**body, "stream": True,
                              "kv_transfer_params": answer["kv_transfer_params"]}) as response:
@@ -103,7 +106,8 @@ def _request(client: Any, pair: dict[str, str], prompt: list[int]) -> dict[str, 
             raise BenchError(f"the decode answered {response.status_code}: "
                              f"{response.read()[:300]!r}")
         for line in response.iter_lines():  # to the end: the request finishes
-            if first is None and line.startswith("data: {"):
+            chunks += line.startswith("data: {")
+            if first is None and chunks == 2:
                 first = time.perf_counter()
     if first is None:
         raise BenchError("the decode streamed no token")

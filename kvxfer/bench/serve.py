@@ -242,19 +242,26 @@ def _stream_rate(client: Any, url: str, tokens: int) -> tuple[int, float]:
             "ignore_eos": True, "stream": True, "logprobs": 0}
     first = last = 0.0
     count = 0
+    for last, _ in stream_events(client, url, body):
+        first = first or last
+        count += 1
+    if count < 2:
+        raise BenchError(f"{url} streamed {count} chunk(s) for {tokens} tokens: nothing to "
+                         f"time a decode rate on (use --decode-tokens 4 or more)")
+    return count - 1, last - first
+
+
+def stream_events(client: Any, url: str, body: dict[str, Any]
+                  ) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST a streamed completion to ``url``: (``perf_counter`` when it came, the event) for
+    each JSON event; BenchError for an answer other than 200."""
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise BenchError(f"{url} answered {response.status_code}: "
                              f"{response.read()[:300]!r}")
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                last = time.perf_counter()
-                first = first or last
-                count += 1
-    if count < 2:
-        raise BenchError(f"{url} streamed {count} chunk(s) for {tokens} tokens: nothing to "
-                         f"time a decode rate on (use --decode-tokens 4 or more)")
-    return count - 1, last - first
+                yield time.perf_counter(), json.loads(line[len("data: "):])
 
 
 def _decode(client: Any, urls: dict[str, str], args: argparse.Namespace) -> float:
@@ -279,8 +286,9 @@ def _transfer(client: Any, urls: dict[str, str], args: argparse.Namespace) -> di
         answer = _post(client, f"{urls['prefill']}/v1/completions", {
             **body, "kv_transfer_params": {"do_remote_decode": True}})
         start = time.perf_counter()
+        # two tokens: the first is the prefill's; the decode reads the KV for the second
         _post(client, f"{urls['decode']}/v1/completions",
-              {**body, "kv_transfer_params": answer["kv_transfer_params"]})
+              {**body, "max_tokens": 2, "kv_transfer_params": answer["kv_transfer_params"]})
         end = time.perf_counter() - start
         after = _metrics(client, urls["decode"])
         if attempt:

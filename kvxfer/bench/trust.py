@@ -4,7 +4,8 @@ Starts two prefill/decode pairs of ``kvxfer serve`` processes on loopback, one
 with a temporary ``--kv-key-file`` (0600, removed on exit) and one without, and
 measures the decode's time to first token for a ``--prompt-tokens`` prompt: from
 sending the decode request (streamed, with the prefill's ``kv_transfer_params``)
-to its first token. That covers the lease ticket check, the signed READ
+to the first token it computes, its second (the first, the prefill's, it answers
+before reading anything). That covers the lease ticket check, the signed READ
 notification and, once per pair (a warm-up request, not counted), the signed
 handshake. Rounds alternate signed and unsigned so that drift on a busy machine
 hits both alike. Which pair was started first turned out to matter more than
@@ -116,8 +117,10 @@ def _phase(args: argparse.Namespace, prompt: list[int], key_file: str,
 
 
 def _ttft(client: Any, pair: dict[str, str], prompt: list[int]) -> float:
-    """Seconds from sending the decode request to its first streamed token."""
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    """Seconds from sending the decode request to the first token it computes: its
+    second (the first is the prefill's, answered before the claim and the READ)."""
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}  # one chunk per token
     answer = _post(client, f"{pair['prefill']}/v1/completions",
                    {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     start = time.perf_counter()
@@ -127,9 +130,10 @@ def _ttft(client: Any, pair: dict[str, str], prompt: list[int]) -> float:
         if response.status_code != 200:
             raise BenchError(f"the decode answered {response.status_code}: "
                              f"{response.read()[:300]!r}")
-        first = None
+        first, chunks = None, 0
         for line in response.iter_lines():  # to the end: the request finishes
-            if first is None and line.startswith("data: {"):
+            chunks += line.startswith("data: {")
+            if first is None and chunks == 2:
                 first = time.perf_counter() - start
     if first is None:
         raise BenchError("the decode streamed no token")

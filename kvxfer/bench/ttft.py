@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.bench.proxy import free_port
-from kvxfer.bench.serve import BenchError, _metrics, _prompt
+from kvxfer.bench.serve import BenchError, _metrics, _prompt, stream_events
 from kvxfer.bench.soak import Child
 
 HELP = "time to first and second token and inter-token latency, one instance vs P/D"
@@ -372,17 +372,13 @@ def stream(client: Any, url: str, body: dict[str, Any]) -> tuple[float, list[flo
     """POST a streamed completion: (when sent, when each token arrived), perf_counter s."""
     times: list[float] = []
     sent = time.perf_counter()
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RequestFailed(f"{url} answered {response.status_code}: "
-                                f"{response.read()[:300]!r}")
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                now = time.perf_counter()
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    raise RequestFailed(f"{url} streamed an error: {event['error']}")
-                times.extend([now] * _tokens(event))
+    try:
+        for now, event in stream_events(client, url, body):
+            if "error" in event:
+                raise RequestFailed(f"{url} streamed an error: {event['error']}")
+            times.extend([now] * _tokens(event))
+    except BenchError as exc:
+        raise RequestFailed(str(exc)) from None
     return sent, times
 
 
