@@ -236,7 +236,9 @@ cold, before, after = (json.loads(a) for a in sys.argv[1:4])
 run = json.load(open(sys.argv[4]))
 print_table(run["rows"], run["tolerance"])
 unit = math.lcm(int(sys.argv[5]), int(sys.argv[6]))  # a hit ends on whole blocks of both
-needed = [r["prompt_tokens"] - 1 for r in run["rows"]]  # the last token is always computed
+# the decode continues from the prefill's first token: it needs every prompt token's KV
+# (the first output token is the one always computed)
+needed = [r["prompt_tokens"] for r in run["rows"]]
 want = {"kvxfer_prefix_cache_queries_total": sum(needed),
         "kvxfer_prefix_cache_hits_total": sum(n // unit * unit for n in needed),
         "kvxfer_kv_reads_skipped_total": sum(1 for n in needed if n and n % unit == 0)}
