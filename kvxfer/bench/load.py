@@ -34,14 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvxfer.bench.children import Child, started
 from kvxfer.bench.proxy import KEEPALIVE_S, Call, Cell, free_port, run_cell, send
 from kvxfer.bench.serve import BenchError
-from kvxfer.bench.soak import Child
 from kvxfer.bench.ttft import KEY_VARIABLES, lengths, percentile
 
 HELP = "requests/s and time to first byte through the proxy under load, source trees side by side"
@@ -161,13 +161,7 @@ def deployment(tree: Source, args: argparse.Namespace, log_dir: Path
     children = {name: Child(name, ["env", "-C", str(tree.path), *argv],
                             f"http://127.0.0.1:{port[name]}", env, log_dir)
                 for name, argv in argvs(args, port).items()}
-    with ExitStack() as stack:  # unwinds in reverse: the proxy first
-        for group in (("prefill", "decode"), ("proxy",)):  # the sidecars start in parallel
-            for name in group:
-                children[name].start()
-                stack.callback(children[name].stop)
-            for name in group:
-                children[name].wait_ready()
+    with started([[children["prefill"], children["decode"]], [children["proxy"]]]):
         yield children
 
 

@@ -22,20 +22,20 @@ import random
 import re
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from kvxfer.bench.proxy import free_port, percentile_ms, wait_healthy
-from kvxfer.bench.serve import BenchError, _wait_ready
+from kvxfer.bench.children import STOP_TIMEOUT_S, Child, started
+from kvxfer.bench.proxy import free_port, percentile_ms
+from kvxfer.bench.serve import BenchError
 
 HELP = "mixed load through the proxy under injected faults, every answer checked"
 
@@ -44,7 +44,6 @@ WORKERS = ("prefill-0", "decode-0", "prefill-1", "decode-1")
 SHORT_TTL = "prefill-1"  # the prefill with --lease-ttl; the other's leases last LONG_TTL s:
 LONG_TTL = 20.0  # a lease whose decode was killed after claiming it ends in the settle
 HELD = ("used_blocks", "leases", "requests_in_flight")
-STOP_TIMEOUT_S = 20.0
 DRAIN_BOUND_S = 45.0  # a SIGTERMed sidecar's drain (its --drain-timeout is 30 s) and exit
 EXAMPLES = 5  # wrong answers kept verbatim in the report
 OK, WRONG = "ok", "wrong"  # outcomes of a 200 ("unchecked" when the reference failed)
@@ -78,66 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
     parser.add_argument("--log-dir", metavar="DIR", help="keep the log of every process start "
                                                          "in DIR (default: removed at exit)")
-
-
-class Child:
-    """A process with fixed command line and ports (a restart comes back at the same address);
-    each start logs to its own file, appended to (no write lands where a reader seeks). After
-    :meth:`stop` nothing starts it again (a racing restart fails)."""
-
-    def __init__(self, name: str, argv: list[str], url: str, env: dict[str, str],
-                 log_dir: Path) -> None:
-        self.name, self.argv, self.url, self.env, self.log_dir = name, argv, url, env, log_dir
-        self.starts = 0
-        self.process: subprocess.Popen[Any]  # from the first start on
-        self._reader: IO[Any]
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def start(self) -> None:
-        """Launch it, in a session of its own: Ctrl-C reaches only the soak, which stops it."""
-        binary = self.name == "proxy"  # wait_healthy reads bytes, _wait_ready text
-        with self._lock:
-            if self._closed:
-                raise BenchError(f"{self.name} is not started again: the soak is ending")
-            if self.starts:
-                self._reader.close()
-            self.starts += 1
-            path = self.log_dir / f"{self.name}.{self.starts}.log"
-            with open(path, "ab") as log:
-                self.process = subprocess.Popen(
-                    self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True)
-            self._reader = open(path, "rb" if binary else "r")  # noqa: SIM115 (closed in stop)
-
-    def wait_ready(self) -> None:
-        try:
-            if self.name == "proxy":  # its ready line is not a sidecar's: ask /health
-                wait_healthy(self.name, self.process, self._reader, f"{self.url}/health")
-            else:
-                _wait_ready(self.process, self._reader, self.name)
-        except RuntimeError as exc:  # wait_healthy's (BenchError is one too)
-            raise BenchError(str(exc)) from None
-
-    def wait_exit(self, timeout: float) -> str:
-        """How it ended: its exit status, or killed when it outlived ``timeout``."""
-        try:
-            return f"exit status {self.process.wait(timeout)}"
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(STOP_TIMEOUT_S)
-            return f"killed, still running after {timeout:g} s"
-
-    def stop(self) -> None:
-        """For good: SIGCONT (it may be stopped), then SIGINT, which ends it at once."""
-        with self._lock:
-            self._closed = True
-        if self.starts and self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
-            self.process.send_signal(signal.SIGINT)
-            self.wait_exit(STOP_TIMEOUT_S)
-        if self.starts:
-            self._reader.close()
 
 
 @dataclass(frozen=True)
@@ -198,13 +137,7 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
         "--api-key-file", keys.files["client"], "--upstream-api-key-file", keys.files["api"],
         "--prefill-timeout", "3", "--health-interval", "1"],
         f"http://127.0.0.1:{http[5]}", env, log_dir)
-    with ExitStack() as stack:  # unwinds in reverse: the proxy first
-        for group in (names, ("proxy",)):  # the proxy once its instances are ready
-            for name in group:
-                children[name].start()
-                stack.callback(children[name].stop)
-            for name in group:
-                children[name].wait_ready()
+    with started([[children[n] for n in names], [children["proxy"]]]):
         yield children
 
 

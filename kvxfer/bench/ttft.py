@@ -38,14 +38,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvxfer.bench.children import Child, started
 from kvxfer.bench.proxy import free_port
 from kvxfer.bench.serve import BenchError, _metrics, _prompt, stream_events
-from kvxfer.bench.soak import Child
 
 HELP = "time to first and second token and inter-token latency, one instance vs P/D"
 
@@ -346,13 +346,7 @@ def deployment(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Ta
     env = _child_env()
     children = {name: Child(name, argv, url[name], env, log_dir)
                 for name, argv in _argvs(args, port).items()}
-    with ExitStack() as stack:  # unwinds in reverse: the proxy first
-        for group in (names[:3], names[3:]):  # the sidecars load their models in parallel
-            for name in group:
-                children[name].start()
-                stack.callback(children[name].stop)
-            for name in group:
-                children[name].wait_ready()
+    with started([[children[n] for n in names[:3]], [children["proxy"]]]):
         yield {BASELINE: Target(url["both"]), "pd": Target(url["proxy"], url["decode"])}
 
 
