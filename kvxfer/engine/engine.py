@@ -211,40 +211,22 @@ class LLMEngine:
                           detokenizer=self.tokenizer.detokenizer(prompt),
                           generator=make_generator(params))
         if first is not None:
-            self._check_first(request_id, first, params)
-            request.append_token(first, self._eos_ids)
+            request.start_with(first, self._eos_ids, self.config.vocab_size)  # answered
             skip_draw(request.generator, self.config.vocab_size)
-            request.take_output()  # answered already (first_output)
             if request.finished:
                 raise ValueError(f"request {request_id!r}: its first token ends it "
                                  f"({request.finish_reason}); nothing is left to compute")
         return request
 
-    def _check_first(self, request_id: str, first: Logprob, params: SamplingParams) -> None:
-        vocab = self.config.vocab_size
-        ids = [first.token_id, *(token for token, _ in first.top)]
-        if not all(0 <= token < vocab for token in ids):
-            raise ValueError(f"request {request_id!r}: the first token's ids {ids} are not "
-                             f"all in [0, {vocab})")
-        wanted = min(params.logprobs or 0, vocab)
-        if len(first.top) != wanted:
-            raise ValueError(f"request {request_id!r}: the first token comes with "
-                             f"{len(first.top)} top log-probabilities, the request asks "
-                             f"for {wanted}")
-
     def first_output(self, request_id: str, prompt_token_ids: Sequence[int],
                      params: SamplingParams, first: Logprob) -> RequestOutput:
-        """What a request given its ``first`` token answers at once, before any KV is
-        read: exactly what :meth:`step` would report after sampling that token (text,
-        a stop string or end-of-text, ``max_tokens``). Touches no engine state, so any
-        thread may call it. ValueError for ids outside the vocabulary or a number of
-        top log-probabilities other than the request asks for."""
+        """What a request given its ``first`` token answers at once, before any KV is read:
+        what :meth:`step` would report after sampling it (:meth:`Request.start_with`, whose
+        ValueError it raises). Touches no engine state: any thread may call it."""
         prompt = list(prompt_token_ids)
         request = Request(request_id, prompt, params,
                           detokenizer=self.tokenizer.detokenizer(prompt), generator=None)
-        self._check_first(request_id, first, params)
-        request.append_token(first, self._eos_ids)
-        return request.take_output()
+        return request.start_with(first, self._eos_ids, self.config.vocab_size)
 
     def check_request(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> None:
@@ -296,9 +278,8 @@ class LLMEngine:
             return self._get(request_id).num_cached
 
     def kv_tokens_needed(self, request_id: str) -> int:
-        """How many leading prompt tokens' KV a ``remote_kv`` request must be given to run:
-        all but the last, whose logits sample the first output token; all of them when
-        it was given its first token."""
+        """How many leading prompt tokens' KV a ``remote_kv`` request needs to run: all but
+        the last (its logits sample the first token), all when it was given that token."""
         with self._lock:
             return _kv_needed(self._get(request_id))
 
@@ -337,7 +318,7 @@ class LLMEngine:
         with self._lock:
             source = self._get(source_id)
             siblings = [self._get(i) for i in sibling_ids]
-            self._check_siblings(source, siblings)
+            _check_siblings(source, siblings)
             count = self.scheduler.blocks_for(source.num_computed)
             first = [s.num_cached // self.block_size for s in siblings]
             if count and siblings:
@@ -347,20 +328,6 @@ class LLMEngine:
             for sibling in siblings:
                 sibling.num_computed = source.num_computed
                 self.scheduler.start_running(sibling)
-
-    @staticmethod
-    def _check_siblings(source: Request, siblings: list[Request]) -> None:
-        if source.state is not RequestState.RUNNING or source.output_token_ids:
-            raise ValueError(f"request {source.request_id!r} is {source.state.value} with "
-                             f"{len(source.output_token_ids)} tokens sampled: siblings start "
-                             f"only from a request whose KV load just ended")
-        for sibling in siblings:
-            if sibling.state is not RequestState.WAITING_FOR_KV:
-                raise ValueError(f"sibling {sibling.request_id!r} is {sibling.state.value}, "
-                                 f"not waiting for KV")
-            if sibling.prompt_token_ids != source.prompt_token_ids:
-                raise ValueError(f"sibling {sibling.request_id!r} has another prompt than "
-                                 f"{source.request_id!r}")
 
     def _copy_blocks(self, src: list[list[int]], dst: list[list[int]]) -> None:
         """Copy KV blocks ``src[i][k]`` -> ``dst[i][k]`` in every layer of every rank."""
@@ -513,18 +480,25 @@ class LLMEngine:
         if stuck:
             raise RuntimeError(f"requests {stuck} cannot be scheduled: held or parked "
                                f"requests own the KV blocks they need")
-        return [self._cumulative(requests[i]) for i in ids]
-
-    @staticmethod
-    def _cumulative(request: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=list(request.output_token_ids),
-            token_ids=list(request.output_token_ids), new_text=request.text, text=request.text,
-            logprobs=list(request.logprobs), finished=True, finish_reason=request.finish_reason,
-            error=request.error, num_prompt_tokens=len(request.prompt_token_ids),
-            block_ids=list(request.block_ids))
+        return [requests[i].cumulative() for i in ids]
 
 
 def _kv_needed(request: Request) -> int:
     """See :meth:`LLMEngine.kv_tokens_needed`."""
     return len(request.prompt_token_ids) - (0 if request.output_token_ids else 1)
+
+
+def _check_siblings(source: Request, siblings: list[Request]) -> None:
+    """ValueError unless ``siblings`` may start from ``source``'s KV (see
+    :meth:`LLMEngine.start_siblings`)."""
+    if source.state is not RequestState.RUNNING or source.output_token_ids:
+        raise ValueError(f"request {source.request_id!r} is {source.state.value} with "
+                         f"{len(source.output_token_ids)} tokens sampled: siblings start "
+                         f"only from a request whose KV load just ended")
+    for sibling in siblings:
+        if sibling.state is not RequestState.WAITING_FOR_KV:
+            raise ValueError(f"sibling {sibling.request_id!r} is {sibling.state.value}, "
+                             f"not waiting for KV")
+        if sibling.prompt_token_ids != source.prompt_token_ids:
+            raise ValueError(f"sibling {sibling.request_id!r} has another prompt than "
+                             f"{source.request_id!r}")

@@ -106,6 +106,32 @@ class Request:
             error=self.error, num_prompt_tokens=len(self.prompt_token_ids),
             block_ids=list(self.block_ids))
 
+    def start_with(self, first: Logprob, eos_ids: frozenset[int], vocab_size: int
+                   ) -> RequestOutput:
+        """Take ``first``, sampled elsewhere, as the first output token, and return the
+        output that answers it (so it is not reported again). ValueError for ids outside
+        ``[0, vocab_size)`` or another number of top log-probabilities than asked for."""
+        ids = [first.token_id, *(token for token, _ in first.top)]
+        if not all(0 <= token < vocab_size for token in ids):
+            raise ValueError(f"request {self.request_id!r}: the first token's ids {ids} are "
+                             f"not all in [0, {vocab_size})")
+        wanted = min(self.params.logprobs or 0, vocab_size)
+        if len(first.top) != wanted:
+            raise ValueError(f"request {self.request_id!r}: the first token comes with "
+                             f"{len(first.top)} top log-probabilities, the request asks "
+                             f"for {wanted}")
+        self.append_token(first, eos_ids)
+        return self.take_output()
+
+    def cumulative(self) -> RequestOutput:
+        """The whole completion as one output (its ``new_*`` fields cover all of it)."""
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=list(self.output_token_ids),
+            token_ids=list(self.output_token_ids), new_text=self.text, text=self.text,
+            logprobs=list(self.logprobs), finished=True, finish_reason=self.finish_reason,
+            error=self.error, num_prompt_tokens=len(self.prompt_token_ids),
+            block_ids=list(self.block_ids))
+
     def append_token(self, logprob: Logprob, eos_ids: frozenset[int]) -> None:
         """Add a sampled token; set ``finish_reason`` if it ends the request."""
         self.output_token_ids.append(logprob.token_id)
