@@ -206,15 +206,21 @@ def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> 
     """A block-size case runs through staging (a prefill without shared memory, or on
     another host: a few long READs rather than a descriptor per block) and from the
     prefill's mapped cache (what kvxfer does on one host), each in alternation with its
-    equal-size counterpart."""
+    equal-size counterpart on the same path; the default-path rows are judged against
+    memcpy."""
     out = kvxfer("bench", "transfer", "--cases", "LBHNC:1:1,LBHNC:1:1:16:32,BHLNC:1:1:32:16",
                  "--tokens", "64", "--layers", "2", "--repeats", "1", "--json")
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
-    native, *mismatched = result["rows"]
+    natives, mismatched = result["rows"][:2], result["rows"][2:]
     assert [(r["prefill_block_size"], r["decode_block_size"], r["path"]) for r in mismatched
             ] == [(16, 32, "mapped"), (16, 32, "staged"), (32, 16, "mapped"), (32, 16, "staged")]
-    assert native["path"] == "direct" and "vs_native" not in native
+    # a native case on its default path (copied from the prefill's mapped cache), and as
+    # across machines (NIXL READs)
+    assert [r["path"] for r in natives] == ["mapped", "nixl"]
+    assert all("vs_native" not in r for r in natives)
+    assert [r["default"] for r in result["rows"]] == [True, False] * 3
+    assert result["default_vs_memcpy"]["cases"] == 3
     assert all(r["bytes"] == 64 * 2 * 8 * 256 * 2 for r in result["rows"])
     # through staging, one READ run per prefill block and layer (NIXL descriptors that
     # place the 16-token runs of 8 heads would be 4 x 2 x 8)
@@ -248,8 +254,8 @@ def test_bench_transfer_runs_a_converted_case_on_each_path() -> None:
     for row in (mapped, host, staged):
         assert row["vs_native"] == round(row["native_ms_median"] / row["ms_median"], 2)
     text = kvxfer(*args, "--host-reads", "off").stdout
-    rows = [line.split()[1] for line in text.splitlines() if line.startswith("LBHNC/LBNHC*")]
-    assert rows == ["staged"], text
+    rows = [line.split()[1:3] for line in text.splitlines() if line.startswith("LBHNC/LBNHC*")]
+    assert rows == [["remote", "staged"]], text
     assert "converted, staged: at worst " in text and "x the twin's time: " in text
     paths = [r["path"] for r in json.loads(kvxfer(*args, "--json").stdout)["rows"]]
     assert paths == ["mapped", "staged"]  # the default: kvxfer's own path on one host, and staging

@@ -74,14 +74,25 @@ CASES = (
 )
 
 
-@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"), CASES)
+# each case from a prefill on this host that offers its cache mapped (kvxfer's default:
+# every rank is copied out of it, direct and converted reads alike), and each direct one
+# also from a prefill that offers no mapped cache (as one on another host): NIXL READs
+# (converted reads without a mapped cache: test_converted_reads_are_host_read_on_one_host)
+PATH_CASES = [(*case, "mapped") for case in CASES] + \
+    [(*case, "nixl") for case in CASES if case not in CONVERTED]
+
+
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp", "path"),
+                         PATH_CASES)
 def test_two_requests_in_flight_arrive_byte_exact(prefill: PrefillProcess, prefill_layout: str,
                                                   decode_layout: str, prefill_tp: int,
-                                                  decode_tp: int) -> None:
-    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24)
+                                                  decode_tp: int, path: str) -> None:
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24,
+                       shared_memory=path == "mapped")
     dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_blocks=20)
-    two_requests_byte_exact(prefill, pcfg, dcfg, CASES.index((prefill_layout, decode_layout,
-                                                             prefill_tp, decode_tp)))
+    stats = two_requests_byte_exact(prefill, pcfg, dcfg, CASES.index(
+        (prefill_layout, decode_layout, prefill_tp, decode_tp)))
+    assert {s.path_names for s in stats} == {(path,)}
 
 
 # K and V as head slots of their own (vLLM's num_head_slots = 2 x KV heads): every layout,
@@ -101,14 +112,15 @@ def test_separate_kv_head_slots_arrive_byte_exact(prefill: PrefillProcess, prefi
                        separate_kv_head_groups=True)
     dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_blocks=20,
                        separate_kv_head_groups=True)
-    two_requests_byte_exact(prefill, pcfg, dcfg, HEAD_SLOT_CASES.index(
+    stats = two_requests_byte_exact(prefill, pcfg, dcfg, HEAD_SLOT_CASES.index(
         (prefill_layout, decode_layout, prefill_tp, decode_tp)))
+    assert {s.path_names for s in stats} == {("mapped",)}
 
 
 def two_requests_byte_exact(prefill: PrefillProcess, pcfg: CacheConfig, dcfg: CacheConfig,
-                            seed: int) -> None:
+                            seed: int) -> list[Any]:
     """Two requests in flight at once, random and consecutive blocks, land byte-exact and
-    release their leases."""
+    release their leases; their ReadStats, each rank's."""
     prefill_tp = pcfg.tp
     remote = prefill.create(pcfg)
     decode = decode_instance(dcfg)
@@ -129,6 +141,7 @@ def two_requests_byte_exact(prefill: PrefillProcess, pcfg: CacheConfig, dcfg: Ca
         assert released == {"req-a": "done", "req-b": "done"}
         assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
         assert all(s.num_bytes > 0 and s.descriptors > 0 for s in stats["a"] + stats["b"])
+        return [*stats["a"], *stats["b"]]
     finally:
         decode.close()
 
@@ -189,7 +202,7 @@ def test_converted_reads_are_host_read_on_one_host(prefill: PrefillProcess, pref
 
 
 def test_cross_layer_layout_moves_a_block_in_one_descriptor(prefill: PrefillProcess) -> None:
-    cfg = CacheConfig(layout="BHLNC", num_blocks=16)
+    cfg = CacheConfig(layout="BHLNC", num_blocks=16, shared_memory=False)  # NIXL READs
     remote = prefill.create(cfg)
     decode = decode_instance(cfg)
     try:
@@ -422,11 +435,14 @@ def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess, lanes: in
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Each READ, a lane's too, is prepared with this cache's kind and the prefill's, as
     its handshake sent it (a host prefill feeding a GPU decode needs both named)."""
-    cfg = CacheConfig(layout="LBHNC", num_layers=8, num_blocks=40)
+    cfg = CacheConfig(layout="LBHNC", num_layers=8, num_blocks=40, shared_memory=False)
     remote = prefill.create(cfg)
     decode = decode_instance(replace(cfg, read_lanes=lanes))
     try:
         worker = decode.workers[0]
+        prefill.hold(remote["engine_id"], "warm", [1], ttl=30)  # handshake, connect, probes
+        decode.read("warm", params_for(remote, "warm", [1]), [1])
+        assert decode.wait(["warm"])[1] == {}
         kinds: list[tuple[object, object]] = []
         for agent in (worker._agent, *(worker._lanes.agents if worker._lanes else ())):
             def recording_read(*args: object, _real: Any = agent.read, **kwargs: object) -> Any:
@@ -488,7 +504,7 @@ def test_prefill_killed_fails_its_request_and_others_continue(prefill: PrefillPr
     remote, cfg, decode = pair
     doomed = PrefillProcess()
     try:
-        big = CacheConfig(num_blocks=12)
+        big = CacheConfig(num_blocks=12, shared_memory=False)  # READ over NIXL: it fails
         victim = doomed.create(big)
         doomed.hold(victim["engine_id"], "warm", [0], ttl=30)
         decode.read("warm", params_for(victim, "warm", [0]), [0])  # handshake + connect
@@ -538,12 +554,17 @@ def kill_during_reads(big: CacheConfig, reader_cfg: CacheConfig, warm: list[int]
         doomed.close()
 
 
-def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: tuple) -> None:
-    """Kill the prefill while a stream of multi-MiB reads is going: each read either
-    completes with the right bytes or fails with a reason naming the peer; nothing hangs."""
+@pytest.mark.parametrize("path", ["nixl", "mapped"])
+def test_prefill_killed_while_reads_are_running(prefill: PrefillProcess, pair: tuple,
+                                                path: str) -> None:
+    """Kill the prefill while a stream of multi-MiB reads is going, READ over NIXL or
+    copied from its mapped cache: each read either completes with the right bytes or fails
+    with a reason naming the peer; nothing hangs."""
     remote, cfg, decode = pair
-    big = CacheConfig(head_size=4096, num_blocks=12)
-    kill_during_reads(big, replace(big, num_blocks=40), [0], [39], count=20, delay_s=0.003)
+    big = CacheConfig(head_size=4096, num_blocks=12, shared_memory=path == "mapped")
+    warm = kill_during_reads(big, replace(big, num_blocks=40), [0], [39], count=20,
+                             delay_s=0.003)
+    assert [s.path_names for s in warm] == [(path,)]
     good_read(prefill, remote, cfg, decode, "after-kill-running")
 
 
@@ -770,7 +791,8 @@ def test_lanes_split_a_large_read_and_stay_byte_exact(prefill: PrefillProcess,
     """A request of >= 64 descriptors is split across the rank's share of ``lanes``
     (per instance: ``lanes // decode_tp`` per rank); every byte lands where it belongs,
     nothing else changes, and "done" reaches every prefill rank."""
-    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_layers=8, num_blocks=40)
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_layers=8, num_blocks=40,
+                       shared_memory=False)  # NIXL READs (not a copy from a mapped cache)
     dcfg = CacheConfig(layout=decode_layout, tp=decode_tp, num_layers=8, num_blocks=40,
                        read_lanes=lanes)
     remote = prefill.create(pcfg)
@@ -804,7 +826,7 @@ def test_lanes_that_lose_the_prefill_fail_the_request_naming_it(prefill: Prefill
     """The prefill dies while lanes are copying: each read completes byte-exact or fails
     naming the peer, and nothing hangs (the worker waits for every lane)."""
     remote, cfg, decode = pair
-    big = CacheConfig(head_size=1024, num_layers=40, num_blocks=12)
+    big = CacheConfig(head_size=1024, num_layers=40, num_blocks=12, shared_memory=False)
     # warm-up: 2 runs x 40 layers = 80 descriptors, enough to use both lanes
     warm = kill_during_reads(big, replace(big, num_blocks=40, read_lanes=2), [0, 2], [37, 39],
                              count=12, delay_s=0.01)
@@ -830,7 +852,7 @@ def test_a_new_lease_wakes_an_idle_prefill_so_reads_do_not_wait_for_its_poll(
 
     monkeypatch.setattr(worker_module, "IDLE_POLL_S", 60.0)
     monkeypatch.setattr(worker_module, "CONNECT_WINDOW_S", 0.05)
-    cfg = CacheConfig()
+    cfg = CacheConfig(shared_memory=False)  # READ over NIXL, not copied from a mapped cache
     prefill = LoopbackInstance.create("prefill", cfg)
     decode = decode_instance(cfg)
     try:

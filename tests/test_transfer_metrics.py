@@ -105,6 +105,49 @@ def test_a_read_observes_its_bytes_and_descriptors(make: Make) -> None:
     assert value(decode, "kvxfer_kv_transfer_duration_seconds_count") == 1
 
 
+@pytest.mark.parametrize("path", ["mapped", "nixl"])
+def test_a_read_exports_its_peers_path_rate_and_share_of_the_ceiling(
+        make: Make, path: str) -> None:
+    """A prefill whose cache lies in shared memory (as ``kvxfer serve`` allocates it) is
+    read on this host from its mapped cache, one whose cache does not over NIXL: the
+    path is a label of the prefill peer's bytes, seconds, achieved rate, ceiling (the
+    rate its probe reached at connect) and the share of it achieved."""
+    from kvxfer.engine import LLMEngine, tiny_config
+    from kvxfer.sidecar.metrics import SidecarMetrics
+    from kvxfer.transfer.converted.mapped_reads import shared_zeros
+
+    if path == "mapped":
+        engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8,
+                           cache_zeros=shared_zeros)
+        metrics = SidecarMetrics(role="prefill", engine_id="prefill-test", model="tiny",
+                                 layout=engine.layout.name, tp=1)
+        prefill = KVConnector(engine, "prefill", metrics)
+    else:
+        prefill = make("prefill")
+    decode = make("decode", failure_policy="fail")
+    try:
+        params = held(prefill, "p")
+        decode.add_remote("d", prompt(TOKENS), PARAMS, RemoteParams.parse(params))
+        pump(prefill, decode, until=lambda: value(decode, "kvxfer_kv_transfers_total",
+                                                  outcome="ok") == 1)
+        peer = {"peer": params["remote_engine_id"], "path": path}
+        moved = value(decode, "kvxfer_kv_path_bytes_total", **peer)
+        assert moved == value(decode, "kvxfer_kv_transfer_bytes_total") > 0
+        seconds = value(decode, "kvxfer_kv_path_seconds_total", **peer)
+        rate = value(decode, "kvxfer_kv_path_bytes_per_second", **peer)
+        assert seconds > 0 and rate == pytest.approx(moved / seconds)
+        ceiling = value(decode, "kvxfer_kv_path_ceiling_bytes_per_second", **peer)
+        assert ceiling > 0
+        assert value(decode, "kvxfer_kv_path_ceiling_share", **peer) == \
+            pytest.approx(rate / ceiling)
+        other = "nixl" if path == "mapped" else "mapped"
+        assert decode.metrics.registry.get_sample_value(
+            "kvxfer_kv_path_bytes_total", {**peer, "path": other}) is None
+    finally:
+        if path == "mapped":
+            prefill.close()
+
+
 # -- failed handshakes ----------------------------------------------------------------------
 
 def silent_port(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[int, Any]:

@@ -2,10 +2,17 @@
 
 A prefill process (:class:`kvxfer.harness.loopback.PrefillProcess`) holds Llama-8B-like
 caches; this process is the decode side with real TransferWorkers, so every
-number includes descriptor building, posting, the NIXL READ and completion
-polling. Two ceilings are measured in the same run for the same byte count:
-one large single-descriptor NIXL READ from the same prefill process, and a
-single-thread memcpy inside this process.
+number includes planning, posting, the copy or NIXL READ and completion polling.
+Two ceilings are measured in the same run for the same byte count: one large
+single-descriptor NIXL READ from the same prefill process (right after the case), and a
+single-thread memcpy inside this process (between the case's requests).
+
+Each case runs on its default path on one host (the prefill offers its cache mapped,
+as ``kvxfer serve`` does; the decode's routes, :mod:`kvxfer.transfer.routes`, choose what
+to take) and, with ``--host-reads both``, as across machines (no copies on this host: NIXL
+READs, or staging for a converted case). The ``path`` column names what ran; a row on
+the default path must reach 0.8x the single-thread memcpy (``xcopy``), any other the
+large READ's target (``xREAD``).
 
 ``--transport tcp`` runs the cases twice in one run: with UCX's default
 transports (cma for the READ on one host) and with ``UCX_TLS=tcp`` (what crosses
@@ -47,6 +54,10 @@ CASES: tuple[Case, ...] = (
     ("LBNHC", 1, 2), ("BLNHC", 1, 2), ("BLNHC", 2, 1), ("LBHNC/LBNHC", 1, 1))
 TWIN = {"LBNHC": "LBHNC", "BLNHC": "BLHNC"}  # the same order with heads outside tokens
 COALESCING = ("BLHNC", "BLNHC", "BHLNC")
+DEFAULT_VS_MEMCPY = 0.8  # what a case on its default path must reach of one memcpy thread
+# what a prefill offers a decode on its host: its cache mapped (kvxfer's default), host
+# reads of a cache in private memory, nothing (as across machines)
+OFFERS = ("mapped", "host", "none")
 TCP_CASES = "LBHNC:1:1,BLHNC:1:1"  # --transport tcp without --cases: bounded (TCP is slow)
 
 
@@ -65,11 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default --block-size) (default all; with --transport tcp "
                              f"{TCP_CASES})")
     parser.add_argument("--host-reads", choices=["both", "on", "off", "all"], default="both",
-                        help="converted cases: both runs each on this host as kvxfer does (from "
-                             "the prefill's mapped cache) and through staging, as across "
-                             "machines; on or off runs one; all adds host "
-                             "reads of a prefill without shared memory (process_vm_readv) "
-                             "(default both; --transport tcp: off)")
+                        help="both runs each case on its default path on this host (the "
+                             "prefill's cache offered mapped, the path chosen by the decode) "
+                             "and as across machines (NIXL READs; converted cases through "
+                             "staging); on or off runs one; all adds, for converted cases, "
+                             "host reads of a prefill without shared memory "
+                             "(process_vm_readv) (default both; --transport tcp: off)")
     parser.add_argument("--transport", choices=["default", "tcp"], default="default",
                         help="default: UCX's own choice (cma on one host); tcp: also every "
                              "case with UCX_TLS=tcp, the ratio printed beside (default "
@@ -111,17 +123,24 @@ def _case_name(case: tuple[str, int, int, int, int]) -> str:
     return f"{layout}:{p}:{d}:{pbs}:{dbs}"
 
 
-def _memcpy_seconds(nbytes: int, repeats: int) -> float:
-    import numpy as np
+class _Memcpy:
+    """A single-thread memcpy of ``nbytes`` (numpy's, which copies on the calling thread),
+    timed once per :meth:`once` (its buffers written once first: no page is faulted in
+    a timed copy)."""
 
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(repeats):
+    def __init__(self, nbytes: int) -> None:
+        import numpy as np
+
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.zeros_like(self.src)
+        np.copyto(self.dst, self.src)
+
+    def once(self) -> float:
+        import numpy as np
+
         start = time.perf_counter()
-        np.copyto(dst, src)  # one thread
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - start
 
 
 def _large_read_seconds(host: str, port: int, cfg: Any, nbytes: int, repeats: int) -> float:
@@ -161,28 +180,31 @@ class _Run:
     """One case's prefill instance (in the prefill process) and decode instance (here)."""
 
     def __init__(self, prefill: Any, case: tuple[str, int, int, int, int],
-                 args: argparse.Namespace, path: str) -> None:
+                 args: argparse.Namespace, offer: str) -> None:
         import numpy as np
 
         from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
 
         layout, prefill_tp, decode_tp, prefill_bs, decode_bs = case
         prefill_layout, decode_layout = _layouts(layout)
-        self.prefill, self.case, self.args = prefill, case, args
+        self.prefill, self.case, self.args, self.offer = prefill, case, args, offer
         self.pblocks, self.dblocks = -(-args.tokens // prefill_bs), -(-args.tokens // decode_bs)
         self.pcap = self.pblocks + self.pblocks // 4 + 1
         self.dcap = self.dblocks + self.dblocks // 4 + 1
         base = CacheConfig(layout=prefill_layout, total_kv_heads=args.kv_heads,
                            num_layers=args.layers, block_size=prefill_bs,
                            head_size=args.head_size, num_blocks=self.pcap, dtype=args.dtype,
-                           host_reads=path != "staged", shared_memory=path == "mapped")
+                           host_reads=offer != "none", shared_memory=offer == "mapped")
         self.pcfg = CacheConfig(**{**base.__dict__, "tp": prefill_tp})
         dcfg = CacheConfig(**{**base.__dict__, "tp": decode_tp, "read_lanes": args.read_lanes,
                               "block_size": decode_bs, "num_blocks": self.dcap,
                               "layout": decode_layout})
-        self.remote = prefill.create(self.pcfg, fill="none")
+        # every page written, as a serving instance's cache is: a cache never written is
+        # holes of its memory, which the first read of each page would allocate (on the
+        # prefill's side over NIXL, through the mapping here), and the run would time that
+        self.remote = prefill.create(self.pcfg, fill="sentinel")
         try:
-            self.decode = LoopbackInstance.create("decode", dcfg, fill="none")
+            self.decode = LoopbackInstance.create("decode", dcfg, fill="sentinel")
         except BaseException:
             prefill.drop(self.remote["engine_id"])
             raise
@@ -210,9 +232,11 @@ class _Run:
         self.prefill.wait_released(engine, {rid})
         return wall, stats[rid]
 
-    def row(self, walls: list[float], stats: list[Any]) -> dict[str, Any]:
-        """The case's row; its ceilings are measured now, on the same processes, so that
-        machine noise hits both."""
+    def row(self, walls: list[float], stats: list[Any], copies: list[float]
+            ) -> dict[str, Any]:
+        """The case's row: ``copies`` are memcpy times of the same bytes taken between its
+        requests (:class:`_Memcpy`), so that machine noise hits both; the large READ's
+        ceiling is measured now, on the same processes."""
         layout, prefill_tp, decode_tp, prefill_bs, decode_bs = self.case
         prefill_layout, decode_layout = _layouts(layout)
         nbytes = sum(s.num_bytes for s in stats)
@@ -220,27 +244,29 @@ class _Run:
         p90 = sorted(walls)[max(0, round(0.9 * len(walls)) - 1)]
         read_s = _large_read_seconds(self.prefill.host, self.remote["port"], self.pcfg, nbytes,
                                      self.args.repeats)
-        copy_s = _memcpy_seconds(nbytes, self.args.repeats)
+        copy_s = statistics.median(copies)
         gbps = nbytes / median / 1e9
-        target = 0.9 if prefill_layout in COALESCING else 0.75
-        converted = _converted(self.case)
-        host, mapped = (sum(s.host_ranks for s in stats), sum(s.mapped_ranks for s in stats))
-        staged = sum(s.staged_ranks for s in stats)
+        read_gbps, copy_gbps = nbytes / read_s / 1e9, nbytes / copy_s / 1e9
+        default = self.offer == "mapped"  # what kvxfer does on one host
+        # the default path's target is the memcpy's, any other the large READ's
+        target = DEFAULT_VS_MEMCPY if default else \
+            0.9 if prefill_layout in COALESCING else 0.75
+        achieved = gbps / (copy_gbps if default else read_gbps)
+        paths = sorted({p for s in stats for p in s.path_names})
         return {"layout": layout, "prefill_layout": prefill_layout,
-                "decode_layout": decode_layout, "converted": converted,
-                "path": "mapped" if mapped else "host" if host else "staged" if staged
-                else "direct",
+                "decode_layout": decode_layout, "converted": _converted(self.case),
+                "offer": self.offer, "default": default, "path": "+".join(paths),
                 "prefill_tp": prefill_tp, "decode_tp": decode_tp,
                 "prefill_block_size": prefill_bs, "decode_block_size": decode_bs,
                 "bytes": nbytes, "descriptors": sum(s.descriptors for s in stats),
                 "ms_median": round(median * 1e3, 2), "ms_p90": round(p90 * 1e3, 2),
                 "gb_per_s": round(gbps, 2),
-                "large_read_gb_per_s": round(nbytes / read_s / 1e9, 2),
-                "memcpy_gb_per_s": round(nbytes / copy_s / 1e9, 2),
-                "vs_large_read": round(gbps / (nbytes / read_s / 1e9), 2),
-                "vs_memcpy": round(gbps / (nbytes / copy_s / 1e9), 2),
-                "target_vs_large_read": target,
-                "meets_target": gbps / (nbytes / read_s / 1e9) >= target}
+                "large_read_gb_per_s": round(read_gbps, 2),
+                "memcpy_gb_per_s": round(copy_gbps, 2),
+                "vs_large_read": round(gbps / read_gbps, 2),
+                "vs_memcpy": round(gbps / copy_gbps, 2),
+                "target": f"{'copy' if default else 'READ'}>={target}",
+                "meets_target": achieved >= target}
 
     def close(self) -> None:
         self.decode.close()
@@ -248,26 +274,33 @@ class _Run:
 
 
 def _case(prefill: Any, case: tuple[str, int, int, int, int], args: argparse.Namespace,
-          path: str = "mapped") -> dict[str, Any]:
-    """A case's row. A converted or block-size case runs in alternation with its native
-    counterpart (:func:`_native_case`), request by request (ABBA), so that drifts of a
-    noisy machine hit both alike; ``vs_native`` is the counterpart's median time over
-    this case's."""
+          offer: str = "mapped") -> dict[str, Any]:
+    """A case's row, its prefill making ``offer`` (:data:`OFFERS`). A converted or
+    block-size case runs in alternation with its native counterpart (:func:`_native_case`,
+    the same offer made), request by request (ABBA), so that drifts of a noisy machine hit
+    both alike; ``vs_native`` is the counterpart's median time over this case's."""
     native = _native_case(case)
     runs: list[_Run] = []
     try:
-        runs.append(_Run(prefill, case, args, path))
+        runs.append(_Run(prefill, case, args, offer))
         if native is not None:
-            runs.append(_Run(prefill, native, args, "mapped"))
+            runs.append(_Run(prefill, native, args, offer))
         walls: list[list[float]] = [[] for _ in runs]
         stats: list[Any] = []
+        memcpy: _Memcpy | None = None  # of the case's bytes, once the warm-up told them
+        copies: list[float] = []
         for i in range(args.repeats + 1):  # the first request of each is the warm-up
             for k in (range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))):
                 wall, got = runs[k].request(i)
+                if k == 0 and memcpy is None:
+                    memcpy = _Memcpy(sum(s.num_bytes for s in got))
                 if i:
                     walls[k].append(wall)
                     stats = stats or (got if k == 0 else [])
-        row = runs[0].row(walls[0], stats)
+            if i and memcpy is not None:
+                copies.append(memcpy.once())
+        del memcpy
+        row = runs[0].row(walls[0], stats, copies)
         if native is not None:
             # from the printed times, so that a reader who divides them gets the same
             row["native_ms_median"] = round(statistics.median(walls[1]) * 1e3, 2)
@@ -332,25 +365,21 @@ def _rows(cases: list[tuple[str, int, int, int, int]], args: argparse.Namespace,
         prefill = PrefillProcess() if args.prefill_netns is None else PrefillProcess(
             args.prefill_netns, args.prefill_host, ucx_devices=_netns().DEVICE)
         try:
-            return [_case(prefill, case, args, path)
-                    for case in cases for path in _paths(case, args)]
+            return [_case(prefill, case, args, offer)
+                    for case in cases for offer in _offers(case, args)]
         finally:
             prefill.close()
 
 
-def _paths(case: tuple[str, int, int, int, int], args: argparse.Namespace
-           ) -> tuple[str, ...]:
-    """The paths a case runs with: a converted one from the prefill's mapped cache, as a
-    host read of a prefill without shared memory, or through staging; a block-size one
-    from the mapped cache or through staging (as across machines); a native one as it
-    is."""
-    if _converted(case):
-        return {"on": ("mapped",), "off": ("staged",), "both": ("mapped", "staged"),
-                "all": ("mapped", "host", "staged")}[args.host_reads]
-    if _native_case(case) is not None:  # block sizes differ
-        return {"on": ("mapped",), "off": ("staged",)}.get(args.host_reads,
-                                                          ("mapped", "staged"))
-    return ("direct",)
+def _offers(case: tuple[str, int, int, int, int], args: argparse.Namespace
+            ) -> tuple[str, ...]:
+    """What the prefill offers in each run of a case (:data:`OFFERS`): its mapped cache
+    (the default on one host), nothing (as across machines), and, for a converted case
+    with ``--host-reads all``, host reads of a cache without shared memory (a direct or
+    block-size case has no host reads: it would run as across machines)."""
+    if args.host_reads == "all" and _converted(case):
+        return OFFERS
+    return {"on": ("mapped",), "off": ("none",)}.get(args.host_reads, ("mapped", "none"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -370,24 +399,37 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"tokens": args.tokens, "repeats": args.repeats,
                           "read_lanes": args.read_lanes, "rows": rows,
-                          "worst_vs_native": summary}, indent=2))
+                          "worst_vs_native": summary,
+                          "default_vs_memcpy": _default_verdict(rows)}, indent=2))
         return 0
+    _print(rows, summary, args)
+    return 0
+
+
+def _print(rows: list[dict[str, Any]], summary: dict[str, dict[str, Any]],
+           args: argparse.Namespace) -> None:
     print(f"KV transfer of a {args.tokens}-token request ({args.layers} layers, {args.kv_heads} "
           f"KV heads x {args.head_size}, {args.dtype}), random block ids, median of "
-          f"{args.repeats}, {args.read_lanes} read lane(s) per decode instance; ceilings measured "
-          f"right after each case for the same bytes")
-    print(f"{'layout':11} {'path':6} {'P->D':5} {'blocks':7} {'MiB':>5} {'descs':>6} {'ms':>7} "
-          f"{'p90':>7} {'GB/s':>6} {'READ':>6} {'copy':>6} {'xREAD':>6} target  xnative")
+          f"{args.repeats}, {args.read_lanes} read lane(s) per decode instance; for the same "
+          f"bytes, a one-thread memcpy between the case's requests and a large READ after them")
+    print(f"{'layout':11} {'run':7} {'path':6} {'P->D':5} {'blocks':7} {'MiB':>5} {'descs':>6} "
+          f"{'ms':>7} {'p90':>7} {'GB/s':>6} {'READ':>6} {'copy':>6} {'xREAD':>6} {'xcopy':>6} "
+          f"{'target':10} {'':4} xnative")
     for r in rows:
         blocks = f"{r['prefill_block_size']}->{r['decode_block_size']}"
         native = f"{r['vs_native']:>7}" if "vs_native" in r else f"{'':>7}"
         name = r["layout"] + ("*" if r["converted"] else "")
-        print(f"{name:11} {r['path']:6} {r['prefill_tp']}->{r['decode_tp']:<2} {blocks:7} "
-              f"{r['bytes'] / 2**20:>5.0f} {r['descriptors']:>6} {r['ms_median']:>7} "
-              f"{r['ms_p90']:>7} {r['gb_per_s']:>6} {r['large_read_gb_per_s']:>6} "
-              f"{r['memcpy_gb_per_s']:>6} {r['vs_large_read']:>6} "
-              f">={r['target_vs_large_read']} {'ok' if r['meets_target'] else 'MISS':4} "
+        run = "default" if r["default"] else {"none": "remote", "host": "no-shm"}[r["offer"]]
+        print(f"{name:11} {run:7} {r['path']:6} {r['prefill_tp']}->{r['decode_tp']:<2} "
+              f"{blocks:7} {r['bytes'] / 2**20:>5.0f} {r['descriptors']:>6} "
+              f"{r['ms_median']:>7} {r['ms_p90']:>7} {r['gb_per_s']:>6} "
+              f"{r['large_read_gb_per_s']:>6} {r['memcpy_gb_per_s']:>6} {r['vs_large_read']:>6} "
+              f"{r['vs_memcpy']:>6} {r['target']:10} {'ok' if r['meets_target'] else 'MISS':4} "
               f"{native}")
+    print("run default: the prefill offers its cache mapped, as kvxfer serve does, and the "
+          "decode's routes choose the path (target: 0.8x one memcpy thread, xcopy); remote: "
+          "no copies on this host, as across machines (target: xREAD, the large READ's "
+          "share); no-shm: host reads of a prefill cache in private memory")
     if any(r["converted"] for r in rows):
         print("* converted. path mapped: one local copy from the prefill's cache mapped into "
               "the decode, MiB counts the bytes placed, descs the copy threads; host: copied "
@@ -396,13 +438,36 @@ def run(args: argparse.Namespace) -> int:
               "the READ moved")
     if any("vs_native" in r for r in rows):
         print("xnative: the native counterpart's time over this case's, the two run in "
-              "alternation, request by request (converted: the twin layouts; block sizes: "
-              "equal ones); 0.67 costs 1.5x")
+              "alternation, request by request, the same run (converted: the twin layouts; "
+              "block sizes: equal ones); 0.67 costs 1.5x")
     for path, worst in summary.items():
         print(f"{path}: at worst {worst['vs_native']} xnative ({worst['case']}), "
               f"{1 / worst['vs_native']:.2f}x the twin's time: "
               f"{'within' if worst['within_1_5x'] else 'over'} 1.5x")
-    return 0
+    verdict = _default_verdict(rows)
+    if verdict is not None:
+        print(f"default path: {verdict['met']} of {verdict['cases']} cases at least "
+              f"{DEFAULT_VS_MEMCPY}x single-thread memcpy; worst {verdict['worst_vs_memcpy']}x "
+              f"({verdict['worst_case']}, {verdict['worst_path']}): "
+              f"{'ok' if verdict['ok'] else 'MISS'}")
+
+
+def _default_verdict(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the rows on the default path did against 0.8x one memcpy thread (None: none)."""
+    default = [r for r in rows if r["default"]]
+    if not default:
+        return None
+    worst = min(default, key=lambda r: r["vs_memcpy"])
+    met = sum(r["meets_target"] for r in default)
+    return {"cases": len(default), "met": met, "ok": met == len(default),
+            "worst_vs_memcpy": worst["vs_memcpy"], "worst_case": _row_case(worst),
+            "worst_path": worst["path"]}
+
+
+def _row_case(r: dict[str, Any]) -> str:
+    blocks = "" if r["prefill_block_size"] == r["decode_block_size"] else \
+        f" blocks {r['prefill_block_size']}->{r['decode_block_size']}"
+    return f"{r['layout']} TP {r['prefill_tp']}->{r['decode_tp']}{blocks}"
 
 
 def _worst_cases(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -414,11 +479,8 @@ def _worst_cases(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         key = f"{'converted' if r['converted'] else 'block sizes'}, {r['path']}"
         if r["vs_native"] < out.get(key, {}).get("vs_native", math.inf):
-            blocks = "" if r["converted"] else \
-                f" blocks {r['prefill_block_size']}->{r['decode_block_size']}"
             out[key] = {"vs_native": r["vs_native"], "within_1_5x": r["vs_native"] >= 2 / 3,
-                        "case": f"{r['layout']} TP {r['prefill_tp']}->{r['decode_tp']}"
-                                f"{blocks}"}
+                        "case": _row_case(r)}
     return out
 
 

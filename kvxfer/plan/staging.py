@@ -34,7 +34,7 @@ size).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +55,13 @@ from kvxfer.plan.descriptors import (
 )
 from kvxfer.plan.packing import TOKEN_PACKING, kv_views
 from kvxfer.plan.topology import HeadSlice
+
+# how StagedRead.place copies one piece: (target, source), same shape and dtype
+Copy = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def _torch_copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source)
 
 
 @dataclass(frozen=True)
@@ -159,17 +166,20 @@ class StagedRead:
 
     def place(self, source: torch.Tensor, chunks: Sequence[int], rows: np.ndarray,
               groups: Sequence[tuple[int, torch.Tensor]], local_ids: torch.Tensor | np.ndarray,
-              remote_packing: str = TOKEN_PACKING, local_packing: str = TOKEN_PACKING) -> None:
+              remote_packing: str = TOKEN_PACKING, local_packing: str = TOKEN_PACKING,
+              copy: Copy | None = None) -> None:
         """Copy this rank's heads of the request's remote kernel blocks, rows ``rows`` of
         ``source`` in token order (``[kernel blocks, layers, chunks, chunk elements]``
         holding remote chunks ``chunks``: staging, or the prefill's memory itself,
         :mod:`kvxfer.transfer.converted.mapped_reads`), into view ``groups`` at logical blocks
-        ``local_ids``.
+        ``local_ids``, each piece with ``copy(target, source)`` (default: torch's
+        ``copy_``, which may share a large piece out over torch's intra-op threads).
 
         One copy per :func:`token_segments` run, head range and layer group: views that
         are one allocation at a fixed layer stride are one group, so a block's layers
         move in one call; indexing every view with the ids instead costs a few times
         more (measured about 1.8 vs 5.3 GB/s on one thread)."""
+        copy = copy or _torch_copy
         geo, content = self.remote, groups[0][1].shape[-1]
         count = source.shape[0]
         segments = token_segments(np.asarray(local_ids, dtype=np.int64), rows, self.local, geo)
@@ -197,10 +207,10 @@ class StagedRead:
                         strict=True)
                     for d, s in pairs:
                         if seg.whole:
-                            d.copy_(s)
+                            copy(d, s)
                         else:
-                            d[..., seg.local_row:seg.local_row + seg.rows, :].copy_(
-                                s[..., seg.remote_row:seg.remote_row + seg.rows, :])
+                            copy(d[..., seg.local_row:seg.local_row + seg.rows, :],
+                                 s[..., seg.remote_row:seg.remote_row + seg.rows, :])
 
 
 @dataclass(frozen=True)

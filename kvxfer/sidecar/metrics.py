@@ -4,9 +4,10 @@ Who writes what: the HTTP middleware counts requests by route and status; the
 engine loop counts tokens and publishes KV block and lease gauges, and the
 engine's prefix cache totals, after every iteration; the connector records
 transfers, failures, recomputes, reads skipped and lease releases, and what its
-workers counted (failed handshakes, failed and late "done" notifications:
-``TransferWorker.take_counts``). ``GET /metrics`` renders
-:meth:`SidecarMetrics.render`.
+workers counted (failed handshakes, failed and late "done" notifications, and each
+prefill peer's read path with what it moved and its ceiling:
+``TransferWorker.take_counts``, :meth:`SidecarMetrics.count_path`). ``GET /metrics``
+renders :meth:`SidecarMetrics.render`.
 
 Units: bytes for sizes, seconds for durations, tokens and blocks as counts.
 """
@@ -117,6 +118,32 @@ class SidecarMetrics:
             "notification, by reason (unsent: the decode could not send it; bad_signature, "
             "malformed: the prefill ignored it, it did not verify or decode)", ["reason"],
             registry=r)
+        path_labels = ["peer", "path"]
+        self.path_bytes = Counter(
+            "kvxfer_kv_path_bytes", "Decode: KV bytes finished reads placed, by prefill peer "
+            "(engine id) and the path its ranks are read over (mapped: copied from its cache "
+            "mapped here; host: process_vm_readv; staged: NIXL READs into staging, then a "
+            "copy; nixl: NIXL READs), all TP ranks", path_labels, registry=r)
+        self.path_seconds = Counter(
+            "kvxfer_kv_path_seconds", "Decode: seconds the paths of kvxfer_kv_path_bytes ran, "
+            "post to landed, summed over TP ranks (bytes / seconds: the achieved rate per "
+            "rank)", path_labels, registry=r)
+        self.path_rate = Gauge(
+            "kvxfer_kv_path_bytes_per_second", "Decode: the rate a peer's path achieved, per "
+            "TP rank: kvxfer_kv_path_bytes over kvxfer_kv_path_seconds since the peer was "
+            "first read (1e9: 1 GB/s; a window: the ratio of the two counters' rates)",
+            path_labels, registry=r)
+        self.path_ceiling = Gauge(
+            "kvxfer_kv_path_ceiling_bytes_per_second", "Decode: the path's ceiling, the rate "
+            "a probe of it reached per TP rank when the peer connected (a peer's path is "
+            "chosen from those probes); absent where not measured (GPU caches)", path_labels,
+            registry=r)
+        self.path_ceiling_share = Gauge(
+            "kvxfer_kv_path_ceiling_share", "Decode: kvxfer_kv_path_bytes_per_second over "
+            "kvxfer_kv_path_ceiling_bytes_per_second (1: reads move at the probe's rate)",
+            path_labels, registry=r)
+        self._ceilings: dict[tuple[str, str], float] = {}
+        self._moved: dict[tuple[str, str], tuple[int, float]] = {}  # bytes, seconds
         self.notifications_late = Counter(
             "kvxfer_kv_notifications_late", "Prefill: \"done\" notifications for a lease "
             "no longer held, one per notification, by how that lease had ended (done, "
@@ -129,6 +156,27 @@ class SidecarMetrics:
                                 (self.notifications_late, LATE_NOTIFICATION_REASONS)):
             for label in labels:
                 counter.labels(label)
+
+    def count_path(self, peer: str, path: str, num_bytes: int, seconds: float,
+                   ceiling: float | None = None) -> None:
+        """What reads of prefill ``peer`` moved over ``path`` since the last call
+        (``num_bytes`` in ``seconds``, both summed over TP ranks; 0 when it just connected)
+        and the path's ``ceiling`` in bytes per second, when measured."""
+        if ceiling is not None:
+            self._ceilings[peer, path] = ceiling
+            self.path_ceiling.labels(peer, path).set(ceiling)
+        self.path_bytes.labels(peer, path).inc(num_bytes)
+        self.path_seconds.labels(peer, path).inc(seconds)
+        moved, took = self._moved.get((peer, path), (0, 0.0))
+        moved, took = moved + num_bytes, took + seconds
+        self._moved[peer, path] = moved, took
+        if moved <= 0 or took <= 0:
+            return
+        rate = moved / took
+        self.path_rate.labels(peer, path).set(rate)
+        known = self._ceilings.get((peer, path))
+        if known:
+            self.path_ceiling_share.labels(peer, path).set(rate / known)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -100,7 +100,7 @@ class Lanes:
         """READ every agent's ``parts`` at once (the rank's own agent on this thread);
         return once all landed, or raise the first error once every one ended."""
         agents = [self.agent, *self.agents]
-        run_all([functools.partial(_copy_parts, agent, part, local_cuda, timeout)
+        run_all([functools.partial(copy_parts, agent, part, local_cuda, timeout)
                  for agent, part in zip(agents, parts, strict=True)], self.pool)
 
     def close(self) -> None:
@@ -112,7 +112,7 @@ class Lanes:
             lane.close()
 
 
-def _copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
+def copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
                 timeout: float) -> None:
     """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed."""
     deadline = time.monotonic() + timeout

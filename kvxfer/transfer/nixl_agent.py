@@ -37,7 +37,8 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -390,6 +391,22 @@ class NixlAgent:
             self._registrations.append(agent.register_memory(row, "DRAM"))
             self._scratch = scratch
         return np.array([[self._scratch.ctypes.data, _PROBE_BYTES, 0]], dtype=np.uint64)
+
+    @contextmanager
+    def scratch(self, nbytes: int) -> Iterator[U64Array]:
+        """A private host buffer of ``nbytes`` registered for READs into it while inside
+        (the descriptor array of its one range): what a probe READs into
+        (:mod:`kvxfer.transfer.routes`), never memory a peer reads."""
+        agent = self._api_agent()
+        buffer = np.zeros(nbytes, dtype=np.uint8)
+        row = np.array([[buffer.ctypes.data, nbytes, 0]], dtype=np.uint64)
+        handle = agent.register_memory(row, "DRAM")
+        self._registrations.append(handle)
+        try:
+            yield row
+        finally:
+            if self._agent is not None and handle in self._registrations:
+                self.deregister([handle])
 
     # -- transfers ------------------------------------------------------------------------
     def read(self, remote_name: str, local_descs: U64Array, remote_descs: U64Array,

@@ -6,11 +6,13 @@ Who calls what, on which thread:
   for a peer by engine id (:meth:`Peers.get`); for an engine not known yet they start a
   handshake (:meth:`Peers.shake`). A pool thread fetches and checks the prefill's
   metadata over the side channel (:class:`~kvxfer.transfer.side_channel.client.HandshakeClient`)
-  and plans this rank's reads of it (:func:`~kvxfer.plan.staging.plan_reads`; converted
-  reads on this host from its mapped cache or as host reads where it offers them): no
-  NIXL call there. Back on the worker's thread, :meth:`Peers.finished` names the engines
-  whose handshake ended and :meth:`Peers.connect` loads their agents into this rank's
-  agent and lanes and warms each connection, or raises :class:`HandshakeFailed`.
+  and plans this rank's reads of it (:func:`~kvxfer.plan.staging.plan_reads`) and each
+  prefill rank's candidate paths (:func:`~kvxfer.transfer.routes.candidates`: copies on
+  this host where it offers them, NIXL): no NIXL call there. Back on the worker's thread,
+  :meth:`Peers.finished` names the engines whose handshake ended and :meth:`Peers.connect`
+  loads their agents into this rank's agent and lanes, warms each connection and chooses
+  each prefill rank's path from a probe of its candidates
+  (:func:`~kvxfer.transfer.routes.choose`), or raises :class:`HandshakeFailed`.
 * a peer whose handshake, connection or READ failed is *dead* for :data:`DEAD_PEER_S`
   (:meth:`Peers.dead`): reads of it fail fast meanwhile instead of handshaking again.
 * any thread may :meth:`Peers.forget` an engine (its cached handshake or failure); the
@@ -26,17 +28,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvxfer.plan.descriptors import PeerReadPlan, SideGeometry
 from kvxfer.plan.staging import StagedRead, plan_reads
 from kvxfer.plan.topology import notify_plan, read_plan
-from kvxfer.transfer.converted.host_reads import HostRead, check_offer, plan_host_read
-from kvxfer.transfer.converted.mapped_reads import MappedRead, map_prefill
+from kvxfer.transfer.converted.host_reads import HostRead
+from kvxfer.transfer.converted.mapped_reads import MappedRead
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
-from kvxfer.transfer.results import TransferError
+from kvxfer.transfer.results import PathTraffic, TransferError
+from kvxfer.transfer.routes import Route, candidates, choose
 from kvxfer.transfer.side_channel.client import HandshakeClient
 from kvxfer.transfer.side_channel.errors import failure_reason
 from kvxfer.wire.errors import HandshakeError
@@ -61,12 +64,13 @@ class HandshakeFailed(TransferError):
 
 @dataclass(frozen=True)
 class Handshake:
-    """A peer's checked metadata and precomputed read plans, before NIXL connects."""
+    """A peer's checked metadata, precomputed read plans and each read prefill rank's
+    candidate routes, before NIXL connects."""
 
     metas: dict[int, AgentMetadata]
     plans: list[PeerReadPlan | StagedRead]
     notify: dict[int, int]  # prefill rank -> decode ranks that read from it
-    host: dict[int, HostRead | MappedRead]
+    options: dict[int, tuple[Route, ...]]
 
 
 @dataclass
@@ -80,14 +84,20 @@ class Peer:
     plans: list[PeerReadPlan | StagedRead]
     expected_readers: dict[int, int]
     remote_cuda: dict[int, bool] = field(default_factory=dict)  # each rank's memory kind
-    # ranks host-read or read from their mapped cache, not staged
-    host: dict[int, HostRead | MappedRead] = field(default_factory=dict)
+    # the path each read prefill rank is read over (kvxfer.transfer.routes)
+    routes: dict[int, Route] = field(default_factory=dict)
     shared: set[int] = field(default_factory=set)  # staged ranks read with sibling ranks
 
+    @property
+    def host(self) -> dict[int, HostRead | MappedRead]:
+        """The ranks copied on this host (host-read or from their mapped cache), by rank."""
+        return {rank: route.copy for rank, route in self.routes.items()
+                if route.copy is not None}
+
     def staged(self) -> list[StagedRead]:
-        """The converted reads that go through staging (not host-read)."""
-        return [p for p in self.plans if isinstance(p, StagedRead)
-                and p.remote_rank not in self.host]
+        """The converted reads that go through staging (not copied on this host)."""
+        return [route.plan for route in self.routes.values()
+                if route.path == "staged" and isinstance(route.plan, StagedRead)]
 
     def done(self, local: LocalRank, lease_id: str, rank: int, ok: bool) -> bytes:
         """The signed "done" notification for prefill rank ``rank``: ``local`` read
@@ -122,8 +132,8 @@ class Peer:
 
 class Peers:
     """See the module docstring. ``total_kv_heads`` and both instances' TP sizes say which
-    heads this rank reads from which prefill rank; ``host_reads`` whether converted reads
-    may be read on this host."""
+    heads this rank reads from which prefill rank; ``host_reads`` whether a prefill on
+    this host may be copied from (mapped, host-read) instead of read over NIXL."""
 
     def __init__(self, local: LocalRank, client: HandshakeClient, *, total_kv_heads: int,
                  host_reads: bool) -> None:
@@ -279,52 +289,14 @@ class Peers:
             raise TransferError(f"decode layout {local.geometry.layout} and prefill layout "
                                 f"{staged[0].remote.layout} need a converted read, which only "
                                 f"host (CPU) caches support so far")
-        host = self._plan_host_reads(staged, metas) if staged and self.host_reads else {}
+        options = candidates(local, plans, metas, geometries, slices, on_host=self.host_reads)
         for plan in staged:
-            if plan.remote_rank in host:
+            if options[plan.remote_rank][0].path != "staged":
                 continue
             log.info("rank %d reads prefill %s rank %d through staging (%s -> %s): %d bytes "
                      "per block", local.rank, remote.remote_engine_id, plan.remote_rank,
                      plan.remote.layout, local.geometry.layout, plan.bytes_per_block)
-        return Handshake(metas, plans, notify, host)
-
-    def _plan_host_reads(self, staged: Sequence[StagedRead], metas: Mapping[int, AgentMetadata]
-                         ) -> dict[int, HostRead | MappedRead]:
-        """The converted reads that can be read on this host, by rank: from the prefill's
-        mapped cache (:mod:`kvxfer.transfer.converted.mapped_reads`) where it offers one,
-        else host reads (:mod:`kvxfer.transfer.converted.host_reads`)."""
-        local = self._local
-        host: dict[int, HostRead | MappedRead] = {}
-        for plan in staged:
-            offer = metas[plan.remote_rank].host_reads
-            why = "its cache is not host memory" if any(
-                m.is_cuda for m in metas[plan.remote_rank].plan.memory) else check_offer(offer)
-            if why or offer is None:
-                log.info("rank %d: prefill rank %d is not read on this host: %s", local.rank,
-                         plan.remote_rank, why)
-                continue
-            try:
-                mapped = map_prefill(plan, local.view_groups, offer, local.shares.mappings)
-            except Exception as exc:  # HostReadError, or anything else: read it otherwise
-                log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s", local.rank,
-                         plan.remote_rank, type(exc).__name__, exc)
-                mapped = None
-            if mapped is not None:
-                host[plan.remote_rank] = mapped
-                log.info("rank %d reads prefill rank %d (%s -> %s) from its mapped cache, "
-                         "%d bytes per block", local.rank, plan.remote_rank,
-                         plan.remote.layout, plan.local.layout, plan.placed_per_block)
-                continue
-            runs = plan_host_read(plan, local.view_groups, offer)
-            if runs is None:
-                log.info("rank %d: prefill rank %d is not host-read: its runs are too short "
-                         "to pay, or the block sizes differ", local.rank, plan.remote_rank)
-                continue
-            host[plan.remote_rank] = runs
-            log.info("rank %d host-reads prefill rank %d (%s -> %s): %d runs, %d bytes per "
-                     "block", local.rank, plan.remote_rank, plan.remote.layout,
-                     plan.local.layout, runs.runs_per_block, runs.bytes_per_block)
-        return host
+        return Handshake(metas, plans, notify, options)
 
     # -- worker thread: NIXL ---------------------------------------------------------------
     def _connect(self, remote: RemoteParams, shake: Handshake) -> Peer:
@@ -347,8 +319,9 @@ class Peers:
             for name in agents.values():
                 self._quietly_remove(name)
             raise TransferError(f"NIXL could not connect to rank {rank}: {exc}") from exc
+        routes = self._choose(remote, shake, agents)
         peer = Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
-                    shake.plans, shake.notify, kinds, shake.host)
+                    shake.plans, shake.notify, kinds, routes)
         self._peers[peer.engine_id] = peer
         self._dead.pop(peer.engine_id, None)
         # in-process siblings share host reads, and the staged reads of pages that hold
@@ -361,6 +334,21 @@ class Peers:
         log.info("rank %d connected to %s at %s (ranks %s)", local.rank, peer.engine_id,
                  peer.address, sorted(agents))
         return peer
+
+    def _choose(self, remote: RemoteParams, shake: Handshake, agents: dict[int, str]
+                ) -> dict[int, Route]:
+        """Each read prefill rank's route, from a probe of its candidates (connected)."""
+        local, routes = self._local, {}
+        for rank, options in sorted(shake.options.items()):
+            route, rates = choose(local, options, agents[rank], shake.metas[rank].plan.memory[0])
+            routes[rank] = route
+            local.tally.path_used(remote.remote_engine_id, route.path,
+                                  PathTraffic(ceiling=route.ceiling))
+            probed = ", ".join(f"{path} {rate / 1e9:.2f} GB/s" for path, rate in rates.items())
+            log.info("rank %d reads prefill %s rank %d over %s (probed at connect: %s)",
+                     local.rank, remote.remote_engine_id, rank, route.path,
+                     probed or "not probed")
+        return routes
 
     def _quietly_remove(self, name: str) -> None:
         try:

@@ -1,10 +1,10 @@
 """What one rank's :class:`~kvxfer.transfer.worker.TransferWorker` reports to its caller.
 
 Pure: the standard library and the wire types. :class:`PollResult` (reads that ended, with their
-:class:`ReadStats`), :class:`Released` (leases that ended), :class:`WorkerCounts`
-(events only metrics care about), :class:`TransferError`, and the two thread-safe
-boxes the worker's thread fills and the caller's thread empties: :class:`ReadResults`
-and :class:`Tally`.
+:class:`ReadStats` and each path's :class:`PathStats`), :class:`Released` (leases that
+ended), :class:`WorkerCounts` (events only metrics care about, :class:`PathTraffic` among
+them), :class:`TransferError`, and the two thread-safe boxes the worker's thread fills and
+the caller's thread empties: :class:`ReadResults` and :class:`Tally`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,16 @@ class TransferError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class PathStats:
+    """What one path of a read moved: ``path`` names it (:data:`kvxfer.transfer.routes.PATHS`),
+    ``seconds`` run from its post until it landed (None: it never landed)."""
+
+    path: str
+    num_bytes: int
+    seconds: float | None
+
+
+@dataclass(frozen=True)
 class ReadStats:
     """What one finished read moved, for metrics and the demo."""
 
@@ -34,6 +44,12 @@ class ReadStats:
     members: int = 0
     mapped_ranks: int = 0  # of host_ranks, those read from their mapped cache (mapped_reads)
     staged_ranks: int = 0  # prefill ranks read through staging (kvxfer.plan.staging)
+    paths: tuple[PathStats, ...] = ()  # each path the read took, in posting order
+
+    @property
+    def path_names(self) -> tuple[str, ...]:
+        """The paths the read took, each once, in posting order."""
+        return tuple(dict.fromkeys(p.path for p in self.paths))
 
 
 @dataclass
@@ -58,6 +74,22 @@ class PollResult:
         return bool(self.finished or self.failed)
 
 
+@dataclass(frozen=True)
+class PathTraffic:
+    """One decode rank's reads of one prefill engine over one path: bytes placed and the
+    seconds its paths ran (post to landed; GB/s = bytes / seconds / 1e9), and ``ceiling``,
+    the bytes per second the path's probe reached when the peer connected (None: not
+    measured, :mod:`kvxfer.transfer.routes`)."""
+
+    num_bytes: int = 0
+    seconds: float = 0.0
+    ceiling: float | None = None
+
+    def __add__(self, other: PathTraffic) -> PathTraffic:
+        return PathTraffic(self.num_bytes + other.num_bytes, self.seconds + other.seconds,
+                           other.ceiling if other.ceiling is not None else self.ceiling)
+
+
 @dataclass
 class WorkerCounts:
     """Events since the last :meth:`TransferWorker.take_counts`, by reason (the labels of
@@ -72,6 +104,9 @@ class WorkerCounts:
     # prefill: a verified "done" for a lease not held, by how that lease had ended
     # ("done", "abandoned", "expired"), "unknown" when not remembered (or never held)
     notifications_late: Counter[str] = field(default_factory=Counter)
+    # decode: by (prefill engine, path), what finished reads moved over it and the ceiling
+    # the path reached when the peer connected
+    paths: dict[tuple[str, str], PathTraffic] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,6 +176,12 @@ class Tally:
     def notification_late(self, ended: str) -> None:
         with self._lock:
             self._counts.notifications_late[ended] += 1
+
+    def path_used(self, engine: str, path: str, traffic: PathTraffic) -> None:
+        """Prefill ``engine`` was connected over ``path`` (a ceiling), or read (bytes)."""
+        with self._lock:
+            paths = self._counts.paths
+            paths[engine, path] = paths.get((engine, path), PathTraffic()) + traffic
 
     def take(self) -> WorkerCounts:
         with self._lock:

@@ -45,10 +45,12 @@ Contract (who calls what, when):
 All NIXL calls happen on the worker's thread, so the agent needs no locking. The one
 exception is read lanes (``read_lanes > 1``, host memory only,
 :mod:`kvxfer.transfer.lanes`): extra agents that copy parts of a large request on
-their own threads while the worker thread waits for all of them. Where byte copies
-cannot place a prefill rank's heads, that rank is read through staging
-(:mod:`kvxfer.transfer.reads.staged`), or, where the prefill rank is a process on this
-host and offers it, copied straight into place (:mod:`kvxfer.transfer.reads.host`);
+their own threads while the worker thread waits for all of them. Each prefill rank is
+read over the path chosen for it when its peer connected (:mod:`kvxfer.transfer.routes`):
+where the prefill rank is a process on this host that offers it, copied straight into
+place (:mod:`kvxfer.transfer.reads.host`: from its mapped cache, direct reads too, or with
+process_vm_readv); elsewhere NIXL READs, or, where byte copies cannot place its heads,
+READs through staging (:mod:`kvxfer.transfer.reads.staged`);
 in-process sibling ranks share those reads through the
 :class:`~kvxfer.transfer.converted.process_shares.ProcessShares` handed to each of them
 (``shares``; a worker given none shares nothing). Each READ names both sides' memory

@@ -33,7 +33,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import cache
@@ -197,24 +197,50 @@ class MappedRead:
              pool: Executor | None = None, threads: int = 1) -> tuple[int, int]:
         """Copy the request's heads into place; (bytes placed: the paired tokens', copy
         threads). With ``pool``, the blocks are cut into ``threads`` shares, all but the
-        first copied there, the first here (torch's copy releases the GIL); returns once
-        every share ended."""
+        first copied there, the first here (see :meth:`shares`); returns once every share
+        ended."""
+        shares = self.shares(local_ids, remote_ids, max(1, threads if pool else 1))
+        run_all(shares, pool)
+        return self.placed(local_ids, remote_ids), len(shares)
+
+    def shares(self, local_ids: np.ndarray, remote_ids: np.ndarray, count: int
+               ) -> list[Callable[[], None]]:
+        """The request's copy cut into up to ``count`` shares of whole blocks, each to run
+        on a thread of its own (numpy's copy releases the GIL, :func:`copy_alone`)."""
         plan, ratio = self.plan, self.plan.remote.kernel_ratio
 
         def run(local: slice, remote: slice) -> None:
             rows = (np.asarray(remote_ids[remote], dtype=np.int64)[:, None] * ratio
                     + np.arange(ratio, dtype=np.int64)).reshape(-1)
             plan.place(self.source, range(self.source.shape[2]), rows, self.groups,
-                       local_ids[local], plan.remote.kv_packing, plan.local.kv_packing)
+                       local_ids[local], plan.remote.kv_packing, plan.local.kv_packing,
+                       copy_alone)
 
-        shares = [share for share in plan.shares(len(local_ids), len(remote_ids),
-                                                 max(1, threads if pool else 1))
-                  if share[1].stop > share[1].start]
-        run_all([functools.partial(run, *share) for share in shares], pool)
-        # the tokens paired (the shorter side's), each this rank's heads of every layer
+        return [functools.partial(run, *share)
+                for share in plan.shares(len(local_ids), len(remote_ids), count)
+                if share[1].stop > share[1].start]
+
+    def placed(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> int:
+        """Bytes a copy of these ids places: the paired tokens' (the shorter side's), each
+        this rank's heads of every layer."""
+        plan = self.plan
         tokens = min(len(local_ids) * plan.local.block_size,
                      len(remote_ids) * plan.remote.block_size)
-        return tokens * plan.placed_per_block // plan.remote.block_size, len(shares)
+        return tokens * plan.placed_per_block // plan.remote.block_size
+
+
+# numpy's view of a tensor's elements, by element size (numpy lacks bfloat16 and fp8)
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_alone(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` (same shape and dtype) on the calling thread alone. Torch
+    shares a large copy out over its intra-op threads; a mapped read's copy threads, and
+    the sibling ranks copying beside them, would then oversubscribe the cores (measured on
+    2 cores: 10 GB/s for two copy threads of 64 KiB runs through torch, 14 through numpy,
+    which copies where it is called and releases the GIL meanwhile)."""
+    kind = _SAME_SIZE[target.element_size()]
+    np.copyto(target.view(kind).numpy(), source.view(kind).numpy())
 
 
 def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],

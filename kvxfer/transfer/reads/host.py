@@ -1,10 +1,12 @@
-"""``HostPath`` and ``MappedPath``: converted reads copied on this host, in the post.
+"""``HostPath`` and ``MappedPath``: reads copied on this host, in the post.
 
-Where a staged prefill rank is a process on this host that offers it, its bytes are
-copied straight into their places instead of through staging: from its mapped cache
-(:mod:`kvxfer.transfer.converted.mapped_reads`, :class:`MappedPath`) or with
-``process_vm_readv`` (:mod:`kvxfer.transfer.converted.host_reads`, :class:`HostPath`;
-shared with in-process sibling ranks where they read the same request). Either copy
+Where a prefill rank is a process on this host that offers it, and its route says so
+(:mod:`kvxfer.transfer.routes`), its bytes are copied straight into their places instead
+of READ over NIXL or through staging: from its mapped cache
+(:mod:`kvxfer.transfer.converted.mapped_reads`, :class:`MappedPath`: direct and converted
+reads alike) or with ``process_vm_readv`` (:mod:`kvxfer.transfer.converted.host_reads`,
+:class:`HostPath`, converted reads only; shared with in-process sibling ranks where they
+read the same request). Either copy
 ends within :meth:`~kvxfer.transfer.reads.path.ReadPath.post`, shared out to the
 rank's copy threads (its own and its lanes'), so the path has landed when posted. No
 READ tells these prefill ranks: the reader sends their "done" once the read landed.
@@ -13,7 +15,6 @@ A copy that fails because the prefill process is gone takes the peer for dead.
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Generic, TypeVar
@@ -34,6 +35,8 @@ R = TypeVar("R", HostRead, MappedRead)
 class _CopyPath(ReadPath, Generic[R]):
     """``copies``: (the prefill rank's planned copy, local ids, remote ids) per rank."""
 
+    lands_in_post = True
+
     def __init__(self, local: LocalRank, peer: Peer, read: Read,
                  copies: Sequence[tuple[R, np.ndarray, np.ndarray]]) -> None:
         super().__init__([runs.remote_rank for runs, _, _ in copies])
@@ -42,28 +45,8 @@ class _CopyPath(ReadPath, Generic[R]):
         self.lanes = 1  # threads that copied
         self.members = 0  # in-process ranks that copied together (1: alone)
 
-    def post(self) -> None:
-        local, peer = self._local, self._peer
-        for runs, local_ids, remote_ids in self._copies:
-            try:
-                num_bytes, copies, members = self._copy(runs, local_ids, remote_ids)
-            except Exception as exc:  # HostReadError, or a bug: this request only
-                gone = isinstance(exc, HostReadError) and exc.gone
-                raise ReadFailed(f"prefill {peer.engine_id} rank {runs.remote_rank} at "
-                                 f"{peer.address}: host read failed: {exc}",
-                                 peer_gone=str(exc) if gone else None) from exc
-            self.members = max(self.members, members)
-            self.lanes = max(self.lanes, local.threads)
-            self.num_bytes += num_bytes
-            self.descriptors += copies
-
     def finish(self) -> None:
         """Nothing is held: the copies ended within :meth:`post`."""
-
-    @abstractmethod
-    def _copy(self, runs: R, local_ids: np.ndarray, remote_ids: np.ndarray
-              ) -> tuple[int, int, int]:
-        """Copy one prefill rank's part: (bytes placed, copies made, ranks together)."""
 
     def add_to(self, stats: ReadStats) -> ReadStats:
         stats = super().add_to(stats)
@@ -75,24 +58,46 @@ class _CopyPath(ReadPath, Generic[R]):
 class HostPath(_CopyPath[HostRead]):
     """Host reads, with the in-process siblings that read the same request."""
 
-    def _copy(self, runs: HostRead, local_ids: np.ndarray, remote_ids: np.ndarray
-              ) -> tuple[int, int, int]:
-        local = self._local
-        num_bytes, _, members = local.shares.copies.copy(
-            local.engine_id, self._peer.engine_id, self._read.lease_id, local.rank, runs,
-            local_ids, remote_ids, local.lanes.pool if local.lanes else None, local.threads)
-        return num_bytes, len(local_ids) * runs.runs_per_block, members
+    name = "host"
+
+    def post(self) -> None:
+        local, peer = self._local, self._peer
+        for runs, local_ids, remote_ids in self._copies:
+            try:
+                num_bytes, _, members = local.shares.copies.copy(
+                    local.engine_id, peer.engine_id, self._read.lease_id, local.rank, runs,
+                    local_ids, remote_ids, local.lanes.pool if local.lanes else None,
+                    local.threads)
+            except Exception as exc:  # HostReadError, or a bug: this request only
+                gone = isinstance(exc, HostReadError) and exc.gone
+                raise ReadFailed(f"prefill {peer.engine_id} rank {runs.remote_rank} at "
+                                 f"{peer.address}: host read failed: {exc}",
+                                 peer_gone=str(exc) if gone else None) from exc
+            self.members = max(self.members, members)
+            self.lanes = max(self.lanes, local.threads)
+            self.num_bytes += num_bytes
+            self.descriptors += len(local_ids) * runs.runs_per_block
 
 
 class MappedPath(_CopyPath[MappedRead]):
-    """Copies from the prefill's cache, mapped into this process."""
+    """Copies from the prefill's cache, mapped into this process, one prefill rank after
+    the other, each shared out to the rank's copy threads."""
 
-    def _copy(self, runs: MappedRead, local_ids: np.ndarray, remote_ids: np.ndarray
-              ) -> tuple[int, int, int]:
-        local = self._local
-        num_bytes, copies = runs.copy(local_ids, remote_ids,
-                                      local.lanes.pool if local.lanes else None, local.threads)
-        return num_bytes, copies, 1
+    name = "mapped"
+
+    def post(self) -> None:
+        local, peer = self._local, self._peer
+        pool = local.lanes.pool if local.lanes else None
+        for runs, local_ids, remote_ids in self._copies:
+            try:
+                num_bytes, copies = runs.copy(local_ids, remote_ids, pool, local.threads)
+            except Exception as exc:  # a bug: the mapping outlives the prefill process
+                raise ReadFailed(f"prefill {peer.engine_id} rank {runs.remote_rank} at "
+                                 f"{peer.address}: copy from its mapped cache failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            self.num_bytes += num_bytes
+            self.descriptors += copies
+        self.members, self.lanes = 1, local.threads
 
     def add_to(self, stats: ReadStats) -> ReadStats:
         stats = super().add_to(stats)

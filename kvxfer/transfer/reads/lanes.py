@@ -30,6 +30,7 @@ class LanesPath(ReadPath):
     """``descs`` as for a direct read; a lane waits the read timeout for each READ."""
 
     notifies = True  # told right after the copy, before the path is reported landed
+    lands_in_post = True
 
     def __init__(self, local: LocalRank, lanes: Lanes, peer: Peer, read: Read,
                  descs: Sequence[RankDescriptors]) -> None:

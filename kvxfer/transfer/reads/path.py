@@ -8,8 +8,8 @@ worker's thread:
 
 1. :meth:`ReadPath.reserve` takes what the path needs before anything is posted (False:
    not yet, the read waits and asks again later; nothing is held meanwhile);
-2. :meth:`ReadPath.post` starts it (a path that copies inside the call has landed when
-   it returns);
+2. :meth:`ReadPath.start` posts it (:meth:`ReadPath.post`; a path that copies inside the
+   call has landed when it returns) and starts its clock;
 3. :meth:`ReadPath.progress`, called until it returns :data:`LANDED`, or a
    :class:`Waiting` that says what a read timeout would then report;
 4. :meth:`ReadPath.finish` once every path landed, or :meth:`ReadPath.abandon` when the
@@ -18,18 +18,21 @@ worker's thread:
 Any step may raise :class:`ReadFailed`, the one way a read fails: it names the peer and
 the reason, says whether the prefill ranks can be told over NIXL, and when the peer is
 at fault (``peer_gone``) the reader takes it for dead. A path counts what it moved and
-adds it to the read's :class:`~kvxfer.transfer.results.ReadStats` (:meth:`ReadPath.add_to`).
+how long it ran (from its post until it landed) and adds it to the read's
+:class:`~kvxfer.transfer.results.ReadStats` (:meth:`ReadPath.add_to`), under its
+:attr:`ReadPath.name` (one of :data:`kvxfer.transfer.routes.PATHS`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from kvxfer.transfer.results import ReadStats, TransferError
+from kvxfer.transfer.results import PathStats, ReadStats, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +80,33 @@ Progress = Landed | Waiting
 class ReadPath(ABC):
     """See the module docstring. ``ranks``: the prefill ranks this path reads."""
 
+    name = "nixl"  # the path's word in stats and metrics (kvxfer.transfer.routes.PATHS)
     # its READs carry its ranks' "done" (else the reader tells them once the read landed)
     notifies = False
+    lands_in_post = False  # every byte is in place once post() returned
 
     def __init__(self, ranks: Sequence[int]) -> None:
         self.ranks = tuple(ranks)
         self.num_bytes = 0  # placed into this rank's views
         self.descriptors = 0  # NIXL descriptors, or copies
+        self.seconds: float | None = None  # from its post until it landed
+        self._began: float | None = None
 
     def reserve(self) -> bool:
         """Take what :meth:`post` needs; False to wait (nothing is taken then)."""
         return True
+
+    def start(self) -> None:
+        """:meth:`post`, timed: :attr:`seconds` runs from here until :meth:`landed`."""
+        self._began = time.perf_counter()
+        self.post()
+        if self.lands_in_post:
+            self.landed()
+
+    def landed(self) -> None:
+        """The path landed (its first :data:`LANDED`): stop its clock."""
+        if self.seconds is None and self._began is not None:
+            self.seconds = time.perf_counter() - self._began
 
     @abstractmethod
     def post(self) -> None:
@@ -109,7 +128,8 @@ class ReadPath(ABC):
     def add_to(self, stats: ReadStats) -> ReadStats:
         """``stats`` with what this path moved added."""
         return replace(stats, num_bytes=stats.num_bytes + self.num_bytes,
-                       descriptors=stats.descriptors + self.descriptors)
+                       descriptors=stats.descriptors + self.descriptors,
+                       paths=(*stats.paths, PathStats(self.name, self.num_bytes, self.seconds)))
 
 
 def reads_landed(transfers: Sequence[Any]) -> bool:

@@ -55,6 +55,8 @@ class Read:
             outcome = path.progress()
             if isinstance(outcome, Waiting):
                 waits.append(outcome)
+            else:
+                path.landed()
         if not waits:
             return LANDED
         return next((w for w in waits if w.peer is not None), waits[0])

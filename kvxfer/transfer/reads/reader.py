@@ -46,7 +46,7 @@ from kvxfer.transfer.reads.lanes import LanesPath
 from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.staged import StagedPath
-from kvxfer.transfer.results import ReadResults, TransferError
+from kvxfer.transfer.results import PathTraffic, ReadResults, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class Reader:
         read.posted = time.monotonic()  # the read timeout counts from here
         try:
             for path in read.paths:
-                path.post()
+                path.start()
         except ReadFailed as failure:
             self._fail(read, failure)
             return
@@ -194,10 +194,13 @@ class Reader:
                 self._finish(read, now)
 
     def _finish(self, read: Read, now: float) -> None:
-        """Every path landed: give back what they hold, tell the prefill ranks no READ
-        told, and report the read with its side-channel "done" reports."""
+        """Every path landed: give back what they hold, count what each moved (metrics),
+        tell the prefill ranks no READ told, and report the read with its side-channel
+        "done" reports."""
         for path in read.paths:
             path.finish()
+            self._local.tally.path_used(read.engine, path.name,
+                                        PathTraffic(path.num_bytes, path.seconds or 0.0))
         peer = self._peers.get(read.engine)
         if peer is None:  # dropped meanwhile: ranks read through staging or on this host
             # were not told with a READ, and nobody can be now: the caller releases
@@ -228,9 +231,10 @@ class Reader:
 
 
 def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
-    """The paths ``peer``'s plans call for, in the order they are posted: copies on this
-    host, then read lanes or staging, then direct READs. Raises TransferError when the
-    read's params disagree with the peer, ValueError for block ids out of range."""
+    """The paths ``peer``'s routes call for (:mod:`kvxfer.transfer.routes`: one per prefill
+    rank), in the order they are posted: copies on this host, then read lanes or staging,
+    then direct READs. Raises TransferError when the read's params disagree with the peer,
+    ValueError for block ids out of range."""
     remote = read.remote
     if peer.tp_size != remote.tp_size:
         raise TransferError(f"engine reports TP {peer.tp_size} but kv_transfer_params "
@@ -245,28 +249,23 @@ def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
                    f"do not say remote_block_size, so the ids were counted at this "
                    f"decode's {plan.local.block_size}"))
     local_ids, remote_ids = read.local_block_ids, remote.remote_block_ids
-    direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
-    descs = build_requests_descriptors(direct, local_ids, remote_ids) if direct else []
     if read.ceiling:  # each rank's bytes as whole spans from where the request starts
-        if len(direct) != len(peer.plans):
-            raise TransferError("a ceiling probe needs a peer read by direct READs only")
-        return [DirectPath(local, peer, read, [
-            ceiling_descriptors(plan.local, plan.remote, rank.num_bytes, plan.remote_rank,
-                                local_start=int(rank.local[:, 0].min()),
-                                remote_start=int(rank.remote[:, 0].min()))
-            for plan, rank in zip(direct, descs, strict=True) if len(rank)])]
-    converted = [(plan, *plan.ids(local_ids, remote_ids))
-                 for plan in peer.plans if isinstance(plan, StagedRead)]
-    hosted = [(peer.host[plan.remote_rank], lids, rids) for plan, lids, rids in converted
-              if plan.remote_rank in peer.host]
-    host = [(runs, lids, rids) for runs, lids, rids in hosted if isinstance(runs, HostRead)]
-    mapped = [(runs, lids, rids) for runs, lids, rids in hosted if isinstance(runs, MappedRead)]
+        return [_ceiling_path(local, peer, read)]
+    routes = [peer.routes[plan.remote_rank] for plan in peer.plans]
+    direct = [r.plan for r in routes if r.path == "nixl" and isinstance(r.plan, PeerReadPlan)]
+    descs = build_requests_descriptors(direct, local_ids, remote_ids) if direct else []
+    host = [(r.copy, *r.plan.ids(local_ids, remote_ids)) for r in routes
+            if isinstance(r.copy, HostRead) and isinstance(r.plan, StagedRead)]
+    # a mapped copy orders the ids as its copy plan does (a direct rank's too)
+    mapped = [(r.copy, *r.copy.plan.ids(local_ids, remote_ids)) for r in routes
+              if isinstance(r.copy, MappedRead)]
+    staged_reads = [(r.plan, *r.plan.ids(local_ids, remote_ids)) for r in routes
+                    if r.path == "staged" and isinstance(r.plan, StagedRead)]
     paths: list[ReadPath] = []
     if host:
         paths.append(HostPath(local, peer, read, host))
     if mapped:
         paths.append(MappedPath(local, peer, read, mapped))
-    staged_reads = [c for c in converted if c[0].remote_rank not in peer.host]
     staged = StagedPath(local, peer, read, staged_reads) if staged_reads else None
     if staged is not None:
         paths.append(staged)
@@ -276,3 +275,18 @@ def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
     elif descs:
         paths.append(DirectPath(local, peer, read, descs))
     return paths
+
+
+def _ceiling_path(local: LocalRank, peer: Peer, read: Read) -> DirectPath:
+    """A benchmark's ceiling probe: the same bytes as the direct READs, as one READ of
+    whole memory spans per prefill rank (:mod:`kvxfer.plan.ceiling`), whatever the routes."""
+    direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
+    if len(direct) != len(peer.plans):
+        raise TransferError("a ceiling probe needs a peer read by direct READs only")
+    descs = build_requests_descriptors(direct, read.local_block_ids,
+                                       read.remote.remote_block_ids)
+    return DirectPath(local, peer, read, [
+        ceiling_descriptors(plan.local, plan.remote, rank.num_bytes, plan.remote_rank,
+                            local_start=int(rank.local[:, 0].min()),
+                            remote_start=int(rank.remote[:, 0].min()))
+        for plan, rank in zip(direct, descs, strict=True) if len(rank)])

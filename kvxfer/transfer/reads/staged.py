@@ -49,6 +49,8 @@ class StagedPath(ReadPath):
     staging order (:meth:`~kvxfer.plan.staging.StagedRead.ids`). Joins the sibling
     meetings of the shared ones at once."""
 
+    name = "staged"
+
     def __init__(self, local: LocalRank, peer: Peer, read: Read,
                  reads: Sequence[tuple[StagedRead, np.ndarray, np.ndarray]]) -> None:
         super().__init__([plan.remote_rank for plan, _, _ in reads])

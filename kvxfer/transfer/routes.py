@@ -1,0 +1,264 @@
+"""``Route``: the path this decode rank reads one prefill rank over, chosen once per peer.
+
+Every prefill rank a decode rank reads is read over one path (:data:`PATHS`):
+
+* ``mapped``: one local copy out of the prefill's cache, mapped into this process
+  (:mod:`kvxfer.transfer.converted.mapped_reads`), the conversion, if any, done by the copy;
+* ``host``: ``process_vm_readv`` straight into place (converted reads only,
+  :mod:`kvxfer.transfer.converted.host_reads`);
+* ``staged``: NIXL READs into staging, then a local copy (:mod:`kvxfer.plan.staging`);
+* ``nixl``: NIXL READs straight into place, over whatever transport NIXL found (cma on
+  one host, TCP or RDMA across hosts, GPU transports for GPU memory).
+
+The two copies on this host need a prefill on this host that offers them (its handshake's
+:class:`~kvxfer.wire.metadata.HostReads`, canary checked), host memory on both sides,
+and, to be mapped, a cache in a sealed shared buffer whose chunks lie at fixed strides.
+A direct (same-layout) read is mapped as the copy plan of its heads
+(:func:`~kvxfer.plan.staging.plan_staged_read`: the same heads and blocks a NIXL READ
+would move, placed by the copy).
+
+Who chooses, and from what:
+
+* :func:`candidates` (pool thread, from the handshake, no NIXL): a converted rank gets
+  one candidate, the first of mapped, host and staged that it can take: a copy on this
+  host does once what staging does after a READ, so nothing is measured to choose it. A
+  direct rank that can be mapped gets two, mapped then NIXL; any other gets NIXL alone.
+* :func:`choose` (worker thread, once NIXL connected and warmed): each candidate is
+  probed, :data:`PROBE_BYTES` from the start of the prefill rank's cache (or less, a
+  smaller cache), once to fault pages in and once timed: copied out of the mapping
+  (process_vm_readv'd) on this rank's copy threads, or READ by its agents, lanes
+  included, into scratch memory (never its cache: other reads may be landing there).
+  The first candidate is kept unless a later one was :data:`MARGIN` times faster (a few
+  milliseconds of one probe are noisy, the handshake's order is not), and always where
+  the probe moved less than :data:`PROBE_MIN_BYTES` (a tiny cache: the probe would time
+  per-call costs, not the path's bandwidth, and any path moves it in microseconds). The
+  chosen path's probe rate is its *ceiling*, which metrics compare reads with
+  (:class:`~kvxfer.transfer.results.PathTraffic`). A GPU cache is not probed (its reads
+  land in GPU memory, a probe would not): its path is NIXL's, its ceiling unknown.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import Final
+
+import numpy as np
+import torch
+
+from kvxfer.plan.descriptors import PeerReadPlan, SideGeometry
+from kvxfer.plan.regions import MemoryRegion
+from kvxfer.plan.staging import StagedRead, plan_staged_read
+from kvxfer.plan.topology import HeadSlice
+from kvxfer.transfer.converted.host_reads import (
+    HostRead,
+    check_offer,
+    copy_vectors,
+    plan_host_read,
+)
+from kvxfer.transfer.converted.mapped_reads import MappedRead, copy_alone, map_prefill
+from kvxfer.transfer.lanes import Part, copy_parts
+from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.threads import run_all
+from kvxfer.wire.metadata import AgentMetadata, HostReads
+
+log = logging.getLogger(__name__)
+
+PATHS: Final = ("mapped", "host", "staged", "nixl")
+# per probe pass (two per candidate): ~1.5 ms copied, ~3 ms over cma, ~27 ms over TCP
+PROBE_BYTES: Final = 16 << 20
+MARGIN: Final = 1.25  # how much faster a later candidate must probe to be taken
+PROBE_MIN_BYTES: Final = 1 << 20  # smaller probes do not choose (see the module docstring)
+_ALIGN = 4096  # probe shares start at page boundaries
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one prefill rank is read: ``path`` (:data:`PATHS`), the handshake's ``plan``
+    for it, the ``copy`` a path on this host copies with (mapped, host), and the path's
+    ``ceiling`` in bytes per second (:func:`choose`; None: not measured)."""
+
+    path: str
+    plan: PeerReadPlan | StagedRead
+    copy: MappedRead | HostRead | None = None
+    ceiling: float | None = None
+
+    @property
+    def remote_rank(self) -> int:
+        return self.plan.remote_rank
+
+
+# -- pool thread: what the handshake offers -----------------------------------------------
+
+def candidates(local: LocalRank, plans: Sequence[PeerReadPlan | StagedRead],
+               metas: Mapping[int, AgentMetadata], geometries: Mapping[int, SideGeometry],
+               slices: Sequence[HeadSlice], *, on_host: bool) -> dict[int, tuple[Route, ...]]:
+    """Each planned prefill rank's candidate routes, in the handshake's order of preference
+    (see the module docstring); ``on_host``: whether copies on this host may be taken.
+    Raises nothing for a copy that cannot be planned or mapped: the rank is read over
+    NIXL then (logged)."""
+    out: dict[int, tuple[Route, ...]] = {}
+    for plan in plans:
+        rank = plan.remote_rank
+        elsewhere = Route("staged" if isinstance(plan, StagedRead) else "nixl", plan)
+        here = _on_host(local, plan, metas[rank], geometries[rank],
+                        [s for s in slices if s.remote_rank == rank]) if on_host else None
+        if isinstance(plan, StagedRead):
+            out[rank] = (here or elsewhere,)
+        else:
+            out[rank] = (elsewhere,) if here is None else (here, elsewhere)
+    return out
+
+
+def _on_host(local: LocalRank, plan: PeerReadPlan | StagedRead, meta: AgentMetadata,
+             remote: SideGeometry, slices: Sequence[HeadSlice]) -> Route | None:
+    """The copy on this host ``plan``'s rank can be read with: mapped, else (converted
+    reads) a host read; None where none can (logged)."""
+    rank, offer = plan.remote_rank, meta.host_reads
+    why = "this rank's cache is GPU memory" if local.is_cuda else \
+        "its cache is not host memory" if any(m.is_cuda for m in meta.plan.memory) else \
+        check_offer(offer)
+    if why is not None or offer is None:
+        log.info("rank %d: prefill rank %d is not read on this host: %s", local.rank, rank, why)
+        return None
+    mapped = _mapped(local, plan, offer, remote, slices)
+    if mapped is not None:
+        log.info("rank %d can read prefill rank %d (%s -> %s) from its mapped cache, %d bytes "
+                 "per block", local.rank, rank, mapped.plan.remote.layout,
+                 mapped.plan.local.layout, mapped.plan.placed_per_block)
+        return Route("mapped", plan, mapped)
+    if not isinstance(plan, StagedRead):
+        return None  # a direct read's only copy here is a mapped one: NIXL's cma is the other
+    runs = plan_host_read(plan, local.view_groups, offer)
+    if runs is None:
+        log.info("rank %d: prefill rank %d is not host-read: its runs are too short to pay, or "
+                 "the block sizes differ", local.rank, rank)
+        return None
+    log.info("rank %d host-reads prefill rank %d (%s -> %s): %d runs, %d bytes per block",
+             local.rank, rank, plan.remote.layout, plan.local.layout, runs.runs_per_block,
+             runs.bytes_per_block)
+    return Route("host", plan, runs)
+
+
+def _mapped(local: LocalRank, plan: PeerReadPlan | StagedRead, offer: HostReads,
+            remote: SideGeometry, slices: Sequence[HeadSlice]) -> MappedRead | None:
+    """``plan``'s read from the offered mapped cache (a direct plan as the copy of the same
+    heads), or None where the cache is not mapped (logged)."""
+    try:
+        copy = plan if isinstance(plan, StagedRead) else \
+            plan_staged_read(local.geometry, remote, plan.remote_rank, slices)
+        mapped = map_prefill(copy, local.view_groups, offer, local.shares.mappings)
+    except Exception as exc:  # IncompatibleLayoutError, HostReadError, or anything else
+        log.info("rank %d: prefill rank %d's cache is not mapped: %s: %s", local.rank,
+                 plan.remote_rank, type(exc).__name__, exc)
+        return None
+    if mapped is None:
+        log.info("rank %d: prefill rank %d's cache is not mapped: it offers no shared buffer "
+                 "around its chunks, or they do not lie at fixed strides", local.rank,
+                 plan.remote_rank)
+    return mapped
+
+
+# -- worker thread: measured, chosen ------------------------------------------------------
+
+def choose(local: LocalRank, options: Sequence[Route], agent: str, memory: MemoryRegion
+           ) -> tuple[Route, dict[str, float]]:
+    """The route to read one prefill rank over, its ceiling set, and every candidate's
+    probe rate (bytes per second; a path missing failed or was not probed). ``agent``:
+    the prefill rank's NIXL agent, connected; ``memory``: its first registered entry."""
+    rates: dict[str, float] = {}
+    for route in options:
+        rate = _probe(local, route, agent, memory)
+        if rate is not None:
+            rates[route.path] = rate
+    best = options[0]
+    if min(PROBE_BYTES, memory.nbytes) >= PROBE_MIN_BYTES:
+        for other in options[1:]:
+            mine, theirs = rates.get(best.path), rates.get(other.path)
+            if theirs is not None and (mine is None or theirs > MARGIN * mine):
+                best = other
+    return replace(best, ceiling=rates.get(best.path)), rates
+
+
+def _probe(local: LocalRank, route: Route, agent: str, memory: MemoryRegion) -> float | None:
+    """Bytes per second ``route``'s path moved a probe at, or None (not probed, failed)."""
+    if local.is_cuda:
+        return None
+    try:
+        if isinstance(route.copy, MappedRead):
+            return _copy_rate(local, route.copy.mapping.bytes)
+        if isinstance(route.copy, HostRead):
+            return _host_rate(local, route.copy.offer, memory)
+        return _read_rate(local, agent, memory)
+    except Exception as exc:  # a probe only informs the choice; the reads report failures
+        log.info("rank %d: probing prefill rank %d over %s failed: %s", local.rank,
+                 route.remote_rank, route.path, exc)
+        return None
+
+
+def _timed(run: Callable[[], object]) -> float:
+    """Seconds of ``run``'s second call (the first faults pages in on both sides)."""
+    run()
+    start = time.perf_counter()
+    run()
+    return max(time.perf_counter() - start, 1e-9)
+
+
+def _cuts(nbytes: int, count: int) -> list[tuple[int, int]]:
+    """``nbytes`` cut into ``count`` shares at page boundaries (empty ones at the end)."""
+    bounds = [min(nbytes, nbytes * i // count // _ALIGN * _ALIGN) for i in range(count)]
+    return list(zip(bounds, [*bounds[1:], nbytes], strict=True))
+
+
+def _shared_out(local: LocalRank, nbytes: int, share: Callable[[int, int], object]) -> float:
+    """Seconds of ``share(lo, hi)`` over ``nbytes`` cut into one share per copy thread of
+    the rank, as a mapped or host read is shared out."""
+    pool = local.lanes.pool if local.lanes else None
+    calls = [functools.partial(share, lo, hi) for lo, hi in _cuts(nbytes, local.threads)
+             if hi > lo]
+    return _timed(lambda: run_all(calls, pool))
+
+
+def _copy_rate(local: LocalRank, mapped: torch.Tensor) -> float:
+    """A copy out of the mapping's first bytes, as a mapped read copies."""
+    source = mapped[:PROBE_BYTES]
+    target = torch.empty_like(source)
+    return len(source) / _shared_out(
+        local, len(source), lambda lo, hi: copy_alone(target[lo:hi], source[lo:hi]))
+
+
+def _host_rate(local: LocalRank, offer: HostReads, memory: MemoryRegion) -> float:
+    """``process_vm_readv`` of the cache's first bytes."""
+    nbytes = min(PROBE_BYTES, memory.nbytes)
+    target = np.zeros(nbytes, dtype=np.uint8)
+    base = target.ctypes.data
+
+    def share(lo: int, hi: int) -> None:
+        copy_vectors(offer.pid, np.array([[base + lo, hi - lo]], dtype=np.uint64),
+                     np.array([[memory.addr + lo, hi - lo]], dtype=np.uint64))
+
+    return nbytes / _shared_out(local, nbytes, share)
+
+
+def _read_rate(local: LocalRank, agent: str, memory: MemoryRegion) -> float:
+    """NIXL READs of the cache's first bytes, shared out over the rank's agents as a
+    large read is (:class:`~kvxfer.transfer.lanes.Lanes`)."""
+    nbytes = min(PROBE_BYTES, memory.nbytes)
+    agents = local.agents()
+    timeout = local.deadlines.read_timeout
+    with ExitStack() as scratch:
+        parts: list[list[Part]] = []
+        for own, (lo, hi) in zip(agents, _cuts(nbytes, len(agents)), strict=True):
+            remote = np.array([[memory.addr + lo, hi - lo, memory.device_id]], dtype=np.uint64)
+            parts.append([] if hi <= lo else [
+                (agent, scratch.enter_context(own.scratch(hi - lo)), remote, memory.is_cuda)])
+        lanes = local.lanes
+        if lanes is None:
+            seconds = _timed(lambda: copy_parts(local.agent, parts[0], False, timeout))
+        else:
+            seconds = _timed(lambda: lanes.copy(parts, False, timeout))
+    return nbytes / seconds
