@@ -129,6 +129,9 @@ def test_end_to_end_with_real_sidecars_and_the_proxy(tmp_path: Path) -> None:
                 assert s[metric]["p90"] >= s[metric]["p50"] > 0, (mode, metric)
             assert s["tt2t_ms"]["p50"] > s["ttft_ms"]["p50"]
         assert row["modes"]["one"]["transfer_ms"] is None
+        assert row["modes"]["one"]["read_wait_ms"] is None
+        wait = row["modes"]["pd"]["read_wait_ms"]  # the decode's arrival to its READ's start
+        assert wait["p99"] >= wait["p50"] > 0, wait
         versus = row["vs_one"]["pd"]
         assert all(v > 0 for v in versus["ratios"].values()) and len(versus["ratios"]) == 6
         assert {"ttft", "tt2t"} == set(versus["verdict"])

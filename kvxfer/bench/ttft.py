@@ -16,7 +16,8 @@ token) and timed on the client's side:
 - time to second token (TT2T): from sending to the second token;
 - inter-token latency (ITL): the mean gap between the tokens after the first;
 - P/D only, the KV transfer: the decode sidecar's ``kvxfer_kv_transfer_duration_seconds``
-  (its /metrics read before and after the request).
+  (its /metrics read before and after the request), and the decode-side overhead before
+  it (``kvxfer_kv_read_wait_seconds``: lease check, claim, waiting for blocks), p50 and p99.
 
 Per length and target it reports the median and p90 of each, every other target's
 ratios to one instance, and a verdict against issue 25's two targets: median TTFT at
@@ -45,7 +46,7 @@ from typing import Any
 
 from kvxfer.bench.children import Child, started
 from kvxfer.bench.proxy import free_port
-from kvxfer.bench.serve import BenchError, _metrics, _prompt, stream_events
+from kvxfer.bench.serve import BenchError, _metrics, _prompt, check_context, stream_events
 
 HELP = "time to first and second token and inter-token latency, one instance vs P/D"
 
@@ -59,6 +60,7 @@ REQUEST_TIMEOUT_S = 600.0
 # The bench runs without keys: none a caller's environment holds may reach the children.
 KEY_VARIABLES = ("KVXFER_API_KEY", "KVXFER_PROXY_API_KEY", "KVXFER_KV_KEY_FILE")
 TRANSFER_S = "kvxfer_kv_transfer_duration_seconds_sum"
+READ_WAIT_S = "kvxfer_kv_read_wait_seconds_sum"
 METRICS = ("ttft_ms", "tt2t_ms", "itl_ms")
 
 
@@ -109,16 +111,18 @@ class Sample:
     tt2t: float
     itl: float  # the mean gap between the tokens after the first
     transfer: float | None  # the decode's KV read; None: no decode behind the target
+    read_wait: float | None = None  # the decode's arrival to its READ's start (claim...)
 
 
-def sample(sent: float, token_times: Sequence[float], transfer: float | None) -> Sample:
+def sample(sent: float, token_times: Sequence[float], transfer: float | None,
+           read_wait: float | None = None) -> Sample:
     """The :class:`Sample` of a request sent at ``sent`` whose tokens arrived at
     ``token_times`` (one entry per token, same clock)."""
     if len(token_times) < 2:
         raise RequestFailed(f"streamed {len(token_times)} token(s); 2 or more are timed")
     first, second, last = token_times[0], token_times[1], token_times[-1]
     return Sample(first - sent, second - sent, (last - first) / (len(token_times) - 1),
-                  transfer)
+                  transfer, read_wait)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -133,11 +137,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def spread_ms(seconds: Sequence[float]) -> dict[str, float] | None:
-    """``{"p50": ms, "p90": ms}`` of durations in seconds; None for none."""
+def spread_ms(seconds: Sequence[float], qs: Sequence[int] = (50, 90)
+              ) -> dict[str, float] | None:
+    """``{"p50": ms, "p90": ms}`` (or the percentiles ``qs``) of durations in seconds;
+    None for none."""
     if not seconds:
         return None
-    return {f"p{q}": round(1000 * percentile(seconds, q), 3) for q in (50, 90)}
+    return {f"p{q}": round(1000 * percentile(seconds, q), 3) for q in qs}
 
 
 def summarize(samples: Sequence[Sample], failures: Sequence[str]) -> dict[str, Any]:
@@ -148,7 +154,9 @@ def summarize(samples: Sequence[Sample], failures: Sequence[str]) -> dict[str, A
             "ttft_ms": spread_ms([s.ttft for s in samples]),
             "tt2t_ms": spread_ms([s.tt2t for s in samples]),
             "itl_ms": spread_ms([s.itl for s in samples]),
-            "transfer_ms": spread_ms(transfers)}
+            "transfer_ms": spread_ms(transfers),
+            "read_wait_ms": spread_ms([s.read_wait for s in samples if s.read_wait is not None],
+                                      (50, 99))}
 
 
 def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
@@ -235,6 +243,10 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
                 f"<= {s['limit_ms']:.1f} (one instance {s['one_instance_ms']:.1f} + transfer "
                 f"{s['transfer_ms']:.1f} + a decode step {s['decode_step_ms']:.1f}): "
                 f"{'ok' if s['ok'] else 'OVER'}")
+            wait = row["modes"][mode].get("read_wait_ms")
+            if wait:
+                lines.append(f"{'':2}decode-side overhead before the READ (lease check, claim, "
+                             f"blocks): p50 {wait['p50']:.2f} ms, p99 {wait['p99']:.2f} ms")
     return lines
 
 
@@ -388,8 +400,10 @@ def measure_one(client: Any, target: Target, prompt: list[int], max_tokens: int)
         after = _metrics(client, target.decode) if target.decode else {}
     except httpx.HTTPError as exc:  # a process gone or stalled: this request failed
         raise RequestFailed(f"{type(exc).__name__}: {exc}") from None
-    transfer = after.get(TRANSFER_S, 0.0) - before.get(TRANSFER_S, 0.0) if target.decode else None
-    return sample(sent, times, transfer)
+    def moved(name: str) -> float | None:
+        return after.get(name, 0.0) - before.get(name, 0.0) if target.decode else None
+
+    return sample(sent, times, moved(TRANSFER_S), moved(READ_WAIT_S))
 
 
 def measure_length(client: Any, targets: dict[str, Target], length: int,
@@ -441,20 +455,10 @@ def _progress(text: str) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Raise :class:`BenchError` for arguments that cannot run (the model's context
     included, read without loading its weights)."""
-    from kvxfer.engine.checkpoint import CheckpointError
-    from kvxfer.engine.models import model_config
-
     if args.repeats < 1 or args.max_tokens < 2:
         raise BenchError(f"--repeats must be 1 or more (got {args.repeats}) and --max-tokens "
                          f"2 or more (got {args.max_tokens})")
-    try:
-        context = model_config(args.model).max_position_embeddings
-    except (CheckpointError, OSError) as exc:
-        raise BenchError(f"--model {args.model}: {exc}") from None
-    longest = max(args.lengths) + args.max_tokens
-    if longest > context:
-        raise BenchError(f"--lengths {max(args.lengths)} plus --max-tokens {args.max_tokens} "
-                         f"is {longest} tokens, past {args.model}'s context of {context}")
+    check_context(args.model, args.lengths, args.max_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ finished or failed.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -97,6 +98,7 @@ class _Waiting:
     remote: RemoteParams
     lease: HeldLease
     siblings: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def ids(self) -> list[str]:
@@ -277,6 +279,7 @@ class KVLoads:
 
     # -- reads ------------------------------------------------------------------------------
     def _start_read(self, item: _Waiting) -> None:
+        self.metrics.read_wait.observe(time.monotonic() - item.arrived)
         cached = self.engine.num_cached_tokens(item.request_id)
         if cached and cached >= self.engine.kv_tokens_needed(item.request_id):
             self._skip_read(item)

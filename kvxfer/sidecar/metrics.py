@@ -75,6 +75,9 @@ class SidecarMetrics:
         self.transfer_seconds = Histogram("kvxfer_kv_transfer_duration_seconds", "Decode: one "
                                           "request's KV read, start to last rank done",
                                           buckets=TRANSFER_BUCKETS_S, registry=r)
+        self.read_wait = Histogram("kvxfer_kv_read_wait_seconds", "Decode: from a request's "
+                                   "arrival to its KV read's start (lease check, claim, waiting "
+                                   "for blocks)", buckets=TRANSFER_BUCKETS_S, registry=r)
         self.transfer_size = Histogram("kvxfer_kv_transfer_size_bytes", "Decode: KV bytes one "
                                        "request's successful read moved (all TP ranks)",
                                        buckets=TRANSFER_BYTES_BUCKETS, registry=r)
