@@ -41,7 +41,7 @@ from typing import Any
 
 from kvxfer.bench.children import Child, started
 from kvxfer.bench.proxy import KEEPALIVE_S, Call, Cell, free_port, run_cell, send
-from kvxfer.bench.serve import BenchError
+from kvxfer.bench.serve import BenchError, check_context
 from kvxfer.bench.ttft import KEY_VARIABLES, lengths, percentile
 
 HELP = "requests/s and time to first byte through the proxy under load, source trees side by side"
@@ -335,21 +335,13 @@ def _progress(text: str) -> None:
 def check_args(args: argparse.Namespace) -> list[Source]:
     """The sources to run; :class:`BenchError` for arguments that cannot run."""
     import kvxfer
-    from kvxfer.engine.checkpoint import CheckpointError
-    from kvxfer.engine.models import model_config
 
     small = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in
              ("requests", "concurrency", "rounds", "max_tokens") if getattr(args, n) < 1]
     if small or args.warmup < 0:
         raise BenchError(f"must be 1 or more (--warmup 0 or more): "
                          f"{', '.join(small) or f'--warmup {args.warmup}'}")
-    try:
-        context = model_config(args.model).max_position_embeddings
-    except (CheckpointError, OSError) as exc:
-        raise BenchError(f"--model {args.model}: {exc}") from None
-    if max(args.lengths) + 1 + args.max_tokens > context:
-        raise BenchError(f"--lengths {max(args.lengths)} plus --max-tokens {args.max_tokens} "
-                         f"is past {args.model}'s context of {context} tokens")
+    check_context(args.model, args.lengths, args.max_tokens, extra=1)
     here = Path(kvxfer.__file__).resolve().parent.parent  # this checkout
     return distinct([source(p) for p in args.source or [here]])
 

@@ -126,6 +126,22 @@ class BenchError(RuntimeError):
     """A sidecar did not start or a request failed; the message says which."""
 
 
+def check_context(model: str, lengths: list[int], max_tokens: int, extra: int = 0) -> None:
+    """:class:`BenchError` where the longest of ``lengths`` plus ``extra`` prompt tokens and
+    ``max_tokens`` output tokens is past ``model``'s context (read without its weights)."""
+    from kvxfer.engine.checkpoint import CheckpointError
+    from kvxfer.engine.models import model_config
+
+    try:
+        context = model_config(model).max_position_embeddings
+    except (CheckpointError, OSError) as exc:
+        raise BenchError(f"--model {model}: {exc}") from None
+    longest = max(lengths) + extra + max_tokens
+    if longest > context:
+        raise BenchError(f"--lengths {max(lengths)} plus --max-tokens {max_tokens} is {longest} "
+                         f"tokens, past {model}'s context of {context}")
+
+
 def _prompt(tokens: int) -> list[int]:
     """Exactly ``tokens`` ids, each below 128: valid for the byte model and any BPE
     vocabulary, and the same prompt for every model."""
