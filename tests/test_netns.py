@@ -6,7 +6,8 @@ namespaces use; the interfaces meet on a bridge inside one more namespace (the
 "switch"), which also has one link to the namespace the test runs in, so the test
 talks to them as a client on the same network would. UCX is forced onto TCP over
 ``kvx0`` (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=kvx0``): no shared memory or cma between the
-"hosts". The single-instance reference (``both``) runs in the test's own namespace.
+"hosts", and the prefills offer no copies on their host (``--no-host-reads``): namespaces
+share the PID space, so a decode would otherwise map a prefill's cache across them. The single-instance reference (``both``) runs in the test's own namespace.
 
 Checked:
 
@@ -56,6 +57,7 @@ from kvxfer.transfer.peers import DEAD_PEER_S
 
 ROOT = Path(__file__).resolve().parent.parent
 IFACE = "kvx0"                  # the one interface of every "host" namespace
+NO_HOST_READS = "--no-host-reads"  # a prefill on another "host" is read over the network
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}
 LEASE_TTL_S = 3.0               # the prefill frees an unread lease this soon
 READ_TIMEOUT_S = 8.0            # the decode gives up a read this soon
@@ -246,7 +248,7 @@ def rig(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             reference, *prefills, decode = group.start([
                 Spec("both"),
                 *(NsSpec("prefill", netns=network.ns(role), extra=(
-                    *host, "--side-channel-host", network.address(role),
+                    *host, "--side-channel-host", network.address(role), NO_HOST_READS,
                     "--lease-ttl", str(LEASE_TTL_S))) for role in PREFILLS),
                 NsSpec("decode", netns=network.ns("decode"), policy="fail", extra=(
                     *host, "--kv-read-timeout", str(READ_TIMEOUT_S))),
@@ -438,7 +440,8 @@ def test_real_model_across_namespaces(network: Network, tmp_path: Path) -> None:
         reference, prefill, decode = group.start([
             Spec("both", extra=model),
             NsSpec("prefill", netns=network.ns("prefill2"), extra=(
-                *host, *model, "--side-channel-host", network.address("prefill2"))),
+                *host, *model, "--side-channel-host", network.address("prefill2"),
+                NO_HOST_READS)),
             NsSpec("decode", netns=network.ns("decode"), policy="fail",
                    extra=(*host, *model)),
         ])

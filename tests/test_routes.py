@@ -7,6 +7,7 @@ probes as documented. Every layout and TP pair over both paths: test_transfer.""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -164,3 +165,34 @@ def test_probe_shares_cover_the_bytes_at_page_boundaries() -> None:
     assert routes._cuts(10 << 20, 2) == [(0, 5 << 20), (5 << 20, 10 << 20)]
     assert routes._cuts(5000, 3) == [(0, 0), (0, 0), (0, 5000)]  # shares of whole pages
     assert routes._cuts(3 * 4096 + 5, 3) == [(0, 4096), (4096, 8192), (8192, 3 * 4096 + 5)]
+
+
+def _link(bytes_per_s: float, moves: list[int], first_s: float = 0.0):
+    """A move at ``bytes_per_s`` that records what it was asked to move; its first move
+    costs ``first_s`` more (a first use)."""
+    def move(nbytes: int) -> None:
+        time.sleep(nbytes / bytes_per_s + (first_s if not moves else 0.0))
+        moves.append(nbytes)
+    return move
+
+
+def test_a_fast_path_is_timed_on_a_second_whole_probe() -> None:
+    moves: list[int] = []
+    rate = routes._rate(_link(2e9, moves), routes.PROBE_BYTES)
+    assert moves == [PROBE_MIN_BYTES, routes.PROBE_BYTES, routes.PROBE_BYTES]
+    assert 0.2e9 < rate <= 2e9
+
+
+def test_a_slow_link_is_timed_on_its_first_mebibyte_alone() -> None:
+    moves: list[int] = []
+    started = time.monotonic()
+    rate = routes._rate(_link(8e6, moves), routes.PROBE_BYTES)  # 8 MB/s: 4 s for 2 x 16 MiB
+    assert moves == [PROBE_MIN_BYTES, PROBE_MIN_BYTES]
+    assert time.monotonic() - started < 1.0
+    assert 4e6 < rate <= 8e6
+
+
+def test_a_slow_first_use_alone_does_not_make_a_path_slow() -> None:
+    moves: list[int] = []
+    routes._rate(_link(2e9, moves, first_s=0.2), routes.PROBE_BYTES)
+    assert moves == [PROBE_MIN_BYTES, PROBE_MIN_BYTES, routes.PROBE_BYTES, routes.PROBE_BYTES]

@@ -25,7 +25,8 @@ Who chooses, and from what:
   direct rank that can be mapped gets two, mapped then NIXL; any other gets NIXL alone.
 * :func:`choose` (worker thread, once NIXL connected and warmed): each candidate is
   probed, :data:`PROBE_BYTES` from the start of the prefill rank's cache (or less, a
-  smaller cache), once to fault pages in and once timed: copied out of the mapping
+  smaller cache), once to fault pages in and once timed (a path slow on its first MiB, a
+  slow link, is timed on that MiB alone: :func:`_rate`): copied out of the mapping
   (process_vm_readv'd) on this rank's copy threads, or READ by its agents, lanes
   included, into scratch memory (never its cache: other reads may be landing there).
   The first candidate is kept unless a later one was :data:`MARGIN` times faster (a few
@@ -73,6 +74,7 @@ PATHS: Final = ("mapped", "host", "staged", "nixl")
 PROBE_BYTES: Final = 16 << 20
 MARGIN: Final = 1.25  # how much faster a later candidate must probe to be taken
 PROBE_MIN_BYTES: Final = 1 << 20  # smaller probes do not choose (see the module docstring)
+SLOW_PROBE_S: Final = 0.05  # a first 1 MiB this slow (under ~20 MB/s) times its path alone
 _ALIGN = 4096  # probe shares start at page boundaries
 
 
@@ -208,27 +210,49 @@ def _timed(run: Callable[[], object]) -> float:
     return max(time.perf_counter() - start, 1e-9)
 
 
+def _rate(move: Callable[[int], object], nbytes: int) -> float:
+    """Bytes per second of ``move(n)``, which moves the first ``n`` of ``nbytes`` bytes.
+    A first move of :data:`PROBE_MIN_BYTES` that takes longer than :data:`SLOW_PROBE_S`
+    and again is a slow path (a slow link: page faults cost microseconds) and the second
+    times it, so that probing a slow link costs two small moves, not two whole probes;
+    any other path is timed on its second move of all ``nbytes``."""
+    small = min(nbytes, PROBE_MIN_BYTES)
+
+    def once() -> float:
+        start = time.perf_counter()
+        move(small)
+        return max(time.perf_counter() - start, 1e-9)
+
+    if once() > SLOW_PROBE_S and (took := once()) > SLOW_PROBE_S:  # twice: not a first-use cost
+        return small / took
+    return nbytes / _timed(lambda: move(nbytes))
+
+
 def _cuts(nbytes: int, count: int) -> list[tuple[int, int]]:
     """``nbytes`` cut into ``count`` shares at page boundaries (empty ones at the end)."""
     bounds = [min(nbytes, nbytes * i // count // _ALIGN * _ALIGN) for i in range(count)]
     return list(zip(bounds, [*bounds[1:], nbytes], strict=True))
 
 
-def _shared_out(local: LocalRank, nbytes: int, share: Callable[[int, int], object]) -> float:
-    """Seconds of ``share(lo, hi)`` over ``nbytes`` cut into one share per copy thread of
-    the rank, as a mapped or host read is shared out."""
+def _shared_out(local: LocalRank, share: Callable[[int, int], object]
+                ) -> Callable[[int], None]:
+    """A move of the first ``n`` bytes by ``share(lo, hi)``, cut into one share per copy
+    thread of the rank, as a mapped or host read is shared out."""
     pool = local.lanes.pool if local.lanes else None
-    calls = [functools.partial(share, lo, hi) for lo, hi in _cuts(nbytes, local.threads)
-             if hi > lo]
-    return _timed(lambda: run_all(calls, pool))
+
+    def move(nbytes: int) -> None:
+        run_all([functools.partial(share, lo, hi) for lo, hi in _cuts(nbytes, local.threads)
+                 if hi > lo], pool)
+
+    return move
 
 
 def _copy_rate(local: LocalRank, mapped: torch.Tensor) -> float:
     """A copy out of the mapping's first bytes, as a mapped read copies."""
     source = mapped[:PROBE_BYTES]
     target = torch.empty_like(source)
-    return len(source) / _shared_out(
-        local, len(source), lambda lo, hi: copy_alone(target[lo:hi], source[lo:hi]))
+    return _rate(_shared_out(local, lambda lo, hi: copy_alone(target[lo:hi], source[lo:hi])),
+                 len(source))
 
 
 def _host_rate(local: LocalRank, offer: HostReads, memory: MemoryRegion) -> float:
@@ -241,7 +265,7 @@ def _host_rate(local: LocalRank, offer: HostReads, memory: MemoryRegion) -> floa
         copy_vectors(offer.pid, np.array([[base + lo, hi - lo]], dtype=np.uint64),
                      np.array([[memory.addr + lo, hi - lo]], dtype=np.uint64))
 
-    return nbytes / _shared_out(local, nbytes, share)
+    return _rate(_shared_out(local, share), nbytes)
 
 
 def _read_rate(local: LocalRank, agent: str, memory: MemoryRegion) -> float:
@@ -250,15 +274,24 @@ def _read_rate(local: LocalRank, agent: str, memory: MemoryRegion) -> float:
     nbytes = min(PROBE_BYTES, memory.nbytes)
     agents = local.agents()
     timeout = local.deadlines.read_timeout
-    with ExitStack() as scratch:
-        parts: list[list[Part]] = []
-        for own, (lo, hi) in zip(agents, _cuts(nbytes, len(agents)), strict=True):
-            remote = np.array([[memory.addr + lo, hi - lo, memory.device_id]], dtype=np.uint64)
-            parts.append([] if hi <= lo else [
-                (agent, scratch.enter_context(own.scratch(hi - lo)), remote, memory.is_cuda)])
+    with ExitStack() as stack:
+        scratch = [stack.enter_context(own.scratch(hi - lo)) if hi > lo else None
+                   for own, (lo, hi) in zip(agents, _cuts(nbytes, len(agents)), strict=True)]
+
+        def parts(n: int) -> list[list[Part]]:
+            out: list[list[Part]] = []
+            for rows, (lo, hi) in zip(scratch, _cuts(n, len(agents)), strict=True):
+                if rows is None or hi <= lo:
+                    out.append([])
+                    continue
+                local_rows = rows.copy()
+                local_rows[0, 1] = hi - lo
+                remote = np.array([[memory.addr + lo, hi - lo, memory.device_id]],
+                                  dtype=np.uint64)
+                out.append([(agent, local_rows, remote, memory.is_cuda)])
+            return out
+
         lanes = local.lanes
         if lanes is None:
-            seconds = _timed(lambda: copy_parts(local.agent, parts[0], False, timeout))
-        else:
-            seconds = _timed(lambda: lanes.copy(parts, False, timeout))
-    return nbytes / seconds
+            return _rate(lambda n: copy_parts(local.agent, parts(n)[0], False, timeout), nbytes)
+        return _rate(lambda n: lanes.copy(parts(n), False, timeout), nbytes)
