@@ -509,8 +509,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 11): a change here changes the wire, so it needs a version bump.
-    assert HASH == "021114875f47280c1ac9b0441b7d49303eb0627b902815cfaaf98ab2c3d47a60"
+    # Pinned (protocol 12): a change here changes the wire, so it needs a version bump.
+    assert HASH == "48ebecb94873f4dadfbe1ff081782cc90101dd3f95f18324a4c14ed9727e3aa6"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -540,7 +540,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 11
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 12
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])
