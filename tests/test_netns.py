@@ -7,7 +7,8 @@ namespaces use; the interfaces meet on a bridge inside one more namespace (the
 talks to them as a client on the same network would. UCX is forced onto TCP over
 ``kvx0`` (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=kvx0``): no shared memory or cma between the
 "hosts", and the prefills offer no copies on their host (``--no-host-reads``): namespaces
-share the PID space, so a decode would otherwise map a prefill's cache across them. The single-instance reference (``both``) runs in the test's own namespace.
+share the PID space, so a decode would otherwise map a prefill's cache across them. The
+single-instance reference (``both``) runs in the test's own namespace.
 
 Checked:
 
