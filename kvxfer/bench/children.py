@@ -6,6 +6,7 @@ Shared by the benchmarks that run real sidecars and the proxy (soak, ttft, load)
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import threading
@@ -94,3 +95,10 @@ def started(groups: Iterable[Sequence[Child]]) -> Iterator[None]:
             for child in group:
                 child.wait_ready()
         yield
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json-file`` and ``--log-dir``, as every bench that starts processes takes them."""
+    parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
+    parser.add_argument("--log-dir", metavar="DIR", help="keep every process's log in DIR "
+                                                         "(default: removed at exit)")

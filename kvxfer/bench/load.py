@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvxfer.bench.children import Child, started
+from kvxfer.bench.children import Child, add_output_arguments, started
 from kvxfer.bench.proxy import KEEPALIVE_S, Call, Cell, free_port, run_cell, send
-from kvxfer.bench.serve import BenchError, check_context
+from kvxfer.bench.serve import BenchError, check_context, run_checked
 from kvxfer.bench.ttft import KEY_VARIABLES, lengths, percentile
 
 HELP = "requests/s and time to first byte through the proxy under load, source trees side by side"
@@ -72,9 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths in bytes, drawn in turn with --seed (default "
                              f"{','.join(map(str, DEFAULT_LENGTHS))})")
     parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
-    parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
-    parser.add_argument("--log-dir", metavar="DIR", help="keep every process's log in DIR "
-                                                         "(default: removed at exit)")
+    add_output_arguments(parser)
 
 
 # -- source trees -----------------------------------------------------------------------------
@@ -347,23 +345,13 @@ def check_args(args: argparse.Namespace) -> list[Source]:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        trees = check_args(args)
-    except BenchError as exc:
-        print(f"kvxfer bench load: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = measure(trees, args)
-    except BenchError as exc:
-        print(f"kvxfer bench load: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # every process it started is stopped by now
-        print("kvxfer bench load: interrupted", file=sys.stderr)
-        return 130
-    if args.json_file:
-        Path(args.json_file).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2) if args.json else "\n".join(table_lines(report)))
-    return 1 if report["failed_requests"] else 0
+    def report(measured: dict[str, Any]) -> None:
+        if args.json_file:
+            Path(args.json_file).write_text(json.dumps(measured, indent=2) + "\n")
+        print(json.dumps(measured, indent=2) if args.json else "\n".join(table_lines(measured)))
+
+    return run_checked("load", lambda: check_args(args), lambda trees: measure(trees, args),
+                       report)
 
 
 def measure(trees: list[Source], args: argparse.Namespace) -> dict[str, Any]:

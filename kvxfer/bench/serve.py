@@ -30,10 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 HELP = "prefill/decode throughput and KV transfer time of the reference engine, via sidecars"
 
@@ -42,6 +42,7 @@ DEFAULT_TPS = (1, 3)
 
 READY_PREFIX = "kvxfer serve ready: "
 START_TIMEOUT_S = 120.0
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +125,29 @@ def _wait_ready(process: subprocess.Popen[str], log: IO[str], what: str) -> str:
 
 class BenchError(RuntimeError):
     """A sidecar did not start or a request failed; the message says which."""
+
+
+def run_checked(name: str, check: Callable[[], T], measure: Callable[[T], dict[str, Any]],
+                report: Callable[[dict[str, Any]], None]) -> int:
+    """A bench's exit status: 2 where ``check()`` refused the arguments (a
+    :class:`BenchError`), 1 where ``measure`` failed or requests did
+    (``failed_requests``), 130 on Ctrl-C (every process it started is stopped by then),
+    else 0; ``report`` writes what was measured."""
+    try:
+        checked = check()
+    except BenchError as exc:
+        print(f"kvxfer bench {name}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        measured = measure(checked)
+    except BenchError as exc:
+        print(f"kvxfer bench {name}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvxfer bench {name}: interrupted", file=sys.stderr)
+        return 130
+    report(measured)
+    return 1 if measured["failed_requests"] else 0
 
 
 def check_context(model: str, lengths: list[int], max_tokens: int, extra: int = 0) -> None:

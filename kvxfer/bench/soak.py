@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvxfer.bench.children import STOP_TIMEOUT_S, Child, started
+from kvxfer.bench.children import STOP_TIMEOUT_S, Child, add_output_arguments, started
 from kvxfer.bench.proxy import free_port, percentile_ms
 from kvxfer.bench.serve import BenchError
 
@@ -74,9 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})",
                             metavar="SECONDS" if kind is float else "N")
     parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
-    parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
-    parser.add_argument("--log-dir", metavar="DIR", help="keep the log of every process start "
-                                                         "in DIR (default: removed at exit)")
+    add_output_arguments(parser)
 
 
 @dataclass(frozen=True)

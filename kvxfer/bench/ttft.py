@@ -44,9 +44,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvxfer.bench.children import Child, started
+from kvxfer.bench.children import Child, add_output_arguments, started
 from kvxfer.bench.proxy import free_port
-from kvxfer.bench.serve import BenchError, _metrics, _prompt, check_context, stream_events
+from kvxfer.bench.serve import (
+    BenchError,
+    _metrics,
+    _prompt,
+    check_context,
+    run_checked,
+    stream_events,
+)
 
 HELP = "time to first and second token and inter-token latency, one instance vs P/D"
 
@@ -78,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw TTFT against prompt length, one line per target "
                              "(needs matplotlib: pip install matplotlib)")
-    parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
-    parser.add_argument("--log-dir", metavar="DIR", help="keep every process's log in DIR "
-                                                         "(default: removed at exit)")
+    add_output_arguments(parser)
 
 
 def lengths(text: str) -> tuple[int, ...]:
@@ -465,23 +470,13 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    try:
+
+    def check() -> None:
         check_args(args)
         if args.plot:
             require_matplotlib()
-    except BenchError as exc:
-        print(f"kvxfer bench ttft: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = _run(args)
-    except BenchError as exc:
-        print(f"kvxfer bench ttft: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # every process it started is stopped by now
-        print("kvxfer bench ttft: interrupted", file=sys.stderr)
-        return 130
-    _write(report, args)
-    return 1 if report["failed_requests"] else 0
+
+    return run_checked("ttft", check, lambda _: _run(args), lambda report: _write(report, args))
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
