@@ -6,6 +6,7 @@ processes in test_transfer."""
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -55,6 +56,27 @@ def test_a_mapping_sees_the_prefills_bytes_as_they_change() -> None:
     assert mapping.bytes.data_ptr() != buffer.data_ptr()  # a second mapping, not an alias
     buffer[100:103] = torch.tensor([7, 8, 9], dtype=torch.uint8)
     assert mapping.bytes[100:103].tolist() == [7, 8, 9]
+
+
+def test_only_the_prefills_own_mapping_writes_its_cache() -> None:
+    """Whoever opens the cache's memfd later (another process of the same user, through
+    /proc/<pid>/fd, as here) can read it, never write it nor map it writable."""
+    buffer = shared_zeros(8192)
+    (region,) = shared_regions([MemoryRegion(buffer.data_ptr(), 8192, 0)])
+    buffer[10] = 5
+    other = os.open(f"/proc/self/fd/{region.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.pwrite(other, b"x", 10)
+        with pytest.raises(PermissionError):
+            mmap.mmap(other, 8192, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        readable = mmap.mmap(other, 8192, mmap.MAP_SHARED, mmap.PROT_READ)
+        assert readable[10] == 5
+        readable.close()
+    finally:
+        os.close(other)
+    buffer[11] = 6  # the prefill's own mapping still writes
+    assert buffer[10:12].tolist() == [5, 6]
 
 
 def test_offers_that_cannot_be_mapped_are_refused_naming_why() -> None:

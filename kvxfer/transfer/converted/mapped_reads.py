@@ -11,7 +11,8 @@ memory, shared out between the decode's copy threads): no system call per reques
 no pinning, no ranges.
 
 Prefill side: :func:`shared_zeros` allocates a cache buffer in a sealed ``memfd`` (it can
-neither shrink nor grow, so a mapping of it never faults past its end); the rank offers
+neither shrink nor grow, so a mapping of it never faults past its end, and only the
+prefill's own mapping can write it: :data:`FUTURE_WRITE`); the rank offers
 the buffers its registered memory lies in with its host-read offer (``HostReads.memory``).
 
 Decode side: :func:`map_prefill`, after the offer's canary proved the pid and the right to
@@ -49,6 +50,10 @@ from kvxfer.wire.metadata import HostReads, SharedRegion
 
 PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# No write and no writable shared mapping after the prefill's own (Linux 5.1; Python has
+# no name for it before 3.13): whoever opens the memfd later, through /proc/<pid>/fd or
+# pidfd_getfd, can read it at most.
+FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 # -- the prefill side: caches in memory a reader can map ---------------------------------
 
@@ -70,8 +75,11 @@ def shared_zeros(nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
     try:
         os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | FUTURE_WRITE)
+        except OSError:  # a kernel before 5.1: shrink and grow sealed all the same
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
         os.close(fd)
         raise
