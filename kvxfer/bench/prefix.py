@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
-from kvxfer.bench.serve import BenchError, _metrics, _post, launched, role_cpu
+from kvxfer.bench.serve import BenchError, _metrics, _post, launched, role_cpu, run_checked
 
 HELP = "time to first token and KV bytes moved for a shared system prompt, prefix cache " \
        "off vs on, in one run"
@@ -189,36 +189,38 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if min(args.system_tokens, args.user_tokens, args.requests) < 1 or args.requests > 95:
-        print("--system-tokens, --user-tokens and --requests must be >= 1, --requests <= 95",
-              file=sys.stderr)
-        return 2
-    args.configs = ["off", *(c for c in dict.fromkeys(args.configs.split(",")) if c != "off")]
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown:
-        print(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(CONFIGS)})",
-              file=sys.stderr)
-        return 2
-    try:
+
+    def check() -> None:
+        if min(args.system_tokens, args.user_tokens, args.requests) < 1 or args.requests > 95:
+            raise BenchError("--system-tokens, --user-tokens and --requests must be >= 1, "
+                             "--requests <= 95")
+        args.configs = ["off", *(c for c in dict.fromkeys(args.configs.split(","))
+                                 if c != "off")]
+        unknown = [c for c in args.configs if c not in CONFIGS]
+        if unknown:
+            raise BenchError(f"--configs: unknown {', '.join(unknown)} (choose from "
+                             f"{', '.join(CONFIGS)})")
+
+    def measure(_: None) -> dict[str, Any]:
         configs = _run_pairs(args)
-    except BenchError as exc:
-        print(f"kvxfer bench prefix: {exc}", file=sys.stderr)
-        return 1
-    off = configs["off"]
-    for name, result in configs.items():
-        if name != "off":
-            result["ratio_to_off"] = {k: v / off[k] for k, v in result.items()
-                                      if isinstance(v, float) and off.get(k)}
-    report = {"config": {"model": args.model, "system_tokens": args.system_tokens,
-                         "user_tokens": args.user_tokens, "requests": args.requests,
-                         "block_size": args.block_size, "pinned": args.pin,
-                         "configs": args.configs},
-              "configs": configs}
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_table(report)
-    return 0
+        off = configs["off"]
+        for name, result in configs.items():
+            if name != "off":
+                result["ratio_to_off"] = {k: v / off[k] for k, v in result.items()
+                                          if isinstance(v, float) and off.get(k)}
+        return {"config": {"model": args.model, "system_tokens": args.system_tokens,
+                           "user_tokens": args.user_tokens, "requests": args.requests,
+                           "block_size": args.block_size, "pinned": args.pin,
+                           "configs": args.configs},
+                "configs": configs}
+
+    def report(measured: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps(measured, indent=2))
+        else:
+            _print_table(measured)
+
+    return run_checked("prefix", check, measure, report)
 
 
 ROWS = (("ttft_ms", "time to first token, median (ms)", 1.0),

@@ -130,8 +130,8 @@ class BenchError(RuntimeError):
 def run_checked(name: str, check: Callable[[], T], measure: Callable[[T], dict[str, Any]],
                 report: Callable[[dict[str, Any]], None]) -> int:
     """A bench's exit status: 2 where ``check()`` refused the arguments (a
-    :class:`BenchError`), 1 where ``measure`` failed or requests did
-    (``failed_requests``), 130 on Ctrl-C (every process it started is stopped by then),
+    :class:`BenchError`), 1 where ``measure`` failed or requests did (``failed_requests``,
+    where it counts them), 130 on Ctrl-C (every process it started is stopped by then),
     else 0; ``report`` writes what was measured."""
     try:
         checked = check()
@@ -147,7 +147,7 @@ def run_checked(name: str, check: Callable[[], T], measure: Callable[[T], dict[s
         print(f"kvxfer bench {name}: interrupted", file=sys.stderr)
         return 130
     report(measured)
-    return 1 if measured["failed_requests"] else 0
+    return 1 if measured.get("failed_requests") else 0
 
 
 def check_context(model: str, lengths: list[int], max_tokens: int, extra: int = 0) -> None:
