@@ -45,7 +45,7 @@ import torch
 from kvxfer.plan.regions import MemoryRegion
 from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.host_reads import HostReadError, verify_canary
-from kvxfer.transfer.threads import run_all
+from kvxfer.transfer.threads import run_pulled
 from kvxfer.wire.metadata import HostReads, SharedRegion
 
 PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
@@ -54,6 +54,9 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # no name for it before 3.13): whoever opens the memfd later, through /proc/<pid>/fd or
 # pidfd_getfd, can read it at most.
 FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+# A copy's shares per copy thread: enough that a thread slowed down takes fewer (see
+# run_pulled), few enough that each is a few MiB of a large request
+SHARES_PER_THREAD = 4
 
 # -- the prefill side: caches in memory a reader can map ---------------------------------
 
@@ -204,12 +207,13 @@ class MappedRead:
     def copy(self, local_ids: np.ndarray, remote_ids: np.ndarray,
              pool: Executor | None = None, threads: int = 1) -> tuple[int, int]:
         """Copy the request's heads into place; (bytes placed: the paired tokens', copy
-        threads). With ``pool``, the blocks are cut into ``threads`` shares, all but the
-        first copied there, the first here (see :meth:`shares`); returns once every share
-        ended."""
-        shares = self.shares(local_ids, remote_ids, max(1, threads if pool else 1))
-        run_all(shares, pool)
-        return self.placed(local_ids, remote_ids), len(shares)
+        threads). With ``pool``, the blocks are cut into :data:`SHARES_PER_THREAD` shares
+        per thread, taken in turn by this thread and ``threads - 1`` of the pool
+        (:func:`~kvxfer.transfer.threads.run_pulled`); returns once every share ended."""
+        threads = max(1, threads if pool else 1)
+        run_pulled(self.shares(local_ids, remote_ids, threads * SHARES_PER_THREAD), pool,
+                   threads)
+        return self.placed(local_ids, remote_ids), threads
 
     def shares(self, local_ids: np.ndarray, remote_ids: np.ndarray, count: int
                ) -> list[Callable[[], None]]:

@@ -15,19 +15,21 @@ A copy that fails because the prefill process is gone takes the peer for dead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Generic, TypeVar
 
 import numpy as np
 
 from kvxfer.transfer.converted.host_reads import HostRead, HostReadError
-from kvxfer.transfer.converted.mapped_reads import MappedRead
+from kvxfer.transfer.converted.mapped_reads import SHARES_PER_THREAD, MappedRead
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.peers import Peer
 from kvxfer.transfer.reads.path import ReadFailed, ReadPath
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import ReadStats
+from kvxfer.transfer.threads import run_pulled
 
 R = TypeVar("R", HostRead, MappedRead)
 
@@ -80,24 +82,34 @@ class HostPath(_CopyPath[HostRead]):
 
 
 class MappedPath(_CopyPath[MappedRead]):
-    """Copies from the prefill's cache, mapped into this process, one prefill rank after
-    the other, each shared out to the rank's copy threads."""
+    """Copies from the prefill's cache, mapped into this process: every prefill rank's
+    blocks cut into shares (:data:`~kvxfer.transfer.converted.mapped_reads.
+    SHARES_PER_THREAD` per copy thread and rank), all taken in turn by the rank's copy
+    threads (:func:`~kvxfer.transfer.threads.run_pulled`), so that the prefill ranks of a
+    TP split are copied at once and no thread waits at a rank's end for another."""
 
     name = "mapped"
 
     def post(self) -> None:
-        local, peer = self._local, self._peer
+        local = self._local
         pool = local.lanes.pool if local.lanes else None
-        for runs, local_ids, remote_ids in self._copies:
-            try:
-                num_bytes, copies = runs.copy(local_ids, remote_ids, pool, local.threads)
-            except Exception as exc:  # a bug: the mapping outlives the prefill process
-                raise ReadFailed(f"prefill {peer.engine_id} rank {runs.remote_rank} at "
-                                 f"{peer.address}: copy from its mapped cache failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-            self.num_bytes += num_bytes
-            self.descriptors += copies
-        self.members, self.lanes = 1, local.threads
+        threads = local.threads if pool else 1
+        shares = [functools.partial(self._share, runs.remote_rank, share)
+                  for runs, local_ids, remote_ids in self._copies
+                  for share in runs.shares(local_ids, remote_ids, threads * SHARES_PER_THREAD)]
+        run_pulled(shares, pool, threads)
+        self.num_bytes += sum(runs.placed(local_ids, remote_ids)
+                              for runs, local_ids, remote_ids in self._copies)
+        self.descriptors += min(threads, len(shares))
+        self.members, self.lanes = 1, threads
+
+    def _share(self, rank: int, share: Callable[[], None]) -> None:
+        try:
+            share()
+        except Exception as exc:  # a bug: the mapping outlives the prefill process
+            raise ReadFailed(f"prefill {self._peer.engine_id} rank {rank} at "
+                             f"{self._peer.address}: copy from its mapped cache failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
 
     def add_to(self, stats: ReadStats) -> ReadStats:
         stats = super().add_to(stats)
