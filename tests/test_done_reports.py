@@ -244,3 +244,56 @@ def test_a_release_queued_before_a_decode_claimed_the_lease_keeps_it() -> None:
     assert answers.on_renew("L", "decode-a", True) > 0
     assert answers.take_releases() == []
     assert all(rank.table.holds("L") for rank in ranks)
+
+
+class _LosesFirst:
+    """Stands in for the listener process's :data:`~kvxfer.transfer.faults.LOSS`: loses the
+    first ``count`` messages of ``kind`` it receives."""
+
+    def __init__(self, kind: str, count: int) -> None:
+        self.kind, self.left = kind, count
+
+    def drop(self, kind: str) -> bool:
+        if kind != self.kind or self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+def test_a_report_lost_again_and_again_is_resent_until_it_ends_the_lease(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More losses in a row than there are distinct pauses: the last pause repeats while
+    the lease could still be held, so the lease ends by the report, not by its TTL."""
+    from kvxfer.transfer.side_channel import listener as listener_module
+
+    lost = _LosesFirst("done", len(DONE_RESENDS_S) + 2)
+    monkeypatch.setattr(listener_module, "LOSS", lost)
+    rank = Rank(0)
+    rank.table.hold("L", [3], readers=1, ttl=60)
+    answers = LeaseAnswers([rank], ttl=10.0, max_age=40.0)
+    with HandshakeListener(HOST, engine_id="lossy", compat=COMPAT, metadata=lambda: [],
+                           on_done=answers.on_done) as listener:
+        sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+        try:
+            assert sender.submit_done(HOST, listener.port, DoneReport(0, done("L")),
+                                      expires_in=60.0)
+            deadline = time.monotonic() + 20
+            while rank.table.holds("L") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not rank.table.holds("L"), "the resent report did not end the lease"
+            assert lost.left == 0 and sender.sent == 1 and sender.failed == 0
+        finally:
+            sender.close()
+
+
+def test_an_unanswered_report_is_given_up_when_its_lease_would_have_ended() -> None:
+    port = free_port()  # nothing listens there
+    sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+    try:
+        assert sender.submit_done(HOST, port, DoneReport(0, done("L")), expires_in=0.4)
+        deadline = time.monotonic() + 10
+        while not sender.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sender.failed == 1 and sender.sent == 0
+    finally:
+        sender.close()

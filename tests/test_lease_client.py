@@ -38,6 +38,7 @@ class Sender:
     releases: list[tuple[str, str]] = field(default_factory=list)
     renewals: list[tuple[str, bool, Done]] = field(default_factory=list)
     reports: list[DoneReport] = field(default_factory=list)
+    expires_in: list[float | None] = field(default_factory=list)  # each report's resend window
     closed: int = 0
     ports: list[int] = field(default_factory=list)  # where each queued one goes
 
@@ -55,9 +56,11 @@ class Sender:
             self.ports.append(port)
         return self.accept
 
-    def submit_done(self, host: str, port: int, report: DoneReport) -> bool:
+    def submit_done(self, host: str, port: int, report: DoneReport,
+                    expires_in: float | None = None) -> bool:
         if self.accept:
             self.reports.append(report)
+            self.expires_in.append(expires_in)
             self.ports.append(port)
         return self.accept
 
@@ -281,14 +284,18 @@ def test_each_done_report_goes_to_the_port_serving_its_prefill_rank() -> None:
     every rank: both go there. Nothing is released."""
     sender = Sender()
     leases = client(sender)
-    assert leases.report_done(ranks_apart(), [done_report(0), done_report(1)])
+    lease = HeldLease(time.monotonic() + 42.0, 60.0)
+    assert leases.report_done(ranks_apart(), [done_report(0), done_report(1)], lease)
     assert sender.ports == [5600, 5611] and sender.releases == []
     assert [r.prefill_rank for r in sender.reports] == [0, 1]
+    # resent while unanswered for as long as the lease's deadline says it may be held
+    assert all(41.0 < left <= 42.0 for left in sender.expires_in)
     sender.ports.clear()
-    assert leases.report_done(params(), [done_report(0)])
+    assert leases.report_done(params(), [done_report(0)], lease)
     assert sender.ports == [params().remote_port]
     sender.accept = False
-    assert not leases.report_done(params(), [done_report(0)]), "a report not queued is said"
+    assert not leases.report_done(params(), [done_report(0)], lease), \
+        "a report not queued is said"
 
 
 def ranks_apart(lease_id: str = "lease-1") -> RemoteParams:

@@ -354,7 +354,8 @@ class KVLoads:
                 why: str) -> None:
         """Send rank ``rank``'s "done" reports of an ended read; a prefill nobody could
         tell gets a release once every rank ended (``why``)."""
-        self.leases.report_done(read.remote, result.reports.get(request_id, ()))
+        self.leases.report_done(read.remote, result.reports.get(request_id, ()),
+                                read.lease)
         if request_id in result.unnotified:
             read.unnotified[rank] = why
 

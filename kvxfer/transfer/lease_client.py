@@ -317,15 +317,17 @@ class LeaseClient:
         """A READ failed and some prefill rank was never told by a NIXL notification."""
         return self.release(remote, f"the decode's KV read failed: {why}")
 
-    def report_done(self, remote: RemoteParams, reports: Iterable[DoneReport]) -> bool:
+    def report_done(self, remote: RemoteParams, reports: Iterable[DoneReport],
+                    lease: HeldLease) -> bool:
         """Any thread: send a read's "done" ``reports`` (one per prefill rank it read, see
         :class:`~kvxfer.transfer.results.PollResult`) to the side channel serving each
-        rank, acknowledged and resent (queued for the releaser's thread); False when not
-        all were queued."""
+        rank, acknowledged and resent while unanswered until ``lease`` would have ended
+        anyway (queued for the releaser's thread); False when not all were queued."""
         releaser = self._releaser
         if releaser is None:
             return False
-        queued = [releaser.submit_done(remote.remote_host, port, report)
+        left = lease.deadline - time.monotonic()  # the claim's grant, renewals included
+        queued = [releaser.submit_done(remote.remote_host, port, report, left)
                   for report in reports
                   for port in remote.side_channels([report.prefill_rank])]
         return all(queued)

@@ -269,7 +269,8 @@ class WorkerSide:
 
     def _report(self, request_id: str, item: _Load, polled: PollResult) -> None:
         """Send an ended read's "done" reports; release a lease nobody could tell."""
-        self.leases.report_done(item.remote, polled.reports.get(request_id, ()))
+        self.leases.report_done(item.remote, polled.reports.get(request_id, ()),
+                                item.lease)
         failure = polled.failed.get(request_id)
         if request_id in polled.unnotified and failure is not None:
             # a failed load is recomputed or failed whole by vLLM, whatever the other ranks

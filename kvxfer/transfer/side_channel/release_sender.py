@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.side_channel.client import RELEASE_TIMEOUT_S, HandshakeClient
@@ -28,7 +28,11 @@ log = logging.getLogger(__name__)
 
 RELEASE_QUEUE = 1024          # releases waiting to be sent; more are dropped (and logged)
 RELEASE_DRAIN_S = 1.0         # how long ReleaseSender.close() keeps sending what is queued
-DONE_RESENDS_S = (0.25, 0.5, 1.0, 2.0)  # pauses before each resend of an unanswered report
+# Pauses before each resend of an unanswered report, the last one repeated until the
+# report's lease would have ended anyway (its expiry, or DONE_RESEND_FOR_S without one): a
+# report lost several times in a row must still end its lease long before the TTL.
+DONE_RESENDS_S = (0.1, 0.2, 0.4, 0.8, 1.0)
+DONE_RESEND_FOR_S = 30.0
 DONE_TIMEOUT_S = 0.5          # one report attempt (resent after): a frozen prefill costs less
 
 
@@ -50,9 +54,11 @@ class _Release:
 
 @dataclass(frozen=True)
 class _Report:
-    """A queued "done" report and how many times it was sent already."""
+    """A queued "done" report, how many times it was sent already, and until when
+    (monotonic s) an unanswered one is resent."""
 
     report: DoneReport
+    until: float
     sent: int = 0
 
 
@@ -64,9 +70,9 @@ class ReleaseSender:
     ``max_queued`` wait (further ones are dropped), each gets one attempt of
     ``timeout`` seconds, and failures are only logged; a lost release means the
     prefill frees the blocks at lease expiry instead. A "done" report
-    (:meth:`submit_done`) is resent after each pause of :data:`DONE_RESENDS_S` while it
-    gets no answer (about 4 s in all): it is what frees the prefill's blocks when the
-    NIXL notification was lost. :meth:`close` keeps
+    (:meth:`submit_done`) is resent after each pause of :data:`DONE_RESENDS_S` (the last
+    one repeated) while it gets no answer, until its lease would have ended anyway: it
+    is what frees the prefill's blocks when the NIXL notification was lost. :meth:`close` keeps
     sending what is queued for at most ``drain_s`` seconds, then drops the rest
     and stops the thread. ``sent``, ``dropped`` and ``failed`` count outcomes
     (``sent``: the prefill answered, whether or not it held the lease). The
@@ -103,10 +109,16 @@ class ReleaseSender:
         return self._put((host, port, lease_id, _Renewal(done, claim)),
                          "claim" if claim else "renewal")
 
-    def submit_done(self, host: str, port: int, report: DoneReport) -> bool:
+    def submit_done(self, host: str, port: int, report: DoneReport,
+                    expires_in: float | None = None) -> bool:
         """Queue one reader's "done" report for the prefill rank at ``host:port``
-        (:meth:`HandshakeClient.report_done`); False (logged) when closed or full."""
-        return self._put((host, port, report.done.request_id, _Report(report)), "done report")
+        (:meth:`HandshakeClient.report_done`), resent while unanswered for the
+        ``expires_in`` seconds its lease has left (None: :data:`DONE_RESEND_FOR_S`);
+        False (logged) when closed or full."""
+        until = time.monotonic() + (DONE_RESEND_FOR_S if expires_in is None
+                                    else max(0.0, expires_in))
+        return self._put((host, port, report.done.request_id, _Report(report, until)),
+                         "done report")
 
     def _put(self, item: tuple[str, int, str, _Release | _Renewal | _Report],
              what: str) -> bool:
@@ -183,9 +195,9 @@ class ReleaseSender:
                                              timeout=min(self._timeout, DONE_TIMEOUT_S))
         except Exception as exc:  # the thread must survive anything
             unanswered = isinstance(exc, (HandshakeTimeout, PeerUnreachable))
-            if unanswered and queued.sent < len(DONE_RESENDS_S) and not self._closed:
-                due = time.monotonic() + DONE_RESENDS_S[queued.sent]
-                retry = (host, port, done.request_id, _Report(queued.report, queued.sent + 1))
+            due = time.monotonic() + DONE_RESENDS_S[min(queued.sent, len(DONE_RESENDS_S) - 1)]
+            if unanswered and due < queued.until and not self._closed:
+                retry = (host, port, done.request_id, replace(queued, sent=queued.sent + 1))
                 heapq.heappush(self._resends, (due, next(self._order), retry))
                 log.info("the done of lease %s at %s got no answer (%s): resending it",
                          done.request_id, endpoint(host, port), exc)
