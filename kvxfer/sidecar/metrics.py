@@ -36,7 +36,7 @@ TRANSFER_OUTCOMES = ("ok", "failed", "aborted")
 # after it
 HANDSHAKE_FAILURE_REASONS = ("timeout", "unreachable", "refused", "mismatch", "auth",
                              "malformed", "connect", "error")
-NOTIFICATION_FAILURES = ("unsent", "bad_signature", "malformed")
+NOTIFICATION_FAILURES = ("unsent", "bad_signature", "malformed", "dropped")
 LATE_NOTIFICATION_REASONS = (*LEASE_END_REASONS, "unknown")
 
 
@@ -119,7 +119,8 @@ class SidecarMetrics:
         self.notifications_failed = Counter(
             "kvxfer_kv_notifications_failed", "\"done\" notifications that failed, one per "
             "notification, by reason (unsent: the decode could not send it; bad_signature, "
-            "malformed: the prefill ignored it, it did not verify or decode)", ["reason"],
+            "malformed: the prefill ignored it, it did not verify or decode; dropped: lost on "
+            "purpose, KVXFER_DROP_MESSAGES)", ["reason"],
             registry=r)
         path_labels = ["peer", "path"]
         self.path_bytes = Counter(

@@ -55,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvxfer.transfer.faults import LOSS, MessageLoss
 from kvxfer.transfer.results import Released, Tally
 from kvxfer.wire.errors import BadSignature, ProtocolError
 from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewRefused
@@ -77,10 +78,11 @@ class _Lease:
 
 class LeaseTable:
     """See the module docstring; ``key`` verifies "done" notifications, ``tally`` counts
-    the ones ignored or late."""
+    the ones ignored or late, ``loss`` loses some on purpose (:mod:`kvxfer.transfer.faults`:
+    the process's, none unless its environment asks)."""
 
-    def __init__(self, key: bytes | None, tally: Tally) -> None:
-        self._key, self._tally = key, tally
+    def __init__(self, key: bytes | None, tally: Tally, loss: MessageLoss = LOSS) -> None:
+        self._key, self._tally, self._loss = key, tally, loss
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._released: list[Released] = []
@@ -160,6 +162,9 @@ class LeaseTable:
         rank's agent got."""
         for sender, messages in notifications.items():
             for raw in messages:
+                if self._loss.drop("notification"):
+                    self._tally.notifications_failed("dropped")
+                    continue
                 try:
                     note = decode_notif(raw, peer=f"agent {sender!r}", hmac_key=self._key)
                 except ProtocolError as exc:  # a forged "done" must not end a lease

@@ -11,6 +11,7 @@ from types import TracebackType
 import zmq
 
 from kvxfer.net.hosts import endpoint
+from kvxfer.transfer.faults import LOSS
 from kvxfer.transfer.side_channel.sockets import (
     JOIN_TIMEOUT_S,
     MAX_REQUEST_BYTES,
@@ -186,7 +187,10 @@ class HandshakeListener:
                 raise MalformedMessage("request", f"{len(body)} frames after the identity, "
                                                   f"expected 1", peer=peer,
                                        expected=1, found=len(body))
-            reply, requester = self._answer(body[0], peer)
+            answer = self._answer(body[0], peer)
+            if answer is None:  # lost on purpose (kvxfer.transfer.faults): no reply
+                return
+            reply, requester = answer
         except ProtocolError as exc:
             log.warning("handshake listener at %s: %s", self.address, exc)
             reply = ErrorReply(exc.code, AUTH_FAILED if isinstance(exc, BadSignature)
@@ -217,12 +221,18 @@ class HandshakeListener:
                               requester)
 
     def _answer(self, raw: bytes, peer: str
-                ) -> tuple[MetadataResponse | ReleaseAck | RenewAck | ErrorReply, str | None]:
+                ) -> tuple[MetadataResponse | ReleaseAck | RenewAck | ErrorReply,
+                           str | None] | None:
         """The reply to one envelope, and the requester's engine id when a metadata
-        request succeeded (None otherwise: no ``on_request`` call)."""
+        request succeeded (None otherwise: no ``on_request`` call); None for a message
+        this process loses on purpose (:data:`kvxfer.transfer.faults.LOSS`)."""
         envelope = decode_envelope(raw, expected_hash=self._hash, peer=peer,
                                    hmac_key=self._key, local_compat=self._compat,
                                    replay=self._replay)
+        if LOSS.drop(envelope.kind.value):
+            log.debug("handshake listener at %s: lost a %s from %s on purpose",
+                      self.address, envelope.kind.value, peer)
+            return None
         if envelope.kind is MessageKind.RELEASE:
             return self._release(decode_payload(envelope, ReleaseLease, peer=peer), peer), None
         if envelope.kind is MessageKind.RENEW:
