@@ -89,8 +89,8 @@ class KvxferStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"transfer_duration": [], "bytes_transferred": [], "num_descriptors": [],
-                     "num_failed_transfers": 0}
+        self.data = {"transfer_duration": [], "read_duration": [], "bytes_transferred": [],
+                     "num_descriptors": [], "num_failed_transfers": 0}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -110,8 +110,10 @@ class KvxferStats(KVConnectorStats):
 
 
 class KvxferPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvxfer_xfer_time_seconds``, ``_bytes_transferred``, ``_num_descriptors``
-    (histograms, one observation per READ) and ``_num_failed_transfers``."""
+    """``vllm:kvxfer_xfer_time_seconds`` (posted to landed, what NixlConnector's
+    ``vllm:nixl_xfer_time_seconds`` measures too), ``_read_time_seconds`` (queued to landed:
+    the wait to be posted too), ``_bytes_transferred``, ``_num_descriptors`` (histograms, one
+    observation per READ) and ``_num_failed_transfers``."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], Any],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
@@ -122,9 +124,12 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
             return self._per_engine(self._histogram_cls(name=name, documentation=doc,
                                                         buckets=buckets, labelnames=labelnames))
 
-        self.time = histogram("vllm:kvxfer_xfer_time_seconds", "Seconds from queueing a KV "
-                              "READ to its data landing, per kvxfer transfer.",
-                              [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5])
+        seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5]
+        self.time = histogram("vllm:kvxfer_xfer_time_seconds", "Seconds from posting a KV "
+                              "READ to its data landing, per kvxfer transfer.", seconds)
+        self.read_time = histogram("vllm:kvxfer_read_time_seconds", "Seconds from queueing a "
+                                   "KV READ to its data landing (planning and waits "
+                                   "included), per kvxfer transfer.", seconds)
         self.bytes = histogram("vllm:kvxfer_bytes_transferred", "Bytes per kvxfer transfer.",
                                [float(2 ** (10 + i)) for i in range(1, 25, 2)])
         self.descs = histogram("vllm:kvxfer_num_descriptors", "NIXL descriptors per kvxfer "
@@ -137,10 +142,13 @@ class KvxferPromMetrics(KVConnectorPromMetrics):
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for seconds, size, descs in zip(transfer_stats_data["transfer_duration"],
-                                        transfer_stats_data["bytes_transferred"],
-                                        transfer_stats_data["num_descriptors"], strict=True):
+        for seconds, read, size, descs in zip(transfer_stats_data["transfer_duration"],
+                                              transfer_stats_data["read_duration"],
+                                              transfer_stats_data["bytes_transferred"],
+                                              transfer_stats_data["num_descriptors"],
+                                              strict=True):
             self.time[engine_idx].observe(seconds)
+            self.read_time[engine_idx].observe(read)
             self.bytes[engine_idx].observe(size)
             self.descs[engine_idx].observe(descs)
         if transfer_stats_data["num_failed_transfers"]:
@@ -284,7 +292,10 @@ class KvxferConnector(KVConnectorBase_V1):
         if result is None or not (result.reads or result.failures):
             return None
         return KvxferStats(data={
-            "transfer_duration": [r.seconds for r in result.reads],
+            # posted to landed, as NixlConnector's NIXL telemetry measures its transfers
+            "transfer_duration": [r.seconds if r.posted_seconds is None else r.posted_seconds
+                                  for r in result.reads],
+            "read_duration": [r.seconds for r in result.reads],
             "bytes_transferred": [r.num_bytes for r in result.reads],
             "num_descriptors": [r.descriptors for r in result.reads],
             "num_failed_transfers": result.failures})

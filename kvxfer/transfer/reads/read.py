@@ -63,7 +63,8 @@ class Read:
 
     def stats(self, now: float) -> ReadStats:
         """What the read moved, from every path; ``now``: when it ended."""
-        stats = ReadStats(0, 0, now - self.started)
+        posted = None if self.posted is None else now - self.posted
+        stats = ReadStats(0, 0, now - self.started, posted_seconds=posted)
         for path in self.paths:
             stats = path.add_to(stats)
         return stats
