@@ -6,10 +6,12 @@ front, keys on as deployed (0600 files, removed at exit). Client threads send mi
 every 200 must match the reference's answer to the same body, choice by choice; others are
 classed by status and error type or by transport failure. Faults hit the workers in turn:
 ``kill`` (SIGKILL, restart), ``stop`` (SIGSTOP, SIGCONT), ``term`` (SIGTERM drains; restart),
-``lease`` (a decode stopped past the short TTL: its leases expire, it must recompute). Then
-every worker must come back and go idle. Exit status 0 only with no wrong 200, nothing past
-its deadline, nothing held, every worker back and a success. Not covered yet: cutting links
-between network namespaces, dropping NIXL notifications or side-channel messages.
+``lease`` (a decode stopped past the short TTL: its leases expire, it must recompute). All
+along, ``prefill-0`` loses ``--lose-share`` of the "done" NIXL notifications and side-channel
+reports it receives (``KVXFER_DROP_MESSAGES``, :mod:`kvxfer.transfer.faults`): its leases must
+still end by the decodes' resent reports. Then every worker must come back and go idle. Exit
+status 0 only with no wrong 200, nothing past its deadline, nothing held, every worker back
+and a success. Not covered yet: cutting links between network namespaces.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from kvxfer.bench.children import STOP_TIMEOUT_S, Child, add_output_arguments, started
 from kvxfer.bench.proxy import free_port, percentile_ms
 from kvxfer.bench.serve import BenchError
+from kvxfer.transfer.faults import ENV as LOSS_ENV
 
 HELP = "mixed load through the proxy under injected faults, every answer checked"
 
@@ -49,6 +52,8 @@ EXAMPLES = 5  # wrong answers kept verbatim in the report
 OK, WRONG = "ok", "wrong"  # outcomes of a 200 ("unchecked" when the reference failed)
 EXPIRED = r'kvxfer_kv_leases_released_total\{reason="expired"\}'  # samples of /metrics
 RECOMPUTED = "kvxfer_kv_recomputes_total"
+LOSSY = "prefill-0"  # loses --lose-share of the "done" messages it receives
+DROPPED = r'kvxfer_kv_notifications_failed_total\{reason="dropped"\}'
 
 PREFIX = ("You are the soak's assistant. Answer in one short sentence, keep to the facts "
           "you were given and never repeat the question. ") * 2
@@ -64,6 +69,8 @@ FLAGS = (  # (flag, type, default, help)
     ("--restart-pause", float, 1.0, "seconds a killed worker stays down"),
     ("--stop-seconds", float, 3.0, "seconds a stop fault lasts; a lease fault, --lease-ttl more"),
     ("--lease-ttl", float, 2.0, f"--lease-ttl of {SHORT_TTL}; lease faults let its leases expire"),
+    ("--lose-share", float, 0.5, f"share of the 'done' notifications and reports {LOSSY} loses "
+                                 f"on purpose ({LOSS_ENV}; 0: none)"),
     ("--settle-timeout", float, 30.0, "longest wait after the load for idle workers"),
     ("--seed", int, 0, "seed of the request mix"),
 )
@@ -125,7 +132,10 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
                   else []),
                 *(["--lease-ttl", str(args.lease_ttl if name == SHORT_TTL else LONG_TTL)]
                   if role == "prefill" else [])]
-        children[name] = Child(name, argv, f"http://127.0.0.1:{http[i]}", env, log_dir)
+        lossy = {LOSS_ENV: f"notification={args.lose_share},done={args.lose_share}"} \
+            if name == LOSSY and args.lose_share > 0 else {}
+        children[name] = Child(name, argv, f"http://127.0.0.1:{http[i]}", {**env, **lossy},
+                               log_dir)
     upstream = {role: [str(http[names.index(n)]) for n in WORKERS if n.startswith(role)]
                 for role in ("prefill", "decode")}
     children["proxy"] = Child("proxy", [
@@ -334,6 +344,7 @@ class Faults:
         self.children, self.load, self.keys, self.args = children, load, load.keys, load.args
         self.t0 = load.t0
         self.done: list[Fault] = []
+        self.lost = 0.0  # notifications LOSSY lost, summed over its runs (see count_lost)
         self.error: BaseException | None = None
         self.abort = threading.Event()
 
@@ -351,6 +362,8 @@ class Faults:
         child = self.children[name]
         fault = Fault(kind, name, child.process.pid, time.monotonic() - self.t0)
         if kind in ("kill", "term"):
+            if name == LOSSY:  # its counters start again at 0
+                self.count_lost()
             child.process.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
             fault.note = child.wait_exit(STOP_TIMEOUT_S if kind == "kill" else DRAIN_BOUND_S)
             self.abort.wait(self.args.restart_pause if kind == "kill" else 0)
@@ -386,6 +399,10 @@ class Faults:
         recomputed = self._count(child.name, RECOMPUTED) - before[1]
         return (f"stopped {seconds:g} s; {expired:g} leases expired at {SHORT_TTL}, "
                 f"{child.name} recomputed {recomputed:g} prompts")
+
+    def count_lost(self) -> None:
+        """Add what LOSSY's current run lost to :attr:`lost` (before it ends; at the end)."""
+        self.lost += self._count(LOSSY, DROPPED)
 
     def _count(self, name: str, sample: str) -> float:
         """A counter of worker ``name``'s /metrics, since it started (0: unreadable)."""
@@ -452,6 +469,7 @@ def report(load: Load, faults: Faults, all_back: bool, held: dict[str, dict[str,
         "wrong_answers": results[WRONG], "wrong_examples": load.wrong, "past_deadline": past,
         "latency_ms": {"p50": percentile_ms(latencies, 50), "p99": percentile_ms(latencies, 99)},
         "faults": {kind: sum(f.kind == kind for f in faults.done) for kind in KINDS},
+        "lost_notifications": int(faults.lost),
         "fault_log": [asdict(f) for f in faults.done],
         "recovery_s": None if recovery is None else round(recovery, 3),
         "all_back": all_back, "held": held, "held_total": totals, "by_kind": by_kind,
@@ -471,6 +489,8 @@ def print_table(r: dict[str, Any]) -> None:
             ("ended past the deadline", r["past_deadline"]),
             ("latency of successes", f"p50 {latency['p50']} ms, p99 {latency['p99']} ms"),
             ("faults", ", ".join(f"{k} {v}" for k, v in r["faults"].items())),
+            ("'done' lost on purpose", f"{r['lost_notifications']} notifications at {LOSSY}, "
+                                       f"and {c['lose_share']:.0%} of its reports"),
             ("recovery after the last fault", "-" if recovery is None else f"{recovery} s"),
             ("held at the end: blocks/leases/requests", "  ".join(
                 f"{name} {'/'.join(map(str, h.values())) if h else 'no answer'}"
@@ -483,6 +503,9 @@ def run(args: argparse.Namespace) -> int:
     if min(args.duration, args.deadline, args.fault_interval, args.lease_ttl,
            args.clients) <= 0 or min(args.restart_pause, args.stop_seconds) < 0:
         print("durations and --clients must be positive", file=sys.stderr)
+        return 2
+    if not 0 <= args.lose_share <= 1:
+        print(f"--lose-share must be within 0..1, got {args.lose_share}", file=sys.stderr)
         return 2
     try:
         with tempfile.TemporaryDirectory(prefix="kvxfer-soak-") as root:
@@ -528,4 +551,5 @@ def soak(children: dict[str, Child], keys: Keys, args: argparse.Namespace) -> di
     for thread in clients:  # each ends within its request's deadline (not after Ctrl-C)
         thread.join(args.deadline + 5.0)
     all_back, held = settle(children, keys, args.settle_timeout)
+    faults.count_lost()
     return report(load, faults, all_back, held, recovery, args)
