@@ -14,22 +14,31 @@ from pathlib import Path
 import pytest
 from sidecars import ROOT
 
+from kvxfer.harness.network import why_not
+
 KINDS = ("kill", "stop", "term", "lease")
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("netns", [False, True], ids=["loopback", "netns"])
 def test_a_short_soak_under_every_kind_of_fault_answers_right_and_leaves_nothing_held(
-        tmp_path: Path) -> None:
+        tmp_path: Path, netns: bool) -> None:
+    """On one host's loopback; and with every worker on a "host" of its own (namespaces),
+    where a worker's link is also cut and restored."""
+    if netns and (why := why_not()) is not None:
+        pytest.skip(why)
     path, logs = tmp_path / "soak.json", tmp_path / "logs"
     done = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "bench", "soak", "--duration", "45",
-         "--fault-interval", "5", "--json", "--json-file", str(path), "--log-dir", str(logs)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+         "--fault-interval", "5", "--json", "--json-file", str(path), "--log-dir", str(logs),
+         *(["--netns"] if netns else [])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert path.exists(), f"no report (exit {done.returncode}):\n{done.stderr[-3000:]}"
     report = json.loads(path.read_text())
     where = f"\nfaults:\n{done.stderr[-3000:]}\nlogs in {logs}"
     assert report["successes"] > 0, f"{report['errors']}{where}"
-    assert all(report["faults"][kind] >= 1 for kind in KINDS), f"{report['faults']}{where}"
+    kinds = (*KINDS, "link") if netns else KINDS
+    assert all(report["faults"][kind] >= 1 for kind in kinds), f"{report['faults']}{where}"
     # prefill-0 lost "done" notifications all along (and reports): repaired, nothing held
     assert report["lost_notifications"] > 0, where
     assert report["wrong_answers"] == 0, f"{report['wrong_examples']}{where}"

@@ -7,11 +7,14 @@ Shared by the benchmarks that run real sidecars and the proxy (soak, ttft, load)
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import subprocess
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -102,3 +105,23 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-file", metavar="PATH", help="also write the JSON report to PATH")
     parser.add_argument("--log-dir", metavar="DIR", help="keep every process's log in DIR "
                                                          "(default: removed at exit)")
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The sidecars' and the proxy clients' HTTP keys; files: ``api``, ``client``, ``kv``."""
+
+    sidecar: str
+    client: str
+    files: dict[str, str]
+
+
+def new_keys(directory: Path) -> Keys:
+    """Fresh random keys, each in a new file of mode 0600 in ``directory``."""
+    sidecar, client = (f"sk-{secrets.token_urlsafe(24)}" for _ in range(2))
+    files = {name: str(directory / f"{name}.key") for name in ("api", "client", "kv")}
+    for name, text in zip(files, (sidecar, client, secrets.token_hex(32)), strict=True):
+        fd = os.open(files[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text + "\n")
+    return Keys(sidecar, client, files)

@@ -9,9 +9,11 @@ classed by status and error type or by transport failure. Faults hit the workers
 ``lease`` (a decode stopped past the short TTL: its leases expire, it must recompute). All
 along, ``prefill-0`` loses ``--lose-share`` of the "done" NIXL notifications and side-channel
 reports it receives (``KVXFER_DROP_MESSAGES``, :mod:`kvxfer.transfer.faults`): its leases must
-still end by the decodes' resent reports. Then every worker must come back and go idle. Exit
+still end by the decodes' resent reports. With ``--netns`` (root) each worker and the proxy run
+on a "host" of their own (:class:`~kvxfer.harness.network.Network`) and ``link`` faults take a
+worker's interface down for a while. Then every worker must come back and go idle. Exit
 status 0 only with no wrong 200, nothing past its deadline, nothing held, every worker back
-and a success. Not covered yet: cutting links between network namespaces.
+and a success.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import json
 import os
 import random
 import re
-import secrets
 import signal
 import sys
 import tempfile
@@ -30,19 +31,28 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvxfer.bench.children import STOP_TIMEOUT_S, Child, add_output_arguments, started
+from kvxfer.bench.children import (
+    STOP_TIMEOUT_S,
+    Child,
+    Keys,
+    add_output_arguments,
+    new_keys,
+    started,
+)
 from kvxfer.bench.proxy import free_port, percentile_ms
 from kvxfer.bench.serve import BenchError
+from kvxfer.harness.network import UCX_ENV, Network, why_not
 from kvxfer.transfer.faults import ENV as LOSS_ENV
 
 HELP = "mixed load through the proxy under injected faults, every answer checked"
 
 KINDS = ("kill", "stop", "term", "lease")
+LINK = "link"  # with --netns: a worker's interface down for --stop-seconds, then up
 WORKERS = ("prefill-0", "decode-0", "prefill-1", "decode-1")
 SHORT_TTL = "prefill-1"  # the prefill with --lease-ttl; the other's leases last LONG_TTL s:
 LONG_TTL = 20.0  # a lease whose decode was killed after claiming it ends in the settle
@@ -81,33 +91,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})",
                             metavar="SECONDS" if kind is float else "N")
     parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
+    parser.add_argument("--netns", action="store_true",
+                        help="run each worker and the proxy on a 'host' of its own (network "
+                             "namespaces joined by a bridge, UCX over TCP; needs root) and "
+                             f"add the {LINK!r} fault: a worker's link down for "
+                             "--stop-seconds, then up")
     add_output_arguments(parser)
-
-
-@dataclass(frozen=True)
-class Keys:
-    """The sidecars' and the proxy clients' HTTP keys; files: ``api``, ``client``, ``kv``."""
-
-    sidecar: str
-    client: str
-    files: dict[str, str]
-
-
-def new_keys(directory: Path) -> Keys:
-    """Fresh random keys, each in a new file of mode 0600 in ``directory``."""
-    sidecar, client = (f"sk-{secrets.token_urlsafe(24)}" for _ in range(2))
-    files = {name: str(directory / f"{name}.key") for name in ("api", "client", "kv")}
-    for name, text in zip(files, (sidecar, client, secrets.token_hex(32)), strict=True):
-        fd = os.open(files[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(text + "\n")
-    return Keys(sidecar, client, files)
 
 
 @contextmanager
 def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
-               ) -> Iterator[dict[str, Child]]:
-    """The reference, workers and proxy, ready; all stopped on exit, Ctrl-C included."""
+               ) -> Iterator[tuple[dict[str, Child], Network | None]]:
+    """The reference, workers and proxy, ready; all stopped on exit, Ctrl-C included. With
+    ``--netns`` each worker and the proxy run on a "host" of their own (the network, also
+    removed on exit); the reference stays on this host's loopback."""
     import proxy
 
     env = {k: v for k, v in os.environ.items()
@@ -120,33 +117,49 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
         ports.add(free_port())
     http, side = sorted(ports)[:6], sorted(ports)[6:]
     names = ("reference", *WORKERS)
-    children = {}
-    for i, name in enumerate(names):
-        role = "both" if name == "reference" else name.split("-")[0]
-        argv = [sys.executable, "-m", "kvxfer.cli", "serve", "--role", role, "--model",
-                args.model, "--port", str(http[i]), "--api-key-file", keys.files["api"],
-                "--kv-key-file", keys.files["kv"],
-                *(["--enable-prefix-caching"] if role != "both" else []),
-                *(["--kv-load-failure-policy", "recompute"] if role == "decode" else []),
-                *(["--side-channel-port", str(side[int(name[-1])])] if role == "prefill"
-                  else []),
-                *(["--lease-ttl", str(args.lease_ttl if name == SHORT_TTL else LONG_TTL)]
-                  if role == "prefill" else [])]
-        lossy = {LOSS_ENV: f"notification={args.lose_share},done={args.lose_share}"} \
-            if name == LOSSY and args.lose_share > 0 else {}
-        children[name] = Child(name, argv, f"http://127.0.0.1:{http[i]}", {**env, **lossy},
-                               log_dir)
-    upstream = {role: [str(http[names.index(n)]) for n in WORKERS if n.startswith(role)]
-                for role in ("prefill", "decode")}
-    children["proxy"] = Child("proxy", [
-        sys.executable, "-m", "proxy", "--port", str(http[5]),
-        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", *upstream["prefill"],
-        "--decoder-hosts", "127.0.0.1", "--decoder-ports", *upstream["decode"],
-        "--api-key-file", keys.files["client"], "--upstream-api-key-file", keys.files["api"],
-        "--prefill-timeout", "3", "--health-interval", "1"],
-        f"http://127.0.0.1:{http[5]}", env, log_dir)
-    with started([[children[n] for n in names], [children["proxy"]]]):
-        yield children
+    with ExitStack() as stack:
+        network = stack.enter_context(Network((*WORKERS, "proxy"))) if args.netns else None
+
+        def host(name: str) -> tuple[list[str], str, list[str]]:  # argv prefix, address, flags
+            if network is None or name == "reference":
+                return [], "127.0.0.1", []
+            return ["ip", "netns", "exec", network.ns(name)], network.address(name), \
+                ["--host", "0.0.0.0"]
+
+        children = {}
+        for i, name in enumerate(names):
+            role = "both" if name == "reference" else name.split("-")[0]
+            prefix, address, listen = host(name)
+            elsewhere = ["--side-channel-host", address, "--no-host-reads"] \
+                if network is not None and role == "prefill" else []
+            argv = [*prefix, sys.executable, "-m", "kvxfer.cli", "serve", "--role", role,
+                    "--model", args.model, "--port", str(http[i]), *listen, *elsewhere,
+                    "--api-key-file", keys.files["api"], "--kv-key-file", keys.files["kv"],
+                    *(["--enable-prefix-caching"] if role != "both" else []),
+                    *(["--kv-load-failure-policy", "recompute"] if role == "decode" else []),
+                    *(["--side-channel-port", str(side[int(name[-1])])] if role == "prefill"
+                      else []),
+                    *(["--lease-ttl", str(args.lease_ttl if name == SHORT_TTL else LONG_TTL)]
+                      if role == "prefill" else [])]
+            extra = {**(UCX_ENV if prefix else {}),
+                     **({LOSS_ENV: f"notification={args.lose_share},done={args.lose_share}"}
+                        if name == LOSSY and args.lose_share > 0 else {})}
+            children[name] = Child(name, argv, f"http://{address}:{http[i]}", {**env, **extra},
+                                   log_dir)
+        upstream = {role: [n for n in WORKERS if n.startswith(role)]
+                    for role in ("prefill", "decode")}
+        prefix, address, listen = host("proxy")
+        children["proxy"] = Child("proxy", [
+            *prefix, sys.executable, "-m", "proxy", "--port", str(http[5]), *listen,
+            "--prefiller-hosts", *(host(n)[1] for n in upstream["prefill"]),
+            "--prefiller-ports", *(str(http[names.index(n)]) for n in upstream["prefill"]),
+            "--decoder-hosts", *(host(n)[1] for n in upstream["decode"]),
+            "--decoder-ports", *(str(http[names.index(n)]) for n in upstream["decode"]),
+            "--api-key-file", keys.files["client"], "--upstream-api-key-file",
+            keys.files["api"], "--prefill-timeout", "3", "--health-interval", "1"],
+            f"http://{address}:{http[5]}", env, log_dir)
+        with started([[children[n] for n in names], [children["proxy"]]]):
+            yield children, network
 
 
 def fetch(url: str, key: str) -> str | None:
@@ -317,12 +330,13 @@ class Load:
         return min(ends) - moment if ends else None
 
 
-def schedule(number: int) -> tuple[str, str]:
-    """Fault ``number``: kinds in turn, each on the next worker every round (lease: a decode)."""
-    kind, turn = KINDS[number % len(KINDS)], number // len(KINDS)
+def schedule(number: int, kinds: tuple[str, ...] = KINDS) -> tuple[str, str]:
+    """Fault ``number``: ``kinds`` in turn, each on the next worker every round (lease: a
+    decode)."""
+    kind, turn = kinds[number % len(kinds)], number // len(kinds)
     if kind == "lease":
         return kind, ("decode-1", "decode-0")[turn % 2]
-    return kind, WORKERS[(KINDS.index(kind) + turn) % len(WORKERS)]
+    return kind, WORKERS[(kinds.index(kind) + turn) % len(WORKERS)]
 
 
 @dataclass
@@ -340,8 +354,11 @@ class Fault:
 class Faults:
     """The fault thread: injects :func:`schedule`'s faults until the run's last interval."""
 
-    def __init__(self, children: dict[str, Child], load: Load) -> None:
+    def __init__(self, children: dict[str, Child], load: Load,
+                 network: Network | None = None) -> None:
         self.children, self.load, self.keys, self.args = children, load, load.keys, load.args
+        self.network = network  # --netns: link faults too
+        self.kinds = KINDS if network is None else (*KINDS, LINK)
         self.t0 = load.t0
         self.done: list[Fault] = []
         self.lost = 0.0  # notifications LOSSY lost, summed over its runs (see count_lost)
@@ -353,7 +370,7 @@ class Faults:
         next_at, until = self.t0 + interval, self.t0 + self.args.duration - interval
         try:
             while next_at <= until and not self.abort.wait(max(0.0, next_at - time.monotonic())):
-                self.inject(*schedule(len(self.done)))
+                self.inject(*schedule(len(self.done), self.kinds))
                 next_at = max(next_at + interval, time.monotonic() + 1.0)
         except BaseException as exc:  # the main thread raises it again
             self.error = exc
@@ -371,12 +388,25 @@ class Faults:
             child.wait_ready()
             fault.note += f"; restarted as pid {child.process.pid}"
             fault.ended_s = time.monotonic() - self.t0
+        elif kind == LINK:
+            fault.note = self._cut(name)
+            fault.ended_s = time.monotonic() - self.t0
         else:
             fault.note = self._stop(fault, child)
         self.done.append(fault)
         print(f"soak {fault.began_s:6.1f} s  fault {len(self.done)}: {kind} {name} (pid "
               f"{fault.pid}): {fault.note}; back after {fault.ended_s - fault.began_s:.1f} s",
               file=sys.stderr)
+
+    def _cut(self, name: str) -> str:
+        """Take ``name``'s interface down for --stop-seconds (the cable pulled), then up."""
+        assert self.network is not None
+        self.network.link(name, up=False)
+        try:
+            self.abort.wait(self.args.stop_seconds)
+        finally:
+            self.network.link(name, up=True)
+        return f"link down {self.args.stop_seconds:g} s"
 
     def _stop(self, fault: Fault, child: Child) -> str:
         """SIGSTOP, SIGCONT; a lease fault also sends :meth:`Load.probe` and, once it is
@@ -468,7 +498,7 @@ def report(load: Load, faults: Faults, all_back: bool, held: dict[str, dict[str,
         "errors": dict(sorted((k, v) for k, v in results.items() if k not in (OK, WRONG))),
         "wrong_answers": results[WRONG], "wrong_examples": load.wrong, "past_deadline": past,
         "latency_ms": {"p50": percentile_ms(latencies, 50), "p99": percentile_ms(latencies, 99)},
-        "faults": {kind: sum(f.kind == kind for f in faults.done) for kind in KINDS},
+        "faults": {kind: sum(f.kind == kind for f in faults.done) for kind in faults.kinds},
         "lost_notifications": int(faults.lost),
         "fault_log": [asdict(f) for f in faults.done],
         "recovery_s": None if recovery is None else round(recovery, 3),
@@ -507,13 +537,16 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.lose_share <= 1:
         print(f"--lose-share must be within 0..1, got {args.lose_share}", file=sys.stderr)
         return 2
+    if args.netns and (why := why_not()) is not None:
+        print(f"kvxfer bench soak --netns: {why}", file=sys.stderr)
+        return 2
     try:
         with tempfile.TemporaryDirectory(prefix="kvxfer-soak-") as root:
             log_dir = Path(args.log_dir or root)
             log_dir.mkdir(parents=True, exist_ok=True)
             keys = new_keys(Path(root))
-            with deployment(args, keys, log_dir) as children:
-                result = soak(children, keys, args)
+            with deployment(args, keys, log_dir) as (children, network):
+                result = soak(children, keys, args, network)
     except BenchError as exc:
         print(f"kvxfer bench soak: {exc}", file=sys.stderr)
         return 1
@@ -525,11 +558,12 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result["failed_checks"] else 0
 
 
-def soak(children: dict[str, Child], keys: Keys, args: argparse.Namespace) -> dict[str, Any]:
+def soak(children: dict[str, Child], keys: Keys, args: argparse.Namespace,
+         network: Network | None = None) -> dict[str, Any]:
     """The load and the faults for ``--duration``, recovery, settling: the report."""
     t0 = time.monotonic()
     load = Load(children, keys, args, t0)
-    faults = Faults(children, load)
+    faults = Faults(children, load, network)
     clients = [threading.Thread(target=load.client, args=(i,), name=f"soak-client-{i}",
                                 daemon=True) for i in range(args.clients)]
     injector = threading.Thread(target=faults.run, name="soak-faults", daemon=True)
