@@ -88,8 +88,9 @@ FLAGS = (  # (flag, type, default, help)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, text in FLAGS:
+        metavar = "SHARE" if flag == "--lose-share" else "SECONDS" if kind is float else "N"
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})",
-                            metavar="SECONDS" if kind is float else "N")
+                            metavar=metavar)
     parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
     parser.add_argument("--netns", action="store_true",
                         help="run each worker and the proxy on a 'host' of its own (network "
