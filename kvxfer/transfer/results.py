@@ -45,9 +45,10 @@ class ReadStats:
     mapped_ranks: int = 0  # of host_ranks, those read from their mapped cache (mapped_reads)
     staged_ranks: int = 0  # prefill ranks read through staging (kvxfer.plan.staging)
     paths: tuple[PathStats, ...] = ()  # each path the read took, in posting order
-    # from posting its paths until they were seen landed: what NIXL's own transfer time
-    # (its telemetry's xferDuration, vLLM's NixlConnector metric) measures; ``seconds``
-    # also holds the wait to be posted (planning, staging space, a handshake)
+    # from posting its paths (building and prepping NIXL's descriptor lists included) until
+    # they were seen landed, the span nearest to NIXL's own telemetry (xferDuration, vLLM's
+    # NixlConnector metric, which starts inside NIXL's post); ``seconds`` also holds the
+    # wait to be posted (planning, staging space, a handshake)
     posted_seconds: float | None = None
 
     @property

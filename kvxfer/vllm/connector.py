@@ -110,8 +110,8 @@ class KvxferStats(KVConnectorStats):
 
 
 class KvxferPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvxfer_xfer_time_seconds`` (posted to landed, what NixlConnector's
-    ``vllm:nixl_xfer_time_seconds`` measures too), ``_read_time_seconds`` (queued to landed:
+    """``vllm:kvxfer_xfer_time_seconds`` (posted to landed, the span nearest to NixlConnector's
+    ``vllm:nixl_xfer_time_seconds``, NIXL's telemetry), ``_read_time_seconds`` (queued to landed:
     the wait to be posted too), ``_bytes_transferred``, ``_num_descriptors`` (histograms, one
     observation per READ) and ``_num_failed_transfers``."""
 
@@ -292,7 +292,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if result is None or not (result.reads or result.failures):
             return None
         return KvxferStats(data={
-            # posted to landed, as NixlConnector's NIXL telemetry measures its transfers
+            # posted to landed, nearest to the NIXL telemetry NixlConnector reports
             "transfer_duration": [r.seconds if r.posted_seconds is None else r.posted_seconds
                                   for r in result.reads],
             "read_duration": [r.seconds for r in result.reads],
