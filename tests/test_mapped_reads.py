@@ -58,6 +58,33 @@ def test_a_mapping_sees_the_prefills_bytes_as_they_change() -> None:
     assert mapping.bytes[100:103].tolist() == [7, 8, 9]
 
 
+def cache_memfds() -> list[str]:
+    """The entries of /proc/self/fd that are a shared cache buffer's memfd."""
+    found = []
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+        except FileNotFoundError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith("/memfd:kvxfer-kv-cache"):
+            found.append(target)
+    return found
+
+
+def test_a_mapping_leaves_no_descriptor_in_the_fd_table() -> None:
+    """Whoever may inspect a process (ptrace READ rights) can open what its /proc/<pid>/fd
+    entries name: a reader's mapping of a prefill's cache must not leave the memfd there
+    (Python's mmap.mmap would, for as long as the mapping lives)."""
+    buffer = shared_zeros(1 << 16)
+    canary = Canary()
+    offer = canary.offer(shared_regions([MemoryRegion(buffer.data_ptr(), 1 << 16, 0)]))
+    assert offer is not None
+    before = cache_memfds()
+    mapping = _Mapping(offer, offer.memory[0], 0, 1 << 16)
+    assert cache_memfds() == before
+    assert mapping.bytes[0] == 0
+
+
 def test_only_the_prefills_own_mapping_writes_its_cache() -> None:
     """Whoever opens the cache's memfd later (another process of the same user, through
     /proc/<pid>/fd, as here) can read it, never write it nor map it writable."""

@@ -78,7 +78,7 @@ def shared_zeros(nbytes: int) -> torch.Tensor:
         return torch.zeros(nbytes, dtype=torch.uint8)
     try:
         os.ftruncate(fd, nbytes)
-        memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        memory = _map(fd, nbytes, writable=True)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | FUTURE_WRITE)
         except OSError:  # a kernel before 5.1: shrink and grow sealed all the same
@@ -91,6 +91,22 @@ def shared_zeros(nbytes: int) -> torch.Tensor:
         _buffers[fd] = (tensor.data_ptr(), nbytes)
     weakref.finalize(memory, _forget, fd)
     return tensor
+
+
+def _map(fd: int, length: int, offset: int = 0, writable: bool = False
+         ) -> ctypes.Array[ctypes.c_ubyte]:
+    """``length`` bytes of ``fd`` from ``offset``, mapped shared (read-only unless
+    ``writable``) until the returned array is freed. Not :class:`mmap.mmap`: it keeps a
+    duplicate of the descriptor open while the mapping lives, in the fd table, where
+    ``/proc/<pid>/fd`` shows it to any process that may inspect this one."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = _libc().mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
+    if addr is None or addr == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    memory = (ctypes.c_ubyte * length).from_address(addr)
+    weakref.finalize(memory, _libc().munmap, addr, length)
+    return memory
 
 
 def _forget(fd: int) -> None:
@@ -110,14 +126,18 @@ def shared_regions(memory: Sequence[MemoryRegion]) -> tuple[SharedRegion, ...]:
 # -- the decode side: the prefill's buffers, mapped -------------------------------------
 
 @cache
-def _syscall() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    fn = ctypes.CDLL(None, use_errno=True).syscall
-    fn.restype = ctypes.c_long
-    return fn
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def _take_descriptor(pidfd: int, fd: int, pid: int) -> int:
-    got = int(_syscall()(ctypes.c_long(PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd),
+    got = int(_libc().syscall(ctypes.c_long(PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd),
                          ctypes.c_long(0)))
     if got < 0:
         raise HostReadError(f"taking descriptor {fd} of process {pid}: "
@@ -149,8 +169,7 @@ class _Mapping:
                                     f"{os.fstat(fd).st_size} bytes, not {region.size}")
             # not MAP_POPULATE: faulting a page the prefill never touched would allocate
             # it here; a page is faulted in once, when a lease first reads it
-            self.memory = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ,
-                                    offset=offset)
+            memory = _map(fd, length, offset)
         except OSError as exc:
             raise HostReadError(f"mapping descriptor {region.fd} of process {offer.pid}: "
                                 f"{exc}") from exc
@@ -158,7 +177,8 @@ class _Mapping:
             os.close(fd)
         with warnings.catch_warnings():  # read-only memory: nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
-            self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
+            self.bytes = torch.frombuffer(memoryview(memory).cast("B").toreadonly(),
+                                          dtype=torch.uint8)
         self.start = region.addr + offset
 
 
