@@ -22,14 +22,29 @@ from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 from kvxfer.plan.regions import MemoryRegion
 from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.plan.topology import read_plan
+from kvxfer.transfer.converted.fd_handover import HANDOVER, take
 from kvxfer.transfer.converted.host_reads import Canary, HostReadError
 from kvxfer.transfer.converted.mapped_reads import (
     _Mapping,
     map_prefill,
+    shared_offer,
     shared_regions,
     shared_zeros,
 )
 from kvxfer.wire.metadata import SharedRegion
+
+
+def cache_memfds(pid: int | str = "self") -> list[str]:
+    """The entries of ``/proc/<pid>/fd`` that are a shared cache buffer's memfd."""
+    found = []
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{entry}")
+        except FileNotFoundError:  # closed meanwhile (the listing's own descriptor)
+            continue
+        if target.startswith("/memfd:kvxfer-kv-cache"):
+            found.append(f"{entry} -> {target}")
+    return found
 
 
 def test_a_shared_buffer_is_offered_while_it_lives() -> None:
@@ -38,19 +53,33 @@ def test_a_shared_buffer_is_offered_while_it_lives() -> None:
     (region,) = shared_regions(inside)
     assert (region.addr, region.size) == (buffer.data_ptr(), 1 << 16)
     assert shared_regions([MemoryRegion(buffer.data_ptr() + (1 << 16), 4096, 0)]) == ()
-    fd = region.fd
-    os.fstat(fd)  # open
+    assert region.id in HANDOVER  # kept
     del buffer
     gc.collect()
     assert shared_regions(inside) == ()
-    with pytest.raises(OSError):
-        os.fstat(fd)  # closed with the memory
+    assert region.id not in HANDOVER  # closed with the memory
+
+
+def test_no_descriptor_of_a_shared_buffer_stays_in_the_fd_table() -> None:
+    """Whoever may inspect a process (ptrace READ rights: with Yama's ptrace_scope 1, any
+    process of the same user) can open what its /proc/<pid>/fd entries name, and read
+    a memfd there. Neither the prefill's buffer nor a reader's mapping of it leaves one:
+    the prefill keeps the descriptor in flight in a socket (whose entry cannot be
+    opened), the reader closes its own once mapped."""
+    buffer = shared_zeros(1 << 16)
+    assert cache_memfds() == []
+    canary = Canary()
+    offer = shared_offer(canary, [MemoryRegion(buffer.data_ptr(), 1 << 16, 0)])
+    assert offer is not None and offer.memory
+    mapping = _Mapping(offer, offer.memory[0], 0, 1 << 16)
+    assert cache_memfds() == []
+    assert mapping.bytes[0] == 0
 
 
 def test_a_mapping_sees_the_prefills_bytes_as_they_change() -> None:
     buffer = shared_zeros(1 << 16)
     canary = Canary()
-    offer = canary.offer(shared_regions([MemoryRegion(buffer.data_ptr(), 1 << 16, 0)]))
+    offer = shared_offer(canary, [MemoryRegion(buffer.data_ptr(), 1 << 16, 0)])
     assert offer is not None
     mapping = _Mapping(offer, offer.memory[0], 0, 1 << 16)
     assert mapping.bytes.data_ptr() != buffer.data_ptr()  # a second mapping, not an alias
@@ -59,12 +88,14 @@ def test_a_mapping_sees_the_prefills_bytes_as_they_change() -> None:
 
 
 def test_only_the_prefills_own_mapping_writes_its_cache() -> None:
-    """Whoever opens the cache's memfd later (another process of the same user, through
-    /proc/<pid>/fd, as here) can read it, never write it nor map it writable."""
+    """Whoever is handed the cache's memfd (a reader that proved it may read the
+    prefill's memory, as here) can read it, never write it nor map it writable."""
     buffer = shared_zeros(8192)
-    (region,) = shared_regions([MemoryRegion(buffer.data_ptr(), 8192, 0)])
+    canary = Canary()
+    offer = shared_offer(canary, [MemoryRegion(buffer.data_ptr(), 8192, 0)])
+    assert offer is not None
     buffer[10] = 5
-    other = os.open(f"/proc/self/fd/{region.fd}", os.O_RDWR)
+    other = take(offer, offer.memory[0].id)
     try:
         with pytest.raises(PermissionError):
             os.pwrite(other, b"x", 10)
@@ -81,37 +112,47 @@ def test_only_the_prefills_own_mapping_writes_its_cache() -> None:
 
 def test_offers_that_cannot_be_mapped_are_refused_naming_why() -> None:
     canary = Canary()
-    offer = canary.offer()
+    sealed = shared_zeros(4096)
+    offer = shared_offer(canary, [MemoryRegion(sealed.data_ptr(), 4096, 0)])
     assert offer is not None
+    (real,) = offer.memory
     loose = os.memfd_create("unsealed")  # it could shrink under a reader
     os.ftruncate(loose, 4096)
-    sealed = shared_zeros(4096)
-    (real,) = shared_regions([MemoryRegion(sealed.data_ptr(), 4096, 0)])
+    loose_id = HANDOVER.keep(loose)
     reading, writing = os.pipe()
+    pipe_id = HANDOVER.keep(reading)
     try:
         for region, why in (
-                (SharedRegion(loose, 4096, 4096), "is not a sealed buffer"),
+                (SharedRegion(loose_id, 4096, 4096), f"buffer {loose_id} of process "
+                                                     rf"\d+ is not sealed"),
                 (replace(real, size=8192), "holds 4096 bytes, not 8192"),
-                (SharedRegion(reading, 4096, 4096), "mapping descriptor"),
-                (SharedRegion(999_999, 4096, 4096), "taking descriptor 999999 of process")):
+                (SharedRegion(pipe_id, 4096, 4096), f"mapping buffer {pipe_id} of process"),
+                (SharedRegion(999_999, 4096, 4096), r"taking buffer 999999 of process \d+: "
+                                                    "it holds no such buffer")):
             with pytest.raises(HostReadError, match=why):
                 _Mapping(replace(offer, memory=(region,)), region, 0, 4096)
-        with pytest.raises(HostReadError, match="its canary differs"):
-            _Mapping(replace(offer, canary=bytes(16), memory=(real,)), real, 0, 4096)
+        for changed, why in (
+                ({"canary": bytes(16)}, "its canary differs"),
+                # another secret than the prefill's (its canary, which is on the wire)
+                ({"proof_addr": offer.canary_addr}, "refused the proof that this process"),
+                ({"handover": "\0kvxfer-handover-nobody"}, "over its handover socket")):
+            with pytest.raises(HostReadError, match=why):
+                _Mapping(replace(offer, **changed), real, 0, 4096)
     finally:
-        for fd in (loose, reading, writing):
-            os.close(fd)
+        HANDOVER.drop(loose_id)
+        HANDOVER.drop(pipe_id)
+        os.close(writing)
 
 
 def test_a_process_that_ended_is_not_mapped() -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     canary = Canary()
-    offer = canary.offer()
+    buffer = shared_zeros(4096)
+    offer = shared_offer(canary, [MemoryRegion(buffer.data_ptr(), 4096, 0)])
     assert offer is not None
-    region = SharedRegion(3, 4096, 4096)
     with pytest.raises(HostReadError, match=f"process {gone.stdout.strip()}") as info:
-        _Mapping(replace(offer, pid=int(gone.stdout), memory=(region,)), region, 0, 4096)
+        _Mapping(replace(offer, pid=int(gone.stdout)), offer.memory[0], 0, 4096)
     assert info.value.gone
 
 
@@ -129,12 +170,12 @@ def _read(separate: bool) -> tuple[StagedRead, Any, Any]:
 def test_only_a_cache_whose_chunks_lie_at_fixed_strides_in_an_offered_buffer_is_mapped() -> None:
     canary = Canary()
     read, remote, groups = _read(separate=False)
-    offer = canary.offer(shared_regions(remote.plan.memory))
+    offer = shared_offer(canary, remote.plan.memory)
     assert offer is not None
     assert map_prefill(read, groups, offer) is not None
-    assert map_prefill(read, groups, replace(offer, memory=())) is None  # not offered
+    assert map_prefill(read, groups, canary.offer()) is None  # not offered
     # one buffer per layer: no fixed layer stride (host reads or staging instead)
     apart, remote_apart, groups = _read(separate=True)
-    offer = canary.offer(shared_regions(remote_apart.plan.memory))
+    offer = shared_offer(canary, remote_apart.plan.memory)
     assert offer is not None and len(offer.memory) == 3
     assert map_prefill(apart, groups, offer) is None

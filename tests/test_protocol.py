@@ -339,14 +339,15 @@ def test_strict_payload_decoding_names_the_offender(kind: type[Any], payload: di
 
 
 def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
-    """AgentMetadata.host_reads (protocol 9, its shared buffers 10): absent means NIXL only;
-    an offer arrives verbatim; a bad one fails decoding with the field named, like any
-    other."""
+    """AgentMetadata.host_reads (protocol 9, its shared buffers 10, taken over a handover
+    socket 13): absent means NIXL only; an offer arrives verbatim; a bad one fails decoding
+    with the field named, like any other."""
     from kvxfer.wire.metadata import HostReads, SharedRegion
 
     offer = HostReads(host="boot/pid:[4026531836]", pid=4242, canary_addr=0x7F0000001000,
                       canary=bytes(range(16)),
-                      memory=(SharedRegion(fd=7, addr=0x7F1000000000, size=1 << 30),))
+                      memory=(SharedRegion(id=7, addr=0x7F1000000000, size=1 << 30),),
+                      proof_addr=0x7F0000002000, handover="\0kvxfer-handover-4242-5f1e")
     with_offer = msgspec.structs.replace(meta(0), host_reads=offer)
     response = MetadataResponse("prefill-a", 2, (meta(1), with_offer))
     got = decode_payload(decode(encode_message(response, compat=COMPAT)), MetadataResponse)
@@ -360,9 +361,22 @@ def test_a_host_read_offer_round_trips_and_a_malformed_one_is_refused() -> None:
     as_dict["host_reads"]["memory"][0]["size"] = 0
     with pytest.raises(msgspec.ValidationError, match=r"SharedRegion\.size must be positive"):
         msgspec.convert(as_dict, AgentMetadata)
-    as_dict["host_reads"]["memory"] = [{"fd": 7, "addr": 4096, "size": 4096}] * 65
+    as_dict["host_reads"]["memory"] = [{"id": 7, "addr": 4096, "size": 4096}] * 65
     with pytest.raises(msgspec.ValidationError, match=r"at most 64 buffers, got 65"):
         msgspec.convert(as_dict, AgentMetadata)
+    as_dict["host_reads"]["memory"] = [{"fd": 7, "addr": 4096, "size": 4096}]  # protocol 12
+    with pytest.raises(msgspec.ValidationError, match=r"unknown field `fd`"):
+        msgspec.convert(as_dict, AgentMetadata)
+    as_dict["host_reads"]["memory"] = [{"id": 7, "addr": 4096, "size": 4096}]
+    for name in ("/tmp/handover", "\0" + "x" * 108):  # a path, or too long a name
+        as_dict["host_reads"]["handover"] = name
+        with pytest.raises(msgspec.ValidationError, match=r"must name an abstract Unix socket"):
+            msgspec.convert(as_dict, AgentMetadata)
+    # buffers come with the socket and the proof that hand them over, and only with them
+    for changes in ({"handover": ""}, {"proof_addr": 0}, {"memory": []}):
+        changed = {**as_dict["host_reads"], "handover": offer.handover, **changes}
+        with pytest.raises(msgspec.ValidationError, match=r"come together"):
+            msgspec.convert({**as_dict, "host_reads": changed}, AgentMetadata)
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
@@ -509,8 +523,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 12): a change here changes the wire, so it needs a version bump.
-    assert HASH == "48ebecb94873f4dadfbe1ff081782cc90101dd3f95f18324a4c14ed9727e3aa6"
+    # Pinned (protocol 13): a change here changes the wire, so it needs a version bump.
+    assert HASH == "87ff4946adc60ceca97799a0aa6c123f86477c38e098e929f50b442e5ce48f0d"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -540,7 +554,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 12
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 13
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

@@ -26,7 +26,7 @@ from kvxfer.plan.staging import layer_groups, plan_reads, plan_staged_read
 from kvxfer.plan.topology import heads_per_rank, read_plan
 from kvxfer.transfer import routes
 from kvxfer.transfer.converted.host_reads import Canary
-from kvxfer.transfer.converted.mapped_reads import map_prefill, shared_regions, shared_zeros
+from kvxfer.transfer.converted.mapped_reads import map_prefill, shared_offer, shared_zeros
 from kvxfer.transfer.routes import MARGIN, PROBE_MIN_BYTES, Route, choose
 
 TOTAL_HEADS = 4
@@ -68,7 +68,7 @@ def test_a_mapped_direct_read_places_what_its_descriptors_do(layout: Any,
     canary = Canary()
     for plan in plans:
         rank = plan.remote_rank
-        offer = canary.offer(shared_regions(remotes[rank].plan.memory))
+        offer = shared_offer(canary, remotes[rank].plan.memory)
         assert offer is not None
         copy = plan_staged_read(by_copy.geometry, remotes[rank].geometry, rank,
                                 [s for s in slices if s.remote_rank == rank])

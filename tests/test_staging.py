@@ -32,7 +32,7 @@ from kvxfer.plan.staging import StagedRead, layer_groups, plan_reads
 from kvxfer.plan.topology import read_plan
 from kvxfer.transfer.converted import host_reads
 from kvxfer.transfer.converted.host_reads import Canary, plan_host_read
-from kvxfer.transfer.converted.mapped_reads import map_prefill, shared_regions, shared_zeros
+from kvxfer.transfer.converted.mapped_reads import map_prefill, shared_offer, shared_zeros
 
 
 def run_staged(local: Rank, remote: Rank, plan: StagedRead, local_ids: np.ndarray,
@@ -139,7 +139,7 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
     for read in reads:
         assert isinstance(read, StagedRead)
         remote = remotes[read.remote_rank]
-        offer = canary.offer(shared_regions(remote.plan.memory))
+        offer = shared_offer(canary, remote.plan.memory)
         assert offer is not None and offer.memory
         from_map = map_prefill(read, mapped_groups, offer)
         assert from_map is not None  # one allocation: its chunks lie at fixed strides

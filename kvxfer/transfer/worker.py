@@ -79,7 +79,7 @@ from kvxfer.plan.layout import CacheSpec, KVCacheLayout
 from kvxfer.plan.regions import RegionPlan, distinct_views, plan_regions
 from kvxfer.plan.staging import layer_groups
 from kvxfer.transfer.converted.host_reads import Canary
-from kvxfer.transfer.converted.mapped_reads import shared_regions
+from kvxfer.transfer.converted.mapped_reads import shared_offer
 from kvxfer.transfer.converted.process_shares import ProcessShares
 from kvxfer.transfer.converted.staging_pool import StagingPool
 from kvxfer.transfer.lanes import Lanes
@@ -206,7 +206,7 @@ class TransferWorker:
                              block_size=plan.block_size, layout=plan.layout, plan=plan,
                              backends=self._agent.backends, kv_packing=self.compat.kv_packing,
                              kernel_ratio=plan.kernel_ratio,
-                             host_reads=self._canary.offer(shared_regions(plan.memory))
+                             host_reads=shared_offer(self._canary, plan.memory)
                              if self._canary else None)
 
     def peer_connecting(self) -> None:

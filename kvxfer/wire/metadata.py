@@ -15,15 +15,16 @@ from kvxfer.wire.errors import require
 
 
 class SharedRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A buffer of the prefill's cache that a reader on its host may map: descriptor
-    ``fd`` of the prefill process, mapped there at ``addr`` for ``size`` bytes."""
+    """A buffer of the prefill's cache that a reader on its host may map: buffer ``id``
+    of the prefill process (what a reader asks its handover socket for, never a
+    descriptor number), mapped there at ``addr`` for ``size`` bytes."""
 
-    fd: int
+    id: int
     addr: int
     size: int
 
     def __post_init__(self) -> None:
-        require(self.fd >= 0, f"SharedRegion.fd must not be negative, got {self.fd}")
+        require(0 < self.id < 2**63, f"SharedRegion.id must be positive, got {self.id}")
         require(self.addr > 0, f"SharedRegion.addr must be positive, got {self.addr}")
         require(0 < self.size < 2**62, f"SharedRegion.size must be positive, got "
                 f"{self.size}")
@@ -34,13 +35,19 @@ class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``process_vm_readv`` (:mod:`kvxfer.transfer.converted.host_reads`), or map the shared buffers
     its cache lies in (``memory``, :mod:`kvxfer.transfer.converted.mapped_reads`). ``host`` names
     the host and pid namespace (a pid means nothing outside them); ``canary`` is what a reader must
-    find at ``canary_addr`` of ``pid`` before it trusts that pid to be this rank's process."""
+    find at ``canary_addr`` of ``pid`` before it trusts that pid to be this rank's process.
+    A reader takes a buffer's descriptor from the abstract Unix socket ``handover`` (its name,
+    the leading NUL byte included) by proving it read the secret at ``proof_addr`` of ``pid``
+    (:mod:`kvxfer.transfer.converted.fd_handover`); the secret itself is never on the wire.
+    Both are set exactly when ``memory`` names a buffer."""
 
     host: str
     pid: int
     canary_addr: int
     canary: bytes
     memory: tuple[SharedRegion, ...] = ()
+    proof_addr: int = 0
+    handover: str = ""
 
     def __post_init__(self) -> None:
         require(bool(self.host), "HostReads.host must not be empty")
@@ -51,6 +58,16 @@ class HostReads(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"HostReads.canary must be 8 to 64 bytes, got {len(self.canary)}")
         require(len(self.memory) <= 64,
                 f"HostReads.memory may name at most 64 buffers, got {len(self.memory)}")
+        require(self.proof_addr >= 0,
+                f"HostReads.proof_addr must not be negative, got {self.proof_addr}")
+        # sun_path holds 108 bytes; an abstract name starts with a NUL byte
+        require(self.handover == "" or (self.handover.startswith("\0")
+                                        and 1 < len(self.handover.encode()) <= 108),
+                f"HostReads.handover must name an abstract Unix socket (a NUL byte, then at "
+                f"most 107 bytes), got {self.handover!r}")
+        require(bool(self.memory) == bool(self.handover) == (self.proof_addr > 0),
+                "HostReads.memory, handover and proof_addr come together: buffers are "
+                "offered with the socket and the proof that hand them over")
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -43,7 +43,11 @@ from __future__ import annotations
 #      ReleaseLease.outcome ("abandoned", "cached": a full prefix-cache hit).
 #  12: ReleaseLease.outcome "answered": the first token the prefill sampled (its
 #      kv_transfer_params.first_token) ended the request, so the decode read nothing.
-KVXFER_PROTOCOL_VERSION: int = 12
+#  13: HostReads.proof_addr and HostReads.handover: a reader takes a shared buffer's
+#      descriptor over the prefill's abstract Unix socket, proving it may read the prefill's
+#      memory (kvxfer.transfer.converted.fd_handover), no longer with pidfd_getfd; SharedRegion.fd
+#      becomes SharedRegion.id, a buffer id (the descriptor is not in the prefill's fd table).
+KVXFER_PROTOCOL_VERSION: int = 13
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""

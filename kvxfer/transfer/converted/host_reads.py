@@ -94,13 +94,16 @@ class Canary:
         self.value = secrets.token_bytes(CANARY_BYTES)
         self._buffer = np.frombuffer(bytearray(self.value), dtype=np.uint8)
 
-    def offer(self, memory: tuple[SharedRegion, ...] = ()) -> HostReads | None:
-        """The offer of this process, with the shared buffers a reader may map."""
+    def offer(self, memory: tuple[SharedRegion, ...] = (), handover: str = "",
+              proof_addr: int = 0) -> HostReads | None:
+        """The offer of this process, with the shared buffers a reader may map and where
+        it takes them (:func:`~kvxfer.transfer.converted.mapped_reads.shared_offer`)."""
         host = host_identity()
         if host is None:
             return None
         return HostReads(host=host, pid=os.getpid(), canary_addr=self._buffer.ctypes.data,
-                         canary=self.value, memory=memory)
+                         canary=self.value, memory=memory, proof_addr=proof_addr,
+                         handover=handover)
 
 
 def check_offer(offer: HostReads | None) -> str | None:

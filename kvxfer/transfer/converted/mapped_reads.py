@@ -12,13 +12,18 @@ no pinning, no ranges.
 
 Prefill side: :func:`shared_zeros` allocates a cache buffer in a sealed ``memfd`` (it can
 neither shrink nor grow, so a mapping of it never faults past its end, and only the
-prefill's own mapping can write it: :data:`FUTURE_WRITE`); the rank offers
-the buffers its registered memory lies in with its host-read offer (``HostReads.memory``).
+prefill's own mapping can write it: :data:`FUTURE_WRITE`), then keeps the descriptor out
+of its fd table, in flight, under a buffer id
+(:class:`~kvxfer.transfer.converted.fd_handover.Handover`), so that no process that may
+only inspect the prefill (``/proc/<pid>/fd``) reaches the cache. The rank offers the
+buffers its registered memory lies in with its host-read offer (:func:`shared_offer`:
+``HostReads.memory``, with the handover socket and the proof's address).
 
 Decode side: :func:`map_prefill`, after the offer's canary proved the pid and the right to
-read it, opens a pidfd of the prefill, checks the canary again (the pidfd is that
-process), takes each offered descriptor with ``pidfd_getfd`` (which needs the same
-ptrace right as ``process_vm_readv``), checks its seals and size, and maps it read-only.
+read it, takes each offered buffer's descriptor over the prefill's handover socket with
+the proof read from its memory (:func:`~kvxfer.transfer.converted.fd_handover.take`: only
+a process that may ``process_vm_readv`` the prefill can read the proof), checks its seals
+and size, and maps it read-only (:func:`_map`: no descriptor left open here either).
 A plan whose chunks do not lie at fixed strides in one buffer is not mapped (host reads
 or staging instead). The mapping lives as long as the peer: the memory stays valid even
 if the prefill exits, and what a lease holds is what the prefill wrote into it.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
+import logging
 import mmap
 import os
 import threading
@@ -44,15 +50,16 @@ import torch
 
 from kvxfer.plan.regions import MemoryRegion
 from kvxfer.plan.staging import StagedRead
-from kvxfer.transfer.converted.host_reads import HostReadError, verify_canary
+from kvxfer.transfer.converted.fd_handover import HANDOVER, take
+from kvxfer.transfer.converted.host_reads import Canary, HostReadError, verify_canary
 from kvxfer.transfer.threads import run_pulled
 from kvxfer.wire.metadata import HostReads, SharedRegion
 
-PIDFD_GETFD = 438  # the syscall's number, the same on every Linux architecture
+log = logging.getLogger(__name__)
+
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # No write and no writable shared mapping after the prefill's own (Linux 5.1; Python has
-# no name for it before 3.13): whoever opens the memfd later, through /proc/<pid>/fd or
-# pidfd_getfd, can read it at most.
+# no name for it before 3.13): whoever is handed the memfd later can read it at most.
 FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 # A copy's shares per copy thread: enough that a thread slowed down takes fewer (see
 # run_pulled), few enough that each is a few MiB of a large request
@@ -60,25 +67,27 @@ SHARES_PER_THREAD = 4
 
 # -- the prefill side: caches in memory a reader can map ---------------------------------
 
-# The process's shared buffers, memfd -> (address, size) of its mapping. One registry per
-# process, not per worker, on purpose: its keys are this process's descriptors and
-# addresses, which any of its ranks may offer (a reader takes them by number), and the
-# caches are allocated before any worker exists (the engine's, through shared_zeros).
+# The process's shared buffers, buffer id -> (address, size) of its mapping. One registry
+# per process, not per worker, on purpose: its keys are this process's buffers (kept by its
+# one Handover) and addresses, which any of its ranks may offer (a reader takes them by
+# id), and the caches are allocated before any worker exists (the engine's, through
+# shared_zeros).
 _lock = threading.Lock()
 _buffers: dict[int, tuple[int, int]] = {}
 
 
 def shared_zeros(nbytes: int) -> torch.Tensor:
     """``nbytes`` zeroed bytes in a sealed memfd mapping, offered to readers on this host
-    (:func:`shared_regions`); the descriptor is closed when the memory is freed. Plain
-    memory where this system has no memfd."""
+    (:func:`shared_regions`). The descriptor is not left in this process's fd table: the
+    handover keeps it in flight until the memory is freed. Plain memory where this system
+    has no memfd."""
     try:
         fd = os.memfd_create("kvxfer-kv-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):
         return torch.zeros(nbytes, dtype=torch.uint8)
     try:
         os.ftruncate(fd, nbytes)
-        memory = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        memory = _map(fd, nbytes, writable=True)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | FUTURE_WRITE)
         except OSError:  # a kernel before 5.1: shrink and grow sealed all the same
@@ -87,43 +96,72 @@ def shared_zeros(nbytes: int) -> torch.Tensor:
         os.close(fd)
         raise
     tensor = torch.frombuffer(memory, dtype=torch.uint8)
+    try:
+        buffer_id = HANDOVER.keep(fd)  # closes fd: from here, not in the fd table
+    except OSError as exc:  # no socket for it (out of descriptors): not offered
+        log.warning("a shared cache buffer is not offered to readers: %s", exc)
+        return tensor
     with _lock:
-        _buffers[fd] = (tensor.data_ptr(), nbytes)
-    weakref.finalize(memory, _forget, fd)
+        _buffers[buffer_id] = (tensor.data_ptr(), nbytes)
+    weakref.finalize(memory, _forget, buffer_id)
     return tensor
 
 
-def _forget(fd: int) -> None:
+@cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _map(fd: int, length: int, offset: int = 0, writable: bool = False
+         ) -> ctypes.Array[ctypes.c_ubyte]:
+    """``length`` bytes of ``fd`` from ``offset``, mapped shared (read-only unless
+    ``writable``) until the returned array is freed. Not :class:`mmap.mmap`: it keeps a
+    duplicate of the descriptor open while the mapping lives, in the fd table, where
+    ``/proc/<pid>/fd`` shows it to any process that may inspect this one."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = _libc().mmap(None, length, prot, mmap.MAP_SHARED, fd, offset)
+    if addr is None or addr == ctypes.c_void_p(-1).value:  # MAP_FAILED
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    memory = (ctypes.c_ubyte * length).from_address(addr)
+    weakref.finalize(memory, _libc().munmap, addr, length)
+    return memory
+
+
+def _forget(buffer_id: int) -> None:
     with _lock:
-        _buffers.pop(fd, None)
-    os.close(fd)
+        _buffers.pop(buffer_id, None)
+    HANDOVER.drop(buffer_id)
 
 
 def shared_regions(memory: Sequence[MemoryRegion]) -> tuple[SharedRegion, ...]:
     """The shared buffers (:func:`shared_zeros`) that registered ``memory`` lies in."""
     with _lock:
         buffers = list(_buffers.items())
-    return tuple(SharedRegion(fd, addr, size) for fd, (addr, size) in buffers
+    return tuple(SharedRegion(i, addr, size) for i, (addr, size) in buffers
                  if any(addr <= m.addr and m.addr + m.nbytes <= addr + size for m in memory))
 
 
+def shared_offer(canary: Canary, memory: Sequence[MemoryRegion]) -> HostReads | None:
+    """``canary``'s offer with the shared buffers ``memory`` lies in and where a reader
+    takes them (the handover's listener starts with the first buffer offered)."""
+    regions = shared_regions(memory)
+    if not regions:
+        return canary.offer()
+    try:
+        handover, proof_addr = HANDOVER.address()
+    except OSError as exc:
+        log.warning("shared cache buffers are not offered to readers: %s", exc)
+        return canary.offer()
+    return canary.offer(regions, handover, proof_addr)
+
+
 # -- the decode side: the prefill's buffers, mapped -------------------------------------
-
-@cache
-def _syscall() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    fn = ctypes.CDLL(None, use_errno=True).syscall
-    fn.restype = ctypes.c_long
-    return fn
-
-
-def _take_descriptor(pidfd: int, fd: int, pid: int) -> int:
-    got = int(_syscall()(ctypes.c_long(PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd),
-                         ctypes.c_long(0)))
-    if got < 0:
-        raise HostReadError(f"taking descriptor {fd} of process {pid}: "
-                            f"{os.strerror(ctypes.get_errno())}")
-    return got
-
 
 class _Mapping:
     """A window of one of a prefill's shared buffers, mapped read-only here: its bytes
@@ -131,39 +169,31 @@ class _Mapping:
 
     def __init__(self, offer: HostReads, region: SharedRegion, offset: int, length: int
                  ) -> None:
-        try:
-            pidfd = os.pidfd_open(offer.pid)
-        except OSError as exc:
-            raise HostReadError(f"process {offer.pid}: {exc.strerror}", gone=True) from exc
-        try:
-            verify_canary(offer)  # the pidfd names the process that offered the buffer
-            fd = _take_descriptor(pidfd, region.fd, offer.pid)
-        finally:
-            os.close(pidfd)
+        verify_canary(offer)  # the pid is the prefill's, and this process may read it
+        fd = take(offer, region.id)
+        where = f"buffer {region.id} of process {offer.pid}"
         try:
             if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
-                raise HostReadError(f"descriptor {region.fd} of process {offer.pid} is not a "
-                                    f"sealed buffer: it could shrink under a reader")
+                raise HostReadError(f"{where} is not sealed: it could shrink under a reader")
             if os.fstat(fd).st_size < max(region.size, offset + length):
-                raise HostReadError(f"descriptor {region.fd} of process {offer.pid} holds "
-                                    f"{os.fstat(fd).st_size} bytes, not {region.size}")
+                raise HostReadError(f"{where} holds {os.fstat(fd).st_size} bytes, not "
+                                    f"{region.size}")
             # not MAP_POPULATE: faulting a page the prefill never touched would allocate
             # it here; a page is faulted in once, when a lease first reads it
-            self.memory = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ,
-                                    offset=offset)
+            memory = _map(fd, length, offset)
         except OSError as exc:
-            raise HostReadError(f"mapping descriptor {region.fd} of process {offer.pid}: "
-                                f"{exc}") from exc
+            raise HostReadError(f"mapping {where}: {exc}") from exc
         finally:
             os.close(fd)
         with warnings.catch_warnings():  # read-only memory: nothing here writes to it
             warnings.simplefilter("ignore", UserWarning)
-            self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
+            self.bytes = torch.frombuffer(memoryview(memory).cast("B").toreadonly(),
+                                          dtype=torch.uint8)
         self.start = region.addr + offset
 
 
 class Mappings:
-    """The prefill windows mapped here, by (host, pid, canary, descriptor, offset, length):
+    """The prefill windows mapped here, by (host, pid, canary, buffer id, offset, length):
     the decode ranks that share one (:class:`~kvxfer.transfer.converted.process_shares.
     ProcessShares`) map a prefill's buffer once while any of them plans a read from it.
     Thread-safe (handshakes plan reads on pool threads)."""
@@ -178,7 +208,7 @@ class Mappings:
         """The window of ``region`` that holds prefill addresses ``[start, end)``."""
         offset = (start - region.addr) // mmap.ALLOCATIONGRANULARITY * \
             mmap.ALLOCATIONGRANULARITY
-        key = (offer.host, offer.pid, offer.canary, region.fd, offset,
+        key = (offer.host, offer.pid, offer.canary, region.id, offset,
                end - region.addr - offset)
         with self._lock:
             found = self._mapped.get(key)

@@ -1,0 +1,206 @@
+"""A shared cache buffer's descriptor handed over (:mod:`kvxfer.transfer.converted.fd_handover`),
+between real processes over the real socket: a prefill process leaves no descriptor of its
+cache where /proc shows it, hands one to a reader that proves it may read the prefill's
+memory, and to nobody else, while it keeps serving."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+from test_mapped_reads import cache_memfds
+
+from kvxfer.harness.loopback import CacheConfig, PrefillProcess
+from kvxfer.transfer.converted import fd_handover
+from kvxfer.transfer.converted.fd_handover import (
+    CHALLENGE_BYTES,
+    GIVEN,
+    MAX_PENDING,
+    PROOF_BYTES,
+    REFUSED,
+    UNKNOWN,
+    _mac,
+    take,
+)
+from kvxfer.transfer.converted.host_reads import copy_vectors
+from kvxfer.transfer.converted.mapped_reads import _Mapping
+from kvxfer.wire.metadata import HostReads
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A prefill in a process of its own: one shared buffer holding bytes 0..255 at its start,
+# its offer on stdout; it runs until its stdin closes, then reports what it logged.
+PREFILL = """
+import logging, sys
+import msgspec, torch
+from kvxfer.plan.regions import MemoryRegion
+from kvxfer.transfer.converted.host_reads import Canary
+from kvxfer.transfer.converted.mapped_reads import shared_offer, shared_zeros
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+buffer = shared_zeros(1 << 16)
+buffer[:256] = torch.arange(256, dtype=torch.uint8)
+canary = Canary()
+offer = shared_offer(canary, [MemoryRegion(buffer.data_ptr(), 1 << 16, 0)])
+sys.stdout.buffer.write(msgspec.json.encode(offer) + b"\\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+
+
+class Prefill:
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PREFILL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, "the prefill process printed no offer"
+        self.offer = msgspec.json.decode(line, type=HostReads)
+        self.buffer_id = self.offer.memory[0].id
+
+    def close(self) -> str:
+        """End it; what it logged."""
+        _, err = self.process.communicate(timeout=30)
+        return err.decode()
+
+
+@pytest.fixture
+def child() -> Iterator[Prefill]:
+    made = Prefill()
+    try:
+        yield made
+    finally:
+        if made.process.poll() is None:
+            made.process.kill()
+            made.process.wait()
+
+
+def read_proof(offer: HostReads) -> bytes:
+    """The prefill's secret, as a reader that may read its memory reads it."""
+    proof = np.zeros(PROOF_BYTES, dtype=np.uint8)
+    copy_vectors(offer.pid, np.array([[proof.ctypes.data, PROOF_BYTES]], dtype=np.uint64),
+                 np.array([[offer.proof_addr, PROOF_BYTES]], dtype=np.uint64))
+    return proof.tobytes()
+
+
+def ask(offer: HostReads, answer: Callable[[bytes], bytes]) -> tuple[bytes, list[int]]:
+    """Connect, send ``answer(challenge)``: (the reply byte, b"" when closed; the
+    descriptors received, closed here)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.settimeout(10)
+        conn.connect(offer.handover)
+        challenge = conn.recv(64)
+        assert len(challenge) == CHALLENGE_BYTES
+        conn.send(answer(challenge))
+        reply, ancillary, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(4))
+    fds = [fd for _, _, data in ancillary for fd in np.frombuffer(data, np.int32).tolist()]
+    for fd in fds:
+        os.close(fd)
+    return reply, fds
+
+
+def answer(buffer_id: int, proof: bytes, pid: int | None = None) -> Callable[[bytes], bytes]:
+    return lambda challenge: struct.pack("<Q", buffer_id) + _mac(
+        proof, challenge, os.getpid() if pid is None else pid, buffer_id)
+
+
+def check_maps(offer: HostReads) -> None:
+    """A reader that proves it may read the prefill maps its buffer, read-only."""
+    mapping = _Mapping(offer, offer.memory[0], 0, 1 << 16)
+    assert mapping.bytes[:256].tolist() == list(range(256))
+    assert cache_memfds() == []  # mapped, its descriptor closed
+
+
+def test_a_reader_that_may_read_the_prefill_maps_its_cache(child: Prefill) -> None:
+    check_maps(child.offer)
+    fd = take(child.offer, child.buffer_id)
+    try:
+        with pytest.raises(PermissionError):  # sealed: the prefill's own mapping alone writes
+            os.pwrite(fd, b"x", 0)
+        assert os.pread(fd, 4, 252) == bytes([252, 253, 254, 255])
+    finally:
+        os.close(fd)
+    assert child.close() == ""  # nothing refused, nothing logged
+
+
+def test_a_prefill_process_leaves_no_descriptor_of_its_cache_in_its_fd_table(
+        child: Prefill) -> None:
+    pid = child.process.pid
+    with open(f"/proc/{pid}/maps") as maps:
+        assert "/memfd:kvxfer-kv-cache" in maps.read()  # its cache is a shared buffer
+    assert cache_memfds(pid) == []
+    check_maps(child.offer)  # handing it over leaves none behind either
+    assert cache_memfds(pid) == []
+
+
+def test_a_prefill_sidecar_leaves_no_descriptor_of_its_cache_in_its_fd_table() -> None:
+    """The loopback prefill (what test_transfer reads mapped caches from), TP 2."""
+    process = PrefillProcess()
+    try:
+        process.create(CacheConfig(tp=2, shared_memory=True))
+        pid = process.process.pid
+        assert pid is not None
+        with open(f"/proc/{pid}/maps") as maps:
+            assert "/memfd:kvxfer-kv-cache" in maps.read()
+        assert cache_memfds(pid) == []
+    finally:
+        process.close()
+
+
+def test_no_descriptor_without_the_proof_and_the_listener_keeps_serving(
+        child: Prefill) -> None:
+    offer, buffer_id = child.offer, child.buffer_id
+    proof = read_proof(offer)
+    refused = [
+        answer(buffer_id, secrets.token_bytes(PROOF_BYTES)),  # a guess
+        answer(buffer_id, offer.canary.ljust(PROOF_BYTES, b"\0")),  # what the wire says
+        # the right proof, answered for another process: what a reader tricked into
+        # answering on someone else's socket would give that someone
+        answer(buffer_id, proof, pid=os.getpid() + 1),
+    ]
+    for wrong in refused:
+        assert ask(offer, wrong) == (REFUSED, [])
+        check_maps(offer)
+    assert ask(offer, answer(buffer_id + 1000, proof)) == (UNKNOWN, [])  # proven, no such id
+    for garbage in (b"", b"\x01", secrets.token_bytes(40 - 1), secrets.token_bytes(40 + 1),
+                    secrets.token_bytes(4096)):
+        assert ask(offer, lambda _, g=garbage: g) == (b"", [])  # closed, nothing said
+        check_maps(offer)
+    reply, fds = ask(offer, answer(buffer_id, proof))
+    assert reply == GIVEN and len(fds) == 1
+    logged = child.close()
+    # one line for the lot (at most one per LOG_EVERY_S)
+    assert logged.count("fd handover: refused a connection") == 1, logged
+
+
+def test_silent_clients_block_no_one(child: Prefill) -> None:
+    """More connections that say nothing than may wait at once: each is closed after
+    ANSWER_WITHIN_S or when it is the oldest of too many, and a reader that answers is
+    served meanwhile (were they served one after the other, the reader would wait 80
+    times ANSWER_WITHIN_S, far beyond its own limit, TAKE_TIMEOUT_S)."""
+    silent = []
+    try:
+        for _ in range(MAX_PENDING + 16):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            conn.connect(child.offer.handover)
+            silent.append(conn)
+        fd = take(child.offer, child.buffer_id)
+        os.close(fd)
+        for conn in silent:  # the challenge, then the prefill closes the connection
+            conn.settimeout(10 * fd_handover.ANSWER_WITHIN_S)
+            assert len(conn.recv(64)) == CHALLENGE_BYTES
+            assert conn.recv(64) == b""
+    finally:
+        for conn in silent:
+            conn.close()
+    check_maps(child.offer)
