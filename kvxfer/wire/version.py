@@ -43,7 +43,9 @@ from __future__ import annotations
 #      ReleaseLease.outcome ("abandoned", "cached": a full prefix-cache hit).
 #  12: ReleaseLease.outcome "answered": the first token the prefill sampled (its
 #      kv_transfer_params.first_token) ended the request, so the decode read nothing.
-KVXFER_PROTOCOL_VERSION: int = 12
+#  13: message kinds "heartbeat" (Heartbeat, decode -> prefill, while a READ from it is in
+#      flight) and "heartbeat_ack" (HeartbeatAck), both hash-checked.
+KVXFER_PROTOCOL_VERSION: int = 13
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""
