@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.transfer.reads.path import LANDED, Progress, ReadPath, Waiting
+from kvxfer.transfer.liveness import Channel, Liveness
+from kvxfer.transfer.reads.path import LANDED, Deadline, Progress, ReadPath, Waiting
 from kvxfer.transfer.results import ReadStats
 from kvxfer.wire.params import RemoteParams
 
@@ -41,10 +42,31 @@ class Read:
         """The prefill's lease id, which its "done" notifications name."""
         return self.remote.remote_request_id
 
-    def overdue(self, now: float, timeout: float) -> bool:
-        """Whether the read took longer than ``timeout`` seconds: from when it was posted,
-        or, while it waits to be, from when it started."""
-        return now - (self.posted if self.posted is not None else self.started) > timeout
+    @property
+    def side_channels(self) -> tuple[Channel, ...]:
+        """The prefill side channels serving the ranks it reads (one, unless the prefill's
+        ranks listen apart): where its peer's heartbeats are answered."""
+        host = self.remote.remote_host
+        return tuple((host, port) for port in self.remote.side_channels())
+
+    def deadline(self, timeout: float) -> Deadline:
+        """Its read timeout: ``timeout`` seconds from when it was posted, or, while it
+        waits to be, from when it started."""
+        return Deadline((self.posted if self.posted is not None else self.started) + timeout,
+                        timeout)
+
+    def silence_deadline(self, liveness: Liveness, now: float) -> Deadline | None:
+        """When a posted read is given up because its peer went silent: ``liveness.timeout``
+        after the later of its post and the first heartbeat its side channels left
+        unanswered (None: posted not yet, or they answer). A read that lands first is
+        never failed for it."""
+        silent = liveness.silent_since(self.side_channels)
+        if silent is None or self.posted is None:
+            return None
+        start = max(silent, self.posted)
+        return Deadline(start + liveness.timeout, start + liveness.timeout - self.posted,
+                        f"its side channel has answered no heartbeat for {now - silent:.1f} s "
+                        f"(heartbeat timeout {liveness.timeout:g} s)")
 
     def progress(self) -> Progress:
         """:data:`~kvxfer.transfer.reads.path.LANDED` once every path landed, else what a
