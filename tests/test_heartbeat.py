@@ -12,7 +12,8 @@
   PrefillProcess`, UCX over TCP) frozen with SIGSTOP, read by real decode workers whose
   :class:`~kvxfer.transfer.side_channel.heartbeats.Heartbeats` thread asks its real
   listener. A NIXL READ from it is in flight until the bound fails it (30 s read
-  timeout); a copy from its mapped cache on this host completes, frozen or not; after
+  timeout), also one split over read lanes (they copy inside the post); a copy from its
+  mapped cache on this host completes, frozen or not; after
   SIGCONT its side channel answers again. Only the process this module started is
   signalled, by PID, and it is thawed in ``finally``.
 """
@@ -216,8 +217,12 @@ def test_silence_does_not_move_the_deadline_of_a_wait_the_peer_does_not_owe(rig:
 
 # -- real processes and sockets ---------------------------------------------------------------
 
-CFG_NIXL = CacheConfig(host_reads=False, shared_memory=False)  # read with NIXL READs
-CFG_MAPPED = CacheConfig()  # a decode on this host copies it from its mapped cache
+# 64 blocks, the decode with read lanes: a read of every other block (96 descriptors) is
+# split over the lanes, one of 3 blocks is not (kvxfer.transfer.lanes.LANE_MIN_DESCRIPTORS)
+CFG_NIXL = CacheConfig(num_blocks=64, host_reads=False, shared_memory=False)  # NIXL READs
+CFG_MAPPED = CacheConfig(num_blocks=64)  # a decode on this host copies from its mapped cache
+CFG_DECODE = CacheConfig(num_blocks=64, read_lanes=2)
+FEW, MANY = [1, 2, 3], list(range(0, 64, 2))
 
 
 @dataclass
@@ -231,18 +236,19 @@ class Frozen:
     live: Liveness
     beats: Heartbeats
 
-    def lease(self, target: dict[str, Any], request_id: str) -> None:
-        """Lease 3 blocks there (before it freezes: the process is driven over a pipe)."""
-        self.process.hold(target["engine_id"], request_id, [1, 2, 3], ttl=60)
+    def lease(self, target: dict[str, Any], request_id: str, blocks: list[int] = FEW
+              ) -> None:
+        """Lease ``blocks`` there (before it freezes: the process is driven over a pipe)."""
+        self.process.hold(target["engine_id"], request_id, blocks, ttl=60)
 
-    def read(self, target: dict[str, Any], request_id: str) -> tuple[float, dict[str, Any],
-                                                                     dict[str, str]]:
-        """Read the 3 blocks of lease ``request_id``; (seconds, finished, failed)."""
+    def read(self, target: dict[str, Any], request_id: str, blocks: list[int] = FEW
+             ) -> tuple[float, dict[str, Any], dict[str, str]]:
+        """Read the ``blocks`` of lease ``request_id``; (seconds, finished, failed)."""
         params = {"remote_engine_id": target["engine_id"], "remote_host": "127.0.0.1",
-                  "remote_port": target["port"], "remote_block_ids": [1, 2, 3],
+                  "remote_port": target["port"], "remote_block_ids": blocks,
                   "remote_request_id": request_id, "tp_size": 1}
         start = time.monotonic()
-        self.decode.read(request_id, params, [4, 5, 6])
+        self.decode.read(request_id, params, blocks)
         finished, failed = self.decode.wait([request_id], timeout=READ_TIMEOUT_S + 5)
         return time.monotonic() - start, finished, failed
 
@@ -262,9 +268,9 @@ def frozen() -> Iterator[Frozen]:
     beats: Heartbeats | None = None
     try:
         nixl, mapped = process.create(CFG_NIXL), process.create(CFG_MAPPED)
-        decode = LoopbackInstance.create("decode", CFG_MAPPED, fill="sentinel")
+        decode = LoopbackInstance.create("decode", CFG_DECODE, fill="sentinel")
         live = Liveness(TIMEOUT_S)
-        beats = Heartbeats(live, decode.engine_id, CFG_MAPPED.compat())
+        beats = Heartbeats(live, decode.engine_id, CFG_DECODE.compat())
         for worker in decode.workers:
             worker.liveness, worker.read_timeout = live, READ_TIMEOUT_S
         made = Frozen(process, nixl, mapped, decode, live, beats)
@@ -296,6 +302,26 @@ def test_a_nixl_read_in_flight_from_a_frozen_prefill_fails_within_the_bound(
     why = failed["in-flight"]
     assert f"prefill {frozen.nixl['engine_id']} at tcp://127.0.0.1:{frozen.nixl['port']}" \
         in why and "answered no heartbeat for" in why and "READ still in progress" in why, why
+
+
+def test_a_read_split_over_lanes_from_a_frozen_prefill_fails_within_the_bound(
+        frozen: Frozen) -> None:
+    """The lanes copy while the READs are posted, on their own threads: they give up at
+    the read's deadline as the reader does."""
+    target = frozen.process.create(CFG_NIXL)  # not the peer an earlier test failed
+    frozen.lease(target, "lanes-warm", MANY)
+    _, finished, failed = frozen.read(target, "lanes-warm", MANY)
+    assert not failed and finished["lanes-warm"][0].lanes == 2, "split over the lanes"
+    frozen.lease(target, "lanes", MANY)
+    frozen.freeze()
+    try:
+        took, finished, failed = frozen.read(target, "lanes", MANY)
+    finally:
+        frozen.thaw()
+    print(f"frozen prefill, READ split over lanes: failed after {took:.3f} s")
+    assert not finished and list(failed) == ["lanes"]
+    assert took < BOUND_S + SLACK_S, f"failed after {took:.1f} s, at the read timeout"
+    assert "answered no heartbeat for" in failed["lanes"], failed
 
 
 def test_a_copy_from_a_frozen_prefill_on_this_host_completes(frozen: Frozen) -> None:

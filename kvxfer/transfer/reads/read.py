@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvxfer.transfer.liveness import Channel, Liveness
-from kvxfer.transfer.reads.path import LANDED, Deadline, Progress, ReadPath, Waiting
+from kvxfer.transfer.reads.path import (
+    LANDED,
+    Deadline,
+    Progress,
+    ReadFailed,
+    ReadPath,
+    Waiting,
+)
 from kvxfer.transfer.results import ReadStats
 from kvxfer.wire.params import RemoteParams
 
@@ -58,15 +65,28 @@ class Read:
     def silence_deadline(self, liveness: Liveness, now: float) -> Deadline | None:
         """When a posted read is given up because its peer went silent: ``liveness.timeout``
         after the later of its post and the first heartbeat its side channels left
-        unanswered (None: posted not yet, or they answer). A read that lands first is
-        never failed for it."""
+        unanswered (None: posted not yet, posted under that long ago, or they answer). A
+        read that lands first is never failed for it."""
+        if self.posted is None or now - self.posted <= liveness.timeout:
+            return None  # not due yet whatever the heartbeats say: nothing to ask
         silent = liveness.silent_since(self.side_channels)
-        if silent is None or self.posted is None:
+        if silent is None:
             return None
         start = max(silent, self.posted)
         return Deadline(start + liveness.timeout, start + liveness.timeout - self.posted,
                         f"its side channel has answered no heartbeat for {now - silent:.1f} s "
                         f"(heartbeat timeout {liveness.timeout:g} s)")
+
+    def overdue(self, waiting: Waiting, timeout: float, liveness: Liveness | None,
+                now: float) -> ReadFailed | None:
+        """The failure of this read, still ``waiting``, once past its deadline, else None.
+        The deadline: its read timeout (``timeout``, :meth:`deadline`), or, where the peer
+        owes the bytes, its peer's silence (:meth:`silence_deadline`), whichever comes
+        first. Called from the reader's thread, or from a lane's while a path copies."""
+        deadline = self.deadline(timeout)
+        if waiting.peer is not None and liveness is not None:
+            deadline = deadline.earlier(self.silence_deadline(liveness, now))
+        return waiting.timed_out(deadline) if now > deadline.at else None
 
     def progress(self) -> Progress:
         """:data:`~kvxfer.transfer.reads.path.LANDED` once every path landed, else what a

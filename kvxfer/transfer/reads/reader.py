@@ -14,7 +14,7 @@ worker's thread calls :meth:`Reader.step` on every turn of its loop, which
 6. tells the instance's :class:`~kvxfer.transfer.liveness.Liveness` (when it has one) which
    prefill side channels its reads in flight come from: those get heartbeats.
 
-A read in flight is given up at its deadline (:meth:`Reader._deadline`): its read timeout,
+A read in flight is given up at its deadline (:meth:`Read.overdue`): its read timeout,
 or earlier, while its peer owes bytes, once the peer's side channel has left a heartbeat
 unanswered for the heartbeat timeout (a cut link, a frozen host). It is checked only after
 the read was progressed, so a read that landed is never failed for a silent peer (on one
@@ -51,7 +51,7 @@ from kvxfer.transfer.peers import HandshakeFailed, Peer, Peers
 from kvxfer.transfer.reads.direct import DirectPath
 from kvxfer.transfer.reads.host import HostPath, MappedPath
 from kvxfer.transfer.reads.lanes import LanesPath
-from kvxfer.transfer.reads.path import LANDED, Deadline, ReadFailed, ReadPath, Waiting
+from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.staged import StagedPath
 from kvxfer.transfer.results import PathTraffic, ReadResults, TransferError
@@ -161,13 +161,14 @@ class Reader:
             self.staging_wait.append((read, peer))
             return
         read.posted = time.monotonic()  # the read timeout counts from here
+        self.inflight.append(read)
+        self._watch()  # heartbeats from now: a path may copy for a while in its post
         try:
             for path in read.paths:
                 path.start()
         except ReadFailed as failure:
+            self.inflight.remove(read)
             self._fail(read, failure)
-            return
-        self.inflight.append(read)
 
     def _retry_staged(self) -> None:
         """Post converted reads that waited for staging, oldest first; fail those that
@@ -195,9 +196,10 @@ class Reader:
             try:
                 outcome = read.progress()
                 if isinstance(outcome, Waiting):
-                    deadline = self._deadline(read, outcome, now)
-                    if now > deadline.at:
-                        raise outcome.timed_out(deadline)
+                    failure = read.overdue(outcome, self.read_timeout,
+                                           self._local.deadlines.liveness, now)
+                    if failure is not None:
+                        raise failure
             except ReadFailed as failure:
                 self.inflight.remove(read)
                 self._fail(read, failure)
@@ -205,16 +207,6 @@ class Reader:
             if outcome is LANDED:
                 self.inflight.remove(read)
                 self._finish(read, now)
-
-    def _deadline(self, read: Read, waiting: Waiting, now: float) -> Deadline:
-        """When ``read``, still ``waiting``, is given up: at its read timeout, or, when its
-        peer owes the bytes, as soon as the peer's side channel was silent for the
-        heartbeat timeout, whichever comes first."""
-        deadline = read.deadline(self.read_timeout)
-        liveness = self._local.deadlines.liveness
-        if waiting.peer is None or liveness is None:
-            return deadline
-        return deadline.earlier(read.silence_deadline(liveness, now))
 
     def _watch(self) -> None:
         """Heartbeats go to the side channels of the reads in flight (none: no more)."""
