@@ -9,6 +9,7 @@ by the worker's thread (:class:`~kvxfer.transfer.reads.reader.Reader`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,10 +50,11 @@ class Read:
         """The prefill's lease id, which its "done" notifications name."""
         return self.remote.remote_request_id
 
-    @property
+    @functools.cached_property
     def side_channels(self) -> tuple[Channel, ...]:
         """The prefill side channels serving the ranks it reads (one, unless the prefill's
-        ranks listen apart): where its peer's heartbeats are answered."""
+        ranks listen apart): where its peer's heartbeats are answered (asked on every turn
+        of the reader's loop: computed once)."""
         host = self.remote.remote_host
         return tuple((host, port) for port in self.remote.side_channels())
 
