@@ -97,6 +97,19 @@ def test_a_peer_that_never_answers_gets_a_bounded_number_of_heartbeats() -> None
             for _, seq in live.beats_due(step * live.interval)]
     assert sent == list(range(MAX_UNANSWERED))
     assert live.silent_since([CHANNEL]) == 0.0
+    last = (2 * MAX_UNANSWERED - 1) * live.interval
+    assert live.next_due() == pytest.approx(last + live.interval), "no busy loop meanwhile"
+
+
+def test_once_stopped_nothing_is_silent_nor_watched() -> None:
+    """The heartbeat thread ended: what it left unanswered must fail no read."""
+    live = Liveness(TIMEOUT_S)
+    live.watch("rank0", [CHANNEL], now=0.0)
+    live.beats_due(0.0)
+    live.stop()
+    assert live.silent_since([CHANNEL]) is None
+    live.watch("rank0", [CHANNEL, OTHER], now=1.0)
+    assert live.beats_due(1.0) == [] and live.channels() == []
 
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])

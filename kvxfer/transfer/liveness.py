@@ -11,7 +11,8 @@ Pure (the standard library only, no I/O) and thread-safe. Who calls what:
   sends a heartbeat on every watched channel each :attr:`Liveness.interval` seconds
   (:meth:`Liveness.beats_due`), records each answer (:meth:`Liveness.answered`) and
   closes the connections of channels nobody watched for :data:`LINGER_S`
-  (:meth:`Liveness.forget_idle`).
+  (:meth:`Liveness.forget_idle`); when it ends, :meth:`Liveness.stop` makes every channel
+  count as answering again (a heartbeat that can no longer be answered fails nothing).
 
 A channel is silent since the oldest heartbeat sent on it that no answer has followed:
 an answer to heartbeat ``n`` answers every earlier one too (the peer was there after they
@@ -62,6 +63,7 @@ class Liveness:
         self._watching: dict[Hashable, frozenset[Channel]] = {}  # by owner (a reader)
         self._channels: dict[Channel, _Channel] = {}
         self._lock = threading.Lock()
+        self._stopped = False
 
     @property
     def bound(self) -> float:
@@ -76,7 +78,7 @@ class Liveness:
         heartbeat at once."""
         watched = frozenset(channels)
         with self._lock:
-            if self._watching.get(owner, frozenset()) == watched:
+            if self._stopped or self._watching.get(owner, frozenset()) == watched:
                 return
             if watched:
                 self._watching[owner] = watched
@@ -99,6 +101,14 @@ class Liveness:
                     if (state := self._channels.get(channel)) is not None and state.unanswered]
         return min(sent, default=None)
 
+    def stop(self) -> None:
+        """No more heartbeats go out (their thread ended): nothing is silent from now on,
+        so reads wait for their read timeout again, as without heartbeats."""
+        with self._lock:
+            self._stopped = True
+            self._watching.clear()
+            self._channels.clear()
+
     # -- the heartbeat thread ---------------------------------------------------------------
     def beats_due(self, now: float) -> list[tuple[Channel, int]]:
         """The watched channels whose heartbeat is due, each with the ``seq`` to send; each
@@ -107,12 +117,13 @@ class Liveness:
         with self._lock:
             for channel in self._watched():
                 state = self._channels[channel]
-                if now < state.next_due or len(state.unanswered) >= MAX_UNANSWERED:
+                if now < state.next_due:
                     continue
-                seq, state.next_seq = state.next_seq, state.next_seq + 1
-                state.unanswered[seq] = now
                 state.next_due = now + self.interval
-                due.append((channel, seq))
+                if len(state.unanswered) < MAX_UNANSWERED:
+                    seq, state.next_seq = state.next_seq, state.next_seq + 1
+                    state.unanswered[seq] = now
+                    due.append((channel, seq))
         return due
 
     def next_due(self) -> float | None:

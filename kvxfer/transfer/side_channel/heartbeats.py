@@ -86,6 +86,7 @@ class Heartbeats:
             log.exception("the heartbeat thread of %s failed; silent prefills are noticed "
                           "at the read timeout only", self.engine_id)
         finally:
+            self.liveness.stop()  # what is unanswered now never will be: it fails nothing
             for sock in self._sockets.values():
                 sock.close(linger=0)
             self._sockets.clear()
