@@ -24,6 +24,7 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/wire/notification.py",
               "kvxfer/wire/params.py", "kvxfer/transfer/results.py",
               "kvxfer/transfer/reads/path.py", "kvxfer/transfer/reads/read.py",
+              "kvxfer/transfer/liveness.py",
               "kvxfer/transfer/converted/process_shares.py",
               "kvxfer/transfer/converted/fd_handover.py")
 

@@ -16,10 +16,14 @@ Checked:
   logprobs) what the reference answers, with the KV read across the network from both
   prefills; every block is freed on every side afterwards;
 * a prefill's link cut in the middle of a read (egress slowed so that the read takes
-  seconds; ``ip link set kvx0 down`` once part of it has crossed): the client gets a 502
-  within a deadline, the decode frees its blocks at once and the prefill at its lease
-  TTL, the proxy takes the cut-off prefill out of rotation and the decode serves from
-  the other one; once the link is back, the first prefill serves again;
+  seconds; ``ip link set kvx0 down`` once part of it has crossed): UCX over TCP notices
+  nothing, but the prefill's side channel answers no more heartbeats, so the decode's
+  read fails within the heartbeat bound (1.25 x ``--kv-heartbeat-timeout``), well before
+  its ``--kv-read-timeout``, naming the silent prefill; the proxy runs the request again
+  on the other prefill and the client gets the one-instance answer within a deadline;
+  the decode frees its blocks at once and the prefill at its lease TTL, the proxy takes
+  the cut-off prefill out of rotation and the decode serves from the other one; once
+  the link is back, the first prefill serves again;
 * SmolLM2 once: a prefill and a decode in two namespaces answer a chat question exactly
   as one instance does.
 
@@ -57,7 +61,10 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_HOST_READS = "--no-host-reads"  # a prefill on another "host" is read over the network
 LEASE_TTL_S = 3.0               # the prefill frees an unread lease this soon
 READ_TIMEOUT_S = 8.0            # the decode gives up a read this soon
-CUT_DEADLINE_S = READ_TIMEOUT_S + 7.0
+HEARTBEAT_S = 2.0               # ... or one whose prefill answers no heartbeat this long
+HEARTBEAT_BOUND_S = 1.25 * HEARTBEAT_S  # after the cut, the read fails this soon
+HEARTBEAT_SLACK_S = 1.5         # two busy cores; the bound plus it stays far below 8 s
+CUT_DEADLINE_S = HEARTBEAT_BOUND_S + HEARTBEAT_SLACK_S + 7.0  # the retried answer
 SLOW_RATE = "10mbit"            # the prefill's egress during the cut test: ~1.2 MB/s
 CUT_PROMPT_TOKENS = 1800        # kvxfer-tiny: 2 KiB of KV per token, ~3.6 MB, ~3 s slowed
 REAL_MODEL = "smollm2-135m-instruct"
@@ -129,7 +136,8 @@ def rig(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                     *host, "--side-channel-host", network.address(role), NO_HOST_READS,
                     "--lease-ttl", str(LEASE_TTL_S))) for role in PREFILLS),
                 NsSpec("decode", netns=network.ns("decode"), policy="fail", extra=(
-                    *host, "--kv-read-timeout", str(READ_TIMEOUT_S))),
+                    *host, "--kv-read-timeout", str(READ_TIMEOUT_S),
+                    "--kv-heartbeat-timeout", str(HEARTBEAT_S))),
             ])
             for role, sidecar in zip(PREFILLS, prefills, strict=True):
                 at(sidecar, network.address(role))
@@ -223,9 +231,21 @@ def test_accuracy_prompts_across_namespaces(rig: Rig) -> None:
     rig.decode.wait_for("all blocks free", lambda h: h["used_blocks"] == 0, timeout=10)
 
 
+def connect_every_prefill(rig: Rig) -> None:
+    """Serve through the proxy until the decode has read from every prefill: it connects
+    to each (handshake, NIXL, the probe that picks its path) before the link is slowed."""
+    start = {role: done_leases(sidecar) for role, sidecar in rig.prefills.items()}
+    for i in range(8):
+        if all(done_leases(s) > start[role] for role, s in rig.prefills.items()):
+            return
+        completion(rig.proxy, f"Warm up {i}: " + "tokens " * 20, 2)
+    raise AssertionError("the proxy did not send a request to every prefill")
+
+
 def test_link_cut_mid_read(rig: Rig) -> None:
     network, decode = rig.network, rig.decode
     wait_instances(rig.proxy, "every instance healthy", all_healthy)
+    connect_every_prefill(rig)  # a cut while connecting would end at the read timeout
     prompt = ("The prefill host drops off the network while its KV is read. " * 40)
     prompt = prompt[:CUT_PROMPT_TOKENS]
     failed_before = transfers(decode, "failed")
@@ -264,12 +284,23 @@ def test_link_cut_mid_read(rig: Rig) -> None:
         for role in PREFILLS:  # the other prefill at full speed for the retry
             if role != cut:
                 network.slow(role, None)
+        # UCX over TCP notices nothing; the heartbeats on the side channel do: the read
+        # fails within their bound, long before the read timeout would end it
+        while transfers(decode, "failed") == failed_before:
+            assert time.monotonic() - cut_at < READ_TIMEOUT_S + 5, "the read never failed"
+            time.sleep(0.05)
+        read_failed = time.monotonic() - cut_at
+        print(f"link cut: the decode's read failed {read_failed:.2f} s after the cut")
+        assert read_failed <= HEARTBEAT_BOUND_S + HEARTBEAT_SLACK_S < READ_TIMEOUT_S - 1, \
+            f"the read failed {read_failed:.1f} s after the cut: at its read timeout?"
+        assert "answered no heartbeat" in decode.log_tail(200) and \
+            network.address(cut) in decode.log_tail(200), decode.log_tail(20)
         client.join(CUT_DEADLINE_S + 5)
         assert not client.is_alive(), f"no answer {CUT_DEADLINE_S + 5} s after the cut"
         failed_at = result["ended"]
         assert failed_at - cut_at <= CUT_DEADLINE_S, result
-        # the decode's read failed at its timeout; the proxy ran the request again, on
-        # the other prefill, and the client got the one-instance answer
+        # the proxy ran the request again, on the other prefill, and the client got the
+        # one-instance answer
         assert transfers(decode, "failed") == failed_before + 1
         assert result["status"] == 200, result
         want = completion(rig.reference, prompt, 4)

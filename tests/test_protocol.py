@@ -35,6 +35,8 @@ from kvxfer.wire.messages import (
     MAX_LEASE_ID_CHARS,
     MAX_RELEASE_REASON_CHARS,
     ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
     MessageKind,
     MetadataRequest,
     MetadataResponse,
@@ -77,11 +79,13 @@ REQUEST = MetadataRequest("decode-b", (1, 0))
 RELEASE = ReleaseLease("req-7@3", "decode-b", "the decode refused the request: max_tokens")
 ACK = ReleaseAck("req-7@3", found=True)
 MESSAGES = [REQUEST, RESPONSE, RELEASE, ACK, RenewLease("req-7@3", "decode-b", claim=True),
-            RenewAck("req-7@3", True, 0.5), ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
+            RenewAck("req-7@3", True, 0.5), Heartbeat("decode-b", 7), HeartbeatAck(7),
+            ErrorReply(ErrorCode.UNKNOWN_RANK, "no rank 7")]
 KIND_NAMES: dict[type[Any], str] = {
     MetadataRequest: "metadata_request", MetadataResponse: "metadata_response",
     ReleaseLease: "release", ReleaseAck: "release_ack", RenewLease: "renew",
-    RenewAck: "renew_ack", ErrorReply: "error_reply"}
+    RenewAck: "renew_ack", Heartbeat: "heartbeat", HeartbeatAck: "heartbeat_ack",
+    ErrorReply: "error_reply"}
 
 
 def builtins(obj: Any) -> Any:
@@ -327,6 +331,11 @@ def _bad_response_rank(**changes: Any) -> dict[str, Any]:
     (ReleaseLease, {"lease_id": "req-7@3", "reason": "x"}, "requester_engine_id"),
     (ReleaseAck, {"lease_id": "req-7@3", "found": "yes"}, "found"),
     (ReleaseAck, {"lease_id": "", "found": False}, "ReleaseAck.lease_id must not be empty"),
+    (Heartbeat, {"requester_engine_id": "", "seq": 0}, "requester_engine_id must not be empty"),
+    (Heartbeat, {"requester_engine_id": "d", "seq": -1}, "Heartbeat.seq must not be negative"),
+    (Heartbeat, {"requester_engine_id": "d", "seq": "1"}, "seq"),
+    (HeartbeatAck, {"seq": -3}, "HeartbeatAck.seq must not be negative"),
+    (HeartbeatAck, {"seq": 1, "lease_id": "x"}, "lease_id"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 60 else None)
 def test_strict_payload_decoding_names_the_offender(kind: type[Any], payload: dict[str, Any],
                                                     named: str) -> None:

@@ -42,7 +42,7 @@ def test_help_lists_roles_and_flags() -> None:
                  "--kv-cache-layout", "KVXFER_KV_CACHE_LAYOUT", "--block-size", "--num-blocks",
                  "--kv-load-failure-policy", "--lease-ttl", "--served-model-name", "ready",
                  "--api-key", "--api-key-file", "KVXFER_API_KEY", "--kv-read-timeout",
-                 "--no-host-reads"):
+                 "--kv-heartbeat-timeout", "--no-host-reads"):
         assert text in done.stdout, f"{text!r} missing from --help"
 
 
@@ -73,11 +73,15 @@ def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
     (("--lease-ttl", "0"), "--lease-ttl"),
     (("--read-lanes", "0"), "--read-lanes"),
     (("--kv-read-timeout", "0"), "--kv-read-timeout"),
+    (("--kv-heartbeat-timeout", "-1"), "--kv-heartbeat-timeout"),
+    (("--kv-heartbeat-timeout", "0.05"), "at least 0.2 seconds"),
+    (("--kv-heartbeat-timeout", "inf"), "--kv-heartbeat-timeout"),
     (("--api-key", " "), "--api-key"),
     (("--api-key-file", "no/such/key-file"), "no/such/key-file"),
     (("--api-key", "k", "--api-key-file", "f"), "not both"),
 ], ids=["tp", "model", "layout", "port", "lease-ttl", "read-lanes", "kv-read-timeout",
-        "empty-api-key", "missing-key-file", "key-and-file"])
+        "heartbeat-negative", "heartbeat-too-short", "heartbeat-inf", "empty-api-key",
+        "missing-key-file", "key-and-file"])
 def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> None:
     assert_one_line_error(run_serve("--port", str(free_port()), *args), named)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -39,6 +40,7 @@ second SIGTERM or SIGINT stops at once."""
 API_KEY_ENV = "KVXFER_API_KEY"
 ADVERTISE_HOST_ENV = "KVXFER_ADVERTISE_HOST"
 SIDE_CHANNEL_HOST_ENV = "KVXFER_SIDE_CHANNEL_HOST"
+MIN_HEARTBEAT_TIMEOUT_S = 0.2  # heartbeats every 50 ms at most
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +137,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode: longest handshake with a prefill (all attempts "
                              "together), and longest READ of one request's KV; then the "
                              "read fails (recompute or 502, by policy) (default 10)")
+    parser.add_argument("--kv-heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
+                        help="decode: while a READ from a prefill is in flight, ask the "
+                             "prefill's side channel every SECONDS/4 whether it answers; a "
+                             "READ still in flight once a question went unanswered for "
+                             "SECONDS fails as at --kv-read-timeout (and the prefill counts "
+                             "as failed for a moment), so a cut link or a frozen prefill "
+                             "host is noticed within 1.25 x SECONDS of going silent (2.5 s "
+                             "by default) instead of at --kv-read-timeout. A READ that "
+                             "completes is never failed "
+                             "for it. Keep it above the worst delay of the side channel's "
+                             "answers; 0 turns heartbeats off (default 2)")
     parser.add_argument("--kv-key-file", default=None, metavar="PATH",
                         help="prefill and decode: the key shared by every instance that "
                              "exchanges KV (at least 16 bytes; mode 600, or 440 owned by "
@@ -177,6 +190,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.kv_read_timeout > 0:
         return _fail(f"--kv-read-timeout must be a positive number of seconds, got "
                      f"{args.kv_read_timeout}")
+    if not (args.kv_heartbeat_timeout == 0 or
+            MIN_HEARTBEAT_TIMEOUT_S <= args.kv_heartbeat_timeout < math.inf):
+        return _fail(f"--kv-heartbeat-timeout must be 0 (off) or at least "
+                     f"{MIN_HEARTBEAT_TIMEOUT_S} seconds, got {args.kv_heartbeat_timeout}")
     try:
         api_key = load_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
     except ApiKeyError as exc:
@@ -202,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
         read_lanes=args.read_lanes, nixl_backends=backends, kv_key=kv_key,
         host_reads=args.host_reads,
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
-        kv_read_timeout=args.kv_read_timeout, advertise_host=args.advertise_host,
+        kv_read_timeout=args.kv_read_timeout,
+        kv_heartbeat_timeout=args.kv_heartbeat_timeout, advertise_host=args.advertise_host,
         drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,
         enable_prefix_caching=args.enable_prefix_caching)
     if args.role == "prefill":

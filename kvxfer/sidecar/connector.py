@@ -38,7 +38,10 @@ decode half of :meth:`poll` are :class:`~kvxfer.sidecar.kv_loads.KVLoads`' (its
 module docstring is the contract: claims, admission, reads, their resolution, the
 releases a decode sends), over the shared
 :class:`~kvxfer.transfer.lease_client.LeaseClient`. The HTTP layer calls
-:meth:`release_remote` for a request refused before it reached the loop.
+:meth:`release_remote` for a request refused before it reached the loop. While a rank
+reads from a prefill, :attr:`heartbeats` asks that prefill's side channel whether it
+answers (``kv_heartbeat_timeout``; 0: never): a READ in flight from one silent for that
+long fails like a READ past its timeout (:mod:`kvxfer.transfer.liveness`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket, verify_tic
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.engine import LLMEngine, Logprob, SamplingParams
     from kvxfer.transfer.leases import LeaseAnswers
+    from kvxfer.transfer.liveness import Liveness
+    from kvxfer.transfer.side_channel.heartbeats import Heartbeats
     from kvxfer.transfer.side_channel.listener import HandshakeListener
     from kvxfer.transfer.side_channel.release_sender import ReleaseSender
     from kvxfer.transfer.worker import TransferWorker
@@ -73,6 +78,9 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
+# decode: a READ in flight from a prefill whose side channel answered no heartbeat for this
+# long fails (kvxfer.transfer.liveness): within 1.25 x this after the prefill fell silent
+DEFAULT_HEARTBEAT_TIMEOUT_S = 2.0
 PARAMS_HOLDER = "params-holder"  # who releases through release_handed_out (no decode engine)
 
 
@@ -112,7 +120,8 @@ class KVConnector:
                  failure_policy: str = "recompute", read_lanes: int = 2,
                  nixl_backends: tuple[str, ...] = ("UCX",),
                  kv_read_timeout: float = 10.0, hmac_key: bytes | None = None,
-                 host_reads: bool = True) -> None:
+                 host_reads: bool = True,
+                 kv_heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if failure_policy not in FAILURE_POLICIES:
@@ -121,6 +130,9 @@ class KVConnector:
         if not lease_ttl > 0:
             raise ValueError(f"lease TTL must be a positive number of seconds, got {lease_ttl}")
         lease_max_age = 4 * lease_ttl if lease_max_age is None else lease_max_age
+        if not kv_heartbeat_timeout >= 0:
+            raise ValueError(f"the heartbeat timeout must be 0 (off) or a positive number of "
+                             f"seconds, got {kv_heartbeat_timeout}")
         if not lease_max_age >= lease_ttl:
             raise ValueError(f"the maximum lease age ({lease_max_age} s) must be at least the "
                              f"lease TTL ({lease_ttl} s)")
@@ -133,6 +145,8 @@ class KVConnector:
         self.lease_max_age = lease_max_age  # prefill: no renewal past this; decode: no ticket
         self._key = hmac_key  # signs the side channel, notifications and lease tickets
         self.kv_read_timeout = kv_read_timeout
+        self.kv_heartbeat_timeout = kv_heartbeat_timeout  # decode; 0: no heartbeats
+        self.heartbeats: Heartbeats | None = None  # decode: asks peers read from if there
         self.nixl_backends = nixl_backends
         # converted reads on one host (kvxfer.transfer.converted.host_reads)
         self.host_reads = host_reads
@@ -162,6 +176,7 @@ class KVConnector:
         from kvxfer.transfer.worker import TransferWorker
 
         compat = compat_info(self.engine)
+        liveness = self._start_heartbeats(compat)
         shares = ProcessShares()  # the ranks run in this process: they share their reads
         for rank in range(self.engine.tp):
             worker = TransferWorker(self.engine_id, rank, self.engine.tp, compat,
@@ -169,10 +184,22 @@ class KVConnector:
                                     read_lanes=self.read_lanes, hmac_key=self._key,
                                     nixl_backends=self.nixl_backends,
                                     host_reads=self.host_reads, shares=shares,
-                                    **self._read_deadlines())
+                                    liveness=liveness, **self._read_deadlines())
             self.workers.append(worker)
             worker.register_kv_caches(self.engine.kv_caches[rank], self.engine.cache_spec(rank),
                                       self.engine.num_blocks, self.engine.layout)
+
+    def _start_heartbeats(self, compat: CompatInfo) -> Liveness | None:
+        """Decode: the liveness of the prefills read from, which its ranks share, and the
+        thread that sends their heartbeats (None: another role, or heartbeats off)."""
+        from kvxfer.transfer.liveness import Liveness
+        from kvxfer.transfer.side_channel.heartbeats import Heartbeats
+
+        if self.role != "decode" or not self.kv_heartbeat_timeout:
+            return None
+        liveness = Liveness(self.kv_heartbeat_timeout)
+        self.heartbeats = Heartbeats(liveness, self.engine_id, compat, self._key)
+        return liveness
 
     def _read_deadlines(self) -> dict[str, Any]:
         """A decode's bounds, from ``kv_read_timeout``: the handshake's two attempts take
@@ -259,6 +286,9 @@ class KVConnector:
             self.listener = None
         for worker in self.workers:
             worker.close()
+        if self.heartbeats is not None:
+            self.heartbeats.close()
+            self.heartbeats = None
         if self.loads is not None:
             self.loads.close()
 

@@ -36,6 +36,9 @@ class Settings:
     kv_key: bytes | None = field(default=None, repr=False)
     api_key: str | None = None  # HTTP: required as "Authorization: Bearer KEY" when set
     kv_read_timeout: float = 10.0  # decode: bound on a KV load's handshake and on its READ
+    # decode: a READ in flight from a prefill whose side channel answered no heartbeat for
+    # this long fails (0: no heartbeats); see --kv-heartbeat-timeout
+    kv_heartbeat_timeout: float = 2.0
     # the address peers reach this instance at; None: the bind host (never a wildcard)
     advertise_host: str | None = None
     drain_timeout: float = 30.0  # after SIGTERM: longest wait for in-flight work and leases

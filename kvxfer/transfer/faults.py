@@ -8,9 +8,10 @@ on the way:
 * ``notification``: the decode readers' NIXL "done" notifications (the worker thread
   discards them before it counts them: :meth:`LeaseTable.receive`), counted as
   ``kvxfer_kv_notifications_failed_total{reason="dropped"}``;
-* a side-channel message kind (``done``, ``release``, ``renew``: the values of
-  :class:`~kvxfer.wire.messages.MessageKind`): the listener neither handles nor answers
-  it, so the decode's sender sees no answer and sends it again, as after a lost packet.
+* a side-channel message kind (``done``, ``release``, ``renew``, ``heartbeat``: the values
+  of :class:`~kvxfer.wire.messages.MessageKind`): the listener neither handles nor answers
+  it, so the decode's sender sees no answer and sends it again, as after a lost packet
+  (``heartbeat=1``: a prefill that serves reads but whose side channel seems silent).
 
 Which messages are lost is drawn at random (``KVXFER_DROP_SEED`` seeds it). A lost
 "done" must cost a lease its readers' side-channel reports, never its TTL; that is what
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 ENV: Final = "KVXFER_DROP_MESSAGES"
 SEED_ENV: Final = "KVXFER_DROP_SEED"
-KINDS: Final = ("notification", "done", "release", "renew")
+KINDS: Final = ("notification", "done", "release", "renew", "heartbeat")
 
 
 class MessageLoss:

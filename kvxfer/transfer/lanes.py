@@ -17,7 +17,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,6 +37,8 @@ LANE_POLL_S = 0.0002       # a lane waiting for a READ the transport did not fin
 # One agent's share of a read: (remote agent, local descriptors, remote descriptors,
 # whether the remote side is GPU memory), one per prefill rank it reads from.
 Part = tuple[str, Any, Any, bool]
+# Whether a copy must give up now: the error to raise, or None to go on waiting.
+Overdue = Callable[[], Exception | None]
 
 
 class Lanes:
@@ -96,11 +98,13 @@ class Lanes:
                                         remote_cuda[rank_descs.remote_rank]))
         return parts
 
-    def copy(self, parts: Sequence[Sequence[Part]], local_cuda: bool, timeout: float) -> None:
+    def copy(self, parts: Sequence[Sequence[Part]], local_cuda: bool, overdue: Overdue
+             ) -> None:
         """READ every agent's ``parts`` at once (the rank's own agent on this thread);
-        return once all landed, or raise the first error once every one ended."""
+        return once all landed, or raise the first error once every one ended (each lane
+        gives up once ``overdue`` returns an error: :func:`copy_parts`)."""
         agents = [self.agent, *self.agents]
-        run_all([functools.partial(copy_parts, agent, part, local_cuda, timeout)
+        run_all([functools.partial(copy_parts, agent, part, local_cuda, overdue)
                  for agent, part in zip(agents, parts, strict=True)], self.pool)
 
     def close(self) -> None:
@@ -113,16 +117,30 @@ class Lanes:
 
 
 def copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
-                timeout: float) -> None:
-    """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed."""
-    deadline = time.monotonic() + timeout
+               overdue: Overdue) -> None:
+    """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed;
+    raise what ``overdue()`` returns (any thread may call it) as soon as it is not None."""
     for remote, local, remote_descs, remote_cuda in parts:
         transfer = agent.read(remote, local, remote_descs, local_is_cuda=local_cuda,
                               remote_is_cuda=remote_cuda)
         try:
             while transfer.state() != "DONE":
-                if time.monotonic() > deadline:
-                    raise TransferError(f"READ still in progress after {timeout:.0f} s")
+                failure = overdue()
+                if failure is not None:
+                    raise failure
                 time.sleep(LANE_POLL_S)
         finally:
             transfer.release()
+
+
+def overdue_after(timeout: float) -> Overdue:
+    """An ``overdue`` for :func:`copy_parts`: a TransferError once ``timeout`` seconds
+    passed from now (a copy that is not a request's read: the probe of a path)."""
+    deadline = time.monotonic() + timeout
+
+    def overdue() -> Exception | None:
+        if time.monotonic() > deadline:
+            return TransferError(f"READ still in progress after {timeout:.0f} s")
+        return None
+
+    return overdue

@@ -23,6 +23,7 @@ from kvxfer.plan.regions import MemoryRegion, RegionPlan
 from kvxfer.transfer.converted.process_shares import ProcessShares
 from kvxfer.transfer.converted.staging_pool import StagingPool
 from kvxfer.transfer.lanes import Lanes
+from kvxfer.transfer.liveness import Liveness
 from kvxfer.transfer.nixl_agent import NixlAgent
 from kvxfer.transfer.results import Tally, TransferError
 
@@ -42,12 +43,15 @@ class Deadlines:
     """How long a decode rank waits: a handshake up to ``1 + handshake_retries`` attempts
     of ``handshake_timeout`` seconds
     (:meth:`~kvxfer.transfer.side_channel.client.HandshakeClient.fetch`), a read
-    ``read_timeout`` seconds once posted (or waiting for staging before it is). The
-    worker's attributes of the same names set them; what starts next uses them."""
+    ``read_timeout`` seconds once posted (or waiting for staging before it is), or, with
+    ``liveness``, less: a read in flight from a prefill whose side channel has left a
+    heartbeat unanswered for ``liveness.timeout`` seconds fails then. The worker's
+    attributes of the same names set them; what starts next uses them."""
 
     handshake_timeout: float
     handshake_retries: int
     read_timeout: float
+    liveness: Liveness | None = None  # shared by the instance's ranks (thread-safe)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from kvxfer.transfer.converted.host_reads import (
     plan_host_read,
 )
 from kvxfer.transfer.converted.mapped_reads import MappedRead, copy_alone, map_prefill
-from kvxfer.transfer.lanes import Part, copy_parts
+from kvxfer.transfer.lanes import Part, copy_parts, overdue_after
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.threads import run_all
 from kvxfer.wire.metadata import AgentMetadata, HostReads
@@ -293,5 +293,6 @@ def _read_rate(local: LocalRank, agent: str, memory: MemoryRegion) -> float:
 
         lanes = local.lanes
         if lanes is None:
-            return _rate(lambda n: copy_parts(local.agent, parts(n)[0], False, timeout), nbytes)
-        return _rate(lambda n: lanes.copy(parts(n), False, timeout), nbytes)
+            return _rate(lambda n: copy_parts(local.agent, parts(n)[0], False,
+                                              overdue_after(timeout)), nbytes)
+        return _rate(lambda n: lanes.copy(parts(n), False, overdue_after(timeout)), nbytes)

@@ -18,7 +18,11 @@ Contract (who calls what, when):
   engine), builds descriptors for this rank's share of heads, posts one READ per
   prefill rank it needs and, on success, each READ delivers a "done"
   notification to its prefill rank. ``poll()`` returns what finished or failed
-  since the last call; a failed request carries a reason naming the peer. A
+  since the last call; a failed request carries a reason naming the peer. A read
+  fails at ``read_timeout``, or, given a ``liveness``
+  (:class:`~kvxfer.transfer.liveness.Liveness`, whose heartbeats the instance sends with
+  :class:`~kvxfer.transfer.side_channel.heartbeats.Heartbeats`), as soon as its peer's
+  side channel was silent for the heartbeat timeout while it was in flight. A
   failed read notifies the prefill ranks (``ok=False``) when a NIXL connection
   exists. Every read that ended with a known peer comes with its "done" reports
   (``PollResult.reports``), which the caller sends over the side channel
@@ -84,6 +88,7 @@ from kvxfer.transfer.converted.process_shares import ProcessShares
 from kvxfer.transfer.converted.staging_pool import StagingPool
 from kvxfer.transfer.lanes import Lanes
 from kvxfer.transfer.leases import LeaseTable
+from kvxfer.transfer.liveness import Liveness
 from kvxfer.transfer.local_rank import Deadlines, LocalRank, memory_kind
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.transfer.peers import Peers
@@ -111,13 +116,15 @@ class TransferWorker:
                  handshake_retries: int = 2, read_timeout: float = 30.0,
                  hmac_key: bytes | None = None, read_lanes: int = 1,
                  nixl_backends: Sequence[str] = DEFAULT_BACKENDS,
-                 host_reads: bool = True, shares: ProcessShares | None = None) -> None:
+                 host_reads: bool = True, shares: ProcessShares | None = None,
+                 liveness: Liveness | None = None) -> None:
         if read_lanes < 1:
             raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.compat = compat
         self.total_kv_heads = total_kv_heads
-        self._deadlines = Deadlines(handshake_timeout, handshake_retries, read_timeout)
+        self._deadlines = Deadlines(handshake_timeout, handshake_retries, read_timeout,
+                                    liveness)
         self.read_lanes = read_lanes
         # offer (prefill) and use (decode) host reads of converted reads on one host
         self.host_reads = host_reads
@@ -166,6 +173,15 @@ class TransferWorker:
     @read_timeout.setter
     def read_timeout(self, seconds: float) -> None:
         self._deadlines.read_timeout = seconds
+
+    @property
+    def liveness(self) -> Liveness | None:
+        """Heartbeats of the peers read from (None: a silent peer costs the read timeout)."""
+        return self._deadlines.liveness
+
+    @liveness.setter
+    def liveness(self, liveness: Liveness | None) -> None:
+        self._deadlines.liveness = liveness
 
     # -- both sides ---------------------------------------------------------------------
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], spec: CacheSpec,

@@ -7,7 +7,9 @@ the prefill with a :class:`ReleaseLease`, which frees the blocks at once instead
 at lease expiry; one still waiting to read claims or renews it with a
 :class:`RenewLease`; one that read it, or gave up reading, reports each reader's "done"
 with a :class:`DoneReport`, acknowledged, as the repair of a lost NIXL notification).
-A refusal is an :class:`ErrorReply`. An envelope
+While a decode reads from a prefill it asks the prefill's side channel whether it still
+answers, with a :class:`Heartbeat` every fraction of a second, answered by a
+:class:`HeartbeatAck`. A refusal is an :class:`ErrorReply`. An envelope
 (:mod:`kvxfer.wire.envelope`) names its payload's :class:`MessageKind`.
 """
 
@@ -34,6 +36,8 @@ class MessageKind(str, enum.Enum):
     RENEW = "renew"
     RENEW_ACK = "renew_ack"
     DONE = "done"
+    HEARTBEAT = "heartbeat"
+    HEARTBEAT_ACK = "heartbeat_ack"
     ERROR_REPLY = "error_reply"
 
 
@@ -214,6 +218,30 @@ class DoneReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"{MAX_LEASE_ID_CHARS} are allowed")
 
 
+class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode → prefill: does this side channel still answer? Sent while the decode has a
+    READ in flight from the prefill (:mod:`kvxfer.transfer.side_channel.heartbeats`); it
+    changes nothing on the prefill. ``seq`` counts the heartbeats of one connection
+    from 0; the :class:`HeartbeatAck` echoes it."""
+
+    requester_engine_id: str
+    seq: int
+
+    def __post_init__(self) -> None:
+        require(bool(self.requester_engine_id),
+                "Heartbeat.requester_engine_id must not be empty")
+        require(self.seq >= 0, f"Heartbeat.seq must not be negative, got {self.seq}")
+
+
+class HeartbeatAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill → decode: the answer to :class:`Heartbeat` ``seq``, sent at once."""
+
+    seq: int
+
+    def __post_init__(self) -> None:
+        require(self.seq >= 0, f"HeartbeatAck.seq must not be negative, got {self.seq}")
+
+
 class RenewRefused(Exception):
     """A prefill will not claim or renew a lease for the decode that asked: it ended, another
     decode claimed it, or it reached its maximum age. The message says which; the listener
@@ -228,9 +256,9 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 Message = (MetadataRequest | MetadataResponse | ReleaseLease | ReleaseAck | RenewLease
-           | RenewAck | DoneReport | ErrorReply)
+           | RenewAck | DoneReport | Heartbeat | HeartbeatAck | ErrorReply)
 MessageT = TypeVar("MessageT", MetadataRequest, MetadataResponse, ReleaseLease, ReleaseAck,
-                   RenewLease, RenewAck, DoneReport, ErrorReply)
+                   RenewLease, RenewAck, DoneReport, Heartbeat, HeartbeatAck, ErrorReply)
 
 KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
     MetadataRequest: MessageKind.METADATA_REQUEST,
@@ -240,6 +268,8 @@ KIND_OF: dict[type[msgspec.Struct], MessageKind] = {
     RenewLease: MessageKind.RENEW,
     RenewAck: MessageKind.RENEW_ACK,
     DoneReport: MessageKind.DONE,
+    Heartbeat: MessageKind.HEARTBEAT,
+    HeartbeatAck: MessageKind.HEARTBEAT_ACK,
     ErrorReply: MessageKind.ERROR_REPLY,
 }
 """The kind each message type travels as."""

@@ -47,6 +47,8 @@ from __future__ import annotations
 #      descriptor over the prefill's abstract Unix socket, proving it may read the prefill's
 #      memory (kvxfer.transfer.converted.fd_handover), no longer with pidfd_getfd; SharedRegion.fd
 #      becomes SharedRegion.id, a buffer id (the descriptor is not in the prefill's fd table).
+#      Message kinds "heartbeat" (Heartbeat, decode -> prefill, while a READ from it is in
+#      flight) and "heartbeat_ack" (HeartbeatAck), both hash-checked.
 KVXFER_PROTOCOL_VERSION: int = 13
 
 MAGIC = b"KVXF"

@@ -12,6 +12,7 @@ the path has landed when posted.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.transfer.lanes import Lanes
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.peers import Peer
-from kvxfer.transfer.reads.path import ReadFailed, ReadPath
+from kvxfer.transfer.reads.path import TIMEOUT, ReadFailed, ReadPath, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import ReadStats
 
@@ -27,7 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class LanesPath(ReadPath):
-    """``descs`` as for a direct read; a lane waits the read timeout for each READ."""
+    """``descs`` as for a direct read; the lanes give the READs up at the read's deadline
+    (:meth:`~kvxfer.transfer.reads.read.Read.overdue`: its timeout, or its peer's
+    silence)."""
 
     notifies = True  # told right after the copy, before the path is reported landed
     lands_in_post = True
@@ -45,8 +48,14 @@ class LanesPath(ReadPath):
         self.num_bytes += sum(d.num_bytes for d in self._descs)
         self.descriptors += sum(len(d) for d in self._descs)
         self.lanes = sum(1 for part in parts if part)
-        try:
-            self._lanes.copy(parts, self._local.is_cuda, self._local.deadlines.read_timeout)
+        read, deadlines = self._read, self._local.deadlines
+        waiting = Waiting(f"READ still in progress after {TIMEOUT} s",
+                          peer=f"prefill {peer.engine_id} at {peer.address}")
+        try:  # given up at the read's deadline, as the reader gives up a read in flight
+            self._lanes.copy(parts, self._local.is_cuda, lambda: read.overdue(
+                waiting, deadlines.read_timeout, deadlines.liveness, time.monotonic()))
+        except ReadFailed:
+            raise
         except Exception as exc:
             raise ReadFailed(f"prefill {peer.engine_id} at {peer.address}: READ failed: {exc}",
                              peer_gone=str(exc)) from exc

@@ -11,7 +11,9 @@ worker's thread:
 2. :meth:`ReadPath.start` posts it (:meth:`ReadPath.post`; a path that copies inside the
    call has landed when it returns) and starts its clock;
 3. :meth:`ReadPath.progress`, called until it returns :data:`LANDED`, or a
-   :class:`Waiting` that says what a read timeout would then report;
+   :class:`Waiting` that says what a read timeout would then report (the reader gives a
+   read up at its :class:`Deadline`: the read timeout, or earlier when the peer that owes
+   the bytes went silent);
 4. :meth:`ReadPath.finish` once every path landed, or :meth:`ReadPath.abandon` when the
    read fails, is given up or the worker closes: every resource goes back either way.
 
@@ -59,16 +61,37 @@ LANDED: Final = Landed()
 
 
 @dataclass(frozen=True)
+class Deadline:
+    """When a read that is still waiting is given up (``at``, monotonic), ``seconds`` after
+    it was posted (what a :class:`Waiting`'s ``{timeout}`` then says); ``silence`` says
+    why it came before the read timeout (its peer's side channel went silent: see
+    :class:`~kvxfer.transfer.liveness.Liveness`), None at the read timeout itself."""
+
+    at: float
+    seconds: float
+    silence: str | None = None
+
+    def earlier(self, other: Deadline | None) -> Deadline:
+        """Whichever of the two comes first (this one when ``other`` is None, or a tie)."""
+        return other if other is not None and other.at < self.at else self
+
+
+@dataclass(frozen=True)
 class Waiting:
     """Not landed yet: ``reason`` is what a read timeout then reports (``{timeout}``
     standing for its seconds); ``peer`` names the prefill when it owes the bytes (a
-    timeout then takes it for dead)."""
+    timeout then takes it for dead, and its silence may bring the deadline forward)."""
 
     reason: str
     peer: str | None = None
 
-    def timed_out(self, timeout: float) -> ReadFailed:
-        why = self.reason.replace(TIMEOUT, f"{timeout:.0f}")
+    def timed_out(self, deadline: Deadline) -> ReadFailed:
+        """The failure of a read still waiting at its ``deadline``."""
+        seconds = deadline.seconds
+        why = self.reason.replace(TIMEOUT, f"{seconds:.0f}" if seconds >= 10 or
+                                  seconds == int(seconds) else f"{seconds:.1f}")
+        if deadline.silence is not None:
+            why = f"{why}: {deadline.silence}"
         if self.peer is None:
             return ReadFailed(why)
         return ReadFailed(f"{self.peer}: {why}", peer_gone=why)

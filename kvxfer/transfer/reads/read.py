@@ -9,11 +9,20 @@ by the worker's thread (:class:`~kvxfer.transfer.reads.reader.Reader`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.transfer.reads.path import LANDED, Progress, ReadPath, Waiting
+from kvxfer.transfer.liveness import Channel, Liveness
+from kvxfer.transfer.reads.path import (
+    LANDED,
+    Deadline,
+    Progress,
+    ReadFailed,
+    ReadPath,
+    Waiting,
+)
 from kvxfer.transfer.results import ReadStats
 from kvxfer.wire.params import RemoteParams
 
@@ -41,10 +50,45 @@ class Read:
         """The prefill's lease id, which its "done" notifications name."""
         return self.remote.remote_request_id
 
-    def overdue(self, now: float, timeout: float) -> bool:
-        """Whether the read took longer than ``timeout`` seconds: from when it was posted,
-        or, while it waits to be, from when it started."""
-        return now - (self.posted if self.posted is not None else self.started) > timeout
+    @functools.cached_property
+    def side_channels(self) -> tuple[Channel, ...]:
+        """The prefill side channels serving the ranks it reads (one, unless the prefill's
+        ranks listen apart): where its peer's heartbeats are answered (asked on every turn
+        of the reader's loop: computed once)."""
+        host = self.remote.remote_host
+        return tuple((host, port) for port in self.remote.side_channels())
+
+    def deadline(self, timeout: float) -> Deadline:
+        """Its read timeout: ``timeout`` seconds from when it was posted, or, while it
+        waits to be, from when it started."""
+        return Deadline((self.posted if self.posted is not None else self.started) + timeout,
+                        timeout)
+
+    def silence_deadline(self, liveness: Liveness, now: float) -> Deadline | None:
+        """When a posted read is given up because its peer went silent: ``liveness.timeout``
+        after the later of its post and the first heartbeat its side channels left
+        unanswered (None: posted not yet, posted under that long ago, or they answer). A
+        read that lands first is never failed for it."""
+        if self.posted is None or now - self.posted <= liveness.timeout:
+            return None  # not due yet whatever the heartbeats say: nothing to ask
+        silent = liveness.silent_since(self.side_channels)
+        if silent is None:
+            return None
+        start = max(silent, self.posted)
+        return Deadline(start + liveness.timeout, start + liveness.timeout - self.posted,
+                        f"its side channel has answered no heartbeat for {now - silent:.1f} s "
+                        f"(heartbeat timeout {liveness.timeout:g} s)")
+
+    def overdue(self, waiting: Waiting, timeout: float, liveness: Liveness | None,
+                now: float) -> ReadFailed | None:
+        """The failure of this read, still ``waiting``, once past its deadline, else None.
+        The deadline: its read timeout (``timeout``, :meth:`deadline`), or, where the peer
+        owes the bytes, its peer's silence (:meth:`silence_deadline`), whichever comes
+        first. Called from the reader's thread, or from a lane's while a path copies."""
+        deadline = self.deadline(timeout)
+        if waiting.peer is not None and liveness is not None:
+            deadline = deadline.earlier(self.silence_deadline(liveness, now))
+        return waiting.timed_out(deadline) if now > deadline.at else None
 
     def progress(self) -> Progress:
         """:data:`~kvxfer.transfer.reads.path.LANDED` once every path landed, else what a

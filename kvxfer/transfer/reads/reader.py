@@ -10,7 +10,15 @@ worker's thread calls :meth:`Reader.step` on every turn of its loop, which
 3. retries the reads that wait for staging space, oldest first;
 4. routes new reads: posted to a known peer, failed fast for a peer that failed moments
    ago, parked behind a running handshake, or parked behind a new one;
-5. progresses the reads in flight and finishes those whose paths all landed.
+5. progresses the reads in flight and finishes those whose paths all landed;
+6. tells the instance's :class:`~kvxfer.transfer.liveness.Liveness` (when it has one) which
+   prefill side channels its reads in flight come from: those get heartbeats.
+
+A read in flight is given up at its deadline (:meth:`Read.overdue`): its read timeout,
+or earlier, while its peer owes bytes, once the peer's side channel has left a heartbeat
+unanswered for the heartbeat timeout (a cut link, a frozen host). It is checked only after
+the read was progressed, so a read that landed is never failed for a silent peer (on one
+host a frozen prefill's memory is still copied). Either way it fails as below.
 
 Posting a read plans its paths once from its peer's plans (:func:`paths_for`: host and
 mapped copies, read lanes or staging, direct READs), reserves what they need (a
@@ -53,7 +61,8 @@ log = logging.getLogger(__name__)
 
 class Reader:
     """See the module docstring; a read may take ``local.deadlines.read_timeout`` seconds
-    once posted (or wait that long for staging before it is)."""
+    once posted (or wait that long for staging before it is), less when its peer falls
+    silent (``local.deadlines.liveness``)."""
 
     def __init__(self, local: LocalRank, peers: Peers, results: ReadResults) -> None:
         self._local, self._peers, self._results = local, peers, results
@@ -89,6 +98,7 @@ class Reader:
                 break
             self._begin(read)
         self._progress()
+        self._watch()
 
     def close(self) -> None:
         """The worker is closing (its thread stopped): abandon every read, so that
@@ -151,13 +161,14 @@ class Reader:
             self.staging_wait.append((read, peer))
             return
         read.posted = time.monotonic()  # the read timeout counts from here
+        self.inflight.append(read)
+        self._watch()  # heartbeats from now: a path may copy for a while in its post
         try:
             for path in read.paths:
                 path.start()
         except ReadFailed as failure:
+            self.inflight.remove(read)
             self._fail(read, failure)
-            return
-        self.inflight.append(read)
 
     def _retry_staged(self) -> None:
         """Post converted reads that waited for staging, oldest first; fail those that
@@ -165,7 +176,7 @@ class Reader:
         waiting, self.staging_wait = self.staging_wait, []
         now = time.monotonic()
         for read, peer in waiting:
-            if read.overdue(now, self.read_timeout):
+            if now > read.deadline(self.read_timeout).at:
                 self._fail(read, ReadFailed(f"prefill {peer.engine_id} at {peer.address}: no "
                                             f"staging space for the converted read within "
                                             f"{self.read_timeout:.0f} s"))
@@ -178,13 +189,17 @@ class Reader:
 
     # -- in flight -------------------------------------------------------------------------
     def _progress(self) -> None:
-        """Finish the reads whose paths all landed; fail those that failed or timed out."""
+        """Finish the reads whose paths all landed; fail those that failed or are past
+        their deadline."""
         now = time.monotonic()
         for read in list(self.inflight):
             try:
                 outcome = read.progress()
-                if isinstance(outcome, Waiting) and read.overdue(now, self.read_timeout):
-                    raise outcome.timed_out(self.read_timeout)
+                if isinstance(outcome, Waiting):
+                    failure = read.overdue(outcome, self.read_timeout,
+                                           self._local.deadlines.liveness, now)
+                    if failure is not None:
+                        raise failure
             except ReadFailed as failure:
                 self.inflight.remove(read)
                 self._fail(read, failure)
@@ -192,6 +207,13 @@ class Reader:
             if outcome is LANDED:
                 self.inflight.remove(read)
                 self._finish(read, now)
+
+    def _watch(self) -> None:
+        """Heartbeats go to the side channels of the reads in flight (none: no more)."""
+        liveness = self._local.deadlines.liveness
+        if liveness is not None:
+            liveness.watch(self, {channel for read in self.inflight
+                                  for channel in read.side_channels}, time.monotonic())
 
     def _finish(self, read: Read, now: float) -> None:
         """Every path landed: give back what they hold, count what each moved (metrics),

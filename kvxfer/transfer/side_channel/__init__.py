@@ -21,7 +21,10 @@ The only package that imports ZMQ. Wire format and validation live in :mod:`kvxf
   address on any failure. ``HandshakeClient.release`` sends one release the same way,
   with one attempt. :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`
   sends releases (and renewals) from a background thread, best effort, so that no caller
-  waits on a peer.
+  waits on a peer. :class:`~kvxfer.transfer.side_channel.heartbeats.Heartbeats` asks the
+  prefills that READs are in flight from whether they still answer (a
+  :class:`Heartbeat`, from one thread that never waits on a peer), so that a silent one
+  fails those READs within a bound (:mod:`kvxfer.transfer.liveness`).
 * Both: :mod:`~kvxfer.transfer.side_channel.sockets` (addresses, sockets, limits) and
   :mod:`~kvxfer.transfer.side_channel.errors` (what failed, in one word for metrics).
 

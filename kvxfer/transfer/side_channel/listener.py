@@ -1,5 +1,6 @@
 """Prefill side of the side channel: :class:`HandshakeListener` serves every local TP
-rank's metadata, and hands releases, renewals and "done" reports of its leases to its owner."""
+rank's metadata, hands releases, renewals and "done" reports of its leases to its owner,
+and answers heartbeats."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from kvxfer.wire.messages import (
     MAX_RELEASE_REASON_CHARS,
     DoneReport,
     ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
     MessageKind,
     MetadataRequest,
     MetadataResponse,
@@ -68,6 +71,8 @@ class HandshakeListener:
     ``on_done(report, requester_engine_id)`` counts a reader's :class:`DoneReport` and
     returns whether the lease was held (a :class:`ReleaseAck` says so), or raises
     ValueError for a rank this instance does not serve (``unknown_rank``).
+    A :class:`Heartbeat` is answered at once with its :class:`HeartbeatAck` (a decode
+    reading from this instance asks so whether it is still there).
     All must not block for long: requests are served one at a time.
 
     With ``hmac_key`` every request must be signed with it and fresh (timestamp
@@ -221,8 +226,8 @@ class HandshakeListener:
                               requester)
 
     def _answer(self, raw: bytes, peer: str
-                ) -> tuple[MetadataResponse | ReleaseAck | RenewAck | ErrorReply,
-                           str | None] | None:
+                ) -> tuple[MetadataResponse | ReleaseAck | RenewAck | HeartbeatAck
+                           | ErrorReply, str | None] | None:
         """The reply to one envelope, and the requester's engine id when a metadata
         request succeeded (None otherwise: no ``on_request`` call); None for a message
         this process loses on purpose (:data:`kvxfer.transfer.faults.LOSS`)."""
@@ -239,6 +244,8 @@ class HandshakeListener:
             return self._renew(decode_payload(envelope, RenewLease, peer=peer), peer), None
         if envelope.kind is MessageKind.DONE:
             return self._done(decode_payload(envelope, DoneReport, peer=peer), peer), None
+        if envelope.kind is MessageKind.HEARTBEAT:
+            return HeartbeatAck(decode_payload(envelope, Heartbeat, peer=peer).seq), None
         request = decode_payload(envelope, MetadataRequest, peer=peer)
         try:
             served = {m.tp_rank: m for m in self._metadata()}
