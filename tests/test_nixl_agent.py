@@ -450,12 +450,16 @@ def test_read_between_two_agents_in_one_process(device: str) -> None:
         pairs = [(64, 128, 4096), (1 << 20, 8192, 1 << 19)]  # (local, remote offset, length)
         local = np.array([[sink.data_ptr() + lo, n, ordinal] for lo, _, n in pairs], np.uint64)
         far = np.array([[source.data_ptr() + ro, n, ordinal] for _, ro, n in pairs], np.uint64)
+        posted = time.monotonic()
         transfer = reader.read(remote, local, far, notif=f"{device} done".encode())
         deadline, state = time.monotonic() + DEADLINE_S, transfer.state()
         while state != "DONE" and time.monotonic() < deadline:
             target.progress()
             state = transfer.state()
         assert state == "DONE"
+        # NIXL's telemetry of it, on the monotonic clock: posted after we called, done by now
+        assert transfer.span is not None
+        assert posted <= transfer.span[0] <= transfer.span[1] <= time.monotonic()
         transfer.release()
         if device == "cuda":
             torch.cuda.synchronize()

@@ -103,6 +103,13 @@ def test_a_peers_path_is_counted_with_what_it_moved_and_its_ceiling(prefill: Pre
         (read,) = stats["r"]
         assert read.path_names == (path,) and [p.path for p in read.paths] == [path]
         assert read.mapped_ranks == (2 if path == "mapped" else 0)  # both prefill ranks
+        # NIXL times its own READs (the transfer time NixlConnector reports), not a copy
+        assert read.posted_seconds is not None
+        if path == "nixl":
+            assert read.nixl_seconds is not None
+            assert 0 < read.nixl_seconds <= read.posted_seconds
+        else:
+            assert read.nixl_seconds is None
         moved = decode.workers[0].take_counts().paths
         assert set(moved) == {(remote["engine_id"], path)}
         traffic = moved[remote["engine_id"], path]

@@ -456,6 +456,10 @@ def test_a_read_names_both_sides_memory_kinds(prefill: PrefillProcess, lanes: in
         stats, failed = decode.wait(["kinds"])
         assert failed == {} and stats["kinds"][0].lanes == lanes
         assert len(kinds) == lanes and set(kinds) == {(False, False)}
+        # NIXL timed every lane's READ: the read's span, first post to last completion
+        read = stats["kinds"][0]
+        assert read.nixl_seconds is not None and read.posted_seconds is not None
+        assert 0 < read.nixl_seconds <= read.posted_seconds
     finally:
         decode.close()
 

@@ -9,9 +9,9 @@ sends the same prompts to both pairs: the prefill computes the prompt
 ``kv_transfer_params`` and streams ``--decode-tokens`` tokens. Per case:
 
 - transfer time, bytes and descriptors of the decode's KV load, from the decode's
-  own Prometheus metrics (``vllm:nixl_*`` and ``vllm:kvxfer_*``: NIXL's telemetry
-  from post to completion for NixlConnector, from queueing the READ to its data
-  landing for KvxferConnector, which also counts the hand-off to kvxfer's thread);
+  own Prometheus metrics (``vllm:nixl_*`` and ``vllm:kvxfer_*``: for both connectors
+  NIXL's own telemetry of their READs, from inside NIXL's post to the status check
+  that saw them done; the ceiling's too);
 - decode time to first token: from sending the decode request to its first
   streamed token (load, then one step);
 - the ceiling, measured on the KvxferConnector pair, each repeat right after its

@@ -26,7 +26,7 @@ import numpy as np
 from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.plan.regions import MemoryRegion
 from kvxfer.transfer.nixl_agent import NixlAgent
-from kvxfer.transfer.results import TransferError
+from kvxfer.transfer.results import Span, TransferError, merge_spans
 from kvxfer.transfer.threads import run_all
 
 log = logging.getLogger(__name__)
@@ -99,13 +99,15 @@ class Lanes:
         return parts
 
     def copy(self, parts: Sequence[Sequence[Part]], local_cuda: bool, overdue: Overdue
-             ) -> None:
+             ) -> Span | None:
         """READ every agent's ``parts`` at once (the rank's own agent on this thread);
-        return once all landed, or raise the first error once every one ended (each lane
-        gives up once ``overdue`` returns an error: :func:`copy_parts`)."""
+        return once all landed (with NIXL's span of them all), or raise the first error
+        once every one ended (each lane gives up once ``overdue`` returns an error:
+        :func:`copy_parts`)."""
         agents = [self.agent, *self.agents]
-        run_all([functools.partial(copy_parts, agent, part, local_cuda, overdue)
-                 for agent, part in zip(agents, parts, strict=True)], self.pool)
+        lanes = run_all([functools.partial(copy_parts, agent, part, local_cuda, overdue)
+                         for agent, part in zip(agents, parts, strict=True)], self.pool)
+        return merge_spans(span for lane in lanes for span in lane)
 
     def close(self) -> None:
         """Wait for the lanes' threads, then close their agents."""
@@ -117,9 +119,11 @@ class Lanes:
 
 
 def copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
-               overdue: Overdue) -> None:
-    """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed;
-    raise what ``overdue()`` returns (any thread may call it) as soon as it is not None."""
+               overdue: Overdue) -> list[Span | None]:
+    """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed
+    (NIXL's span of each READ: ``Transfer.span``); raise what ``overdue()`` returns (any
+    thread may call it) as soon as it is not None."""
+    spans: list[Span | None] = []
     for remote, local, remote_descs, remote_cuda in parts:
         transfer = agent.read(remote, local, remote_descs, local_is_cuda=local_cuda,
                               remote_is_cuda=remote_cuda)
@@ -129,8 +133,10 @@ def copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
                 if failure is not None:
                     raise failure
                 time.sleep(LANE_POLL_S)
+            spans.append(transfer.span)
         finally:
             transfer.release()
+    return spans
 
 
 def overdue_after(timeout: float) -> Overdue:

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer.transfer.results import Span
+
 if TYPE_CHECKING:  # only for hints: importing regions pulls in torch (~2 s)
     from kvxfer.plan.regions import MemoryRegion
 
@@ -160,13 +162,27 @@ def _mem_type(is_cuda: bool) -> str:
     return "VRAM" if is_cuda else "DRAM"
 
 
+def telemetry_span(agent: Any, handle: Any) -> Span | None:
+    """NIXL's telemetry of a transfer seen DONE (agents capture it, as vLLM's NixlConnector
+    has its agent do): from inside NIXL's post until the status check that saw it done,
+    the span ``vllm:nixl_xfer_time_seconds`` reports; None where NIXL has none."""
+    try:
+        telemetry = agent.get_xfer_telemetry(handle)
+        start = telemetry.startTime / 1e6
+        return start, start + telemetry.xferDuration / 1e6
+    except Exception as exc:  # an older NIXL, or telemetry off: times come from Python
+        log.debug("no NIXL telemetry for a READ: %s", exc)
+        return None
+
+
 class Transfer:
     """One posted READ. Owned by the thread that owns its agent.
 
     ``state()`` progresses the agent and reports ``"DONE"`` or ``"PROC"``; a
     failed READ raises :class:`NixlTransferError` (also on every later call).
     ``release()`` frees NIXL's handle (aborting a READ still in flight) and is
-    idempotent; the agent's ``close()`` releases transfers left open.
+    idempotent; the agent's ``close()`` releases transfers left open. ``span``: NIXL's
+    own timing of the READ once it was seen DONE (:func:`telemetry_span`), else None.
     """
 
     def __init__(self, agent: NixlAgent, handle: Any, remote: str, num_bytes: int,
@@ -176,8 +192,15 @@ class Transfer:
         self.remote = remote
         self.num_bytes = num_bytes               # bytes moved by the READ, all rows summed
         self.num_descriptors = num_descriptors   # rows as posted (NIXL may merge more)
-        self._state: str = "DONE" if done else "PROC"
+        self._state: str = "PROC"
         self._error: NixlTransferError | None = None
+        self.span: Span | None = None
+        if done:
+            self._seen_done()
+
+    def _seen_done(self) -> None:
+        self._state = "DONE"
+        self.span = telemetry_span(self._agent._api_agent(), self._handle)
 
     def state(self) -> TransferState:
         """``"DONE"`` once the bytes are local, else ``"PROC"``; raises on failure."""
@@ -196,7 +219,7 @@ class Transfer:
         if state == "PROC":
             return "PROC"
         if state == "DONE":
-            self._state = "DONE"
+            self._seen_done()
             return "DONE"
         self._error = NixlTransferError("READ", self.remote, state, detail)
         raise self._error
@@ -233,7 +256,7 @@ class NixlAgent:
             raise ValueError("a NIXL agent needs at least one backend")
         api = _nixl()
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                       backends=list(backends))
+                                       backends=list(backends), capture_telemetry=True)
         agent = api.nixl_agent(name, config)
         missing = [b for b in backends if b not in agent.backends]
         if missing:

@@ -110,10 +110,11 @@ class KvxferStats(KVConnectorStats):
 
 
 class KvxferPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvxfer_xfer_time_seconds`` (posted to landed, the span nearest to NixlConnector's
-    ``vllm:nixl_xfer_time_seconds``, NIXL's telemetry), ``_read_time_seconds`` (queued to landed:
-    the wait to be posted too), ``_bytes_transferred``, ``_num_descriptors`` (histograms, one
-    observation per READ) and ``_num_failed_transfers``."""
+    """``vllm:kvxfer_xfer_time_seconds`` (a read NIXL moved: NIXL's telemetry, the span of
+    NixlConnector's ``vllm:nixl_xfer_time_seconds``; a copy on this host: posted to landed),
+    ``_read_time_seconds`` (queued to landed: the wait to be posted too),
+    ``_bytes_transferred``, ``_num_descriptors`` (histograms, one observation per READ) and
+    ``_num_failed_transfers``."""
 
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], Any],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
@@ -292,9 +293,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if result is None or not (result.reads or result.failures):
             return None
         return KvxferStats(data={
-            # posted to landed, nearest to the NIXL telemetry NixlConnector reports
-            "transfer_duration": [r.seconds if r.posted_seconds is None else r.posted_seconds
-                                  for r in result.reads],
+            "transfer_duration": [r.transfer_seconds for r in result.reads],
             "read_duration": [r.seconds for r in result.reads],
             "bytes_transferred": [r.num_bytes for r in result.reads],
             "num_descriptors": [r.descriptors for r in result.reads],

@@ -26,7 +26,7 @@ from kvxfer.transfer.reads.path import (
     release_reads,
 )
 from kvxfer.transfer.reads.read import Read
-from kvxfer.transfer.results import TransferError
+from kvxfer.transfer.results import TransferError, merge_spans
 
 
 class DirectPath(ReadPath):
@@ -64,6 +64,7 @@ class DirectPath(ReadPath):
         except TransferError as exc:
             raise ReadFailed(f"{where}: {exc}", peer_gone=str(exc)) from exc
         if landed:
+            self.nixl_span = merge_spans(t.span for t in self._transfers)
             return LANDED
         return Waiting(f"READ still in progress after {TIMEOUT} s", peer=where)
 

@@ -51,9 +51,12 @@ class LanesPath(ReadPath):
         read, deadlines = self._read, self._local.deadlines
         waiting = Waiting(f"READ still in progress after {TIMEOUT} s",
                           peer=f"prefill {peer.engine_id} at {peer.address}")
-        try:  # given up at the read's deadline, as the reader gives up a read in flight
-            self._lanes.copy(parts, self._local.is_cuda, lambda: read.overdue(
-                waiting, deadlines.read_timeout, deadlines.liveness, time.monotonic()))
+        def overdue() -> ReadFailed | None:  # as the reader gives up a read in flight
+            return read.overdue(waiting, deadlines.read_timeout, deadlines.liveness,
+                                time.monotonic())
+
+        try:
+            self.nixl_span = self._lanes.copy(parts, self._local.is_cuda, overdue)
         except ReadFailed:
             raise
         except Exception as exc:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from kvxfer.transfer.results import PathStats, ReadStats, TransferError
+from kvxfer.transfer.results import PathStats, ReadStats, Span, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class ReadPath(ABC):
         self.num_bytes = 0  # placed into this rank's views
         self.descriptors = 0  # NIXL descriptors, or copies
         self.seconds: float | None = None  # from its post until it landed
+        # NIXL's own timing where NIXL alone moved the path's bytes (first post to last
+        # completion seen, kvxfer.transfer.nixl_agent.merge_spans); None for copies
+        self.nixl_span: Span | None = None
         self._began: float | None = None
 
     def reserve(self) -> bool:

@@ -23,7 +23,7 @@ from kvxfer.transfer.reads.path import (
     ReadPath,
     Waiting,
 )
-from kvxfer.transfer.results import ReadStats
+from kvxfer.transfer.results import ReadStats, merge_spans
 from kvxfer.wire.params import RemoteParams
 
 
@@ -108,7 +108,9 @@ class Read:
     def stats(self, now: float) -> ReadStats:
         """What the read moved, from every path; ``now``: when it ended."""
         posted = None if self.posted is None else now - self.posted
-        stats = ReadStats(0, 0, now - self.started, posted_seconds=posted)
+        span = merge_spans(path.nixl_span for path in self.paths)
+        stats = ReadStats(0, 0, now - self.started, posted_seconds=posted,
+                          nixl_seconds=None if span is None else span[1] - span[0])
         for path in self.paths:
             stats = path.add_to(stats)
         return stats
