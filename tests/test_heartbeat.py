@@ -221,6 +221,23 @@ def test_a_peer_that_answers_keeps_its_read_going_past_the_bound(rig: Rig) -> No
     assert heartbeats(rig, SLACK_S, answer=True).finished == ["r"]
 
 
+def test_a_read_timeout_from_a_peer_that_answers_says_the_peer_is_up(rig: Rig) -> None:
+    """A READ that outlives its read timeout while its prefill answers heartbeats is not a
+    dead or cut peer: the failure says so (what tells a stalled READ from a lost peer)."""
+    rig.read.posted = time.monotonic() - READ_TIMEOUT_S + 3 * BOUND_S  # due after 1.5 s
+    result = heartbeats(rig, 3 * BOUND_S + SLACK_S, answer=True)
+    why = result.failed["r"]
+    assert re.fullmatch(r"prefill P at here: READ still in progress after 30 s \(its side "
+                        r"channel answered a heartbeat 0\.\d s before: the prefill is up, the "
+                        r"READ did not complete\)", why), why
+
+
+def test_a_read_timeout_with_no_heartbeat_answered_says_nothing_of_the_peer(rig: Rig) -> None:
+    rig.read.posted = time.monotonic() - READ_TIMEOUT_S + 0.2  # before any heartbeat's timeout
+    result = heartbeats(rig, 0.2 + SLACK_S, answer=False)
+    assert result.failed["r"] == "prefill P at here: READ still in progress after 30 s"
+
+
 def test_silence_does_not_move_the_deadline_of_a_wait_the_peer_does_not_owe(rig: Rig) -> None:
     own = Waiting("placing the read took longer than {timeout} s")  # this side's copy
     rig.path.progress = lambda: own  # type: ignore[method-assign]

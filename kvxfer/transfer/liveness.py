@@ -26,6 +26,7 @@ answering at ``t`` while one of its READs is in flight is silent since at most
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class _Channel:
     next_due: float = 0.0
     unanswered: dict[int, float] = field(default_factory=dict)
     idle_since: float | None = None
+    answered_at: float | None = None  # when a heartbeat was last answered
 
 
 class Liveness:
@@ -139,7 +141,18 @@ class Liveness:
             if state is None or seq not in state.unanswered:
                 return False
             state.unanswered = {s: t for s, t in state.unanswered.items() if s > seq}
+            state.answered_at = time.monotonic()
             return True
+
+    def last_answered(self, channels: Iterable[Channel]) -> float | None:
+        """The monotonic time by which every one of ``channels`` had answered its latest
+        heartbeat (the earliest of their last answers), None when one never answered."""
+        with self._lock:
+            times = [state.answered_at if (state := self._channels.get(c)) is not None
+                     else None for c in channels]
+        if not times or any(t is None for t in times):
+            return None
+        return min(t for t in times if t is not None)
 
     def channels(self) -> list[Channel]:
         """Every channel with a connection to keep: watched, or idle for under

@@ -10,7 +10,7 @@ by the worker's thread (:class:`~kvxfer.transfer.reads.reader.Reader`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -88,7 +88,15 @@ class Read:
         deadline = self.deadline(timeout)
         if waiting.peer is not None and liveness is not None:
             deadline = deadline.earlier(self.silence_deadline(liveness, now))
-        return waiting.timed_out(deadline) if now > deadline.at else None
+        if now <= deadline.at:
+            return None
+        answered = None if waiting.peer is None or liveness is None or \
+            deadline.silence is not None else liveness.last_answered(self.side_channels)
+        if answered is not None:  # not a dead or cut peer: say so, it narrows the cause
+            waiting = replace(waiting, reason=f"{waiting.reason} (its side channel answered a "
+                                              f"heartbeat {now - answered:.1f} s before: the "
+                                              f"prefill is up, the READ did not complete)")
+        return waiting.timed_out(deadline)
 
     def progress(self) -> Progress:
         """:data:`~kvxfer.transfer.reads.path.LANDED` once every path landed, else what a
