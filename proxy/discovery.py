@@ -63,7 +63,8 @@ def system_resolver(name: str) -> list[str]:
 
 def hosts_file_resolver(path: str | Path) -> Resolver:
     """A resolver reading ``path`` (``ADDRESS NAME [NAME...]`` lines, ``#`` comments) on
-    every call, so a test or an operator changes membership by rewriting the file."""
+    every call, so a test or an operator changes membership by rewriting the file (as a
+    whole: a new file renamed over it; one read while written in place may read empty)."""
     where = Path(path)
 
     def resolve(name: str) -> list[str]:

@@ -230,6 +230,15 @@ def proxy_instances(proxy: Launched, key: str) -> dict[str, dict[str, Any]]:
     return {i["url"]: i for i in body.get("instances", [])}
 
 
+def replace_file(path: Path, text: str) -> None:
+    """Rewrite ``path`` as a whole (a new file renamed over it), as an operator's tools
+    do: written in place, the proxy's resolver may read it empty mid-write and drop every
+    instance the name maps to."""
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_text(text)
+    os.replace(fresh, path)
+
+
 def wait_until(what: str, check: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -253,7 +262,7 @@ def test_proxy_follows_a_name_and_a_sigterm_drains_without_failed_requests(
                                       Spec("decode", policy="fail", api_key=key, extra=drain)])
         # Two decodes on one port number cannot share 127.0.0.1: each binds its own
         # loopback address, and the name maps to those addresses.
-        hosts.write_text(f"127.0.0.1 {NAME}\n")
+        replace_file(hosts, f"127.0.0.1 {NAME}\n")
         proxy = Launched("proxy", [
             sys.executable, "-m", "proxy", "--port", "0", "--prefiller-hosts", "127.0.0.1",
             "--prefiller-ports", str(prefill.port), "--decoder-hosts", NAME,
@@ -269,7 +278,7 @@ def test_proxy_follows_a_name_and_a_sigterm_drains_without_failed_requests(
             second = group.start_one(Spec("decode", policy="fail", api_key=key, extra=(
                 "--host", "127.0.0.2", "--port", str(first.port), "--drain-timeout", "10")))
             url_second = f"http://127.0.0.2:{first.port}"
-            hosts.write_text(f"127.0.0.1 {NAME}\n127.0.0.2 {NAME}\n")
+            replace_file(hosts, f"127.0.0.1 {NAME}\n127.0.0.2 {NAME}\n")
             wait_until("the new decode in rotation",
                        lambda: proxy_instances(proxy, key).get(url_second, {}).get("healthy"))
             stream = Stream(proxy.url, 40, {"authorization": f"Bearer {key}"})
@@ -290,7 +299,7 @@ def test_proxy_follows_a_name_and_a_sigterm_drains_without_failed_requests(
             log = first.log_tail(200)
             assert "draining" in log and "Traceback" not in log, log
             # the name no longer maps to the drained decode: it leaves the proxy
-            hosts.write_text(f"127.0.0.2 {NAME}\n")
+            replace_file(hosts, f"127.0.0.2 {NAME}\n")
             wait_until("the drained decode forgotten",
                        lambda: url_first not in proxy_instances(proxy, key))
             later = httpx.post(f"{proxy.url}/v1/completions", json=BODY, timeout=60,
