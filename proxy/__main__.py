@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default 5)")
     parser.add_argument("--hosts-file", default=None, metavar="PATH",
                         help="resolve instance names from this /etc/hosts-style file (read "
-                             "again every --resolve-interval) instead of DNS; change it by renaming a "
-                             "new file over it, not by writing it in place")
+                             "again every --resolve-interval) instead of DNS; change it by "
+                             "renaming a new file over it, not by writing it in place")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default info)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
