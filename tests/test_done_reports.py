@@ -167,6 +167,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _wait_for_answer(sender: ReleaseSender, timeout: float = 5.0) -> None:
+    """The listener ends the lease before its answer reaches the sender: wait for that."""
+    deadline = time.monotonic() + timeout
+    while not (sender.sent or sender.failed) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_an_unanswered_report_is_resent_until_the_prefill_answers() -> None:
     """Nothing listens when the report is first sent; the listener comes up before the
     second resend, and the lease ends by the resent report."""
@@ -185,6 +192,7 @@ def test_an_unanswered_report_is_resent_until_the_prefill_answers() -> None:
             while rank.table.holds("L") and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert not rank.table.holds("L"), "the resent report did not end the lease"
+            _wait_for_answer(sender)  # the lease ends before the sender reads the answer
         assert sender.sent == 1 and sender.failed == 0
     finally:
         sender.close()
@@ -281,6 +289,7 @@ def test_a_report_lost_again_and_again_is_resent_until_it_ends_the_lease(
             while rank.table.holds("L") and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert not rank.table.holds("L"), "the resent report did not end the lease"
+            _wait_for_answer(sender)
             assert lost.left == 0 and sender.sent == 1 and sender.failed == 0
         finally:
             sender.close()
