@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -93,12 +96,12 @@ def read_proof(offer: HostReads) -> bytes:
     return proof.tobytes()
 
 
-def ask(offer: HostReads, answer: Callable[[bytes], bytes]) -> tuple[bytes, list[int]]:
-    """Connect, send ``answer(challenge)``: (the reply byte, b"" when closed; the
-    descriptors received, closed here)."""
+def ask(handover: str, answer: Callable[[bytes], bytes]) -> tuple[bytes, list[int]]:
+    """Connect to socket ``handover``, send ``answer(challenge)``: (the reply byte, b""
+    when closed; the descriptors received, closed here)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
         conn.settimeout(10)
-        conn.connect(offer.handover)
+        conn.connect(handover)
         challenge = conn.recv(64)
         assert len(challenge) == CHALLENGE_BYTES
         conn.send(answer(challenge))
@@ -169,14 +172,15 @@ def test_no_descriptor_without_the_proof_and_the_listener_keeps_serving(
         answer(buffer_id, proof, pid=os.getpid() + 1),
     ]
     for wrong in refused:
-        assert ask(offer, wrong) == (REFUSED, [])
+        assert ask(offer.handover, wrong) == (REFUSED, [])
         check_maps(offer)
-    assert ask(offer, answer(buffer_id + 1000, proof)) == (UNKNOWN, [])  # proven, no such id
+    # proven, no such id
+    assert ask(offer.handover, answer(buffer_id + 1000, proof)) == (UNKNOWN, [])
     for garbage in (b"", b"\x01", secrets.token_bytes(40 - 1), secrets.token_bytes(40 + 1),
                     secrets.token_bytes(4096)):
-        assert ask(offer, lambda _, g=garbage: g) == (b"", [])  # closed, nothing said
+        assert ask(offer.handover, lambda _, g=garbage: g) == (b"", [])  # closed, nothing said
         check_maps(offer)
-    reply, fds = ask(offer, answer(buffer_id, proof))
+    reply, fds = ask(offer.handover, answer(buffer_id, proof))
     assert reply == GIVEN and len(fds) == 1
     logged = child.close()
     # one line for the lot (at most one per LOG_EVERY_S)
@@ -204,3 +208,44 @@ def test_silent_clients_block_no_one(child: Prefill) -> None:
         for conn in silent:
             conn.close()
     check_maps(child.offer)
+
+
+class _SlowSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The listener's selector, each wait begun late, as in a busy prefill: what happened
+    meanwhile comes back from one wait together."""
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        time.sleep(0.2)
+        return super().select(timeout)
+
+
+def test_a_new_connection_and_an_answer_from_the_one_it_displaces_keep_the_listener(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the limit of connections waiting, a new one closes the oldest; when that oldest
+    answered in the same wait, the listener once handled the closed connection and died
+    (anyone on the host could end it so). It must go on handing descriptors over."""
+    monkeypatch.setattr(fd_handover, "MAX_PENDING", 1)
+    monkeypatch.setattr(selectors, "DefaultSelector", _SlowSelector)
+    handover = fd_handover.Handover()
+    fd = os.memfd_create("kvxfer-test-handover")
+    os.write(fd, b"kept")
+    buffer_id = handover.keep(fd)
+    name, proof_addr = handover.address()
+    proof = np.zeros(PROOF_BYTES, dtype=np.uint8)
+    copy_vectors(os.getpid(), np.array([[proof.ctypes.data, PROOF_BYTES]], dtype=np.uint64),
+                 np.array([[proof_addr, PROOF_BYTES]], dtype=np.uint64))
+    oldest = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    newer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        oldest.settimeout(10)
+        oldest.connect(name)
+        assert len(oldest.recv(64)) == CHALLENGE_BYTES
+        newer.connect(name)  # both within the listener's next wait
+        oldest.send(b"x" * 40)
+        time.sleep(0.5)
+        reply, fds = ask(name, answer(buffer_id, proof.tobytes()))
+        assert reply == GIVEN and len(fds) == 1
+    finally:
+        oldest.close()
+        newer.close()
+        handover.drop(buffer_id)

@@ -142,27 +142,38 @@ class Handover:
     # -- the listener thread ------------------------------------------------------------
 
     def _serve(self, server: socket.socket) -> None:
-        """Accept and answer connections, each within ANSWER_WITHIN_S, for good."""
+        """Accept and answer connections, each within ANSWER_WITHIN_S, for good: nothing a
+        connection does ends the thread (a pass that failed is logged, the next one runs)."""
         chosen = selectors.DefaultSelector()
         chosen.register(server, selectors.EVENT_READ)
         waiting: dict[socket.socket, tuple[bytes, float]] = {}  # (challenge, deadline)
         while True:
-            now = time.monotonic()
-            for late in [c for c, (_, end) in waiting.items() if end <= now]:
-                self._close(chosen, waiting, late, "it did not answer in time")
-            timeout = min((end for _, end in waiting.values()), default=now + 60) - now
-            for key, _ in chosen.select(max(timeout, 0.001)):
-                if key.fileobj is server:
-                    self._accept(server, chosen, waiting)
-                    continue
-                conn = key.fileobj
-                assert isinstance(conn, socket.socket)
-                try:
-                    self._answer(conn, waiting[conn][0])
-                except Exception:  # one connection's trouble, never the listener's end
-                    log.exception("fd handover: answering a connection failed")
-                finally:
-                    self._close(chosen, waiting, conn)
+            try:
+                self._serve_once(server, chosen, waiting)
+            except Exception:  # a bug: log it, keep serving
+                log.exception("fd handover: the listener's pass failed")
+                time.sleep(0.01)
+
+    def _serve_once(self, server: socket.socket, chosen: selectors.BaseSelector,
+                    waiting: dict[socket.socket, tuple[bytes, float]]) -> None:
+        now = time.monotonic()
+        for late in [c for c, (_, end) in waiting.items() if end <= now]:
+            self._close(chosen, waiting, late, "it did not answer in time")
+        timeout = min((end for _, end in waiting.values()), default=now + 60) - now
+        for key, _ in chosen.select(max(timeout, 0.001)):
+            if key.fileobj is server:
+                self._accept(server, chosen, waiting)
+                continue
+            conn = key.fileobj
+            assert isinstance(conn, socket.socket)
+            if conn not in waiting:  # closed by this pass already (the oldest of too many)
+                continue
+            try:
+                self._answer(conn, waiting[conn][0])
+            except Exception:  # one connection's trouble, never the listener's end
+                log.exception("fd handover: answering a connection failed")
+            finally:
+                self._close(chosen, waiting, conn)
 
     def _accept(self, server: socket.socket, chosen: selectors.BaseSelector,
                 waiting: dict[socket.socket, tuple[bytes, float]]) -> None:
@@ -185,10 +196,11 @@ class Handover:
     def _close(self, chosen: selectors.BaseSelector,
                waiting: dict[socket.socket, tuple[bytes, float]], conn: socket.socket,
                why: str = "") -> None:
+        if waiting.pop(conn, None) is None:
+            return  # closed already
         if why:
             self._refuse(conn, why)
         chosen.unregister(conn)
-        del waiting[conn]
         conn.close()
 
     def _answer(self, conn: socket.socket, challenge: bytes) -> None:
