@@ -232,10 +232,26 @@ def test_a_read_timeout_from_a_peer_that_answers_says_the_peer_is_up(rig: Rig) -
                         r"READ did not complete\)", why), why
 
 
-def test_a_read_timeout_with_no_heartbeat_answered_says_nothing_of_the_peer(rig: Rig) -> None:
-    rig.read.posted = time.monotonic() - READ_TIMEOUT_S + 0.2  # before any heartbeat's timeout
-    result = heartbeats(rig, 0.2 + SLACK_S, answer=False)
-    assert result.failed["r"] == "prefill P at here: READ still in progress after 30 s"
+def test_a_read_timeout_while_a_heartbeat_waits_says_so_not_that_the_peer_is_up(
+        rig: Rig) -> None:
+    """The read timeout comes before the heartbeat timeout does (a link cut shortly before
+    it): the failure must not call the peer up, though it answered earlier heartbeats."""
+    rig.read.posted = time.monotonic() - READ_TIMEOUT_S + 0.6
+    heartbeats(rig, 0.3, answer=True)
+    result = heartbeats(rig, 0.3 + SLACK_S, answer=False)  # timed out before the bound
+    why = result.failed["r"]
+    assert re.fullmatch(r"prefill P at here: READ still in progress after 30 s \(its side "
+                        r"channel has left a heartbeat unanswered for 0\.\d s\)", why), why
+
+
+def test_a_read_timeout_with_no_heartbeat_sent_says_nothing_of_the_peer(rig: Rig) -> None:
+    rig.read.posted = time.monotonic() - READ_TIMEOUT_S + 0.2
+    end = time.monotonic() + 0.2 + SLACK_S
+    while rig.reader.inflight and time.monotonic() < end:  # no heartbeat goes out
+        rig.reader.step()
+        time.sleep(0.002)
+    assert rig.results.take().failed["r"] == \
+        "prefill P at here: READ still in progress after 30 s"
 
 
 def test_silence_does_not_move_the_deadline_of_a_wait_the_peer_does_not_owe(rig: Rig) -> None:

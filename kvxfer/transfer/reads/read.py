@@ -90,13 +90,24 @@ class Read:
             deadline = deadline.earlier(self.silence_deadline(liveness, now))
         if now <= deadline.at:
             return None
-        answered = None if waiting.peer is None or liveness is None or \
-            deadline.silence is not None else liveness.last_answered(self.side_channels)
-        if answered is not None:  # not a dead or cut peer: say so, it narrows the cause
-            waiting = replace(waiting, reason=f"{waiting.reason} (its side channel answered a "
-                                              f"heartbeat {now - answered:.1f} s before: the "
-                                              f"prefill is up, the READ did not complete)")
+        if waiting.peer is not None and liveness is not None and deadline.silence is None:
+            waiting = replace(waiting, reason=f"{waiting.reason}{self._heard(liveness, now)}")
         return waiting.timed_out(deadline)
+
+    def _heard(self, liveness: Liveness, now: float) -> str:
+        """What the heartbeats say of a peer whose READ timed out, it narrows the cause: a
+        peer that answers them is up (the READ did not complete); one that has left one
+        unanswered for a heartbeat's interval or longer (less than the heartbeat timeout:
+        else the read failed for its silence) may be gone."""
+        silent = liveness.silent_since(self.side_channels)
+        if silent is not None and now - silent >= liveness.timeout / 4:
+            return (f" (its side channel has left a heartbeat unanswered for "
+                    f"{now - silent:.1f} s)")
+        answered = liveness.last_answered(self.side_channels)
+        if answered is None:
+            return ""
+        return (f" (its side channel answered a heartbeat {now - answered:.1f} s before: the "
+                f"prefill is up, the READ did not complete)")
 
     def progress(self) -> Progress:
         """:data:`~kvxfer.transfer.reads.path.LANDED` once every path landed, else what a
