@@ -32,6 +32,15 @@ median over ``--repeats`` runs after one warm-up pair (the handshake). The table
 gives NixlConnector / KvxferConnector ratios (above 1: kvxfer is faster) and
 KvxferConnector's speed as a share of the ceiling, measured in the same run.
 
+Every thread of an instance that left its core after start is bound back to it before
+anything is measured, and named on stderr, under the table and in the JSON
+(``strayed_threads``): vLLM's NixlConnector moves the thread that creates it, the
+worker's main thread, which also runs the model, to the last core of the machine
+(:mod:`kvxfer.bench.affinity`), which here is the decode's, for the prefill too; left
+there, the NixlConnector pair's prefill shared the decode's core: at 100 tokens its
+transfer took 6.95 and 8.48 ms and its decode TTFT 279 and 262 ms in two runs, bound
+back 1.48 and 176 ms (KvxferConnector's pair, which keeps its cores: 1.30-1.41 ms).
+
 The launcher (:class:`VllmServer`) is also what the vLLM test tier starts its
 instances with.
 """
@@ -57,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvxfer.bench.affinity import Strayed, rebind, strayed_threads
 from kvxfer.vllm.settings import CEILING_KEY
 
 HELP = "vLLM's NixlConnector vs KvxferConnector: transfer time, bytes, descriptors, TTFT"
@@ -196,6 +206,13 @@ class VllmServer:
         self.stop()
         raise RuntimeError(f"vLLM instance {self.name} did not answer within "
                            f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def bind_strays_back(self) -> list[Strayed]:
+        """With :attr:`pin`, bind its threads that left :attr:`core` since start back to
+        it (see :mod:`kvxfer.bench.affinity`); those threads (none without ``pin``)."""
+        if not self.pin or self.process is None:
+            return []
+        return rebind(strayed_threads(self.process.pid, {self.core}), {self.core})
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -415,14 +432,21 @@ def cycle_cache(url: str, salt: int, requests: int) -> None:
             "max_tokens": 1}).raise_for_status()
 
 
-def run_connector(connector: str, args: argparse.Namespace, log_dir: Path
-                  ) -> dict[str, dict[str, Any]]:
+def run_connector(connector: str, args: argparse.Namespace, log_dir: Path,
+                  strays: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """The connector's cases; ``strays`` gets, per instance, its threads that left the
+    core it was bound to (:func:`~kvxfer.bench.affinity.strayed_threads`)."""
     results: dict[str, dict[str, Any]] = {}
     ceiling = connector == "kvxfer"  # probes need KvxferConnector's decode
     extra = {"read_lanes": args.read_lanes, "ceiling_probe": True} if ceiling else None
     with vllm_pair(connector, args.vllm_python, log_dir, extra=extra, pin=True) as (pre, dec):
         params = prefill(pre.url, prompt_ids(64, 999_999))  # warm-up: the handshake
         timed_decode(dec.url, prompt_ids(64, 999_999), params, 2)
+        for server in (pre, dec):
+            strays[server.name] = [str(t) for t in server.bind_strays_back()]
+            for line in strays[server.name]:
+                print(f"  {server.name}: bound back to core {server.core}: {line}",
+                      file=sys.stderr, flush=True)
         for n, tokens in enumerate(args.prompt_tokens):
             if tokens not in args.selected_tokens:
                 continue
@@ -488,8 +512,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="kvxfer-bench-vllm-") as tmp:
         log_dir = Path(args.log_dir or tmp)
+        strays: dict[str, list[str]] = {}
         try:
-            results = {c: run_connector(c, args, log_dir) for c in CONNECTORS}
+            results = {c: run_connector(c, args, log_dir, strays) for c in CONNECTORS}
         except KeyboardInterrupt:
             print("interrupted: the vLLM instances were stopped", file=sys.stderr)
             return 130
@@ -498,7 +523,7 @@ def run(args: argparse.Namespace) -> int:
                   f"compiles for minutes: pass --log-dir DIR to keep vLLM's compile cache "
                   f"for the next run)", file=sys.stderr)
             return 1
-    report = {"connectors": results, "ratios": _ratios(results)}
+    report = {"connectors": results, "ratios": _ratios(results), "strayed_threads": strays}
     print(json.dumps(report, indent=2) if args.json else _table(report))
     return 0
 
@@ -554,4 +579,8 @@ def _table(report: dict[str, Any]) -> str:
                  "of one READ of the same bytes); target: KvxferConnector at least "
                  f"{CEILING_SHARE}x of the ceiling, no slower than NixlConnector in transfer "
                  "and TTFT")
+    for name, strayed in report["strayed_threads"].items():
+        if strayed:
+            lines.append(f"{name}: {len(strayed)} thread(s) had left the instance's core "
+                         f"after start and were bound back to it: {'; '.join(strayed)}")
     return "\n".join(lines)
