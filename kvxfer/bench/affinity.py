@@ -35,13 +35,6 @@ def _group_pids(pgid: int) -> list[int]:
     return sorted(pids)
 
 
-def _allowed_cores(status: str) -> str:
-    for line in status.splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
 @dataclass(frozen=True)
 class Strayed:
     """A thread (``tid`` of process ``pid``, named ``name``) allowed on ``cores``."""
@@ -49,7 +42,7 @@ class Strayed:
     tid: int
     pid: int
     name: str
-    cores: str  # as /proc says it, e.g. "1" or "0-1"
+    cores: str  # the cores it may run on, e.g. "1" or "0,1"
 
     def __str__(self) -> str:
         return f"{self.name} (thread {self.tid} of {self.pid}): cores {self.cores}"
@@ -65,12 +58,12 @@ def strayed_threads(pgid: int, cores: set[int]) -> list[Strayed]:
             try:
                 tid = int(task.name)
                 allowed = os.sched_getaffinity(tid)
-                status = (task / "status").read_text()
                 name = (task / "comm").read_text().strip()
             except OSError:  # the thread ended meanwhile
                 continue
             if allowed != cores:
-                strayed.append(Strayed(tid, pid, name, _allowed_cores(status)))
+                cores_now = ",".join(str(core) for core in sorted(allowed))
+                strayed.append(Strayed(tid, pid, name, cores_now))
     return strayed
 
 
