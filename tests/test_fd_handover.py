@@ -5,6 +5,7 @@ memory, and to nobody else, while it keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import selectors
@@ -12,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,7 +36,7 @@ from kvxfer.transfer.converted.fd_handover import (
     _mac,
     take,
 )
-from kvxfer.transfer.converted.host_reads import copy_vectors
+from kvxfer.transfer.converted.host_reads import HostReadError, copy_vectors
 from kvxfer.transfer.converted.mapped_reads import _Mapping
 from kvxfer.wire.metadata import HostReads
 
@@ -249,3 +251,39 @@ def test_a_new_connection_and_an_answer_from_the_one_it_displaces_keep_the_liste
         oldest.close()
         newer.close()
         handover.drop(buffer_id)
+
+
+def test_a_socket_served_by_another_process_hands_over_nothing(child: Prefill) -> None:
+    """An offer that names the prefill's pid and proof but a socket another process
+    serves (a squatted name): that process could hand over any memory as the prefill's
+    cache. The reader must see it is not the prefill's and take nothing."""
+    impostor = os.memfd_create("kvxfer-test-impostor")
+    os.write(impostor, b"not the prefill's KV")
+    name = f"\0kvxfer-test-squatter-{secrets.token_hex(8)}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(name)
+    server.listen(1)
+    server.settimeout(10)
+    answered: list[bytes] = []
+
+    def squat() -> None:  # whatever it is told, it hands its own memfd over
+        with contextlib.suppress(OSError), server.accept()[0] as conn:
+            conn.settimeout(10)
+            conn.send(secrets.token_bytes(CHALLENGE_BYTES))
+            answered.append(conn.recv(64))
+            conn.sendmsg([GIVEN], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                    struct.pack("i", impostor))])
+
+    thread = threading.Thread(target=squat, daemon=True)
+    thread.start()
+    try:
+        offer = msgspec.structs.replace(child.offer, handover=name)
+        with pytest.raises(HostReadError, match=f"served by process {os.getpid()}, not by "
+                                                f"{child.offer.pid}"):
+            take(offer, child.buffer_id, timeout=5)
+        assert answered == []  # told nothing, not even an answer made with the proof
+        check_maps(child.offer)  # the prefill's own socket still serves
+    finally:
+        server.close()
+        thread.join(timeout=10)
+        os.close(impostor)

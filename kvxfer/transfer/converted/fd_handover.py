@@ -29,7 +29,9 @@ Prefill side (:class:`Handover`, one per process, as the buffers are):
   silence gets no descriptor; the listener logs at most one line per
   :data:`LOG_EVERY_S` and serves the next connection.
 
-Decode side: :func:`take` reads the proof, connects, answers the challenge, and receives
+Decode side: :func:`take` reads the proof, connects, checks that the socket is the
+offering process's own (``SO_PEERCRED`` of the listener: a name squatted by another
+process could hand over any memory as the prefill's), answers the challenge, and receives
 the descriptor; every failure is a :class:`HostReadError`. Abstract sockets belong to a
 network namespace: a decode in another one cannot reach the socket, as one on another host.
 """
@@ -294,6 +296,11 @@ def take(offer: HostReads, buffer_id: int, timeout: float = TAKE_TIMEOUT_S) -> i
         conn.settimeout(timeout)
         try:
             conn.connect(offer.handover)
+            listener = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        _PEERCRED.size))[0]
+            if listener != offer.pid:  # a descriptor from it would be another's memory
+                raise HostReadError(f"taking {where}: its handover socket is served by "
+                                    f"process {listener}, not by {offer.pid}")
             challenge = conn.recv(CHALLENGE_BYTES + 1)
             if len(challenge) != CHALLENGE_BYTES:
                 raise HostReadError(f"taking {where}: its handover socket sent no challenge")
