@@ -206,7 +206,9 @@ class Reader:
                 continue
             if outcome is LANDED:
                 self.inflight.remove(read)
-                self._finish(read, now)
+                # seen landed now, not at the pass's start: a READ NIXL saw complete
+                # within read.progress() ended after that (its own span would be longer)
+                self._finish(read, time.monotonic())
 
     def _watch(self) -> None:
         """Heartbeats go to the side channels of the reads in flight (none: no more)."""
