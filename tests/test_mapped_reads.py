@@ -179,3 +179,38 @@ def test_only_a_cache_whose_chunks_lie_at_fixed_strides_in_an_offered_buffer_is_
     offer = shared_offer(canary, remote_apart.plan.memory)
     assert offer is not None and len(offer.memory) == 3
     assert map_prefill(apart, groups, offer) is None
+
+
+def test_a_short_read_into_a_tensor_per_layer_is_shared_out_by_layers() -> None:
+    """A one-block read (a short prompt in vLLM's 128-token CPU blocks) into a view with a
+    tensor per layer (vLLM's) is cut by layer groups, so that every copy thread takes part,
+    and places what one share does; with many blocks, shares stay whole blocks."""
+    rng = np.random.default_rng(1)
+    remote = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBNHC, 8, 6, False,
+                       rng, zeros=shared_zeros)
+    local = make_rank(CacheSpec(4, 2, 2, torch.float16), KVCacheLayout.LBHNC, 8, 6, True, rng)
+    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 4),
+                         local_tp=2, remote_tp=1)
+    assert isinstance(read, StagedRead)
+    groups = layer_groups(local.views)
+    assert len(groups) == 6  # a tensor per layer
+    canary = Canary()  # held: the offer names its bytes in this process
+    offer = shared_offer(canary, remote.plan.memory)
+    assert offer is not None
+    mapped = map_prefill(read, groups, offer)
+    assert mapped is not None
+    lids, rids = read.ids([5], [2])
+    before = [raw.clone() for raw in local.buffers]
+    placed = []
+    for count in (1, 4):
+        for raw, old in zip(local.buffers, before, strict=True):
+            raw.copy_(old)
+        shares = mapped.shares(lids, rids, count)
+        assert len(shares) == count  # 4: each a quarter of the layers (6 over 4 shares)
+        for share in shares:
+            share()
+        placed.append([raw.clone() for raw in local.buffers])
+    assert any(not torch.equal(a, b) for a, b in zip(placed[0], before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(placed[0], placed[1], strict=True))
+    many_l, many_r = read.ids([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
+    assert len(mapped.shares(many_l, many_r, 4)) == 4  # whole blocks: no layer cut

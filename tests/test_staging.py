@@ -5,6 +5,7 @@ token of each logical block where a side keeps kernel blocks)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from unittest import mock
 
@@ -145,7 +146,11 @@ def test_every_pair_byte_copies_refuse_is_converted_exactly(s: dict) -> None:
         assert from_map is not None  # one allocation: its chunks lie at fixed strides
         lids, rids = read.ids(local_ids, remote_ids)
         paired = min(len(lids) * local_bs, len(rids) * remote_bs)  # tokens placed
-        assert from_map.copy(lids, rids)[0] == paired * read.placed_per_block // remote_bs
+        # two copy threads: the copy cut into shares of blocks, and of layer groups where
+        # there are fewer blocks than shares
+        with ThreadPoolExecutor(1) as pool:
+            assert from_map.copy(lids, rids, pool, threads=2) == (
+                paired * read.placed_per_block // remote_bs, 2)
         run_staged(local, remote, read, local_ids, remote_ids)
         with mock.patch.object(host_reads, "IOV_MAX", s["iov_max"]):
             runs = plan_host_read(read, host_groups, offer, min_run_bytes=0)

@@ -174,6 +174,9 @@ class StagedRead:
         :mod:`kvxfer.transfer.converted.mapped_reads`), into view ``groups`` at logical blocks
         ``local_ids``, each piece with ``copy(target, source)`` (default: torch's
         ``copy_``, which may share a large piece out over torch's intra-op threads).
+        ``source`` and the groups may be numpy arrays instead, with numpy's copy, where no
+        piece needs :func:`kv_views` (K and V move together: the sides pack them alike,
+        and per token or in whole kernel blocks).
 
         One copy per :func:`token_segments` run, head range and layer group: views that
         are one allocation at a fixed layer stride are one group, so a block's layers
@@ -195,7 +198,7 @@ class StagedRead:
                                      geo.kernel_block_size, content)
             else:  # chunk = the page, [N, H, C]
                 heads = part[:, :, 0].reshape(count, group.shape[1], geo.kernel_block_size,
-                                              -1, content).permute(0, 1, 3, 2, 4)
+                                              -1, content).swapaxes(2, 3)
             for r0, l0, n in self.heads:
                 s0 = chunks.index(r0) if geo.heads_contiguous else r0
                 for seg in segments:

@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from kvxfer.transfer.converted.host_reads import HostRead, HostReadError
-from kvxfer.transfer.converted.mapped_reads import SHARES_PER_THREAD, MappedRead
+from kvxfer.transfer.converted.mapped_reads import MappedRead, share_count
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.peers import Peer
 from kvxfer.transfer.reads.path import ReadFailed, ReadPath
@@ -83,10 +83,10 @@ class HostPath(_CopyPath[HostRead]):
 
 class MappedPath(_CopyPath[MappedRead]):
     """Copies from the prefill's cache, mapped into this process: every prefill rank's
-    blocks cut into shares (:data:`~kvxfer.transfer.converted.mapped_reads.
-    SHARES_PER_THREAD` per copy thread and rank), all taken in turn by the rank's copy
-    threads (:func:`~kvxfer.transfer.threads.run_pulled`), so that the prefill ranks of a
-    TP split are copied at once and no thread waits at a rank's end for another."""
+    blocks cut into shares (:func:`~kvxfer.transfer.converted.mapped_reads.share_count`
+    per rank), all taken in turn by the rank's copy threads
+    (:func:`~kvxfer.transfer.threads.run_pulled`), so that the prefill ranks of a TP split
+    are copied at once and no thread waits at a rank's end for another."""
 
     name = "mapped"
 
@@ -96,7 +96,7 @@ class MappedPath(_CopyPath[MappedRead]):
         threads = local.threads if pool else 1
         shares = [functools.partial(self._share, runs.remote_rank, share)
                   for runs, local_ids, remote_ids in self._copies
-                  for share in runs.shares(local_ids, remote_ids, threads * SHARES_PER_THREAD)]
+                  for share in runs.shares(local_ids, remote_ids, share_count(threads))]
         run_pulled(shares, pool, threads)
         self.num_bytes += sum(runs.placed(local_ids, remote_ids)
                               for runs, local_ids, remote_ids in self._copies)
