@@ -156,26 +156,30 @@ def test_a_process_that_ended_is_not_mapped() -> None:
     assert info.value.gone
 
 
-def _read(separate: bool) -> tuple[StagedRead, Any, Any]:
+def _read(separate: bool, layers: int = 3, local_separate: bool = False
+          ) -> tuple[StagedRead, Any, Any, Any]:
+    """A TP 1 prefill's LBNHC cache read by rank 0 of a TP 2 decode's LBHNC one: (the read,
+    the prefill's rank, the decode's view groups, the decode's rank)."""
     rng = np.random.default_rng(0)
-    remote = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBNHC, 6, 3, separate,
-                       rng, zeros=shared_zeros)
-    local = make_rank(CacheSpec(4, 2, 2, torch.float16), KVCacheLayout.LBHNC, 6, 3, False, rng)
+    remote = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBNHC, 8, layers,
+                       separate, rng, zeros=shared_zeros)
+    local = make_rank(CacheSpec(4, 2, 2, torch.float16), KVCacheLayout.LBHNC, 8, layers,
+                      local_separate, rng)
     (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 4),
                          local_tp=2, remote_tp=1)
     assert isinstance(read, StagedRead)
-    return read, remote, layer_groups(local.views)
+    return read, remote, layer_groups(local.views), local
 
 
 def test_only_a_cache_whose_chunks_lie_at_fixed_strides_in_an_offered_buffer_is_mapped() -> None:
     canary = Canary()
-    read, remote, groups = _read(separate=False)
+    read, remote, groups, _ = _read(separate=False)
     offer = shared_offer(canary, remote.plan.memory)
     assert offer is not None
     assert map_prefill(read, groups, offer) is not None
     assert map_prefill(read, groups, canary.offer()) is None  # not offered
     # one buffer per layer: no fixed layer stride (host reads or staging instead)
-    apart, remote_apart, groups = _read(separate=True)
+    apart, remote_apart, groups, _ = _read(separate=True)
     offer = shared_offer(canary, remote_apart.plan.memory)
     assert offer is not None and len(offer.memory) == 3
     assert map_prefill(apart, groups, offer) is None
@@ -185,14 +189,7 @@ def test_a_short_read_into_a_tensor_per_layer_is_shared_out_by_layers() -> None:
     """A one-block read (a short prompt in vLLM's 128-token CPU blocks) into a view with a
     tensor per layer (vLLM's) is cut by layer groups, so that every copy thread takes part,
     and places what one share does; with many blocks, shares stay whole blocks."""
-    rng = np.random.default_rng(1)
-    remote = make_rank(CacheSpec(4, 4, 2, torch.float16), KVCacheLayout.LBNHC, 8, 6, False,
-                       rng, zeros=shared_zeros)
-    local = make_rank(CacheSpec(4, 2, 2, torch.float16), KVCacheLayout.LBHNC, 8, 6, True, rng)
-    (read,) = plan_reads(local.geometry, {0: remote.geometry}, read_plan(0, 2, 1, 4),
-                         local_tp=2, remote_tp=1)
-    assert isinstance(read, StagedRead)
-    groups = layer_groups(local.views)
+    read, remote, groups, local = _read(separate=False, layers=6, local_separate=True)
     assert len(groups) == 6  # a tensor per layer
     canary = Canary()  # held: the offer names its bytes in this process
     offer = shared_offer(canary, remote.plan.memory)
