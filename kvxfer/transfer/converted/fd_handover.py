@@ -70,6 +70,14 @@ LOG_EVERY_S = 10.0
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
+def _peer_pid(conn: socket.socket) -> int:
+    """The pid of the process at the other end of ``conn``, as the kernel reports it (the
+    connecting one, or the one that listened)."""
+    pid: int = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                _PEERCRED.size))[0]
+    return pid
+
+
 def _mac(proof: bytes | bytearray, challenge: bytes, pid: int, buffer_id: int) -> bytes:
     message = b"kvxfer fd handover" + challenge + struct.pack("<QQ", pid, buffer_id)
     return hmac.new(proof, message, hashlib.sha256).digest()
@@ -210,8 +218,7 @@ class Handover:
         process; anything else gets at most an error byte."""
         try:
             answer = conn.recv(ANSWER_BYTES + 1)
-            pid = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                   _PEERCRED.size))[0]
+            pid = _peer_pid(conn)
         except OSError:
             return
         if len(answer) != ANSWER_BYTES:
@@ -296,8 +303,7 @@ def take(offer: HostReads, buffer_id: int, timeout: float = TAKE_TIMEOUT_S) -> i
         conn.settimeout(timeout)
         try:
             conn.connect(offer.handover)
-            listener = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                        _PEERCRED.size))[0]
+            listener = _peer_pid(conn)
             if listener != offer.pid:  # a descriptor from it would be another's memory
                 raise HostReadError(f"taking {where}: its handover socket is served by "
                                     f"process {listener}, not by {offer.pid}")
