@@ -164,6 +164,14 @@ class StagedRead:
         self.place(staged, self.chunks, np.arange(count), groups, local_ids, remote_packing,
                    local_packing)
 
+    def kv_together(self, remote_packing: str, local_packing: str) -> bool:
+        """Whether :meth:`place` moves K and V together in every piece for these packings:
+        the sides pack them alike, and per token or in whole kernel blocks (equal kernel
+        block sizes, so that every :func:`token_segments` run is whole)."""
+        return remote_packing == local_packing and (
+            local_packing == TOKEN_PACKING
+            or self.local.kernel_block_size == self.remote.kernel_block_size)
+
     def place(self, source: torch.Tensor, chunks: Sequence[int], rows: np.ndarray,
               groups: Sequence[tuple[int, torch.Tensor]], local_ids: torch.Tensor | np.ndarray,
               remote_packing: str = TOKEN_PACKING, local_packing: str = TOKEN_PACKING,
@@ -174,9 +182,8 @@ class StagedRead:
         :mod:`kvxfer.transfer.converted.mapped_reads`), into view ``groups`` at logical blocks
         ``local_ids``, each piece with ``copy(target, source)`` (default: torch's
         ``copy_``, which may share a large piece out over torch's intra-op threads).
-        ``source`` and the groups may be numpy arrays instead, with numpy's copy, where no
-        piece needs :func:`kv_views` (K and V move together: the sides pack them alike,
-        and per token or in whole kernel blocks).
+        ``source`` and the groups may be numpy arrays instead, with numpy's copy, where
+        :meth:`kv_together` (no piece then needs :func:`kv_views`).
 
         One copy per :func:`token_segments` run, head range and layer group: views that
         are one allocation at a fixed layer stride are one group, so a block's layers
