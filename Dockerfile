@@ -20,6 +20,12 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 FROM python AS build
+# a C compiler for kvxfer's one compiled helper, the streaming copy (setup.py): optional,
+# but without it copies on one host are slower
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        gcc libc6-dev python3-dev \
+    && rm -rf /var/lib/apt/lists/*
 # torch first, with an exact pin, the way dev.py does. TORCH_INDEX_URL is searched as well
 # for it: PyTorch's CPU wheel index (the "whl/cpu" one its install page names) for a CPU
 # image; empty (the default) only the configured indexes, whose Linux torch is the
@@ -35,7 +41,7 @@ ARG PIP_FIND_LINKS
 ARG PIP_TRUSTED_HOST
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180
 RUN python3 -m venv /opt/kvxfer
-COPY pyproject.toml README.md /src/
+COPY pyproject.toml setup.py README.md /src/
 COPY kvxfer /src/kvxfer
 COPY proxy /src/proxy
 RUN --mount=type=secret,id=pip_cert \

@@ -16,10 +16,11 @@ on vLLM); the tests run from .venv and start vLLM instances with .venv-vllm's
 Python (also what `dev.py run kvxfer bench vllm` uses).
 
 The environment lives in .venv next to this file and is rebuilt when
-pyproject.toml changes. Torch is installed first with an exact pin so that pip
-never resolves a bare "torch" requirement to a multi-GB CUDA build on a machine
-without a GPU. Override the pin with KVXFER_TORCH_SPEC (for example
-"torch==2.13.0" plus your own index settings through PIP_* variables).
+pyproject.toml, setup.py or the C source it builds changes. Torch is installed
+first with an exact pin so that pip never resolves a bare "torch" requirement to
+a multi-GB CUDA build on a machine without a GPU. Override the pin with
+KVXFER_TORCH_SPEC (for example "torch==2.13.0" plus your own index settings
+through PIP_* variables).
 """
 
 from __future__ import annotations
@@ -53,12 +54,18 @@ VLLM_EXTRA_SPECS = ("nixl-cu12==1.5.1", "gguf>=0.17")
 VLLM_NO_DEPS_SPECS = ("nixl==1.5.1", *NO_DEPS_SPECS)
 
 
+# what `pip install -e` compiles (kvxfer's streaming copy)
+COMPILED = ("setup.py", "kvxfer/transfer/converted/_stream_copy.c")
+
+
 def _bin(name: str, venv: Path = VENV) -> Path:
     return venv / ("Scripts" if os.name == "nt" else "bin") / name
 
 
 def _fingerprint() -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
+    for built in COMPILED:  # the editable install compiles these: a change rebuilds them
+        digest.update((ROOT / built).read_bytes())
     digest.update(TORCH_SPEC.encode())
     digest.update(" ".join(NO_DEPS_SPECS).encode())
     digest.update(sys.version.encode())

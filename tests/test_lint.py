@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py")
+RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py", "setup.py")
 MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/topology.py",
               "kvxfer/plan/descriptors.py", "kvxfer/wire/tickets.py",
               "kvxfer/wire/lease_book.py", "kvxfer/net/kv_key.py", "kvxfer/vllm/settings.py",
@@ -16,6 +16,7 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
               "kvxfer/engine/block_allocator.py", "kvxfer/transfer/converted/siblings.py",
               "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py",
+              "kvxfer/transfer/converted/stream_copy.py",
               "kvxfer/transfer/leases.py", "kvxfer/transfer/lease_client.py",
               "kvxfer/sidecar/connector_events.py",
               "kvxfer/wire/version.py", "kvxfer/wire/errors.py",

@@ -54,6 +54,7 @@ from kvxfer.plan.regions import MemoryRegion
 from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.fd_handover import HANDOVER, take
 from kvxfer.transfer.converted.host_reads import Canary, HostReadError, verify_canary
+from kvxfer.transfer.converted.stream_copy import stream_copy
 from kvxfer.transfer.threads import run_pulled
 from kvxfer.wire.metadata import HostReads, SharedRegion
 
@@ -283,15 +284,16 @@ class MappedRead:
     @functools.cached_property
     def _operands(self) -> tuple[Any, Sequence[tuple[int, Any]], Callable[[Any, Any], object]]:
         """(source, groups, copy) for :meth:`StagedRead.place`: numpy views of them with
-        numpy's copy where every piece moves K and V together
-        (:meth:`StagedRead.kv_together`), else the tensors with :func:`copy_alone`.
-        Numpy's slicing costs a fraction of torch's: a one-block read of a 30-layer vLLM
-        cache (a view per layer) spent ~0.2 ms of ~0.8 in slicing tensors."""
+        :func:`~kvxfer.transfer.converted.stream_copy.stream_copy` where every piece
+        moves K and V together (:meth:`StagedRead.kv_together`), else the tensors with
+        :func:`copy_alone`. Numpy's slicing costs a fraction of torch's: a one-block read
+        of a 30-layer vLLM cache (a view per layer) spent ~0.2 ms of ~0.8 in slicing
+        tensors."""
         plan = self.plan
         if not plan.kv_together(plan.remote.kv_packing, plan.local.kv_packing):
             return self.source, self.groups, copy_alone
         return (_as_numpy(self.source), [(layer, _as_numpy(g)) for layer, g in self.groups],
-                np.copyto)
+                stream_copy)
 
     def placed(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> int:
         """Bytes a copy of these ids places: the paired tokens' (the shorter side's), each
@@ -316,8 +318,9 @@ def copy_alone(target: torch.Tensor, source: torch.Tensor) -> None:
     shares a large copy out over its intra-op threads; a mapped read's copy threads, and
     the sibling ranks copying beside them, would then oversubscribe the cores (measured on
     2 cores: 10 GB/s for two copy threads of 64 KiB runs through torch, 14 through numpy,
-    which copies where it is called and releases the GIL meanwhile)."""
-    np.copyto(_as_numpy(target), _as_numpy(source))
+    which copies where it is called and releases the GIL meanwhile), with streaming stores
+    where they apply (:func:`~kvxfer.transfer.converted.stream_copy.stream_copy`)."""
+    stream_copy(_as_numpy(target), _as_numpy(source))
 
 
 def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
