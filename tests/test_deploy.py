@@ -162,6 +162,42 @@ def test_compose_command_lines_parse_with_the_cli() -> None:
             assert args.prefiller_ports == args.decoder_ports == [8000]
 
 
+def _sent_to_the_build(path: str, rules: list[str]) -> bool:
+    """Whether ``.dockerignore``'s ``rules`` let ``path`` into the build context: the
+    last rule that matches it or a folder above it decides (``!`` lets it in)."""
+    import fnmatch
+
+    parts = path.strip("/").split("/")
+    sent = True
+    for rule in rules:
+        negated, pattern = rule.startswith("!"), rule.lstrip("!").strip("/")
+        for depth in range(1, len(parts) + 1):
+            here = "/".join(parts[:depth])
+            if fnmatch.fnmatch(here, pattern) or (
+                    pattern.startswith("**/") and fnmatch.fnmatch(parts[depth - 1],
+                                                                pattern[3:])):
+                sent = negated
+                break
+    return sent
+
+
+def test_every_file_the_image_copies_is_in_the_build_context() -> None:
+    """A COPY of a path that .dockerignore keeps out fails the image build ("not found")."""
+    rules = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    copied = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            copied += [w for w in words[1:-1] if not w.startswith("--")]
+    assert "setup.py" in copied and "kvxfer" in copied
+    for path in copied:
+        assert (ROOT / path).exists(), f"the Dockerfile copies {path}, which is not here"
+        assert _sent_to_the_build(path, rules), f".dockerignore keeps {path} out of the build"
+    assert not _sent_to_the_build("kvxfer/transfer/converted/x.so", rules)  # built in the image
+    assert not _sent_to_the_build("tests", rules)
+
+
 def test_image_default_command_parses_and_matches_exposed_ports() -> None:
     text = (ROOT / "Dockerfile").read_text()
     cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M)[1])  # type: ignore[index]

@@ -54,10 +54,13 @@ def native() -> str:
 def stream_copy(target: np.ndarray, source: np.ndarray) -> None:
     """``np.copyto(target, source)`` for arrays of one shape and dtype: by the helper in
     one call where they are rows of at least :data:`MIN_ROW_BYTES` contiguous on both
-    sides (see the module docstring and :func:`_rows`); anything else, numpy's copy."""
+    sides (see the module docstring and :func:`_rows`); anything else, numpy's copy,
+    which also takes arrays that may overlap (the helper copies forward, numpy through
+    a buffer) and dtypes holding references (the helper would copy them as bytes)."""
     lib = _library()
     if lib is None or target.shape != source.shape or target.dtype != source.dtype \
-            or not target.flags.writeable:
+            or target.dtype.hasobject or not target.flags.writeable \
+            or np.may_share_memory(target, source):
         np.copyto(target, source)
         return
     rows = _rows(target.shape, target.strides, source.strides, target.itemsize)
