@@ -3,7 +3,10 @@ arrays are rows it can take, and the helper built wherever a C compiler is."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -80,9 +83,19 @@ def _rows(target: np.ndarray, source: np.ndarray) -> tuple[int, int, int, int] |
     return sc._rows(target.shape, target.strides, source.strides, target.itemsize)
 
 
-def test_numpy_copies_when_the_helper_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sc, "_library", lambda: None)
-    assert sc.native() == "numpy"
+def test_numpy_copies_when_the_helper_is_not_built(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Without the helper, copies are numpy's, and the first one says so, with the fix."""
+    import kvxfer.transfer.converted as package
+
+    monkeypatch.setitem(sys.modules, "kvxfer.transfer.converted._stream_copy", None)
+    monkeypatch.delattr(package, "_stream_copy", raising=False)  # an import binds it there
+    monkeypatch.setattr(sc, "_library", functools.cache(sc._library.__wrapped__))
+    with caplog.at_level(logging.WARNING, logger=sc.__name__):
+        assert sc.native() == "numpy"
+        assert sc.native() == "numpy"
+    (warning,) = caplog.records  # once per process
+    assert "not built" in warning.getMessage() and "reinstall" in warning.getMessage()
     source = np.arange(1 << 14, dtype=np.uint8)
     target = np.zeros_like(source)
     sc.stream_copy(target, source)

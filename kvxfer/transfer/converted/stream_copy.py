@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # Shorter rows: numpy's copy. Two threads copying random pieces of rows at a layer stride
 # (torch's memory, 128 MiB, medians of 15): 16 KiB rows 13.2 ms numpy, 14.9 streamed;
@@ -32,6 +35,9 @@ def _library() -> ctypes.CDLL | None:
     try:
         from kvxfer.transfer.converted import _stream_copy  # type: ignore[attr-defined]
     except ImportError:  # not built: no C compiler at install time
+        log.warning("kvxfer's streaming copy is not built (no C compiler was found when "
+                    "kvxfer was installed): copies on this host use numpy's, which is "
+                    "slower; reinstall kvxfer where `cc` and Python's headers are present")
         return None
     lib = ctypes.CDLL(_stream_copy.__file__)
     lib.kvxfer_copy_rows.restype = None
