@@ -211,3 +211,42 @@ def test_a_short_read_into_a_tensor_per_layer_is_shared_out_by_layers() -> None:
     assert all(torch.equal(a, b) for a, b in zip(placed[0], placed[1], strict=True))
     many_l, many_r = read.ids([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
     assert len(mapped.shares(many_l, many_r, 4)) == 4  # whole blocks: no layer cut
+
+
+def test_a_buffer_freed_by_the_collector_while_the_buffers_are_listed_hangs_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer's finalizer runs inside whatever allocation the garbage collector
+    interrupts, on any thread, with that thread's locks held. Listing the offered
+    buffers (a prefill's handshake listener answering a metadata request) allocates
+    under the registry's lock; a finalizer that waited for that lock there waited for
+    good, and the listener with it (found by `kvxfer bench transfer`: about 1 run in 6
+    ended in "no answer ... within 5 s"). Here the collection happens exactly there."""
+    import threading
+
+    from kvxfer.transfer.converted import mapped_reads
+
+    class CollectingDict(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def,override]
+            gc.collect()  # as an allocation under the lock may
+            return super().items()
+
+    monkeypatch.setattr(mapped_reads, "_buffers", CollectingDict(mapped_reads._buffers))
+    gc.disable()
+    try:
+        doomed = shared_zeros(1 << 16)
+        region = MemoryRegion(doomed.data_ptr(), 1 << 16, 0)
+        (offered,) = shared_regions([region])
+        cycle: list[Any] = [doomed]
+        cycle.append(cycle)  # only the collector frees it now
+        del doomed, cycle
+        listed: list[Any] = []
+        lister = threading.Thread(target=lambda: listed.append(shared_regions([region])),
+                                  daemon=True)
+        lister.start()
+        lister.join(timeout=10)
+    finally:
+        gc.enable()
+    assert not lister.is_alive(), "listing the buffers hung in a buffer's finalizer"
+    assert len(listed) == 1  # listed as it was when the listing began
+    # and forgotten, its descriptor closed, as the listing left the lock
+    assert offered.id not in mapped_reads._buffers and offered.id not in HANDOVER

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvxfer.transfer.threads import run_pulled
+from kvxfer.transfer.threads import DeferringLock, run_pulled
 
 
 @pytest.fixture
@@ -68,3 +68,23 @@ def test_an_error_is_raised_once_every_call_ended(pool) -> None:
         run_pulled([lambda i=i: call(i) for i in range(12)], pool, 2)
     # the failing thread stopped; the other took every call that was left
     assert sorted(ran) == [i for i in range(12) if i != 3]
+
+
+def test_a_change_deferred_while_the_lock_is_held_applies_when_its_holder_leaves() -> None:
+    """A finalizer's defer() on a thread that holds the lock returns at once (waiting
+    there would never end); the holder applies the change on its way out; with the lock
+    free, the change applies at once."""
+    applied: list[int] = []
+    guard = DeferringLock(applied.append)
+    with guard.held():
+        guard.defer(1)  # this thread holds the lock
+        assert applied == []
+    assert applied == [1]
+    guard.defer(2)
+    assert applied == [1, 2]
+    quotients: list[int] = []
+    failing = DeferringLock(lambda item: quotients.append(6 // item))
+    with failing.held():
+        failing.defer(0)  # fails (logged) when the holder leaves...
+        failing.defer(3)
+    assert quotients == [2]  # ...and the next still applies

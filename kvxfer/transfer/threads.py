@@ -5,16 +5,24 @@ calling thread takes the first, the pool the others (:func:`run_all`), or every 
 takes the next share not yet taken until none is left (:func:`run_pulled`). Every share
 must have ended before the caller moves on, also when one failed: a share still running
 may still be writing into blocks the caller is about to free or report.
+
+And :class:`DeferringLock`, for state that finalizers change.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from typing import TypeVar
+from contextlib import contextmanager
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def run_all(calls: Sequence[Callable[[], T]], pool: Executor | None) -> list[T]:
@@ -56,3 +64,47 @@ def run_pulled(calls: Sequence[Callable[[], object]], pool: Executor | None, thr
             calls[i]()
 
     run_all([drain] * max(1, min(threads if pool else 1, len(calls))), pool)
+
+
+class DeferringLock(Generic[T]):
+    """A lock for state that finalizers change (``weakref.finalize`` callbacks, run by the
+    garbage collector inside whatever code allocated, on any thread, locks held): a
+    finalizer :meth:`defer` s its change instead of waiting for the lock, which its own
+    thread may hold (a wait there never ends). The change, ``apply(item)``, runs under
+    the lock at once where the lock is free, else when its holder leaves :meth:`held`:
+    every item deferred while someone held the lock is applied by that holder (or a
+    later one) on the way out."""
+
+    def __init__(self, apply: Callable[[T], object]) -> None:
+        self._lock = threading.Lock()
+        self._deferred: queue.SimpleQueue[T] = queue.SimpleQueue()  # put() is reentrant
+        self._apply = apply
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            yield
+        self.run_deferred()
+
+    def defer(self, item: T) -> None:
+        """Apply ``item`` now if the lock is free, else leave it to the lock's holder.
+        Never waits: safe in a finalizer."""
+        self._deferred.put(item)
+        self.run_deferred()
+
+    def run_deferred(self) -> None:
+        while not self._deferred.empty():
+            if not self._lock.acquire(blocking=False):
+                return  # its holder runs them when it leaves held()
+            try:
+                while True:
+                    try:
+                        item = self._deferred.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        self._apply(item)
+                    except Exception:  # one change failed: the others still apply
+                        log.exception("a deferred change failed")
+            finally:
+                self._lock.release()

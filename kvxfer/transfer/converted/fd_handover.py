@@ -55,6 +55,7 @@ import time
 import numpy as np
 
 from kvxfer.transfer.converted.host_reads import HostReadError, copy_vectors
+from kvxfer.transfer.threads import DeferringLock
 from kvxfer.wire.metadata import HostReads
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ class Handover:
     them to readers that prove they may read this process. Thread-safe."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # drop() is called by buffers' finalizers, inside any allocation of any thread,
+        # this class's own locked sections included: it defers, never waits
+        self._guard = DeferringLock(self._release)
         self._kept: dict[int, socket.socket] = {}
         self._ids = itertools.count(1)  # never reused: an id names one buffer for good
         self._proof = np.frombuffer(bytearray(secrets.token_bytes(PROOF_BYTES)), np.uint8)
@@ -100,7 +103,7 @@ class Handover:
         os.register_at_fork(after_in_child=self._forked)
 
     def _forked(self) -> None:
-        self._lock = threading.Lock()
+        self._guard = DeferringLock(self._release)
         self._proof = np.frombuffer(bytearray(secrets.token_bytes(PROOF_BYTES)), np.uint8)
         self._name = ""
 
@@ -119,26 +122,29 @@ class Handover:
             raise
         finally:
             os.close(fd)
-        with self._lock:
+        with self._guard.held():
             buffer_id = next(self._ids)
             self._kept[buffer_id] = queue
         return buffer_id
 
     def drop(self, buffer_id: int) -> None:
-        """Close buffer ``buffer_id``'s in-flight descriptor (a buffer freed)."""
-        with self._lock:
-            queue = self._kept.pop(buffer_id, None)
-            if queue is not None:
-                queue.close()
+        """Close buffer ``buffer_id``'s in-flight descriptor (a buffer freed): now, or
+        when whoever holds the lock leaves it (never waits: see ``_guard``)."""
+        self._guard.defer(buffer_id)
+
+    def _release(self, buffer_id: int) -> None:
+        queue = self._kept.pop(buffer_id, None)
+        if queue is not None:
+            queue.close()
 
     def __contains__(self, buffer_id: int) -> bool:
-        with self._lock:
+        with self._guard.held():
             return buffer_id in self._kept
 
     def address(self) -> tuple[str, int]:
         """(the listener's abstract socket name, the proof's address); the listener is
         started on the first call."""
-        with self._lock:
+        with self._guard.held():
             if not self._name:
                 server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 name = f"\0kvxfer-handover-{os.getpid()}-{secrets.token_hex(12)}"
@@ -229,7 +235,7 @@ class Handover:
                                                     buffer_id)):
             self._refuse(conn, "its answer does not prove it may read this process", REFUSED)
             return
-        with self._lock:  # drop() must not close the queue meanwhile
+        with self._guard.held():  # drop() must not close the queue meanwhile
             queue = self._kept.get(buffer_id)
             if queue is None:
                 self._reply(conn, UNKNOWN)

@@ -55,7 +55,7 @@ from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.fd_handover import HANDOVER, take
 from kvxfer.transfer.converted.host_reads import Canary, HostReadError, verify_canary
 from kvxfer.transfer.converted.stream_copy import stream_copy
-from kvxfer.transfer.threads import run_pulled
+from kvxfer.transfer.threads import DeferringLock, run_pulled
 from kvxfer.wire.metadata import HostReads, SharedRegion
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,17 @@ def share_count(threads: int) -> int:
 # one Handover) and addresses, which any of its ranks may offer (a reader takes them by
 # id), and the caches are allocated before any worker exists (the engine's, through
 # shared_zeros).
-_lock = threading.Lock()
 _buffers: dict[int, tuple[int, int]] = {}
+
+
+def _forgotten(buffer_id: int) -> None:
+    _buffers.pop(buffer_id, None)
+    HANDOVER.drop(buffer_id)
+
+
+# a buffer's finalizer forgets it, and may run inside any allocation, where this thread may
+# already hold the lock (shared_regions listing the buffers): it defers, never waits
+_guard = DeferringLock(_forgotten)
 
 
 def shared_zeros(nbytes: int) -> torch.Tensor:
@@ -111,7 +120,7 @@ def shared_zeros(nbytes: int) -> torch.Tensor:
     except OSError as exc:  # no socket for it (out of descriptors): not offered
         log.warning("a shared cache buffer is not offered to readers: %s", exc)
         return tensor
-    with _lock:
+    with _guard.held():
         _buffers[buffer_id] = (tensor.data_ptr(), nbytes)
     weakref.finalize(memory, _forget, buffer_id)
     return tensor
@@ -144,14 +153,13 @@ def _map(fd: int, length: int, offset: int = 0, writable: bool = False
 
 
 def _forget(buffer_id: int) -> None:
-    with _lock:
-        _buffers.pop(buffer_id, None)
-    HANDOVER.drop(buffer_id)
+    """A buffer's finalizer (see ``_guard``)."""
+    _guard.defer(buffer_id)
 
 
 def shared_regions(memory: Sequence[MemoryRegion]) -> tuple[SharedRegion, ...]:
     """The shared buffers (:func:`shared_zeros`) that registered ``memory`` lies in."""
-    with _lock:
+    with _guard.held():
         buffers = list(_buffers.items())
     return tuple(SharedRegion(i, addr, size) for i, (addr, size) in buffers
                  if any(addr <= m.addr and m.addr + m.nbytes <= addr + size for m in memory))
