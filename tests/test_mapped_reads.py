@@ -230,7 +230,12 @@ def test_a_buffer_freed_by_the_collector_while_the_buffers_are_listed_hangs_nobo
             gc.collect()  # as an allocation under the lock may
             return super().items()
 
-    monkeypatch.setattr(mapped_reads, "_buffers", CollectingDict(mapped_reads._buffers))
+    # the registry, swapped for one that collects when listed; every change made to it
+    # (earlier tests' buffers freed by these collections too) is copied back below, or the
+    # registry would still offer them by their addresses, where new buffers come to lie
+    original = mapped_reads._buffers
+    collecting = CollectingDict(original)
+    monkeypatch.setattr(mapped_reads, "_buffers", collecting)
     gc.disable()
     try:
         doomed = shared_zeros(1 << 16)
@@ -245,8 +250,11 @@ def test_a_buffer_freed_by_the_collector_while_the_buffers_are_listed_hangs_nobo
         lister.start()
         lister.join(timeout=10)
     finally:
+        mapped_reads._buffers = original  # gc off: no finalizer runs in between
+        original.clear()
+        original.update(collecting)
         gc.enable()
     assert not lister.is_alive(), "listing the buffers hung in a buffer's finalizer"
     assert len(listed) == 1  # listed as it was when the listing began
     # and forgotten, its descriptor closed, as the listing left the lock
-    assert offered.id not in mapped_reads._buffers and offered.id not in HANDOVER
+    assert offered.id not in original and offered.id not in HANDOVER
