@@ -336,16 +336,25 @@ def frozen() -> Iterator[Frozen]:
 
 def test_a_nixl_read_in_flight_from_a_frozen_prefill_fails_within_the_bound(
         frozen: Frozen) -> None:
-    frozen.lease(frozen.nixl, "in-flight")
-    frozen.freeze()
-    try:
-        took, finished, failed = frozen.read(frozen.nixl, "in-flight")
-    finally:
-        frozen.thaw()
+    """The READ's notification waits for the frozen prefill to progress, so the READ
+    stays in flight; now and then UCX sends it without (cma copies from a stopped process
+    too) and the READ lands at once (seen once in CI): that try exercised nothing, and
+    the next lease is read (at most three)."""
+    for attempt in range(3):
+        lease = f"in-flight-{attempt}"
+        frozen.lease(frozen.nixl, lease)
+        frozen.freeze()
+        try:
+            took, finished, failed = frozen.read(frozen.nixl, lease)
+        finally:
+            frozen.thaw()
+        if not finished:
+            break
+        print(f"frozen prefill, try {attempt}: the READ landed at once ({took:.3f} s)")
     print(f"frozen prefill, NIXL READ in flight: failed after {took:.3f} s")
-    assert not finished and list(failed) == ["in-flight"]
+    assert not finished and list(failed) == [lease], "the READ landed in every try"
     assert took < BOUND_S + SLACK_S, f"failed after {took:.1f} s, at the read timeout"
-    why = failed["in-flight"]
+    why = failed[lease]
     assert f"prefill {frozen.nixl['engine_id']} at tcp://127.0.0.1:{frozen.nixl['port']}" \
         in why and "answered no heartbeat for" in why and "READ still in progress" in why, why
 
