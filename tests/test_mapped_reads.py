@@ -233,9 +233,10 @@ def test_a_buffer_freed_by_the_collector_while_the_buffers_are_listed_hangs_nobo
     # the registry, swapped for one that collects when listed; every change made to it
     # (earlier tests' buffers freed by these collections too) is copied back below, or the
     # registry would still offer them by their addresses, where new buffers come to lie
-    original = mapped_reads._buffers
-    collecting = CollectingDict(original)
-    monkeypatch.setattr(mapped_reads, "_buffers", collecting)
+    with mapped_reads._guard.held():  # a buffer freed meanwhile is forgotten after the swap
+        original = mapped_reads._buffers
+        collecting = CollectingDict(original)
+        monkeypatch.setattr(mapped_reads, "_buffers", collecting)
     gc.disable()
     try:
         doomed = shared_zeros(1 << 16)
@@ -250,9 +251,10 @@ def test_a_buffer_freed_by_the_collector_while_the_buffers_are_listed_hangs_nobo
         lister.start()
         lister.join(timeout=10)
     finally:
-        mapped_reads._buffers = original  # gc off: no finalizer runs in between
-        original.clear()
-        original.update(collecting)
+        with mapped_reads._guard.held():  # as above: nothing forgotten in between is lost
+            mapped_reads._buffers = original
+            original.clear()
+            original.update(collecting)
         gc.enable()
     assert not lister.is_alive(), "listing the buffers hung in a buffer's finalizer"
     assert len(listed) == 1  # listed as it was when the listing began

@@ -88,3 +88,21 @@ def test_a_change_deferred_while_the_lock_is_held_applies_when_its_holder_leaves
         failing.defer(0)  # fails (logged) when the holder leaves...
         failing.defer(3)
     assert quotients == [2]  # ...and the next still applies
+
+
+def test_a_holder_sees_no_change_pending_and_a_failing_body_leaves_none() -> None:
+    """Changes deferred before the lock is taken are applied before the body runs (a body
+    must never see state a finalizer already changed, e.g. a freed buffer still listed);
+    a body that raises still applies what was deferred meanwhile."""
+    applied: list[int] = []
+    guard = DeferringLock(applied.append)
+    with guard.held():
+        guard.defer(1)
+    # as if another thread took the lock between a holder's release and its drain
+    guard._deferred.put(2)
+    with guard.held():
+        assert applied == [1, 2]  # applied on the way in
+    with pytest.raises(RuntimeError), guard.held():
+        guard.defer(3)
+        raise RuntimeError("the body failed")
+    assert applied == [1, 2, 3]

@@ -82,9 +82,15 @@ class DeferringLock(Generic[T]):
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        with self._lock:
-            yield
-        self.run_deferred()
+        """The lock, with every change deferred before it was taken applied (so that the
+        body never sees one pending), and those deferred while it was held applied on
+        the way out, whatever the body raised."""
+        try:
+            with self._lock:
+                self._apply_deferred()
+                yield
+        finally:
+            self.run_deferred()
 
     def defer(self, item: T) -> None:
         """Apply ``item`` now if the lock is free, else leave it to the lock's holder.
@@ -97,14 +103,24 @@ class DeferringLock(Generic[T]):
             if not self._lock.acquire(blocking=False):
                 return  # its holder runs them when it leaves held()
             try:
-                while True:
-                    try:
-                        item = self._deferred.get_nowait()
-                    except queue.Empty:
-                        break
-                    try:
-                        self._apply(item)
-                    except Exception:  # one change failed: the others still apply
-                        log.exception("a deferred change failed")
+                self._apply_deferred()
             finally:
                 self._lock.release()
+
+    def after_fork(self) -> None:
+        """In a child just forked: a new lock (the old one may be held by a thread the
+        child does not have), the deferred changes kept and applied."""
+        self._lock = threading.Lock()
+        self.run_deferred()
+
+    def _apply_deferred(self) -> None:
+        """Apply every deferred change (the lock held)."""
+        while True:
+            try:
+                item = self._deferred.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._apply(item)
+            except Exception:  # one change failed: the others still apply
+                log.exception("a deferred change failed")

@@ -103,7 +103,7 @@ class Handover:
         os.register_at_fork(after_in_child=self._forked)
 
     def _forked(self) -> None:
-        self._guard = DeferringLock(self._release)
+        self._guard.after_fork()
         self._proof = np.frombuffer(bytearray(secrets.token_bytes(PROOF_BYTES)), np.uint8)
         self._name = ""
 

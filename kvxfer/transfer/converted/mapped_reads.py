@@ -93,6 +93,7 @@ def _forgotten(buffer_id: int) -> None:
 # a buffer's finalizer forgets it, and may run inside any allocation, where this thread may
 # already hold the lock (shared_regions listing the buffers): it defers, never waits
 _guard = DeferringLock(_forgotten)
+os.register_at_fork(after_in_child=_guard.after_fork)
 
 
 def shared_zeros(nbytes: int) -> torch.Tensor:
