@@ -1,4 +1,4 @@
-"""One NIXL agent per TP rank: registration, metadata, READs and notifications.
+"""One NIXL agent per TP rank: registration, metadata, READs, WRITEs and notifications.
 
 This is the only kvxfer module that imports NIXL. It knows nothing about
 requests, layouts or ZMQ: it moves byte ranges described by ``N x 3`` uint64
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 NIXL_MODULES: tuple[str, ...] = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
 TransferState = Literal["DONE", "PROC"]
+Operation = Literal["READ", "WRITE"]
 U64Array = npt.NDArray[np.uint64]
 
 _PROBE_BYTES = 8          # size of the warm-up READ in connect()
@@ -176,21 +177,22 @@ def telemetry_span(agent: Any, handle: Any) -> Span | None:
 
 
 class Transfer:
-    """One posted READ. Owned by the thread that owns its agent.
+    """One posted READ or WRITE (``op``). Owned by the thread that owns its agent.
 
     ``state()`` progresses the agent and reports ``"DONE"`` or ``"PROC"``; a
-    failed READ raises :class:`NixlTransferError` (also on every later call).
-    ``release()`` frees NIXL's handle (aborting a READ still in flight) and is
+    failed transfer raises :class:`NixlTransferError` (also on every later call).
+    ``release()`` frees NIXL's handle (aborting a transfer still in flight) and is
     idempotent; the agent's ``close()`` releases transfers left open. ``span``: NIXL's
-    own timing of the READ once it was seen DONE (:func:`telemetry_span`), else None.
+    own timing of the transfer once it was seen DONE (:func:`telemetry_span`), else None.
     """
 
     def __init__(self, agent: NixlAgent, handle: Any, remote: str, num_bytes: int,
-                 num_descriptors: int, done: bool) -> None:
+                 num_descriptors: int, done: bool, op: Operation = "READ") -> None:
         self._agent = agent
         self._handle: Any = handle
         self.remote = remote
-        self.num_bytes = num_bytes               # bytes moved by the READ, all rows summed
+        self.op = op
+        self.num_bytes = num_bytes               # bytes moved, all rows summed
         self.num_descriptors = num_descriptors   # rows as posted (NIXL may merge more)
         self._state: str = "PROC"
         self._error: NixlTransferError | None = None
@@ -203,13 +205,13 @@ class Transfer:
         self.span = telemetry_span(self._agent._api_agent(), self._handle)
 
     def state(self) -> TransferState:
-        """``"DONE"`` once the bytes are local, else ``"PROC"``; raises on failure."""
+        """``"DONE"`` once the bytes are in place, else ``"PROC"``; raises on failure."""
         if self._error is not None:
             raise self._error
         if self._state == "DONE":
             return "DONE"
         if self._handle is None:
-            raise NixlTransferError("polling a released READ", self.remote, "RELEASED")
+            raise NixlTransferError(f"polling a released {self.op}", self.remote, "RELEASED")
         try:
             state = self._agent._api_agent().check_xfer_state(self._handle)
         except Exception as exc:
@@ -221,22 +223,22 @@ class Transfer:
         if state == "DONE":
             self._seen_done()
             return "DONE"
-        self._error = NixlTransferError("READ", self.remote, state, detail)
+        self._error = NixlTransferError(self.op, self.remote, state, detail)
         raise self._error
 
     def release(self) -> None:
-        """Free the NIXL handle; a READ still in flight is aborted. Idempotent."""
+        """Free the NIXL handle; a transfer still in flight is aborted. Idempotent."""
         handle, self._handle = self._handle, None
         if handle is None:
             return
         try:
             handle.release()
         except Exception as exc:
-            raise NixlTransferError("releasing a READ", self.remote, _state_of(exc),
+            raise NixlTransferError(f"releasing a {self.op}", self.remote, _state_of(exc),
                                     str(exc)) from exc
 
     def __repr__(self) -> str:
-        return (f"Transfer(remote={self.remote!r}, bytes={self.num_bytes}, "
+        return (f"Transfer(op={self.op}, remote={self.remote!r}, bytes={self.num_bytes}, "
                 f"descriptors={self.num_descriptors}, state={self._state})")
 
 
@@ -395,7 +397,7 @@ class NixlAgent:
             return
         local = self._scratch_descs(agent)
         remote = np.array([[probe.addr, _PROBE_BYTES, probe.device_id]], dtype=np.uint64)
-        transfer = self._post(agent, name, local, remote, b"", False, probe.is_cuda)
+        transfer = self._post("READ", name, local, remote, b"", False, probe.is_cuda)
         try:
             deadline = time.monotonic() + timeout_s
             while transfer.state() != "DONE":
@@ -445,14 +447,18 @@ class NixlAgent:
         inside this call (the returned transfer is then already DONE). Raises
         :class:`NixlTransferError` naming the peer if NIXL refuses or fails the post.
         """
-        agent = self._api_agent()
-        self._require_remote(remote_name)
-        local, remote = validate_descriptors(local_descs, remote_descs)
-        if not isinstance(notif, bytes):
-            raise TypeError(f"notif must be bytes, got {type(notif).__name__}")
-        local_cuda = self._default_kind() if local_is_cuda is None else local_is_cuda
-        remote_cuda = local_cuda if remote_is_cuda is None else remote_is_cuda
-        return self._post(agent, remote_name, local, remote, notif, local_cuda, remote_cuda)
+        return self._post("READ", remote_name, local_descs, remote_descs, notif,
+                          local_is_cuda, remote_is_cuda)
+
+    def write(self, remote_name: str, local_descs: U64Array, remote_descs: U64Array,
+              notif: bytes = b"", *, local_is_cuda: bool | None = None,
+              remote_is_cuda: bool | None = None) -> Transfer:
+        """Post a one-sided WRITE of ``local_descs`` (this agent's memory) into
+        ``remote_descs`` (peer memory): :meth:`read` the other way, with the same checks,
+        memory kinds and errors; ``notif`` reaches the peer after the bytes landed there.
+        """
+        return self._post("WRITE", remote_name, local_descs, remote_descs, notif,
+                          local_is_cuda, remote_is_cuda)
 
     def _default_kind(self) -> bool:
         if len(self._mem_types) != 1:
@@ -461,16 +467,24 @@ class NixlAgent:
                              f"remote_is_cuda to read()")
         return next(iter(self._mem_types))
 
-    def _post(self, agent: Any, remote: str, local: U64Array, remote_descs: U64Array,
-              notif: bytes, local_cuda: bool, remote_cuda: bool) -> Transfer:
+    def _post(self, op: Operation, remote: str, local_descs: U64Array, remote_descs: U64Array,
+              notif: bytes, local_is_cuda: bool | None, remote_is_cuda: bool | None
+              ) -> Transfer:
+        agent = self._api_agent()
+        self._require_remote(remote)
+        local, remote_rows = validate_descriptors(local_descs, remote_descs)
+        if not isinstance(notif, bytes):
+            raise TypeError(f"notif must be bytes, got {type(notif).__name__}")
+        local_cuda = self._default_kind() if local_is_cuda is None else local_is_cuda
+        remote_cuda = local_cuda if remote_is_cuda is None else remote_is_cuda
         # One-shot path: per request lists are used once, and building them this
         # way measured ~2x cheaper than prep_xfer_dlist + make_prepped_xfer.
         try:
             handle = agent.initialize_xfer(
-                "READ", agent.get_xfer_descs(local, _mem_type(local_cuda)),
-                agent.get_xfer_descs(remote_descs, _mem_type(remote_cuda)), remote, notif)
+                op, agent.get_xfer_descs(local, _mem_type(local_cuda)),
+                agent.get_xfer_descs(remote_rows, _mem_type(remote_cuda)), remote, notif)
         except Exception as exc:
-            raise NixlTransferError("preparing a READ", remote, _state_of(exc),
+            raise NixlTransferError(f"preparing a {op}", remote, _state_of(exc),
                                     f"{exc} (are all {len(local)} ranges inside memory "
                                     f"registered on both sides?)") from exc
         try:
@@ -480,10 +494,10 @@ class NixlAgent:
         else:
             detail = state
         if state not in ("DONE", "PROC"):
-            self._quietly("releasing a failed READ", handle.release)
-            raise NixlTransferError("posting a READ", remote, state, detail)
+            self._quietly(f"releasing a failed {op}", handle.release)
+            raise NixlTransferError(f"posting a {op}", remote, state, detail)
         transfer = Transfer(self, handle, remote, int(local[:, 1].sum()), len(local),
-                            done=state == "DONE")
+                            done=state == "DONE", op=op)
         self._transfers.add(transfer)
         return transfer
 
