@@ -25,11 +25,8 @@ held for its failed reads is freed (no cancelled READ of it writes there any mor
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvxfer.plan.descriptors import PeerReadPlan, SideGeometry
@@ -37,29 +34,19 @@ from kvxfer.plan.staging import StagedRead, plan_reads
 from kvxfer.plan.topology import notify_plan, read_plan
 from kvxfer.transfer.converted.host_reads import HostRead
 from kvxfer.transfer.converted.mapped_reads import MappedRead
+from kvxfer.transfer.handshakes import DEAD_PEER_S, HandshakeFailed, Handshakes, fetch_ranks
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
 from kvxfer.transfer.results import PathTraffic, TransferError
 from kvxfer.transfer.routes import Route, candidates, choose
 from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.errors import failure_reason
-from kvxfer.wire.errors import HandshakeError
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.params import RemoteParams
 
+__all__ = ["DEAD_PEER_S", "Handshake", "HandshakeFailed", "Peer", "Peers"]
+
 log = logging.getLogger(__name__)
-
-DEAD_PEER_S = 5.0         # after a failed handshake or READ, fail fast this long
-
-
-class HandshakeFailed(TransferError):
-    """A prefill could not be handshaken or connected; ``label`` is the reason's word in
-    :attr:`~kvxfer.transfer.results.WorkerCounts.handshake_failures`."""
-
-    def __init__(self, message: str, label: str) -> None:
-        super().__init__(message)
-        self.label = label
 
 
 @dataclass(frozen=True)
@@ -141,11 +128,9 @@ class Peers:
         self.total_kv_heads = total_kv_heads
         self.host_reads = host_reads
         self._peers: dict[str, Peer] = {}
-        self._dead: dict[str, tuple[float, str]] = {}  # engine -> (until, why)
-        self._shaking: dict[str, tuple[RemoteParams, Future[Handshake]]] = {}
-        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()  # handshakes that ended
-        self._pool = ThreadPoolExecutor(max_workers=2,
-                                        thread_name_prefix=f"kvxfer-handshake-r{local.rank}")
+        self._shakes: Handshakes[Handshake] = Handshakes(f"kvxfer-handshake-r{local.rank}",
+                                                         local.wake, local.tally)
+        self._shaking: dict[str, RemoteParams] = {}  # the params that started each handshake
         self._lock = threading.Lock()
         self._forget: set[str] = set()
 
@@ -157,53 +142,38 @@ class Peers:
 
     def dead(self, engine_id: str) -> str | None:
         """Why ``engine_id`` failed moments ago (within :data:`DEAD_PEER_S`), or None."""
-        dead = self._dead.get(engine_id)
-        return dead[1] if dead is not None and time.monotonic() < dead[0] else None
+        return self._shakes.dead(engine_id)
 
     def shake(self, remote: RemoteParams) -> None:
         """Start handshaking with ``remote``'s engine on a pool thread (once: the caller
         parks later reads of it until :meth:`finished` names it)."""
-        future = self._pool.submit(self._fetch, remote)
-        self._shaking[remote.remote_engine_id] = (remote, future)
-
-        def ended(_: Future[Handshake]) -> None:
-            self._ended.put(remote.remote_engine_id)
-            self._local.wake.set()
-
-        future.add_done_callback(ended)
+        self._shaking[remote.remote_engine_id] = remote
+        self._shakes.start(remote.remote_engine_id, remote.address,
+                           lambda: self._plan(remote))
 
     def finished(self) -> list[RemoteParams]:
         """The remotes whose handshake ended since the last call (worker thread); each
         is :meth:`connect`-ed next."""
-        done: list[RemoteParams] = []
-        while True:
-            try:
-                engine = self._ended.get_nowait()
-            except queue.Empty:
-                return done
-            if engine in self._shaking:
-                done.append(self._shaking[engine][0])
+        return [self._shaking[engine] for engine in self._shakes.finished()]
 
     def connect(self, remote: RemoteParams) -> Peer:
         """Worker thread: the peer whose handshake ended, connected; raises
         :class:`HandshakeFailed` (the engine is then dead for a moment)."""
-        _, future = self._shaking.pop(remote.remote_engine_id)
+        engine = remote.remote_engine_id
+        del self._shaking[engine]
+        shake = self._shakes.result(engine)  # HandshakeFailed from the pool thread
         try:
-            shake = future.result()  # HandshakeFailed from the pool thread
-            try:
-                return self._connect(remote, shake)
-            except TransferError as exc:
-                self._local.tally.handshake_failed("connect")
-                raise HandshakeFailed(str(exc), "connect") from exc
-        except HandshakeFailed as exc:
-            self._dead[remote.remote_engine_id] = (time.monotonic() + DEAD_PEER_S, str(exc))
-            raise
+            return self._connect(remote, shake)
+        except TransferError as exc:
+            self._local.tally.handshake_failed("connect")
+            self._shakes.mark_dead(engine, str(exc))
+            raise HandshakeFailed(str(exc), "connect") from exc
 
     def forget_dead(self, engine_id: str, reason: str) -> None:
         """A READ of ``engine_id`` failed: drop it and fail fast for a moment before
         handshaking again."""
         self.drop(engine_id)
-        self._dead[engine_id] = (time.monotonic() + DEAD_PEER_S, reason)
+        self._shakes.mark_dead(engine_id, reason)
 
     def forget(self, engine_id: str) -> None:
         """Any thread: drop ``engine_id``'s cached handshake or failure at the next
@@ -217,7 +187,7 @@ class Peers:
             forget, self._forget = self._forget, set()
         for engine_id in forget:
             self.drop(engine_id)
-            self._dead.pop(engine_id, None)
+            self._shakes.revive(engine_id)
 
     def drop(self, engine_id: str) -> None:
         """Worker thread: remove ``engine_id``'s agents and end what was shared of it."""
@@ -233,51 +203,20 @@ class Peers:
         """End every share with sibling ranks and stop the handshakes."""
         for engine_id in list(self._peers):
             self._local.shares.leave(self._local.engine_id, engine_id, self._local.rank)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._shakes.close()
 
     # -- pool thread: handshake and plan, no NIXL ------------------------------------------
-    def _fetch(self, remote: RemoteParams) -> Handshake:
-        """Fetch and check the peer's metadata; :class:`HandshakeFailed` (counted) when
-        it cannot be fetched or read."""
-        try:
-            return self._plan(remote)
-        except HandshakeError as exc:
-            failed = HandshakeFailed(str(exc), failure_reason(exc))
-        except (TransferError, ValueError) as exc:  # answered, but not a peer we can read
-            failed = HandshakeFailed(str(exc), "mismatch")
-        except Exception as exc:  # unexpected: still answer the waiting reads
-            log.exception("handshake with %s failed unexpectedly", remote.address)
-            failed = HandshakeFailed(f"{type(exc).__name__}: {exc}", "error")
-        self._local.tally.handshake_failed(failed.label)
-        raise failed
-
     def _plan(self, remote: RemoteParams) -> Handshake:
         """Handshake with ``remote``'s engine and plan the reads."""
         local = self._local
         slices = read_plan(local.rank, local.tp_size, remote.tp_size, self.total_kv_heads)
         notify = notify_plan(local.rank, local.tp_size, remote.tp_size, self.total_kv_heads)
-        ranks = tuple(sorted(notify))
-        metas: dict[int, AgentMetadata] = {}
-        for port, served in remote.side_channels(ranks).items():  # one, unless ranks listen apart
-            answer = self._client.fetch(remote.remote_host, port, served,
-                                        timeout=local.deadlines.handshake_timeout,
-                                        retries=local.deadlines.handshake_retries)
-            if answer.engine_id != remote.remote_engine_id:
-                raise TransferError(f"the side channel at port {port} belongs to engine "
-                                    f"{answer.engine_id!r}, not {remote.remote_engine_id!r}")
-            if answer.tp_size != remote.tp_size:
-                raise TransferError(f"engine reports TP {answer.tp_size} but "
-                                    f"kv_transfer_params say tp_size={remote.tp_size}")
-            metas.update((m.tp_rank, m) for m in answer.ranks if m.tp_rank in served)
-        missing = set(ranks) - set(metas)
-        if missing:
-            raise TransferError(f"handshake answer lacks ranks {sorted(missing)}")
-        for rank, meta in metas.items():
-            if not set(meta.backends) & set(local.agent.backends):
-                raise TransferError(
-                    f"prefill rank {rank} runs NIXL backends {', '.join(meta.backends)} and "
-                    f"this decode {', '.join(local.agent.backends)}: no backend in common; "
-                    f"start both with a shared --nixl-backends")
+        metas = fetch_ranks(self._client, remote.remote_host,
+                            remote.side_channels(tuple(sorted(notify))),
+                            engine_id=remote.remote_engine_id, tp_size=remote.tp_size,
+                            timeout=local.deadlines.handshake_timeout,
+                            retries=local.deadlines.handshake_retries,
+                            backends=local.agent.backends, roles=("prefill", "decode"))
         geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
                       for rank, meta in metas.items()}
         # a host cache converts reads cut at every block (staging and mapped caches are
@@ -323,7 +262,7 @@ class Peers:
         peer = Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
                     shake.plans, shake.notify, kinds, routes)
         self._peers[peer.engine_id] = peer
-        self._dead.pop(peer.engine_id, None)
+        self._shakes.revive(peer.engine_id)
         # in-process siblings share host reads, and the staged reads of pages that hold
         # every head
         peer.shared = {plan.remote_rank for plan in peer.staged()
