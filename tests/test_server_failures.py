@@ -157,7 +157,7 @@ def test_metrics_show_the_transfer(rig: dict[str, Sidecar]) -> None:
 
 def test_failed_read_releases_the_prefill_lease(rig: dict[str, Sidecar]) -> None:
     prefill, decode = rig["prefill"], rig["fail"]
-    done_before = prefill.metric("kvxfer_kv_leases_released_total", reason="done")
+    failed_before = prefill.metric("kvxfer_kv_leases_released_total", reason="failed")
     body = {**BODY, "prompt": PROMPTS[2]}
     first = prefill.post(COMPLETIONS, prefill_body(body), headers={"x-request-id": "failing"})
     params = first.json()["kv_transfer_params"]
@@ -170,7 +170,9 @@ def test_failed_read_releases_the_prefill_lease(rig: dict[str, Sidecar]) -> None
     assert error["type"] == "kv_transfer_error"
     assert "block id 10000" in error["message"] and params["remote_engine_id"] in error["message"]
     prefill.wait_for("the lease released", all_blocks_free)
-    assert prefill.metric("kvxfer_kv_leases_released_total", reason="done") == done_before + 1
+    # the decode's "done" said it gave up
+    assert prefill.metric("kvxfer_kv_leases_released_total",
+                          reason="failed") == failed_before + 1
     decode.wait_for("every block free", all_blocks_free)
     # A late "done" for the ended lease must never match a new lease: its id is not reused.
     again = prefill.post(COMPLETIONS, prefill_body(body),

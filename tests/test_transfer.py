@@ -296,9 +296,9 @@ def test_out_of_range_remote_block_ids_fail_that_request_only(prefill: PrefillPr
     stats, failed = decode.wait(["bad", "fine"])
     assert "remote block id 4096" in failed["bad"] and "fine" in stats
     check_blocks_subset(decode, cfg, [2, 3], [4, 5])
-    # the failed reader told the prefill it is done with the blocks: no wait for expiry
+    # the failed reader told the prefill it gave the blocks up: no wait for expiry
     assert prefill.wait_released(remote["engine_id"], {"bad", "fine"}) == \
-        {"bad": "done", "fine": "done"}
+        {"bad": "failed", "fine": "done"}
 
 
 def tokens_of(view: torch.Tensor, ids: list[int], count: int) -> torch.Tensor:
@@ -425,7 +425,7 @@ def test_params_that_miscount_the_prefills_block_size_read_nothing(
         for view in decode.caches[0].values():
             assert (view == -1).all(), "a refused read must not write anything"
         assert prefill.wait_released(remote["engine_id"], {"unsaid", "wrong"}) == \
-            {"unsaid": "done", "wrong": "done"}
+            {"unsaid": "failed", "wrong": "failed"}  # each reader said it gave up
     finally:
         decode.close()
 
@@ -659,7 +659,7 @@ def test_a_shared_staged_read_whose_share_fails_fails_every_member(
             time.sleep(0.005)
         assert not left, f"ranks {sorted(left)} never reported the failed read"
         assert prefill.wait_released(remote["engine_id"], {"warm", "lost"}) == \
-            {"warm": "done", "lost": "done"}  # both said they will not read: freed at once
+            {"warm": "done", "lost": "failed"}  # said they will not read: freed at once
         monkeypatch.undo()
         other = prefill.create(cfg)  # the failed prefill is avoided for a few seconds
         prefill.hold(other["engine_id"], "again", [10], ttl=30)  # each rank handshakes alone

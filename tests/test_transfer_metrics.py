@@ -213,9 +213,10 @@ def test_a_done_the_decode_could_not_send_is_counted(make: Make,
     pump(prefill, decode, until=lambda: value(decode, "kvxfer_kv_transfers_total",
                                               outcome="failed") == 1)
     assert value(decode, "kvxfer_kv_notifications_failed_total", reason="unsent") == 1
-    # unsent, so the decode's side-channel report of its ok=False "done" ends the lease
+    # unsent, so the decode's side-channel report of its ok=False "done" ends the lease,
+    # as failed: the decode gave up
     pump(prefill, decode, until=lambda: value(prefill, "kvxfer_kv_leases_released_total",
-                                              reason="done") == 1)
+                                              reason="failed") == 1)
 
 
 def test_notifications_the_prefill_cannot_verify_are_counted(make: Make) -> None:

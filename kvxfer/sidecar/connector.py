@@ -479,7 +479,7 @@ class KVConnector:
 def _lease_end_reason(reasons: set[str]) -> str:
     """One label for a lease whose ranks ended it for ``reasons``: a rank that expired
     means a reader was lost, a release means nobody read; "done" only when all read."""
-    for reason in ("expired", "abandoned", "cached", "answered"):
+    for reason in ("expired", "abandoned", "failed", "cached", "answered"):
         if reason in reasons:
             return reason
     return "done"

@@ -30,7 +30,7 @@ TRANSFER_DESCRIPTORS_BUCKETS = tuple(float(4**k) for k in range(10))  # 1 .. 262
 
 # The label values of each counter, exported from the start (at 0) so that rates and
 # alerts see them before the first event.
-LEASE_END_REASONS = ("done", "abandoned", "cached", "answered", "expired")
+LEASE_END_REASONS = ("done", "failed", "abandoned", "cached", "answered", "expired")
 TRANSFER_OUTCOMES = ("ok", "failed", "aborted")
 # kvxfer.transfer.side_channel.errors.FAILURE_REASONS, and "connect": NIXL could not connect
 # after it
@@ -64,7 +64,8 @@ class SidecarMetrics:
         self.leases_held = Gauge("kvxfer_kv_leases_held", "Prefill: requests whose blocks are "
                                  "leased to decode readers", registry=r)
         self.leases_released = Counter("kvxfer_kv_leases_released", "Prefill: leases ended, by "
-                                       "reason (done: every reader said so; abandoned: the "
+                                       "reason (done: every reader said so; failed: every "
+                                       "reader said so, one that it gave up; abandoned: the "
                                        "decode released it unread over the side channel; "
                                        "cached: released unread, the decode's prefix cache "
                                        "held it all; expired: TTL)", ["reason"], registry=r)

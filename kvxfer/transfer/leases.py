@@ -5,10 +5,10 @@ Who calls what (every method is thread-safe):
 * the caller (the connector, vLLM's worker side), per request: :meth:`hold` leases the
   blocks until every expected decode reader has notified "done", the caller ends it
   (:meth:`end`, e.g. on a side-channel release) or the lease expires;
-  :meth:`take_released` returns the leases that ended and why ("done", "abandoned",
-  "expired"). A lease id is what the decode echoes back: keep it unique per lease, so
-  a late "done" can never end a newer lease. The table never frees blocks: the caller
-  frees them when released.
+  :meth:`take_released` returns the leases that ended and why ("done", "failed": a
+  reader gave up, "abandoned", "expired"). A lease id is what the decode echoes back:
+  keep it unique per lease, so a late "done" can never end a newer lease. The table
+  never frees blocks: the caller frees them when released.
 * the handshake listener's thread: :meth:`renew` claims or renews a lease for one
   decode engine (one claimer per lease, at most ``max_age`` seconds in all),
   :meth:`may_end` says whether a requester may release it, :meth:`holds` whether it
@@ -74,6 +74,7 @@ class _Lease:
     done_by: set[tuple[str, int]] = field(default_factory=set)
     held_at: float = field(default_factory=time.monotonic)  # the maximum age counts from here
     claimer: str | None = None  # the decode engine that claimed it (see renew)
+    gave_up: bool = False  # a party's "done" said it did not move its bytes (ok=False)
 
 
 class LeaseTable:
@@ -198,10 +199,11 @@ class LeaseTable:
             lease.done_by.add((note.reader_engine_id, note.reader_rank))
             needed = lease.readers if lease.readers is not None else note.expected_readers
             if not note.ok:
-                log.info("decode %s rank %d gave up on request %s", note.reader_engine_id,
+                lease.gave_up = True
+                log.info("%s rank %d gave up on request %s", note.reader_engine_id,
                          note.reader_rank, note.request_id)
             if len(lease.done_by) >= needed:
-                self._end(note.request_id, "done")
+                self._end(note.request_id, "failed" if lease.gave_up else "done")
             return True
 
     def expire(self) -> None:

@@ -144,7 +144,8 @@ class WorkerCounts:
 @dataclass(frozen=True)
 class Released:
     request_id: str
-    # "done" (every reader said so), "abandoned" (end_lease: the decode will not read),
+    # "done" (every reader said so), "failed" (all said it, one or more that it gave up),
+    # "abandoned" (end_lease: the decode will not read),
     # "cached" (released: the decode's prefix cache held it all) or "expired" (ran out)
     reason: str
 
