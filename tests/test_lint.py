@@ -12,7 +12,7 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/plan/descriptors.py", "kvxfer/wire/tickets.py",
               "kvxfer/wire/lease_book.py", "kvxfer/net/kv_key.py", "kvxfer/vllm/settings.py",
               "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/plan/staging.py",
-              "kvxfer/plan/packing.py",
+              "kvxfer/plan/packing.py", "kvxfer/plan/pushes.py", "kvxfer/wire/reservations.py",
               "kvxfer/engine/prefix_cache.py", "kvxfer/engine/scheduler.py",
               "kvxfer/engine/block_allocator.py", "kvxfer/transfer/converted/siblings.py",
               "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py",

@@ -56,10 +56,27 @@ class LeaseClaims:
              self.num_tokens, self.tp_size, float(self.expires_at), list(self.rank_ports)))
 
 
+def mac_text(key: bytes, signed: bytes) -> str:
+    """A ticket over ``signed`` bytes: the prefix, then the URL-safe base64 of their
+    HMAC-SHA256 with ``key`` (each kind of ticket puts its own domain first)."""
+    mac = hmac.new(key, signed, hashlib.sha256).digest()
+    return TICKET_PREFIX + base64.urlsafe_b64encode(mac).decode("ascii").rstrip("=")
+
+
+def verify_mac(key: bytes, signed: bytes, ticket: object) -> None:
+    """Raise :class:`TicketError` unless ``ticket`` is ``mac_text(key, signed)``
+    (compared in constant time)."""
+    if not isinstance(ticket, str) or not ticket.startswith(TICKET_PREFIX):
+        raise TicketError(f"not a kvxfer ticket (expected a string starting with "
+                          f"{TICKET_PREFIX!r})")
+    want = mac_text(key, signed)
+    if not hmac.compare_digest(want.encode("ascii"), ticket.encode("utf-8", "replace")):
+        raise TicketError("the HMAC does not match")
+
+
 def sign_ticket(key: bytes, claims: LeaseClaims) -> str:
     """The ``lease_ticket`` value for ``claims``."""
-    mac = hmac.new(key, claims.signed_bytes(), hashlib.sha256).digest()
-    return TICKET_PREFIX + base64.urlsafe_b64encode(mac).decode("ascii").rstrip("=")
+    return mac_text(key, claims.signed_bytes())
 
 
 def verify_ticket(key: bytes, claims: LeaseClaims, ticket: object) -> None:
@@ -71,8 +88,9 @@ def verify_ticket(key: bytes, claims: LeaseClaims, ticket: object) -> None:
     if not isinstance(ticket, str) or not ticket.startswith(TICKET_PREFIX):
         raise TicketError(f"kv_transfer_params.{TICKET_KEY} is not a kvxfer lease ticket "
                           f"(expected a string starting with {TICKET_PREFIX!r})")
-    want = sign_ticket(key, claims)
-    if not hmac.compare_digest(want.encode("ascii"), ticket.encode("utf-8", "replace")):
+    try:
+        verify_mac(key, claims.signed_bytes(), ticket)
+    except TicketError:
         raise TicketError(f"kv_transfer_params.{TICKET_KEY} does not verify: the params were "
                           f"altered, or not issued by a prefill that shares this instance's "
-                          f"key")
+                          f"key") from None

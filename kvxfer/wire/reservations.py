@@ -1,0 +1,121 @@
+"""``Reservation``: the decode blocks a prefill may WRITE one prompt's KV into (push mode).
+
+Pure: msgspec and the standard library, no I/O.
+
+In push mode the decode goes first: it reserves blocks for a prompt and hands out a
+reservation, which the proxy passes to the prefill. The prefill WRITEs the prompt's KV
+into exactly those blocks, once, and its last WRITE to each decode rank carries a "done"
+(:class:`~kvxfer.wire.notification.ReadDone`, its reader fields naming the writer) for the
+reservation id. On the decode a reservation is held like a prefill's lease
+(:class:`~kvxfer.transfer.leases.LeaseTable`): the writers' "done" end it, or its
+deadline does, and only then are its blocks the decode's to use or free.
+
+A reservation is signed like a lease ticket (:mod:`kvxfer.wire.tickets`, its own domain):
+with the instances' shared key a prefill writes only into blocks a decode with that key
+reserved, as the decode stated them (engine, side channel, ids, block size, tokens, TP,
+deadline); nobody can widen it to other blocks or a later deadline.
+
+Deadline: ``expires_at`` is seconds since the epoch on the decode's clock. The prefill
+posts no WRITE at or after it and aborts any still in flight then; the decode frees the
+blocks of an unfinished reservation :data:`PUSH_GRACE_S` after it, so a WRITE aborted at
+the deadline never lands in blocks given to another request (clocks of the two hosts must
+agree to well within that grace).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from kvxfer.wire.tickets import TicketError, mac_text, verify_mac
+
+RESERVATION_KEY = "kv_reservation"
+"""The ``kv_transfer_params`` key that carries a reservation to the prefill."""
+
+PUSH_GRACE_S = 10.0
+"""Seconds a decode keeps an unfinished reservation's blocks past its deadline."""
+
+_DOMAIN = b"kvxfer reservation v1"  # keeps a reservation MAC apart from lease tickets
+_MAX_BLOCK_ID = 2**63 - 1
+
+_Name = Annotated[str, Meta(min_length=1, max_length=256)]
+_Port = Annotated[int, Meta(ge=1, le=65535)]
+_Positive = Annotated[int, Meta(ge=1)]
+_BlockId = Annotated[int, Meta(ge=0, le=_MAX_BLOCK_ID)]
+
+
+class ReservationError(ValueError):
+    """A reservation that does not decode, verify or still hold; the message says which."""
+
+
+class Reservation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Decode ``engine_id`` (side channel at ``host``:``port``, ``tp_size`` ranks) holds
+    ``block_ids`` (logical blocks of ``block_size`` tokens) for the first ``num_tokens``
+    tokens of one prompt's KV, under id ``reservation_id``, until ``expires_at``; signed
+    by ``ticket`` when the instances share a key."""
+
+    reservation_id: _Name
+    engine_id: _Name
+    host: _Name
+    port: _Port
+    tp_size: _Positive
+    block_ids: tuple[_BlockId, ...]
+    block_size: _Positive
+    num_tokens: _Positive
+    expires_at: float
+    ticket: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ReservationError("block_ids names a block twice")
+        if -(-self.num_tokens // self.block_size) != len(self.block_ids):
+            raise ReservationError(
+                f"block_ids has {len(self.block_ids)} blocks, but "
+                f"{self.num_tokens} tokens of {self.block_size}-token blocks need "
+                f"{-(-self.num_tokens // self.block_size)}")
+
+    def signed_bytes(self) -> bytes:
+        """What the ticket's HMAC covers: every field but the ticket."""
+        return _DOMAIN + msgspec.msgpack.encode(
+            (self.reservation_id, self.engine_id, self.host, self.port, self.tp_size,
+             list(self.block_ids), self.block_size, self.num_tokens, float(self.expires_at)))
+
+    def signed(self, key: bytes | None) -> Reservation:
+        """This reservation with its ticket (unchanged without a key)."""
+        return self if key is None else msgspec.structs.replace(
+            self, ticket=mac_text(key, self.signed_bytes()))
+
+    def check(self, key: bytes | None, now: float | None = None) -> None:
+        """Raise :class:`ReservationError` unless a prefill may write into it now: its
+        ticket verifies with ``key`` (when there is one) and ``now`` (the epoch, default
+        the clock) is before its deadline."""
+        if key is not None:
+            if self.ticket is None:
+                raise ReservationError("kv_reservation.ticket is missing: this instance only "
+                                       "writes into reservations a decode with its key signed")
+            try:
+                verify_mac(key, self.signed_bytes(), self.ticket)
+            except TicketError as exc:
+                raise ReservationError(f"kv_reservation.ticket does not verify ({exc}): it "
+                                       f"was altered, or not issued by a decode that shares "
+                                       f"this instance's key") from exc
+        now = time.time() if now is None else now
+        if now >= self.expires_at:
+            raise ReservationError(f"kv_reservation {self.reservation_id} expired "
+                                   f"{now - self.expires_at:.1f} s ago")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_reservation(value: object) -> Reservation:
+    """A reservation from the JSON value a request carried (a mapping), strictly:
+    :class:`ReservationError` names what is wrong."""
+    try:
+        return msgspec.convert(value, Reservation, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ReservationError(f"kv_reservation: {exc}") from exc
