@@ -55,6 +55,11 @@ class CacheConfig:
     # a prefill's cache in mappable memory (kvxfer.transfer.converted.mapped_reads)
     shared_memory: bool = True
     separate_kv_head_groups: bool = False
+    key: str = ""  # the instances' shared key, hex ("": none): signs side channel and notes
+
+    @property
+    def hmac_key(self) -> bytes | None:
+        return bytes.fromhex(self.key) if self.key else None
 
     @property
     def kernel_ratio(self) -> int:
@@ -118,7 +123,10 @@ class LoopbackInstance:
 
     @classmethod
     def create(cls, role: str, cfg: CacheConfig, *, fill: str = "pattern",
-               host: str = "127.0.0.1", engine_id: str | None = None) -> LoopbackInstance:
+               host: str = "127.0.0.1", engine_id: str | None = None,
+               listen: bool | None = None) -> LoopbackInstance:
+        """An instance of ``role``; a prefill, or any with ``listen``, serves handshakes
+        (a decode that prefills push into does)."""
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
         from kvxfer.transfer.converted.process_shares import ProcessShares
         from kvxfer.transfer.side_channel.listener import HandshakeListener
@@ -145,14 +153,15 @@ class LoopbackInstance:
             worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
                                     total_kv_heads=cfg.total_kv_heads,
                                     read_lanes=cfg.lanes_per_rank if role == "decode" else 1,
-                                    host_reads=cfg.host_reads, shares=shares)
+                                    host_reads=cfg.host_reads, shares=shares,
+                                    hmac_key=cfg.hmac_key)
             worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
             inst.workers.append(worker)
             inst.caches.append(caches)
             inst.raws.append(raw)
-        if role == "prefill":
+        if listen or (listen is None and role == "prefill"):
             inst.listener = HandshakeListener(
-                host, 0, engine_id=engine_id, compat=cfg.compat(),
+                host, 0, engine_id=engine_id, compat=cfg.compat(), hmac_key=cfg.hmac_key,
                 metadata=lambda: [w.metadata() for w in inst.workers],
                 on_request=lambda _peer: [w.peer_connecting() for w in inst.workers]).start()
         return inst
@@ -186,7 +195,40 @@ class LoopbackInstance:
                         done[item.request_id] = item.reason
         return done
 
+    def push(self, request_id: str, reservation: Any, block_ids: list[int], ttl: float,
+             groups: list[range] | None = None, seal: bool = True) -> None:
+        """Lease ``block_ids`` and push them into ``reservation``: each of ``groups`` handed
+        as the engine would hand finished layers, the rest at the seal (none without
+        ``seal``: the push waits for more layers)."""
+        for worker in self.workers:
+            worker.hold(request_id, block_ids, ttl=ttl)
+            worker.start_push(request_id, reservation, block_ids)
+            for layers in groups or ():
+                worker.push_layers(request_id, layers)
+            if seal:
+                worker.seal_push(request_id)
+        self.pending[request_id] = set(range(self.cfg.tp))
+
+    def give_up(self, request_id: str) -> None:
+        """The request is aborted: end its pushes (their decodes are told it failed)."""
+        for worker in self.workers:
+            worker.seal_push(request_id, ok=False)
+
     # -- decode side ----------------------------------------------------------------------
+    def reserve(self, reservation_id: str, block_ids: list[int], num_tokens: int,
+                ttl: float) -> Any:
+        """Hold ``block_ids`` for a push of ``num_tokens`` tokens until every writer said
+        "done" or ``ttl`` seconds; the signed reservation a prefill writes into
+        (:meth:`released` reports its end: "done" once it landed)."""
+        from kvxfer.wire.reservations import Reservation
+
+        for worker in self.workers:
+            worker.hold(reservation_id, block_ids, readers=None, ttl=ttl)
+        self.pending[reservation_id] = set(range(self.cfg.tp))
+        return Reservation(reservation_id, self.engine_id, "127.0.0.1", self.port, self.cfg.tp,
+                           tuple(block_ids), self.cfg.block_size, num_tokens,
+                           time.time() + ttl).signed(self.cfg.hmac_key)
+
     def read(self, request_id: str, params: dict[str, Any], local_ids: list[int]) -> None:
         for worker in self.workers:
             worker.start_read(request_id, params, local_ids)
@@ -246,8 +288,10 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
                     conn.send(("ok", None))
                     return
                 if op == "create":
-                    inst = LoopbackInstance.create("prefill", CacheConfig(**args["cfg"]),
-                                                   fill=args.get("fill", "pattern"), host=host)
+                    inst = LoopbackInstance.create(args.get("role", "prefill"),
+                                                   CacheConfig(**args["cfg"]),
+                                                   fill=args.get("fill", "pattern"), host=host,
+                                                   listen=True)
                     instances[inst.engine_id] = inst
                     conn.send(("ok", {"engine_id": inst.engine_id, "port": inst.port}))
                 elif op == "drop":
@@ -256,6 +300,23 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
                 elif op == "hold":
                     instances[args["engine_id"]].hold(args["request_id"], args["block_ids"],
                                                       args["ttl"])
+                    conn.send(("ok", None))
+                elif op == "reserve":
+                    import msgspec
+
+                    conn.send(("ok", msgspec.to_builtins(instances[args["engine_id"]].reserve(
+                        args["reservation_id"], args["block_ids"], args["num_tokens"],
+                        args["ttl"]))))
+                elif op == "push":
+                    from kvxfer.wire.reservations import parse_reservation
+
+                    instances[args["engine_id"]].push(
+                        args["request_id"], parse_reservation(args["reservation"]),
+                        args["block_ids"], args["ttl"],
+                        [range(a, b) for a, b in args.get("groups") or ()], args["seal"])
+                    conn.send(("ok", None))
+                elif op == "give_up":
+                    instances[args["engine_id"]].give_up(args["request_id"])
                     conn.send(("ok", None))
                 elif op == "released":
                     conn.send(("ok", instances[args["engine_id"]].released()))
@@ -294,8 +355,16 @@ class PrefillProcess:
             raise RuntimeError(f"prefill process: {value}")
         return value
 
-    def create(self, cfg: CacheConfig, fill: str = "pattern") -> dict[str, Any]:
-        return dict(self._call("create", cfg=asdict(cfg), fill=fill))
+    def create(self, cfg: CacheConfig, fill: str = "pattern", role: str = "prefill"
+               ) -> dict[str, Any]:
+        """An instance of ``role`` (listening for handshakes whatever its role)."""
+        return dict(self._call("create", cfg=asdict(cfg), fill=fill, role=role))
+
+    def reserve(self, engine_id: str, reservation_id: str, block_ids: list[int],
+                num_tokens: int, ttl: float) -> dict[str, Any]:
+        """:meth:`LoopbackInstance.reserve` in the process: the reservation, as a mapping."""
+        return dict(self._call("reserve", engine_id=engine_id, reservation_id=reservation_id,
+                               block_ids=list(block_ids), num_tokens=num_tokens, ttl=ttl))
 
     def drop(self, engine_id: str) -> None:
         """Close one instance (its memory goes back to the system)."""
@@ -304,6 +373,19 @@ class PrefillProcess:
     def hold(self, engine_id: str, request_id: str, block_ids: list[int], ttl: float) -> None:
         self._call("hold", engine_id=engine_id, request_id=request_id,
                    block_ids=list(block_ids), ttl=ttl)
+
+    def push(self, engine_id: str, request_id: str, reservation: Any, block_ids: list[int],
+             ttl: float, groups: list[range] | None = None, seal: bool = True) -> None:
+        """:meth:`LoopbackInstance.push` in the process (``reservation``: a
+        :class:`~kvxfer.wire.reservations.Reservation` or its mapping)."""
+        import msgspec
+
+        self._call("push", engine_id=engine_id, request_id=request_id,
+                   reservation=msgspec.to_builtins(reservation), block_ids=list(block_ids),
+                   ttl=ttl, groups=[(g.start, g.stop) for g in groups or ()], seal=seal)
+
+    def give_up(self, engine_id: str, request_id: str) -> None:
+        self._call("give_up", engine_id=engine_id, request_id=request_id)
 
     def released(self, engine_id: str) -> dict[str, str]:
         return dict(self._call("released", engine_id=engine_id))

@@ -92,6 +92,8 @@ from kvxfer.transfer.liveness import Liveness
 from kvxfer.transfer.local_rank import Deadlines, LocalRank, memory_kind
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.transfer.peers import Peers
+from kvxfer.transfer.pushes.pusher import Pusher
+from kvxfer.transfer.pushes.targets import Targets
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.reader import Reader
 from kvxfer.transfer.results import PollResult, ReadResults, Released, Tally, WorkerCounts
@@ -100,6 +102,7 @@ from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone
 from kvxfer.wire.params import RemoteParams
+from kvxfer.wire.reservations import Reservation
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class TransferWorker:
         self._lanes: Lanes | None = None
         self._peers: Peers | None = None
         self._reads: Reader | None = None
+        self._pusher: Pusher | None = None
         self._wake = threading.Event()
         self._fast_until = 0.0
         self._stop = threading.Event()
@@ -209,6 +213,9 @@ class TransferWorker:
         self._peers = Peers(local, self._client, total_kv_heads=self.total_kv_heads,
                             host_reads=self.host_reads)
         self._reads = Reader(local, self._peers, self._results)
+        self._pusher = Pusher(local, Targets(local, self._client,
+                                             total_kv_heads=self.total_kv_heads),
+                              self._leases, local.geometry.num_layers)
         self._plan = plan
         return plan
 
@@ -240,6 +247,8 @@ class TransferWorker:
         if self._reads is not None and self._peers is not None:
             self._reads.close()
             self._peers.close()
+        if self._pusher is not None:
+            self._pusher.close()
         if self._lanes is not None:
             self._lanes.close()
         self._staging.close()
@@ -331,6 +340,25 @@ class TransferWorker:
         """Leases that ended since the last call; their blocks may be freed now."""
         return self._leases.take_released()
 
+    def start_push(self, lease_id: str, reservation: Reservation,
+                   block_ids: Sequence[int]) -> None:
+        """Push lease ``lease_id``'s blocks (this rank's logical ``block_ids``, in token
+        order) into a decode's ``reservation``: WRITEs of the layers handed with
+        :meth:`push_layers`, the rest at :meth:`seal_push`, then a signed "done" to each
+        decode rank; the push ends the lease (hold it before sealing) "done", or "failed"
+        (:mod:`kvxfer.transfer.pushes.pusher` is the contract). Returns at once."""
+        self._require_pusher().start(lease_id, reservation,
+                                     np.asarray(block_ids, dtype=np.int64).reshape(-1))
+
+    def push_layers(self, lease_id: str, layers: range) -> None:
+        """The engine finished ``layers`` of lease ``lease_id``'s prompt: WRITE them now."""
+        self._require_pusher().layers(lease_id, layers)
+
+    def seal_push(self, lease_id: str, ok: bool = True) -> None:
+        """Every layer of lease ``lease_id`` was handed (``ok``), or the request was given
+        up: finish the push, or abort it and tell the decode."""
+        self._require_pusher().seal(lease_id, ok)
+
     def take_counts(self) -> WorkerCounts:
         """Events since the last call, for metrics (thread-safe; see :class:`WorkerCounts`)."""
         return self._tally.take()
@@ -343,17 +371,25 @@ class TransferWorker:
     def _loop(self) -> None:
         while not self._stop.is_set():
             busy = (self._reads is not None and self._reads.busy) or \
+                (self._pusher is not None and self._pusher.busy) or \
                 time.monotonic() < self._fast_until or len(self._leases) > 0
             self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
             self._wake.clear()
-            reads = self._reads  # None until register_kv_caches
+            reads, pusher = self._reads, self._pusher  # None until register_kv_caches
             try:
                 if reads is not None:
                     reads.step()
+                if pusher is not None:
+                    pusher.step()
                 self._leases.receive(self._agent.get_notifs())
                 self._leases.expire()
             except Exception:  # the thread must survive anything; log loudly
                 log.exception("rank %d transfer loop error", self.rank)
+
+    def _require_pusher(self) -> Pusher:
+        self._require_plan()
+        assert self._pusher is not None
+        return self._pusher
 
     def _require_plan(self) -> RegionPlan:
         if self._plan is None:

@@ -1,0 +1,294 @@
+"""``Pusher``: one prefill rank's pushes, WRITEs of requests' KV into decode reservations.
+
+Who calls what (the worker's ``push_*`` methods queue each call for its thread):
+
+* :meth:`Pusher.start` (any thread): push request ``lease_id``'s blocks (``block_ids``,
+  logical blocks of this rank's cache, in token order) into ``reservation``. The
+  reservation must verify with the instances' key and be unexpired, and this rank's
+  blocks must hold its tokens; otherwise the push fails at once. The caller leases the
+  blocks (``hold``) before it seals the push: the push ends that lease.
+* :meth:`Pusher.layers` (any thread): the engine finished ``layers`` (a run of layer
+  indices, each handed at most once): WRITE them into every decode rank now, one WRITE
+  per decode rank, while the engine computes the next ones.
+* :meth:`Pusher.seal` (any thread): nothing more will be handed. ``ok``: layers not
+  handed are WRITten now (a push handed no layer moves all at once), and once every
+  WRITE to a decode rank completed, one last WRITE to it (its first row again: the same
+  bytes) carries the signed "done" for the reservation (a
+  :class:`~kvxfer.wire.notification.ReadDone` whose reader fields name this writer),
+  which NIXL delivers after its bytes; posting it only after the others completed
+  keeps it behind them. Not ``ok`` (the request was aborted): WRITEs in flight are
+  aborted and each decode rank is told ``ok=False``, so it frees the reservation now
+  instead of at its deadline.
+* :meth:`Pusher.step` (worker thread): handshakes with decodes not known yet
+  (:class:`~kvxfer.transfer.pushes.targets.Targets`), posts, progresses, finishes.
+
+Outcome: the lease ``lease_id`` ends "done" once every decode rank was told ``ok``, or
+"failed" when the push failed (a WRITE failed, the decode could not be handshaken, the
+reservation expired or was refused, the caller sealed it not ``ok``): the caller frees the
+blocks as for any other lease end (``poll_released``). A push still unfinished at the
+reservation's deadline fails then, its WRITEs aborted: the decode frees the blocks only
+:data:`~kvxfer.wire.reservations.PUSH_GRACE_S` later, so nothing lands in reused blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.plan.descriptors import RankDescriptors
+from kvxfer.transfer.handshakes import HandshakeFailed
+from kvxfer.transfer.leases import LeaseTable
+from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.pushes.targets import Target, Targets
+from kvxfer.transfer.reads.path import release_reads
+from kvxfer.transfer.results import TransferError
+from kvxfer.wire.notification import ReadDone, encode_notif
+from kvxfer.wire.reservations import Reservation, ReservationError
+
+log = logging.getLogger(__name__)
+
+
+class PushFailed(TransferError):
+    """A push cannot go on; the message names the decode and the reason."""
+
+
+@dataclass
+class _Push:
+    """One request's push: what is handed and not yet posted, what is in flight."""
+
+    lease_id: str
+    reservation: Reservation
+    block_ids: np.ndarray  # this rank's logical blocks holding the reservation's tokens
+    handed: list[range] = field(default_factory=list)  # layers handed, not posted yet
+    posted: set[int] = field(default_factory=set)  # layers posted
+    sealed: bool = False
+    # per decode rank: WRITEs in flight, and the last rows posted (the "done" repeats one)
+    inflight: dict[int, list[Any]] = field(default_factory=dict)
+    last_rows: dict[int, RankDescriptors] = field(default_factory=dict)
+    told: set[int] = field(default_factory=set)  # decode ranks whose "done" WRITE is posted
+
+    @property
+    def engine(self) -> str:
+        return self.reservation.engine_id
+
+
+Command = Callable[[], None]
+
+
+class Pusher:
+    """See the module docstring; ``leases`` is the rank's lease table (a push ends its
+    caller's lease)."""
+
+    def __init__(self, local: LocalRank, targets: Targets, leases: LeaseTable,
+                 num_layers: int) -> None:
+        self._local, self._targets, self._leases = local, targets, leases
+        self._num_layers = num_layers
+        self._pushes: dict[str, _Push] = {}
+        self._waiting: dict[str, list[_Push]] = {}  # by decode engine: parked on a handshake
+        self._queued: queue.SimpleQueue[Command] = queue.SimpleQueue()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pushes)
+
+    # -- any thread ------------------------------------------------------------------------
+    def start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
+        self._submit(lambda: self._start(lease_id, reservation, block_ids))
+
+    def layers(self, lease_id: str, layers: range) -> None:
+        self._submit(lambda: self._hand(lease_id, layers))
+
+    def seal(self, lease_id: str, ok: bool = True) -> None:
+        self._submit(lambda: self._seal(lease_id, ok))
+
+    def _submit(self, command: Command) -> None:
+        self._queued.put(command)
+        self._local.wake.set()
+
+    # -- worker thread ---------------------------------------------------------------------
+    def step(self) -> None:
+        for reservation in self._targets.finished():
+            self._connected(reservation)
+        while True:
+            try:
+                command = self._queued.get_nowait()
+            except queue.Empty:
+                break
+            command()
+        now = time.time()
+        for push in list(self._pushes.values()):
+            try:
+                if now >= push.reservation.expires_at:
+                    raise PushFailed(f"the reservation expired before the push finished "
+                                     f"({len(push.posted)} of {self._num_layers} layers "
+                                     f"posted)")
+                self._progress(push)
+            except (TransferError, ValueError) as exc:
+                self._fail(push, str(exc))
+
+    def close(self) -> None:
+        """The worker is closing: abort every push (their decodes are told it failed)."""
+        for push in list(self._pushes.values()):
+            self._fail(push, f"prefill rank {self._local.rank} is closing")
+        self._targets.close()
+
+    def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
+        if lease_id in self._pushes:
+            log.warning("ignoring a second push of lease %s", lease_id)
+            return
+        push = _Push(lease_id, reservation, block_ids)
+        self._pushes[lease_id] = push
+        try:
+            reservation.check(self._local.key)
+            block_size = self._local.geometry.block_size
+            need = -(-reservation.num_tokens // block_size)
+            if len(block_ids) < need:
+                raise PushFailed(f"this prefill holds {len(block_ids)} blocks of the request, "
+                                 f"{need} needed for the reservation's "
+                                 f"{reservation.num_tokens} tokens")
+            push.block_ids = np.asarray(block_ids[:need], dtype=np.int64)
+        except (ReservationError, PushFailed) as exc:
+            self._fail(push, str(exc))
+            return
+        if self._targets.get(push.engine) is not None:
+            return
+        dead = self._targets.dead(push.engine)
+        if dead is not None:
+            self._fail(push, f"{dead} (failed moments ago; not retried yet)")
+            return
+        self._waiting.setdefault(push.engine, []).append(push)
+        if not self._targets.shaking(push.engine):
+            self._targets.shake(reservation)
+
+    def _connected(self, reservation: Reservation) -> None:
+        """A decode's handshake ended: its parked pushes go on, or fail with it."""
+        parked = self._waiting.pop(reservation.engine_id, [])
+        try:
+            self._targets.connect(reservation)
+        except HandshakeFailed as exc:
+            for push in parked:
+                self._fail(push, str(exc))
+
+    def _hand(self, lease_id: str, layers: range) -> None:
+        push = self._pushes.get(lease_id)
+        if push is None:
+            return  # failed already (the caller learns it from the lease's end)
+        if layers.step != 1 or not layers or layers.start < 0 or \
+                layers.stop > self._num_layers or push.posted.intersection(layers) or \
+                any(set(h).intersection(layers) for h in push.handed):
+            self._fail(push, f"layers {layers.start}..{layers.stop - 1} handed twice or "
+                             f"outside the {self._num_layers} layers")
+            return
+        push.handed.append(layers)
+
+    def _seal(self, lease_id: str, ok: bool) -> None:
+        push = self._pushes.get(lease_id)
+        if push is None:  # failed before it was sealed: its lease ends with it
+            self._leases.end(lease_id, "failed")
+            return
+        if not ok:
+            self._fail(push, "the prefill gave the request up")
+            return
+        push.sealed = True
+        rest = sorted(set(range(self._num_layers)) - push.posted -
+                      {layer for h in push.handed for layer in h})
+        for start, stop in _runs(rest):
+            push.handed.append(range(start, stop))
+
+    def _progress(self, push: _Push) -> None:
+        target = self._targets.get(push.engine)
+        if target is None:
+            if self._targets.shaking(push.engine):
+                return
+            raise PushFailed(f"the connection to decode {push.engine} ended (another push "
+                             f"into it failed)")
+        while push.handed:
+            self._post(push, target, push.handed.pop(0))
+        for rank in target.plans:
+            transfers = push.inflight.get(rank, [])
+            try:
+                landed = all(t.state() == "DONE" for t in transfers)
+            except Exception as exc:
+                self._targets.forget_dead(push.engine, str(exc))
+                raise PushFailed(f"decode {push.engine} at {target.address} rank {rank}: "
+                                 f"WRITE failed: {exc}") from exc
+            if landed and push.sealed and rank not in push.told:
+                release_reads(transfers, push.lease_id)
+                self._tell(push, target, rank)
+        if push.sealed and push.told >= set(target.plans) and \
+                all(t.state() == "DONE" for ts in push.inflight.values() for t in ts):
+            self._finish(push)
+
+    def _post(self, push: _Push, target: Target, layers: range) -> None:
+        for rank, plan in target.plans.items():
+            rows = plan.build(push.block_ids, push.reservation.block_ids, layers)
+            if not len(rows):
+                continue
+            push.inflight.setdefault(rank, []).append(self._write(push, target, rank, rows))
+            push.last_rows[rank] = rows
+        push.posted.update(layers)
+
+    def _write(self, push: _Push, target: Target, rank: int, rows: RankDescriptors,
+               notif: bytes = b"") -> Any:
+        try:
+            return self._local.agent.write(target.agents[rank], rows.local, rows.remote, notif,
+                                           local_is_cuda=self._local.is_cuda,
+                                           remote_is_cuda=target.cuda[rank])
+        except Exception as exc:
+            raise PushFailed(f"decode {push.engine} at {target.address} rank {rank}: WRITE "
+                             f"could not be posted: {exc}") from exc
+
+    def _tell(self, push: _Push, target: Target, rank: int, ok: bool = True) -> None:
+        """Post decode rank ``rank``'s "done": on a WRITE of its last rows' first row where
+        there was one (delivered after its bytes), else as a bare notification."""
+        done = encode_notif(ReadDone(push.reservation.reservation_id, self._local.engine_id,
+                                     self._local.rank, target.plans[rank].writers, ok),
+                            self._local.key)
+        push.told.add(rank)
+        rows = push.last_rows.get(rank)
+        if rows is None or not ok:
+            self._local.agent.send_notif(target.agents[rank], done)
+            return
+        first = RankDescriptors(rank, rows.local[:1], rows.remote[:1])
+        push.inflight[rank] = [self._write(push, target, rank, first, done)]
+
+    def _finish(self, push: _Push) -> None:
+        for transfers in push.inflight.values():
+            release_reads(transfers, push.lease_id)
+        del self._pushes[push.lease_id]
+        if not self._leases.end(push.lease_id, "done"):
+            log.warning("push of %s finished, but its lease was not held", push.lease_id)
+
+    def _fail(self, push: _Push, reason: str) -> None:
+        """Abort ``push``: its WRITEs, its decode ranks told ``ok=False`` (best effort),
+        its lease ended "failed" (now, or when it is sealed)."""
+        log.warning("push of request %s into decode %s failed: %s", push.lease_id,
+                    push.engine, reason)
+        for transfers in push.inflight.values():
+            release_reads(transfers, push.lease_id)
+        self._pushes.pop(push.lease_id, None)
+        target = self._targets.get(push.engine)
+        for rank in target.plans if target is not None else ():
+            try:
+                self._tell(push, target, rank, ok=False)
+            except Exception as exc:  # the decode frees at its deadline then
+                log.info("telling decode %s rank %d of the failed push failed: %s",
+                         push.engine, rank, exc)
+        self._leases.end(push.lease_id, "failed")
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """Sorted ``layers`` as (start, stop) runs of consecutive indices."""
+    runs: list[tuple[int, int]] = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer:
+            runs[-1] = (runs[-1][0], layer + 1)
+        else:
+            runs.append((layer, layer + 1))
+    return runs

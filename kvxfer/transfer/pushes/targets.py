@@ -1,0 +1,156 @@
+"""``Targets``: the decode engines one prefill rank pushes into, handshaken and connected.
+
+The push side's counterpart of :class:`~kvxfer.transfer.peers.Peers`, over the same
+:class:`~kvxfer.transfer.handshakes.Handshakes`: a pool thread fetches a decode's metadata
+from the side channel its reservation names and plans what this rank WRITEs into each
+decode rank (:func:`~kvxfer.plan.pushes.plan_pushes`); back on the worker's thread,
+:meth:`Targets.connect` loads the decode ranks' agents into this rank's agent and warms
+each connection. A decode that failed is dead for a moment
+(:data:`~kvxfer.transfer.handshakes.DEAD_PEER_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvxfer.plan.descriptors import SideGeometry
+from kvxfer.plan.pushes import PushPlan, plan_pushes
+from kvxfer.transfer.handshakes import HandshakeFailed, Handshakes, fetch_ranks
+from kvxfer.transfer.local_rank import LocalRank, memory_kind
+from kvxfer.transfer.results import TransferError
+from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.reservations import Reservation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Shaken:
+    """A decode's checked metadata and this rank's push plans, before NIXL connects."""
+
+    metas: dict[int, AgentMetadata]
+    plans: list[PushPlan]
+
+
+@dataclass
+class Target:
+    """A handshaken decode engine as this prefill rank writes into it: a plan, an agent
+    and a memory kind per decode rank it writes into (none: it holds no head they read)."""
+
+    engine_id: str
+    address: str
+    tp_size: int
+    plans: dict[int, PushPlan] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)
+    cuda: dict[int, bool] = field(default_factory=dict)
+
+
+class Targets:
+    """See the module docstring. ``total_kv_heads`` and both instances' TP sizes say which
+    heads this rank writes into which decode rank."""
+
+    def __init__(self, local: LocalRank, client: HandshakeClient, *,
+                 total_kv_heads: int) -> None:
+        self._local, self._client = local, client
+        self.total_kv_heads = total_kv_heads
+        self._targets: dict[str, Target] = {}
+        self._shakes: Handshakes[_Shaken] = Handshakes(f"kvxfer-push-handshake-r{local.rank}",
+                                                       local.wake, local.tally)
+        self._shaking: dict[str, Reservation] = {}
+
+    def get(self, engine_id: str) -> Target | None:
+        return self._targets.get(engine_id)
+
+    def dead(self, engine_id: str) -> str | None:
+        return self._shakes.dead(engine_id)
+
+    def shaking(self, engine_id: str) -> bool:
+        return engine_id in self._shaking
+
+    def shake(self, reservation: Reservation) -> None:
+        """Start handshaking with the reservation's decode on a pool thread (once: the
+        caller parks later pushes to it until :meth:`finished` names it)."""
+        self._shaking[reservation.engine_id] = reservation
+        self._shakes.start(reservation.engine_id, reservation.address,
+                           lambda: self._plan(reservation))
+
+    def finished(self) -> list[Reservation]:
+        """Worker thread: the reservations whose decode's handshake ended; each decode is
+        :meth:`connect`-ed next."""
+        return [self._shaking[engine] for engine in self._shakes.finished()]
+
+    def connect(self, reservation: Reservation) -> Target:
+        """Worker thread: the decode whose handshake ended, connected; raises
+        :class:`~kvxfer.transfer.handshakes.HandshakeFailed` (it is dead for a moment)."""
+        engine = reservation.engine_id
+        del self._shaking[engine]
+        shaken = self._shakes.result(engine)
+        try:
+            target = self._connect(reservation, shaken)
+        except TransferError as exc:
+            self._local.tally.handshake_failed("connect")
+            self._shakes.mark_dead(engine, str(exc))
+            raise HandshakeFailed(str(exc), "connect") from exc
+        self._targets[engine] = target
+        self._shakes.revive(engine)
+        return target
+
+    def forget_dead(self, engine_id: str, reason: str) -> None:
+        """A WRITE into ``engine_id`` failed: drop it, fail fast for a moment."""
+        self.drop(engine_id)
+        self._shakes.mark_dead(engine_id, reason)
+
+    def drop(self, engine_id: str) -> None:
+        """Worker thread: remove ``engine_id``'s agents."""
+        target = self._targets.pop(engine_id, None)
+        if target is not None:
+            for name in target.agents.values():
+                self._quietly_remove(name)
+
+    def close(self) -> None:
+        self._shakes.close()
+
+    # -- pool thread: no NIXL ---------------------------------------------------------------
+    def _plan(self, reservation: Reservation) -> _Shaken:
+        local = self._local
+        metas = fetch_ranks(self._client, reservation.host,
+                            {reservation.port: tuple(range(reservation.tp_size))},
+                            engine_id=reservation.engine_id, tp_size=reservation.tp_size,
+                            timeout=local.deadlines.handshake_timeout,
+                            retries=local.deadlines.handshake_retries,
+                            backends=local.agent.backends, roles=("decode", "prefill"),
+                            named_by="its reservation says")
+        geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
+                      for rank, meta in metas.items()}
+        plans = plan_pushes(local.rank, local.geometry, geometries, writer_tp=local.tp_size,
+                            target_tp=reservation.tp_size, total_kv_heads=self.total_kv_heads)
+        return _Shaken(metas, plans)
+
+    # -- worker thread: NIXL ----------------------------------------------------------------
+    def _connect(self, reservation: Reservation, shaken: _Shaken) -> Target:
+        local = self._local
+        target = Target(reservation.engine_id, reservation.address, reservation.tp_size)
+        try:
+            for plan in shaken.plans:
+                rank, meta = plan.target_rank, shaken.metas[plan.target_rank]
+                target.cuda[rank] = memory_kind(meta.plan.memory, f"decode rank {rank}")
+                target.agents[rank] = local.agent.add_remote(meta.agent_blob)
+                local.agent.connect(target.agents[rank], probe=meta.plan.memory[0])
+                target.plans[rank] = plan
+        except Exception as exc:
+            for name in target.agents.values():
+                self._quietly_remove(name)
+            raise TransferError(f"NIXL could not connect to decode {reservation.engine_id} "
+                                f"at {reservation.address}: {exc}") from exc
+        log.info("rank %d connected to decode %s at %s to push into ranks %s", local.rank,
+                 target.engine_id, target.address, sorted(target.agents))
+        return target
+
+    def _quietly_remove(self, name: str) -> None:
+        try:
+            self._local.agent.remove_remote(name)
+        except Exception as exc:
+            log.info("removing remote agent %s from %s failed: %s", name,
+                     self._local.agent.name, exc)

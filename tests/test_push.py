@@ -1,0 +1,219 @@
+"""Push mode for real: a prefill OS process WRITEs into a decode's reserved blocks.
+
+The decode (this process, or a second OS process where it is killed) reserves blocks and
+serves handshakes; the prefill process leases its pattern-filled blocks and pushes them,
+layer group by layer group, into the reservation over NIXL. A reservation ends "done" on
+the decode only once every writer's signed "done" arrived, and then its blocks hold
+exactly the prefill's bytes for the decode rank's heads, and nothing else changed. Every
+fault ends both sides' holds: nothing leaked, nothing wrong marked landed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import msgspec
+import pytest
+import torch
+
+from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
+from kvxfer.plan.layout import KVCacheLayout
+from tests.test_transfer import check_blocks, check_tokens
+
+KEY = "5ec7e7" * 8
+
+# layout pairs and TP pairs that byte copies place (a push refuses the others: pull converts)
+CASES = (
+    [(lay.name, lay.name, 1, 1) for lay in KVCacheLayout]
+    + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
+       for p, d in ((1, 2), (2, 1), (2, 4))]
+    + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1), ("LBHNC", "BHLNC", 1, 2)]
+)
+
+
+def wait_released(inst: LoopbackInstance, ids: set[str], timeout: float = 20.0
+                  ) -> dict[str, str]:
+    got: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while not ids <= set(got) and time.monotonic() < deadline:
+        got.update(inst.released())
+        time.sleep(0.002)
+    return got
+
+
+def leases(inst: LoopbackInstance) -> list[int]:
+    return [w.num_leases for w in inst.workers]
+
+
+@pytest.mark.parametrize("groups", [None, "each layer"])
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"), CASES)
+def test_a_push_lands_byte_exact(prefill: PrefillProcess, prefill_layout: str,
+                                 decode_layout: str, prefill_tp: int, decode_tp: int,
+                                 groups: str | None) -> None:
+    """Two pushes at once, layer by layer or all at the seal: each reservation ends "done"
+    with the prefill's bytes in place, and each prefill lease ends "done"."""
+    pcfg = CacheConfig(layout=prefill_layout, tp=prefill_tp, num_blocks=24, key=KEY)
+    dcfg = replace(pcfg, layout=decode_layout, tp=decode_tp, num_blocks=20)
+    remote = prefill.create(pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    layers = [range(i, i + 1) for i in range(pcfg.num_layers)] if groups else None
+    try:
+        pushes = {"a": ([3, 9, 1], [0, 7, 2]), "b": ([12, 13, 14, 15], [10, 11, 19, 4])}
+        for rid, (remote_ids, local_ids) in pushes.items():
+            reservation = decode.reserve(f"resv-{rid}", local_ids,
+                                         len(local_ids) * dcfg.block_size, ttl=30)
+            prefill.push(remote["engine_id"], f"lease-{rid}", reservation, remote_ids, ttl=30,
+                         groups=layers)
+        assert wait_released(decode, {"resv-a", "resv-b"}) == {"resv-a": "done",
+                                                              "resv-b": "done"}
+        check_blocks(decode, pcfg, [*pushes["a"][1], *pushes["b"][1]],
+                     [*pushes["a"][0], *pushes["b"][0]])
+        assert prefill.wait_released(remote["engine_id"], {"lease-a", "lease-b"}) == \
+            {"lease-a": "done", "lease-b": "done"}
+        assert prefill.leases(remote["engine_id"]) == [0] * prefill_tp
+        assert leases(decode) == [0] * decode_tp
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
+@pytest.mark.parametrize(("prefill_bs", "decode_bs", "tp"), [(16, 32, (1, 2)), (32, 8, (2, 1))])
+def test_a_push_across_block_sizes_moves_every_token_to_its_place(
+        prefill: PrefillProcess, prefill_bs: int, decode_bs: int, tp: tuple[int, int]) -> None:
+    tokens = 77  # a last block partly filled on both sides
+    pcfg = CacheConfig(layout="LBHNC", block_size=prefill_bs, num_blocks=24, tp=tp[0])
+    dcfg = replace(pcfg, layout="BLHNC", block_size=decode_bs, tp=tp[1])
+    remote = prefill.create(pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    try:
+        remote_ids = [5, 1, 17, 9, 12][:-(-tokens // prefill_bs)]
+        local_ids = [2, 20, 7, 11, 3, 8, 14, 0, 6, 15][:-(-tokens // decode_bs)]
+        reservation = decode.reserve("resv", local_ids, tokens, ttl=30)
+        prefill.push(remote["engine_id"], "lease", reservation, remote_ids, ttl=30,
+                     groups=[range(0, 2)])
+        assert wait_released(decode, {"resv"}) == {"resv": "done"}
+        check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
+def untouched(decode: LoopbackInstance) -> bool:
+    return all(bool((view == -1).all()) for caches in decode.caches for view in caches.values())
+
+
+@pytest.mark.parametrize("forgery", ["other blocks", "later deadline", "no ticket", "wrong key"])
+def test_a_reservation_that_does_not_verify_is_never_written(prefill: PrefillProcess,
+                                                             forgery: str) -> None:
+    """With a key, a prefill writes only into a reservation exactly as the decode signed
+    it: an altered or unsigned one fails the push (the lease ends "failed") and no byte
+    of the decode changes."""
+    cfg = CacheConfig(num_blocks=16, key=KEY)
+    remote = prefill.create(cfg)
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5)
+        forged = {
+            "other blocks": msgspec.structs.replace(real, block_ids=(3, 4)),
+            "later deadline": msgspec.structs.replace(real, expires_at=real.expires_at + 60),
+            "no ticket": msgspec.structs.replace(real, ticket=None),
+            "wrong key": msgspec.structs.replace(real, ticket=None).signed(b"guess" * 8),
+        }[forgery]
+        prefill.push(remote["engine_id"], "lease", forged, [5, 6], ttl=30)
+        assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
+        assert untouched(decode)
+        # the decode's hold ends at its own deadline, unwritten
+        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "expired"}
+        assert untouched(decode)
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
+def test_an_expired_reservation_is_never_written(prefill: PrefillProcess) -> None:
+    cfg = CacheConfig(num_blocks=16)
+    remote = prefill.create(cfg)
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5)
+        late = msgspec.structs.replace(real, expires_at=time.time() - 1)
+        prefill.push(remote["engine_id"], "lease", late, [5, 6], ttl=30)
+        assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
+        assert untouched(decode)
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
+def test_a_prefill_killed_mid_push_leaves_the_reservation_to_expire_unlanded() -> None:
+    """The prefill process dies after WRITing some layers, before its "done": the
+    decode's reservation never ends "done"; its deadline ends it, blocks free."""
+    cfg = CacheConfig(num_blocks=16, num_layers=3)
+    proc = PrefillProcess()
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        remote = proc.create(cfg)
+        reservation = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=3)
+        proc.push(remote["engine_id"], "lease", reservation, [5, 6], ttl=30,
+                  groups=[range(0, 1)], seal=False)
+        view = next(iter(decode.caches[0].values()))  # layer 0
+        deadline = time.monotonic() + 10
+        while bool((view[1] == -1).all()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not bool((view[1] == -1).all()), "layer 0 was never written"
+        proc.kill()
+        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "expired"}
+        assert leases(decode) == [0]
+    finally:
+        decode.close()
+        proc.close()
+
+
+def test_a_decode_killed_before_the_push_fails_it_and_frees_the_prefill(
+        prefill: PrefillProcess) -> None:
+    """The decode process that reserved is gone when the prefill pushes: the handshake
+    finds nobody, the push fails and the prefill's lease ends "failed" at once (not at
+    its TTL)."""
+    cfg = CacheConfig(num_blocks=16)
+    decode_proc = PrefillProcess()
+    local = LoopbackInstance.create("prefill", cfg)
+    try:
+        remote = decode_proc.create(cfg, fill="sentinel", role="decode")
+        reservation = decode_proc.reserve(remote["engine_id"], "resv", [1, 2],
+                                          2 * cfg.block_size, ttl=30)
+        decode_proc.kill()
+        from kvxfer.wire.reservations import parse_reservation
+
+        started = time.monotonic()
+        local.push("lease", parse_reservation(reservation), [5, 6], ttl=60)
+        assert wait_released(local, {"lease"}, timeout=30) == {"lease": "failed"}
+        assert time.monotonic() - started < 30
+        assert leases(local) == [0]
+    finally:
+        local.close()
+        decode_proc.close()
+
+
+def test_a_decode_sees_a_writer_that_gave_up_as_failed_not_landed(prefill: PrefillProcess
+                                                                  ) -> None:
+    """A prefill that gives the request up after some layers tells the decode: its
+    reservation ends "failed" at once, never "done"."""
+    cfg = CacheConfig(num_blocks=16)
+    remote = prefill.create(cfg)
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        reservation = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=30)
+        prefill.push(remote["engine_id"], "lease", reservation, [5, 6], ttl=30,
+                     groups=[range(0, 1)], seal=False)
+        view = next(iter(decode.caches[0].values()))
+        deadline = time.monotonic() + 10
+        while bool((view[1] == -1).all()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        prefill.give_up(remote["engine_id"], "lease")
+        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "failed"}
+        assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
+        assert torch.equal(view[0], torch.full_like(view[0], -1))
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
