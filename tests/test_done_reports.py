@@ -79,15 +79,19 @@ def test_only_a_notification_for_a_lease_that_ended_otherwise_counts_late() -> N
     released) before it came."""
     tally = Tally()
     table = LeaseTable(None, tally)
-    for lease in ("done-first", "expired"):
-        table.hold(lease, [1], readers=1, ttl=60 if lease == "done-first" else 0.01)
+    for lease in ("done-first", "gave-up-first", "expired"):
+        table.hold(lease, [1], readers=1, ttl=0.01 if lease == "expired" else 60)
     table.count_done(done("done-first"), "side channel", report=True)
+    table.count_done(done("gave-up-first", ok=False), "side channel", report=True)
     time.sleep(0.02)
     table.expire()
     assert not table.count_done(done("done-first"), "agent a"), "its report came first"
+    assert not table.count_done(done("gave-up-first", ok=False), "agent a")
     assert not table.count_done(done("expired"), "side channel", report=True)
     assert not table.count_done(done("expired"), "agent a")
     assert dict(tally.take().notifications_late) == {"expired": 1}
+    assert {r.request_id: r.reason for r in table.take_released()} == {
+        "done-first": "done", "gave-up-first": "failed", "expired": "expired"}
 
 
 def test_a_done_from_another_engine_than_the_claimer_ends_nothing() -> None:

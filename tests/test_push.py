@@ -63,7 +63,7 @@ def test_a_push_lands_byte_exact(prefill: PrefillProcess, prefill_layout: str,
         for rid, (remote_ids, local_ids) in pushes.items():
             reservation = decode.reserve(f"resv-{rid}", local_ids,
                                          len(local_ids) * dcfg.block_size, ttl=30)
-            prefill.push(remote["engine_id"], f"lease-{rid}", reservation, remote_ids, ttl=30,
+            prefill.push(remote["engine_id"], f"lease-{rid}", reservation, remote_ids,
                          groups=layers)
         assert wait_released(decode, {"resv-a", "resv-b"}) == {"resv-a": "done",
                                                               "resv-b": "done"}
@@ -90,7 +90,7 @@ def test_a_push_across_block_sizes_moves_every_token_to_its_place(
         remote_ids = [5, 1, 17, 9, 12][:-(-tokens // prefill_bs)]
         local_ids = [2, 20, 7, 11, 3, 8, 14, 0, 6, 15][:-(-tokens // decode_bs)]
         reservation = decode.reserve("resv", local_ids, tokens, ttl=30)
-        prefill.push(remote["engine_id"], "lease", reservation, remote_ids, ttl=30,
+        prefill.push(remote["engine_id"], "lease", reservation, remote_ids,
                      groups=[range(0, 2)])
         assert wait_released(decode, {"resv"}) == {"resv": "done"}
         check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
@@ -113,14 +113,14 @@ def test_a_reservation_that_does_not_verify_is_never_written(prefill: PrefillPro
     remote = prefill.create(cfg)
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
     try:
-        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5)
+        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5, grace=0.5)
         forged = {
             "other blocks": msgspec.structs.replace(real, block_ids=(3, 4)),
             "later deadline": msgspec.structs.replace(real, expires_at=real.expires_at + 60),
             "no ticket": msgspec.structs.replace(real, ticket=None),
             "wrong key": msgspec.structs.replace(real, ticket=None).signed(b"guess" * 8),
         }[forgery]
-        prefill.push(remote["engine_id"], "lease", forged, [5, 6], ttl=30)
+        prefill.push(remote["engine_id"], "lease", forged, [5, 6])
         assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
         assert untouched(decode)
         # the decode's hold ends at its own deadline, unwritten
@@ -136,9 +136,9 @@ def test_an_expired_reservation_is_never_written(prefill: PrefillProcess) -> Non
     remote = prefill.create(cfg)
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
     try:
-        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5)
+        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5, grace=0.5)
         late = msgspec.structs.replace(real, expires_at=time.time() - 1)
-        prefill.push(remote["engine_id"], "lease", late, [5, 6], ttl=30)
+        prefill.push(remote["engine_id"], "lease", late, [5, 6])
         assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
         assert untouched(decode)
     finally:
@@ -154,9 +154,9 @@ def test_a_prefill_killed_mid_push_leaves_the_reservation_to_expire_unlanded() -
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
     try:
         remote = proc.create(cfg)
-        reservation = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=3)
-        proc.push(remote["engine_id"], "lease", reservation, [5, 6], ttl=30,
-                  groups=[range(0, 1)], seal=False)
+        reservation = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=2, grace=1)
+        proc.push(remote["engine_id"], "lease", reservation, [5, 6], groups=[range(0, 1)],
+                  seal=False)
         view = next(iter(decode.caches[0].values()))  # layer 0
         deadline = time.monotonic() + 10
         while bool((view[1] == -1).all()) and time.monotonic() < deadline:
@@ -186,7 +186,7 @@ def test_a_decode_killed_before_the_push_fails_it_and_frees_the_prefill(
         from kvxfer.wire.reservations import parse_reservation
 
         started = time.monotonic()
-        local.push("lease", parse_reservation(reservation), [5, 6], ttl=60)
+        local.push("lease", parse_reservation(reservation), [5, 6])
         assert wait_released(local, {"lease"}, timeout=30) == {"lease": "failed"}
         assert time.monotonic() - started < 30
         assert leases(local) == [0]
@@ -204,8 +204,8 @@ def test_a_decode_sees_a_writer_that_gave_up_as_failed_not_landed(prefill: Prefi
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
     try:
         reservation = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=30)
-        prefill.push(remote["engine_id"], "lease", reservation, [5, 6], ttl=30,
-                     groups=[range(0, 1)], seal=False)
+        prefill.push(remote["engine_id"], "lease", reservation, [5, 6], groups=[range(0, 1)],
+                     seal=False)
         view = next(iter(decode.caches[0].values()))
         deadline = time.monotonic() + 10
         while bool((view[1] == -1).all()) and time.monotonic() < deadline:
@@ -217,3 +217,68 @@ def test_a_decode_sees_a_writer_that_gave_up_as_failed_not_landed(prefill: Prefi
     finally:
         decode.close()
         prefill.drop(remote["engine_id"])
+
+
+def test_a_reservation_that_does_not_verify_ends_no_real_one(prefill: PrefillProcess) -> None:
+    """A forged reservation naming a real one's id (the prefill already connected to that
+    decode) is refused without a word to the decode: the real reservation stays held and
+    a genuine push still lands in it."""
+    cfg = CacheConfig(num_blocks=16, key=KEY)
+    remote = prefill.create(cfg)
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        first = decode.reserve("resv-a", [1], cfg.block_size, ttl=30)
+        prefill.push(remote["engine_id"], "lease-a", first, [5])
+        assert wait_released(decode, {"resv-a"}) == {"resv-a": "done"}
+        assert prefill.wait_released(remote["engine_id"], {"lease-a"}) == {"lease-a": "done"}
+        real = decode.reserve("resv-b", [2], cfg.block_size, ttl=30)
+        prefill.push(remote["engine_id"], "lease-forged", msgspec.structs.replace(
+            real, ticket=None), [6])
+        assert prefill.wait_released(remote["engine_id"], {"lease-forged"}) == \
+            {"lease-forged": "failed"}
+        time.sleep(0.2)  # a wrongly signed "failed" would have arrived by now
+        assert decode.released() == {} and leases(decode) == [1]
+        prefill.push(remote["engine_id"], "lease-b", real, [6])
+        assert wait_released(decode, {"resv-b"}) == {"resv-b": "done"}
+        check_blocks(decode, cfg, [1, 2], [5, 6])
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
+def test_a_push_whose_lease_ended_stops_and_tells_the_decode() -> None:
+    """The prefill's lease of the pushed blocks ends mid-push (its blocks may be another
+    request's then): the push writes nothing more, never says "done", and tells the
+    decode it gave up."""
+    cfg = CacheConfig(num_blocks=16, num_layers=3)
+    decode_proc = PrefillProcess()
+    local = LoopbackInstance.create("prefill", cfg)
+    try:
+        remote = decode_proc.create(cfg, fill="sentinel", role="decode")
+        from kvxfer.wire.reservations import parse_reservation
+
+        reservation = parse_reservation(decode_proc.reserve(
+            remote["engine_id"], "resv", [1, 2], 2 * cfg.block_size, ttl=30))
+        local.push("lease", reservation, [5, 6], groups=[range(0, 1)], seal=False)
+        assert local.workers[0].end_lease("lease", "abandoned")
+        local.workers[0].seal_push("lease")
+        assert decode_proc.wait_released(remote["engine_id"], {"resv"}) == {"resv": "failed"}
+        assert wait_released(local, {"lease"}) == {"lease": "abandoned"}
+        assert leases(local) == [0]
+    finally:
+        local.close()
+        decode_proc.close()
+
+
+def test_a_reservation_outlives_its_deadline_by_the_grace() -> None:
+    """A reservation nobody finished is held past its deadline for the grace (a WRITE cut
+    off at the deadline may still land meanwhile), then ends "expired"."""
+    cfg = CacheConfig(num_blocks=8)
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        reservation = decode.reserve("resv", [1], cfg.block_size, ttl=0.5, grace=2.0)
+        time.sleep(max(0.0, reservation.expires_at + 0.5 - time.time()))
+        assert decode.released() == {} and leases(decode) == [1]
+        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "expired"}
+    finally:
+        decode.close()

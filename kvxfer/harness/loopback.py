@@ -26,6 +26,7 @@ import torch
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache, logical_view, parse_layout
 from kvxfer.plan.topology import heads_per_rank, rank_heads
+from kvxfer.wire.reservations import PUSH_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -195,13 +196,12 @@ class LoopbackInstance:
                         done[item.request_id] = item.reason
         return done
 
-    def push(self, request_id: str, reservation: Any, block_ids: list[int], ttl: float,
+    def push(self, request_id: str, reservation: Any, block_ids: list[int],
              groups: list[range] | None = None, seal: bool = True) -> None:
-        """Lease ``block_ids`` and push them into ``reservation``: each of ``groups`` handed
-        as the engine would hand finished layers, the rest at the seal (none without
-        ``seal``: the push waits for more layers)."""
+        """Push ``block_ids`` (leased as ``request_id``) into ``reservation``: each of
+        ``groups`` handed as the engine would hand finished layers, the rest at the seal
+        (none without ``seal``: the push waits for more layers)."""
         for worker in self.workers:
-            worker.hold(request_id, block_ids, ttl=ttl)
             worker.start_push(request_id, reservation, block_ids)
             for layers in groups or ():
                 worker.push_layers(request_id, layers)
@@ -216,14 +216,16 @@ class LoopbackInstance:
 
     # -- decode side ----------------------------------------------------------------------
     def reserve(self, reservation_id: str, block_ids: list[int], num_tokens: int,
-                ttl: float) -> Any:
+                ttl: float, grace: float = PUSH_GRACE_S) -> Any:
         """Hold ``block_ids`` for a push of ``num_tokens`` tokens until every writer said
-        "done" or ``ttl`` seconds; the signed reservation a prefill writes into
-        (:meth:`released` reports its end: "done" once it landed)."""
+        "done" or ``ttl + grace`` seconds (a sidecar's grace is
+        :data:`~kvxfer.wire.reservations.PUSH_GRACE_S`); the signed reservation, valid
+        ``ttl`` seconds, a prefill writes into (:meth:`released` reports its end: "done"
+        once it landed)."""
         from kvxfer.wire.reservations import Reservation
 
         for worker in self.workers:
-            worker.hold(reservation_id, block_ids, readers=None, ttl=ttl)
+            worker.hold(reservation_id, block_ids, readers=None, ttl=ttl + grace)
         self.pending[reservation_id] = set(range(self.cfg.tp))
         return Reservation(reservation_id, self.engine_id, "127.0.0.1", self.port, self.cfg.tp,
                            tuple(block_ids), self.cfg.block_size, num_tokens,
@@ -306,13 +308,13 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
 
                     conn.send(("ok", msgspec.to_builtins(instances[args["engine_id"]].reserve(
                         args["reservation_id"], args["block_ids"], args["num_tokens"],
-                        args["ttl"]))))
+                        args["ttl"], args["grace"]))))
                 elif op == "push":
                     from kvxfer.wire.reservations import parse_reservation
 
                     instances[args["engine_id"]].push(
                         args["request_id"], parse_reservation(args["reservation"]),
-                        args["block_ids"], args["ttl"],
+                        args["block_ids"],
                         [range(a, b) for a, b in args.get("groups") or ()], args["seal"])
                     conn.send(("ok", None))
                 elif op == "give_up":
@@ -361,10 +363,11 @@ class PrefillProcess:
         return dict(self._call("create", cfg=asdict(cfg), fill=fill, role=role))
 
     def reserve(self, engine_id: str, reservation_id: str, block_ids: list[int],
-                num_tokens: int, ttl: float) -> dict[str, Any]:
+                num_tokens: int, ttl: float, grace: float = PUSH_GRACE_S) -> dict[str, Any]:
         """:meth:`LoopbackInstance.reserve` in the process: the reservation, as a mapping."""
         return dict(self._call("reserve", engine_id=engine_id, reservation_id=reservation_id,
-                               block_ids=list(block_ids), num_tokens=num_tokens, ttl=ttl))
+                               block_ids=list(block_ids), num_tokens=num_tokens, ttl=ttl,
+                               grace=grace))
 
     def drop(self, engine_id: str) -> None:
         """Close one instance (its memory goes back to the system)."""
@@ -375,14 +378,14 @@ class PrefillProcess:
                    block_ids=list(block_ids), ttl=ttl)
 
     def push(self, engine_id: str, request_id: str, reservation: Any, block_ids: list[int],
-             ttl: float, groups: list[range] | None = None, seal: bool = True) -> None:
+             groups: list[range] | None = None, seal: bool = True) -> None:
         """:meth:`LoopbackInstance.push` in the process (``reservation``: a
         :class:`~kvxfer.wire.reservations.Reservation` or its mapping)."""
         import msgspec
 
         self._call("push", engine_id=engine_id, request_id=request_id,
                    reservation=msgspec.to_builtins(reservation), block_ids=list(block_ids),
-                   ttl=ttl, groups=[(g.start, g.stop) for g in groups or ()], seal=seal)
+                   groups=[(g.start, g.stop) for g in groups or ()], seal=seal)
 
     def give_up(self, engine_id: str, request_id: str) -> None:
         self._call("give_up", engine_id=engine_id, request_id=request_id)

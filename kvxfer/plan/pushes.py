@@ -39,13 +39,18 @@ class PushRefused(IncompatibleLayoutError):
     """A push cannot place these bytes with WRITEs; the message says why and what to run."""
 
 
+def check_layers(layers: range, num_layers: int) -> None:
+    """ValueError unless ``layers`` is a layer group: a non-empty step-1 run inside
+    ``range(num_layers)``."""
+    if layers.step != 1 or not layers or layers.start < 0 or layers.stop > num_layers:
+        raise ValueError(f"layer group {layers} is not a non-empty run of the {num_layers} "
+                         f"layers")
+
+
 def layers_of(geometry: SideGeometry, layers: range) -> SideGeometry:
     """``geometry`` restricted to ``layers`` (a step-1 range inside its layers): layer
     ``layers[i]`` becomes layer ``i``. ValueError for a range that does not fit."""
-    if layers.step != 1 or not layers or layers.start < 0 or \
-            layers.stop > geometry.num_layers:
-        raise ValueError(f"layer group {layers} is not a non-empty run of the "
-                         f"{geometry.num_layers} layers")
+    check_layers(layers, geometry.num_layers)
     rows = slice(layers.start, layers.stop)
     return replace(geometry, base=geometry.base[rows],
                    block_stride=geometry.block_stride[rows], mem=geometry.mem[rows])

@@ -4,15 +4,16 @@ Shared by a decode rank's prefill peers (:class:`~kvxfer.transfer.peers.Peers`) 
 prefill rank's push targets (:class:`~kvxfer.transfer.pushes.targets.Targets`). Who calls
 what, on which thread:
 
-* the worker's thread :meth:`Handshakes.start`\\ s a handshake with an engine not known
+* the worker's thread :meth:`Handshakes.start` starts a handshake with an engine not known
   yet: a pool thread runs the caller's job (fetch the engine's metadata over the side
   channel with :func:`fetch_ranks`, check it, plan: no NIXL call there);
 * the worker's thread asks :meth:`Handshakes.finished` for the engines whose handshake
-  ended and takes each one's :meth:`Handshakes.result`: the job's value, or
-  :class:`HandshakeFailed` (counted in the rank's tally by its label); a failed engine is
+  ended and calls :meth:`Handshakes.connect` for each: the caller's NIXL connection
+  made from the job's value, or :class:`HandshakeFailed` (counted in the rank's tally by its label,
+  "connect" where NIXL failed after a good handshake); a failed engine is
   *dead* for :data:`DEAD_PEER_S` (:meth:`Handshakes.dead`): requests for it fail fast
-  meanwhile instead of handshaking again. The caller marks an engine dead itself when
-  NIXL cannot connect to it, or a transfer with it fails (:meth:`Handshakes.mark_dead`).
+  meanwhile instead of handshaking again. The caller marks an engine dead itself when a
+  transfer with it fails (:meth:`Handshakes.mark_dead`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 DEAD_PEER_S = 5.0         # after a failed handshake, connection or transfer, fail fast this long
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class HandshakeFailed(TransferError):
@@ -58,10 +60,6 @@ class Handshakes(Generic[T]):
         self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._dead: dict[str, tuple[float, str]] = {}  # engine -> (until, why)
 
-    def __contains__(self, engine_id: object) -> bool:
-        """Whether a handshake with ``engine_id`` runs, or ended and was not taken yet."""
-        return engine_id in self._shaking
-
     def start(self, engine_id: str, address: str, job: Callable[[], T]) -> None:
         """Run ``job`` (the handshake with ``engine_id`` at ``address``) on a pool thread."""
         future = self._pool.submit(self._run, address, job)
@@ -74,8 +72,8 @@ class Handshakes(Generic[T]):
         future.add_done_callback(ended)
 
     def finished(self) -> list[str]:
-        """The engines whose handshake ended since the last call (worker thread); take
-        each one's :meth:`result` next."""
+        """The engines whose handshake ended since the last call (worker thread);
+        :meth:`connect` each next."""
         done: list[str] = []
         while True:
             try:
@@ -85,15 +83,23 @@ class Handshakes(Generic[T]):
             if engine in self._shaking:
                 done.append(engine)
 
-    def result(self, engine_id: str) -> T:
-        """The ended handshake's value; raises :class:`HandshakeFailed` (the engine is
-        then dead for a moment)."""
+    def connect(self, engine_id: str, connect: Callable[[T], R]) -> R:
+        """Worker thread: ``connect`` (NIXL) with the ended handshake's value; raises
+        :class:`HandshakeFailed` when the handshake failed or ``connect`` raised
+        TransferError (counted "connect"): the engine is then dead for a moment."""
         future = self._shaking.pop(engine_id)
         try:
-            return future.result()
+            shaken = future.result()
+            try:
+                connected = connect(shaken)
+            except TransferError as exc:
+                self._tally.handshake_failed("connect")
+                raise HandshakeFailed(str(exc), "connect") from exc
         except HandshakeFailed as exc:
             self.mark_dead(engine_id, str(exc))
             raise
+        self.revive(engine_id)
+        return connected
 
     def dead(self, engine_id: str) -> str | None:
         """Why ``engine_id`` failed moments ago (within :data:`DEAD_PEER_S`), or None."""

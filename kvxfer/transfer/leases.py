@@ -186,7 +186,9 @@ class LeaseTable:
             lease = self._leases.get(note.request_id)
             if lease is None:  # a late reader of an ended lease, or a stray note
                 ended = self._ended.get(note.request_id, "unknown")
-                if not report and ended != "done":
+                # each reader's "done" comes twice (notification, report): the second
+                # copy of one that ended the lease is no late one
+                if not report and ended not in ("done", "failed"):
                     self._tally.notification_late(ended)
                 log.debug("ignoring a done for lease %s from %s, which is not held "
                           "(ended: %s)", note.request_id, sender, ended)

@@ -370,6 +370,14 @@ class NixlAgent:
         except Exception as exc:
             raise NixlTransferError("forgetting", name, _state_of(exc), str(exc)) from exc
 
+    def drop_remote(self, name: str) -> None:
+        """:meth:`remove_remote`, logging a failure instead of raising it (the peer is
+        gone either way: nothing is read from or written to it any more)."""
+        try:
+            self.remove_remote(name)
+        except Exception as exc:
+            log.info("removing remote agent %s from %s failed: %s", name, self.name, exc)
+
     def _require_remote(self, name: str) -> None:
         if name not in self._remotes:
             raise ValueError(f"agent {self.name!r} has no remote agent {name!r}; known: "

@@ -159,15 +159,9 @@ class Peers:
     def connect(self, remote: RemoteParams) -> Peer:
         """Worker thread: the peer whose handshake ended, connected; raises
         :class:`HandshakeFailed` (the engine is then dead for a moment)."""
-        engine = remote.remote_engine_id
-        del self._shaking[engine]
-        shake = self._shakes.result(engine)  # HandshakeFailed from the pool thread
-        try:
-            return self._connect(remote, shake)
-        except TransferError as exc:
-            self._local.tally.handshake_failed("connect")
-            self._shakes.mark_dead(engine, str(exc))
-            raise HandshakeFailed(str(exc), "connect") from exc
+        del self._shaking[remote.remote_engine_id]
+        return self._shakes.connect(remote.remote_engine_id,
+                                    lambda shake: self._connect(remote, shake))
 
     def forget_dead(self, engine_id: str, reason: str) -> None:
         """A READ of ``engine_id`` failed: drop it and fail fast for a moment before
@@ -262,7 +256,6 @@ class Peers:
         peer = Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
                     shake.plans, shake.notify, kinds, routes)
         self._peers[peer.engine_id] = peer
-        self._shakes.revive(peer.engine_id)
         # in-process siblings share host reads, and the staged reads of pages that hold
         # every head
         peer.shared = {plan.remote_rank for plan in peer.staged()
@@ -290,10 +283,6 @@ class Peers:
         return routes
 
     def _quietly_remove(self, name: str) -> None:
-        try:
-            self._local.agent.remove_remote(name)
-        except Exception as exc:
-            log.info("removing remote agent %s from %s failed: %s", name,
-                     self._local.agent.name, exc)
+        self._local.agent.drop_remote(name)
         if self._local.lanes is not None:
             self._local.lanes.remove(name)

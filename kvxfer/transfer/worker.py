@@ -1,4 +1,4 @@
-"""``TransferWorker``: one per TP rank; moves KV blocks with NIXL READs.
+"""``TransferWorker``: one per TP rank; moves KV blocks with NIXL READs (and WRITEs).
 
 The worker is the thin owner of one rank's thread and its NIXL agent; the work lives
 in the objects it hands it to: :mod:`kvxfer.transfer.reads` (a decode's reads, each
@@ -37,6 +37,17 @@ Contract (who calls what, when):
   per lease, so a late "done" can never end a newer lease); ``poll_released()``
   returns the leases that ended and why ("done", "abandoned", "expired").
   Prefill never frees blocks on its own: the caller frees them when released.
+* Prefill side, push mode (:mod:`kvxfer.transfer.pushes.pusher` is the contract):
+  ``start_push(lease_id, reservation, block_ids)`` leases the blocks, handshakes with
+  the decode that reserved blocks (:class:`~kvxfer.wire.reservations.Reservation`,
+  checked with the key) and WRITEs into them the layers handed with
+  ``push_layers(lease_id, layers)`` as the engine finishes them, the rest at
+  ``seal_push(lease_id)``, then a signed "done" to each decode rank it wrote; the push
+  ends its lease "done", or "failed". ``seal_push(lease_id, ok=False)`` gives it up (the
+  decode is told once no WRITE of it is in flight).
+* Decode side, push mode: a reservation is a lease on this rank's own blocks,
+  ``hold(reservation_id, block_ids, readers=None, ttl)``: the writers' "done"
+  notifications end it "done" (landed), "failed" (a writer gave up) or its ttl does.
 * Both sides, now and then: ``take_counts()`` returns the events since the last
   call that only metrics care about (:class:`~kvxfer.transfer.results.WorkerCounts`):
   failed handshakes, "done" notifications not sent or not verified, and late ones
@@ -342,13 +353,14 @@ class TransferWorker:
 
     def start_push(self, lease_id: str, reservation: Reservation,
                    block_ids: Sequence[int]) -> None:
-        """Push lease ``lease_id``'s blocks (this rank's logical ``block_ids``, in token
-        order) into a decode's ``reservation``: WRITEs of the layers handed with
+        """Lease this rank's logical ``block_ids`` (in token order) as ``lease_id`` and push
+        them into a decode's ``reservation``: WRITEs of the layers handed with
         :meth:`push_layers`, the rest at :meth:`seal_push`, then a signed "done" to each
-        decode rank; the push ends the lease (hold it before sealing) "done", or "failed"
-        (:mod:`kvxfer.transfer.pushes.pusher` is the contract). Returns at once."""
-        self._require_pusher().start(lease_id, reservation,
-                                     np.asarray(block_ids, dtype=np.int64).reshape(-1))
+        decode rank; the push ends the lease "done", or "failed", and ``poll_released``
+        reports it (:mod:`kvxfer.transfer.pushes.pusher` is the contract). Returns at once;
+        ValueError when ``lease_id`` holds a lease already."""
+        self._require_pusher().start(lease_id, reservation,  # a copy: the caller may reuse it
+                                     np.array(block_ids, dtype=np.int64).reshape(-1))
 
     def push_layers(self, lease_id: str, layers: range) -> None:
         """The engine finished ``layers`` of lease ``lease_id``'s prompt: WRITE them now."""
@@ -381,6 +393,9 @@ class TransferWorker:
                     reads.step()
                 if pusher is not None:
                     pusher.step()
+            except Exception:  # the thread must survive anything; log loudly
+                log.exception("rank %d transfer loop error", self.rank)
+            try:
                 self._leases.receive(self._agent.get_notifs())
                 self._leases.expire()
             except Exception:  # the thread must survive anything; log loudly

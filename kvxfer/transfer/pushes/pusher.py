@@ -3,10 +3,13 @@
 Who calls what (the worker's ``push_*`` methods queue each call for its thread):
 
 * :meth:`Pusher.start` (any thread): push request ``lease_id``'s blocks (``block_ids``,
-  logical blocks of this rank's cache, in token order) into ``reservation``. The
-  reservation must verify with the instances' key and be unexpired, and this rank's
-  blocks must hold its tokens; otherwise the push fails at once. The caller leases the
-  blocks (``hold``) before it seals the push: the push ends that lease.
+  logical blocks of this rank's cache, in token order) into ``reservation``. The push
+  leases the blocks at once, under ``lease_id``, until a moment past the reservation's
+  deadline, and ends that lease itself; the caller frees the blocks when it ended
+  (``poll_released``), as for any lease. The reservation must verify with the instances'
+  key and be unexpired, and this rank's blocks must hold its tokens; otherwise the lease
+  ends "failed" at once, and the decode is told nothing (its reservation was not shown
+  to be genuine: it frees the blocks at its own deadline).
 * :meth:`Pusher.layers` (any thread): the engine finished ``layers`` (a run of layer
   indices, each handed at most once): WRITE them into every decode rank now, one WRITE
   per decode rank, while the engine computes the next ones.
@@ -16,18 +19,20 @@ Who calls what (the worker's ``push_*`` methods queue each call for its thread):
   bytes) carries the signed "done" for the reservation (a
   :class:`~kvxfer.wire.notification.ReadDone` whose reader fields name this writer),
   which NIXL delivers after its bytes; posting it only after the others completed
-  keeps it behind them. Not ``ok`` (the request was aborted): WRITEs in flight are
-  aborted and each decode rank is told ``ok=False``, so it frees the reservation now
-  instead of at its deadline.
+  keeps it behind them. Not ``ok`` (the request was aborted): the push fails.
 * :meth:`Pusher.step` (worker thread): handshakes with decodes not known yet
   (:class:`~kvxfer.transfer.pushes.targets.Targets`), posts, progresses, finishes.
 
 Outcome: the lease ``lease_id`` ends "done" once every decode rank was told ``ok``, or
 "failed" when the push failed (a WRITE failed, the decode could not be handshaken, the
-reservation expired or was refused, the caller sealed it not ``ok``): the caller frees the
-blocks as for any other lease end (``poll_released``). A push still unfinished at the
-reservation's deadline fails then, its WRITEs aborted: the decode frees the blocks only
-:data:`~kvxfer.wire.reservations.PUSH_GRACE_S` later, so nothing lands in reused blocks.
+caller sealed it not ``ok``, its lease was ended by someone else). A failed push posts
+nothing more and waits for its WRITEs in flight to complete or fail, then tells each
+decode rank ``ok=False`` (it frees the reservation now, not at its deadline) and ends its
+lease: no WRITE of it is in flight once either side frees a block. At the reservation's
+deadline a push still unfinished, or still waiting for its WRITEs, is cut off: those are
+aborted, the decode ranks they were writing into are told nothing, and the decode frees
+the blocks :data:`~kvxfer.wire.reservations.PUSH_GRACE_S` after its deadline, so nothing
+lands in reused blocks.
 """
 
 from __future__ import annotations
@@ -42,11 +47,12 @@ from typing import Any
 import numpy as np
 
 from kvxfer.plan.descriptors import RankDescriptors
+from kvxfer.plan.pushes import check_layers
 from kvxfer.transfer.handshakes import HandshakeFailed
 from kvxfer.transfer.leases import LeaseTable
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.pushes.targets import Target, Targets
-from kvxfer.transfer.reads.path import release_reads
+from kvxfer.transfer.reads.path import release_transfers
 from kvxfer.transfer.results import TransferError
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import Reservation, ReservationError
@@ -56,6 +62,9 @@ log = logging.getLogger(__name__)
 
 class PushFailed(TransferError):
     """A push cannot go on; the message names the decode and the reason."""
+
+
+LEASE_MARGIN_S = 1.0  # a push's lease outlives its reservation's deadline by this much
 
 
 @dataclass
@@ -72,6 +81,7 @@ class _Push:
     inflight: dict[int, list[Any]] = field(default_factory=dict)
     last_rows: dict[int, RankDescriptors] = field(default_factory=dict)
     told: set[int] = field(default_factory=set)  # decode ranks whose "done" WRITE is posted
+    failed: str | None = None  # why it failed: it waits for its WRITEs, then tells
 
     @property
     def engine(self) -> str:
@@ -82,8 +92,8 @@ Command = Callable[[], None]
 
 
 class Pusher:
-    """See the module docstring; ``leases`` is the rank's lease table (a push ends its
-    caller's lease)."""
+    """See the module docstring; ``leases`` is the rank's lease table (a push holds and
+    ends its lease there)."""
 
     def __init__(self, local: LocalRank, targets: Targets, leases: LeaseTable,
                  num_layers: int) -> None:
@@ -99,6 +109,9 @@ class Pusher:
 
     # -- any thread ------------------------------------------------------------------------
     def start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
+        """Hold the lease now (ValueError when ``lease_id`` holds one), push later."""
+        ttl = max(reservation.expires_at - time.time(), 0.0) + LEASE_MARGIN_S
+        self._leases.hold(lease_id, block_ids.tolist(), None, ttl)
         self._submit(lambda: self._start(lease_id, reservation, block_ids))
 
     def layers(self, lease_id: str, layers: range) -> None:
@@ -123,39 +136,35 @@ class Pusher:
             command()
         now = time.time()
         for push in list(self._pushes.values()):
+            if now >= push.reservation.expires_at:
+                self._cut_off(push, f"the reservation expired before the push finished "
+                                    f"({len(push.posted)} of {self._num_layers} layers posted)")
+                continue
             try:
-                if now >= push.reservation.expires_at:
-                    raise PushFailed(f"the reservation expired before the push finished "
-                                     f"({len(push.posted)} of {self._num_layers} layers "
-                                     f"posted)")
                 self._progress(push)
-            except (TransferError, ValueError) as exc:
+            except Exception as exc:  # a WRITE or a decode failed: this push only
                 self._fail(push, str(exc))
 
     def close(self) -> None:
-        """The worker is closing: abort every push (their decodes are told it failed)."""
+        """The worker is closing: cut every push off."""
         for push in list(self._pushes.values()):
-            self._fail(push, f"prefill rank {self._local.rank} is closing")
+            self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
 
     def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
-        if lease_id in self._pushes:
-            log.warning("ignoring a second push of lease %s", lease_id)
-            return
-        push = _Push(lease_id, reservation, block_ids)
-        self._pushes[lease_id] = push
         try:
             reservation.check(self._local.key)
-            block_size = self._local.geometry.block_size
-            need = -(-reservation.num_tokens // block_size)
+            need = -(-reservation.num_tokens // self._local.geometry.block_size)
             if len(block_ids) < need:
                 raise PushFailed(f"this prefill holds {len(block_ids)} blocks of the request, "
                                  f"{need} needed for the reservation's "
                                  f"{reservation.num_tokens} tokens")
-            push.block_ids = np.asarray(block_ids[:need], dtype=np.int64)
-        except (ReservationError, PushFailed) as exc:
-            self._fail(push, str(exc))
+        except (ReservationError, PushFailed) as exc:  # nothing to tell anyone
+            log.warning("push of request %s refused: %s", lease_id, exc)
+            self._leases.end(lease_id, "failed")
             return
+        push = _Push(lease_id, reservation, block_ids[:need])
+        self._pushes[lease_id] = push
         if self._targets.get(push.engine) is not None:
             return
         dead = self._targets.dead(push.engine)
@@ -177,37 +186,43 @@ class Pusher:
 
     def _hand(self, lease_id: str, layers: range) -> None:
         push = self._pushes.get(lease_id)
-        if push is None:
-            return  # failed already (the caller learns it from the lease's end)
-        if layers.step != 1 or not layers or layers.start < 0 or \
-                layers.stop > self._num_layers or push.posted.intersection(layers) or \
-                any(set(h).intersection(layers) for h in push.handed):
-            self._fail(push, f"layers {layers.start}..{layers.stop - 1} handed twice or "
-                             f"outside the {self._num_layers} layers")
+        if push is None or push.failed is not None:
+            return  # refused or failed (the caller learns it from the lease's end)
+        try:
+            check_layers(layers, self._num_layers)
+            if push.posted.intersection(layers) or \
+                    any(set(h).intersection(layers) for h in push.handed):
+                raise ValueError(f"layers {layers.start}..{layers.stop - 1} handed twice")
+        except ValueError as exc:
+            self._fail(push, str(exc))
             return
         push.handed.append(layers)
 
     def _seal(self, lease_id: str, ok: bool) -> None:
         push = self._pushes.get(lease_id)
-        if push is None:  # failed before it was sealed: its lease ends with it
-            self._leases.end(lease_id, "failed")
-            return
+        if push is None or push.failed is not None:
+            return  # refused or failed: its lease ends (or ended) with it
         if not ok:
             self._fail(push, "the prefill gave the request up")
             return
         push.sealed = True
         rest = sorted(set(range(self._num_layers)) - push.posted -
                       {layer for h in push.handed for layer in h})
-        for start, stop in _runs(rest):
-            push.handed.append(range(start, stop))
+        push.handed.extend(range(start, stop) for start, stop in _runs(rest))
 
     def _progress(self, push: _Push) -> None:
+        if push.failed is not None:
+            self._drain(push)
+            return
         target = self._targets.get(push.engine)
         if target is None:
             if self._targets.shaking(push.engine):
                 return
             raise PushFailed(f"the connection to decode {push.engine} ended (another push "
                              f"into it failed)")
+        if not self._leases.holds(push.lease_id):
+            raise PushFailed("its lease ended before the push finished (its blocks may be "
+                             "another request's now)")
         while push.handed:
             self._post(push, target, push.handed.pop(0))
         for rank in target.plans:
@@ -219,11 +234,11 @@ class Pusher:
                 raise PushFailed(f"decode {push.engine} at {target.address} rank {rank}: "
                                  f"WRITE failed: {exc}") from exc
             if landed and push.sealed and rank not in push.told:
-                release_reads(transfers, push.lease_id)
+                release_transfers(transfers, push.lease_id)
                 self._tell(push, target, rank)
         if push.sealed and push.told >= set(target.plans) and \
-                all(t.state() == "DONE" for ts in push.inflight.values() for t in ts):
-            self._finish(push)
+                all(_settled(ts) for ts in push.inflight.values()):
+            self._end(push, "done")
 
     def _post(self, push: _Push, target: Target, layers: range) -> None:
         for rank, plan in target.plans.items():
@@ -246,7 +261,8 @@ class Pusher:
 
     def _tell(self, push: _Push, target: Target, rank: int, ok: bool = True) -> None:
         """Post decode rank ``rank``'s "done": on a WRITE of its last rows' first row where
-        there was one (delivered after its bytes), else as a bare notification."""
+        there was one (delivered after its bytes), else, and for ``ok=False``, as a bare
+        notification."""
         done = encode_notif(ReadDone(push.reservation.reservation_id, self._local.engine_id,
                                      self._local.rank, target.plans[rank].writers, ok),
                             self._local.key)
@@ -258,21 +274,24 @@ class Pusher:
         first = RankDescriptors(rank, rows.local[:1], rows.remote[:1])
         push.inflight[rank] = [self._write(push, target, rank, first, done)]
 
-    def _finish(self, push: _Push) -> None:
-        for transfers in push.inflight.values():
-            release_reads(transfers, push.lease_id)
-        del self._pushes[push.lease_id]
-        if not self._leases.end(push.lease_id, "done"):
-            log.warning("push of %s finished, but its lease was not held", push.lease_id)
-
     def _fail(self, push: _Push, reason: str) -> None:
-        """Abort ``push``: its WRITEs, its decode ranks told ``ok=False`` (best effort),
-        its lease ended "failed" (now, or when it is sealed)."""
-        log.warning("push of request %s into decode %s failed: %s", push.lease_id,
-                    push.engine, reason)
-        for transfers in push.inflight.values():
-            release_reads(transfers, push.lease_id)
-        self._pushes.pop(push.lease_id, None)
+        """``push`` failed: post nothing more; its WRITEs are waited for (:meth:`_drain`)."""
+        if push.failed is None:
+            log.warning("push of request %s into decode %s failed: %s", push.lease_id,
+                        push.engine, reason)
+            push.failed = reason
+            push.handed.clear()
+            parked = self._waiting.get(push.engine, [])
+            if push in parked:
+                parked.remove(push)
+        self._drain(push)
+
+    def _drain(self, push: _Push) -> None:
+        """A failed push whose WRITEs all completed or failed tells each decode rank it
+        gave up, then ends its lease "failed"."""
+        if not all(_settled(ts) for ts in push.inflight.values()) or \
+                self._targets.shaking(push.engine):
+            return  # (a decode still handshaking is told once connected)
         target = self._targets.get(push.engine)
         for rank in target.plans if target is not None else ():
             try:
@@ -280,7 +299,45 @@ class Pusher:
             except Exception as exc:  # the decode frees at its deadline then
                 log.info("telling decode %s rank %d of the failed push failed: %s",
                          push.engine, rank, exc)
-        self._leases.end(push.lease_id, "failed")
+        self._end(push, "failed")
+
+    def _cut_off(self, push: _Push, reason: str) -> None:
+        """The reservation's deadline passed (or the worker closes): abort what is in
+        flight; tell only the decode ranks none of whose WRITEs may still land."""
+        if push.failed is None:
+            log.warning("push of request %s into decode %s cut off: %s", push.lease_id,
+                        push.engine, reason)
+        target = self._targets.get(push.engine)
+        for rank in target.plans if target is not None else ():
+            if _settled(push.inflight.get(rank, [])):
+                try:
+                    self._tell(push, target, rank, ok=False)
+                except Exception as exc:
+                    log.info("telling decode %s rank %d of the cut-off push failed: %s",
+                             push.engine, rank, exc)
+        parked = self._waiting.get(push.engine, [])
+        if push in parked:
+            parked.remove(push)
+        self._end(push, "failed")
+
+    def _end(self, push: _Push, reason: str) -> None:
+        for transfers in push.inflight.values():
+            release_transfers(transfers, push.lease_id)
+        if self._pushes.get(push.lease_id) is push:
+            del self._pushes[push.lease_id]
+        if not self._leases.end(push.lease_id, reason) and reason == "done":
+            log.warning("push of %s finished, but its lease had ended", push.lease_id)
+
+
+def _settled(transfers: list[Any]) -> bool:
+    """Whether no WRITE of ``transfers`` can still land: each completed or failed."""
+    for transfer in transfers:
+        try:
+            if transfer.state() != "DONE":
+                return False
+        except Exception:  # failed (or released): nothing more of it lands
+            continue
+    return True
 
 
 def _runs(layers: list[int]) -> list[tuple[int, int]]:

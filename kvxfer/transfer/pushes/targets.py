@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvxfer.plan.descriptors import SideGeometry
 from kvxfer.plan.pushes import PushPlan, plan_pushes
-from kvxfer.transfer.handshakes import HandshakeFailed, Handshakes, fetch_ranks
+from kvxfer.transfer.handshakes import Handshakes, fetch_ranks
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
 from kvxfer.transfer.results import TransferError
 from kvxfer.transfer.side_channel.client import HandshakeClient
@@ -84,17 +84,10 @@ class Targets:
     def connect(self, reservation: Reservation) -> Target:
         """Worker thread: the decode whose handshake ended, connected; raises
         :class:`~kvxfer.transfer.handshakes.HandshakeFailed` (it is dead for a moment)."""
-        engine = reservation.engine_id
-        del self._shaking[engine]
-        shaken = self._shakes.result(engine)
-        try:
-            target = self._connect(reservation, shaken)
-        except TransferError as exc:
-            self._local.tally.handshake_failed("connect")
-            self._shakes.mark_dead(engine, str(exc))
-            raise HandshakeFailed(str(exc), "connect") from exc
-        self._targets[engine] = target
-        self._shakes.revive(engine)
+        del self._shaking[reservation.engine_id]
+        target = self._shakes.connect(reservation.engine_id,
+                                      lambda shaken: self._connect(reservation, shaken))
+        self._targets[target.engine_id] = target
         return target
 
     def forget_dead(self, engine_id: str, reason: str) -> None:
@@ -107,7 +100,7 @@ class Targets:
         target = self._targets.pop(engine_id, None)
         if target is not None:
             for name in target.agents.values():
-                self._quietly_remove(name)
+                self._local.agent.drop_remote(name)
 
     def close(self) -> None:
         self._shakes.close()
@@ -124,6 +117,11 @@ class Targets:
                             named_by="its reservation says")
         geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
                       for rank, meta in metas.items()}
+        sizes = {meta.block_size for meta in metas.values()}
+        if sizes != {reservation.block_size}:
+            raise TransferError(f"its reservation counts {reservation.block_size}-token blocks "
+                                f"but the decode's cache has {', '.join(map(str, sizes))}-token "
+                                f"blocks")
         plans = plan_pushes(local.rank, local.geometry, geometries, writer_tp=local.tp_size,
                             target_tp=reservation.tp_size, total_kv_heads=self.total_kv_heads)
         return _Shaken(metas, plans)
@@ -141,16 +139,9 @@ class Targets:
                 target.plans[rank] = plan
         except Exception as exc:
             for name in target.agents.values():
-                self._quietly_remove(name)
+                self._local.agent.drop_remote(name)
             raise TransferError(f"NIXL could not connect to decode {reservation.engine_id} "
                                 f"at {reservation.address}: {exc}") from exc
         log.info("rank %d connected to decode %s at %s to push into ranks %s", local.rank,
                  target.engine_id, target.address, sorted(target.agents))
         return target
-
-    def _quietly_remove(self, name: str) -> None:
-        try:
-            self._local.agent.remove_remote(name)
-        except Exception as exc:
-            log.info("removing remote agent %s from %s failed: %s", name,
-                     self._local.agent.name, exc)

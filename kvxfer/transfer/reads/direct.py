@@ -23,7 +23,7 @@ from kvxfer.transfer.reads.path import (
     ReadPath,
     Waiting,
     reads_landed,
-    release_reads,
+    release_transfers,
 )
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import TransferError, merge_spans
@@ -69,4 +69,4 @@ class DirectPath(ReadPath):
         return Waiting(f"READ still in progress after {TIMEOUT} s", peer=where)
 
     def finish(self) -> None:
-        release_reads(self._transfers, self._read.request_id)
+        release_transfers(self._transfers, self._read.request_id)

@@ -173,8 +173,8 @@ def reads_landed(transfers: Sequence[Any]) -> bool:
     return all(s == "DONE" for s in states)
 
 
-def release_reads(transfers: list[Any], request_id: str) -> None:
-    """Free the posted READs' handles (aborting any still in flight)."""
+def release_transfers(transfers: list[Any], request_id: str) -> None:
+    """Free the posted transfers' handles, READs or WRITEs (aborting any still in flight)."""
     for transfer in transfers:
         try:
             transfer.release()

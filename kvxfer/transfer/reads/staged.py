@@ -38,7 +38,7 @@ from kvxfer.transfer.reads.path import (
     ReadPath,
     Waiting,
     reads_landed,
-    release_reads,
+    release_transfers,
 )
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import ReadStats, TransferError
@@ -150,7 +150,7 @@ class StagedPath(ReadPath):
         return LANDED
 
     def finish(self) -> None:
-        release_reads(self._transfers, self._read.request_id)
+        release_transfers(self._transfers, self._read.request_id)
         self._local.staging.settle(self._job, self._read.engine)
 
     def abandon(self, reason: str) -> None:
