@@ -282,3 +282,29 @@ def test_a_reservation_outlives_its_deadline_by_the_grace() -> None:
         assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "expired"}
     finally:
         decode.close()
+
+
+def test_bench_push_times_push_and_pull_of_the_same_bytes_side_by_side() -> None:
+    """``kvxfer bench push`` runs every mode of every case and reports each against pull
+    measured in the same run; a bad case list is refused with the form it expects."""
+    import json
+    import subprocess
+    import sys
+
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "push", *args],
+                              capture_output=True, text=True, timeout=180)
+
+    out = bench("--cases", "LBHNC:1:1,BLHNC:2:1", "--tokens", "40", "--layers", "2",
+                "--repeats", "1", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout)["rows"]
+    assert [(r["layout"], r["prefill_tp"], r["decode_tp"]) for r in rows] == \
+        [("LBHNC", 1, 1), ("BLHNC", 2, 1)]
+    for row in rows:
+        assert row["bytes"] == 40 * 2 * 8 * 2 * 128 * 2  # tokens x layers x heads x K,V
+        assert min(row["pull_ms"], row["push_ms"], row["push_layer_ms"]) > 0
+        # from the unrounded times
+        assert row["push_vs_pull"] == pytest.approx(row["pull_ms"] / row["push_ms"], abs=0.02)
+    bad = bench("--cases", "LBHNC-1-1")
+    assert bad.returncode != 0 and "LAYOUT:PREFILL_TP:DECODE_TP" in bad.stderr

@@ -13,7 +13,7 @@ import importlib
 HELP = "run a benchmark and print numbers (table, or JSON with --json)"
 
 BENCHMARKS: tuple[str, ...] = ("descriptors", "proxy", "nixl", "transfer", "serve", "trust",
-                               "vllm", "prefix", "soak", "ttft", "load")
+                               "vllm", "prefix", "soak", "ttft", "load", "push")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
