@@ -46,8 +46,11 @@ def leases(inst: LoopbackInstance) -> list[int]:
     return [w.num_leases for w in inst.workers]
 
 
-@pytest.mark.parametrize("groups", [None, "each layer"])
-@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp"), CASES)
+# every case handed layer by layer, as an engine hands them; a few all at the seal
+@pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp", "groups"),
+                         [(*case, "each layer") for case in CASES] +
+                         [(*case, None) for case in CASES if case[0] in ("LBHNC", "BHLNC")
+                          and case[2:] in ((1, 1), (2, 4))])
 def test_a_push_lands_byte_exact(prefill: PrefillProcess, prefill_layout: str,
                                  decode_layout: str, prefill_tp: int, decode_tp: int,
                                  groups: str | None) -> None:
