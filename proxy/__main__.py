@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "N times when its prefill or decode failed (5xx, broken "
                              "connection, a prefill timeout) before anything was sent to the "
                              "client (default 1; 0 turns retries off)")
+    parser.add_argument("--kv-transfer-mode", choices=["pull", "push"],
+                        default=os.environ.get("KVXFER_TRANSFER_MODE", "pull"),
+                        help="pull: the decode reads each prompt's KV from the prefill; "
+                             "push: the decode reserves blocks first (POST /v1/kv/reserve) "
+                             "and the prefill writes the KV into them (decodes started with "
+                             "--kv-transfer-mode push) (default pull, or "
+                             "$KVXFER_TRANSFER_MODE)")
     parser.add_argument("--health-interval", type=float, default=5.0, metavar="SECONDS",
                         help="pause between health checks of every instance (default 5)")
     parser.add_argument("--health-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -111,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         host=args.host, port=args.port, policy=args.policy, api_key=api_key,
         upstream_api_key=upstream_key, connect_timeout=args.connect_timeout,
         prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
-        retries=args.retries,
+        retries=args.retries, transfer_mode=args.kv_transfer_mode,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, log_level=args.log_level,
         access_log=args.access_log)

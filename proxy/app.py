@@ -69,7 +69,8 @@ class ProxyService:
             await discovery.refresh()
             await checker.check_all()
             self._router = PDRouter(self.balancer, Upstream(session, self.config, self.metrics),
-                                    self.metrics, self.config.retries)
+                                    self.metrics, self.config.retries,
+                                    push=self.config.transfer_mode == "push")
             tasks = [asyncio.create_task(checker.run())]
             if discovery.active:
                 tasks.append(asyncio.create_task(discovery.run(checker.check)))

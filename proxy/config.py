@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 POLICIES: tuple[str, ...] = ("round_robin", "least_outstanding")
 ROLES: tuple[str, ...] = ("prefill", "decode")
+TRANSFER_MODES: tuple[str, ...] = ("pull", "push")
 MAX_RETRIES = 5  # each attempt may wait prefill_timeout + request_timeout
 
 
@@ -35,6 +36,8 @@ class ProxyConfig:
     ``retries`` is how many more times a request whose prefill or decode call failed
     before anything reached the client runs again, while an instance that did not fail
     it can take it (:mod:`proxy.router`).
+    ``transfer_mode``: "pull" (the decode reads the prefill's KV) or "push" (the decode
+    reserves blocks first and the prefill writes the KV into them; :mod:`proxy.router`).
     ``health_interval`` is the pause between two rounds of ``GET /health``;
     ``health_timeout`` bounds one check, and ``health_failures`` checks in a row
     without an answer take a healthy instance out of the rotation
@@ -64,6 +67,7 @@ class ProxyConfig:
     decode_names: tuple[tuple[str, int], ...] = ()
     resolve_interval: float = 5.0
     hosts_file: str | None = None
+    transfer_mode: str = "pull"
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -78,6 +82,9 @@ class ProxyConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value!r}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(f"--kv-transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
+                              f"got {self.transfer_mode!r}")
         if not 0 <= self.retries <= MAX_RETRIES:
             raise ConfigError(f"--retries must be 0..{MAX_RETRIES}, got {self.retries!r}")
         if not self.health_failures >= 1:

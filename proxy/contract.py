@@ -103,6 +103,50 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return prefill
 
 
+def reserve_request(route: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Push mode: the decode call that reserves blocks for the client's prompt."""
+    return {"endpoint": route, "body": {k: v for k, v in body.items()
+                                        if k != "kv_transfer_params"}}
+
+
+def parse_reservation(content: bytes, url: str) -> dict[str, Any]:
+    """The ``kv_reservation`` object of a decode's 200 answer to a reserve call, as sent;
+    a 502 naming ``url`` when there is none."""
+    try:
+        answer = msgspec.json.decode(content)
+    except msgspec.DecodeError as exc:
+        raise bad_gateway(f"decode instance {url} answered invalid JSON: {exc}") from None
+    reservation = answer.get("kv_reservation") if isinstance(answer, dict) else None
+    if not isinstance(reservation, dict) or not isinstance(reservation.get("reservation_id"),
+                                                           str):
+        raise bad_gateway(f"decode instance {url} answered a reserve call without a "
+                          f"kv_reservation object (found {json_type(reservation)})")
+    return reservation
+
+
+def push_prefill_request(body: dict[str, Any], reservation: dict[str, Any]) -> dict[str, Any]:
+    """Push mode: the prefill call, its KV written into ``reservation``."""
+    prefill = prefill_request(body)
+    prefill["kv_transfer_params"] = {**prefill["kv_transfer_params"],
+                                     "kv_reservation": reservation}
+    return prefill
+
+
+def parse_push_answer(content: bytes, url: str, reservation_id: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill's 200 answer in push mode: the reservation
+    it writes into (the id must be the one sent) and its first token; a 502 otherwise."""
+    try:
+        answer = msgspec.json.decode(content)
+    except msgspec.DecodeError as exc:
+        raise bad_gateway(f"prefill instance {url} answered invalid JSON: {exc}") from None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict) or params.get("kv_reservation_id") != reservation_id:
+        raise bad_gateway(f"prefill instance {url} did not take reservation "
+                          f"{reservation_id} (its kv_transfer_params: {json_type(params)}; "
+                          f"is it a kvxfer prefill?)")
+    return params
+
+
 def decode_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """The decode call's body: the client's original plus the prefill's params."""
     return {**body, "kv_transfer_params": params}

@@ -59,7 +59,11 @@ from proxy.contract import (
     drain_request,
     one_token,
     parse_prefill_answer,
+    parse_push_answer,
+    parse_reservation,
     prefill_request,
+    push_prefill_request,
+    reserve_request,
     wants_stream,
 )
 from proxy.errors import NoInstance, ProxyError, UpstreamFailed
@@ -81,17 +85,19 @@ from proxy.upstream import Answer, Draining, OpenStream, Unreachable, Upstream
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RELEASE_PATH = "/v1/kv/release"  # a kvxfer prefill's: ends a lease for its params' holder
+RESERVE_PATH = "/v1/kv/reserve"  # a kvxfer decode's in push mode: blocks for a prompt
 
 
 class PDRouter:
     """Routes requests over the balancer's instances; one per app."""
 
     def __init__(self, balancer: Balancer, upstream: Upstream, metrics: ProxyMetrics,
-                 retries: int = 0) -> None:
+                 retries: int = 0, push: bool = False) -> None:
         self.balancer = balancer
         self.upstream = upstream
         self.metrics = metrics
         self.retries = retries
+        self.push = push  # push mode: the decode reserves first, the prefill writes
         self._background: set[asyncio.Task[None]] = set()
 
     async def complete(self, route: str, body: dict[str, Any], request_id: str) -> Response:
@@ -131,6 +137,8 @@ class PDRouter:
         added to ``failed`` when it fails. A request for one token is the prefill's alone."""
         if one_token(body):
             return await self._prefill_alone(route, body, request_id, failed)
+        if self.push:
+            return await self._pair_pushed(route, body, request_id, failed)
         try:
             prefill, params = await self._prefill(route, body, request_id, failed)
         except UpstreamFailed as exc:
@@ -155,6 +163,43 @@ class PDRouter:
             failed.update((exc.url, prefill.url))
             self._in_background(self._release(prefill, params, request_id))
             raise UpstreamFailed(exc.status, message, exc.kind, exc.role, exc.url) from exc
+
+    async def _pair_pushed(self, route: str, body: dict[str, Any], request_id: str,
+                           failed: set[str]) -> Response:
+        """Push mode, one try: a decode reserves blocks for the prompt, a prefill computes
+        it and writes its KV into them, then the same decode answers. A reservation nobody
+        wrote into ends at its deadline on the decode."""
+        reserve = msgspec.json.encode(reserve_request(route, body))
+        try:
+            decode, answer = await self._with_failover(
+                "decode", lambda i: self._fetch(i, "POST", RESERVE_PATH, request_id, reserve),
+                failed)
+            reservation = parse_reservation(answer.content, decode.url)
+        except UpstreamFailed as exc:
+            failed.add(exc.url)
+            raise
+        content = msgspec.json.encode(push_prefill_request(body, reservation))
+        try:
+            prefill, response = await self._with_failover(
+                "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), failed)
+            params = parse_push_answer(response.content, prefill.url,
+                                       reservation["reservation_id"])
+        except UpstreamFailed as exc:
+            failed.update((exc.url, decode.url))
+            raise
+        content = msgspec.json.encode(decode_request(body, params))
+        try:
+            if wants_stream(body):
+                stream = await self._open(decode, route, request_id, content)
+                return self._relay(route, request_id, decode, stream)
+            return passthrough(await self._fetch(decode, "POST", route, request_id, content))
+        except Unreachable as exc:
+            raise UpstreamFailed(502, f"decode instance {decode.url} holding the reservation "
+                                 f"went away: {exc.reason}", "upstream_error", "decode",
+                                 decode.url) from exc
+        except UpstreamFailed as exc:
+            failed.update((exc.url, prefill.url))
+            raise
 
     async def _prefill_alone(self, route: str, body: dict[str, Any], request_id: str,
                              failed: set[str]) -> Response:

@@ -21,6 +21,12 @@
 #                           every prompt (whole blocks of both sizes) in the decode's cache,
 #                           checked on its /metrics, read only the rest, and still match the
 #                           reference (one decode instance only)
+#   KVXFER_TRANSFER_MODE    pull (default: the decode reads the prefill's KV) or push (the
+#                           decode reserves blocks first, the prefill writes each layer's KV
+#                           into them as it computes it; the proxy and the decodes run with
+#                           --kv-transfer-mode push). Push places bytes only: layout and TP
+#                           pairs that need a converted read, and DECODER_PREFIX_CACHE, are
+#                           pull-only so far
 #   MODEL                   a model name (smollm2-135m-instruct, the default; kvxfer-tiny,
 #                           seeded and fast; kvxfer-tiny-mla, the same with a latent (MLA)
 #                           cache on every rank), a .gguf file or a checkpoint directory; the
@@ -64,6 +70,13 @@ DECODER_PREFIX_CACHE="${DECODER_PREFIX_CACHE:-}"
 if [[ -n "$DECODER_PREFIX_CACHE" && "$NUM_DECODE_INSTANCES" != 1 ]]; then
   echo "DECODER_PREFIX_CACHE needs NUM_DECODE_INSTANCES=1 (the proxy spreads a second pass" \
        "over the decodes, whose caches are their own)" >&2
+  exit 2
+fi
+TRANSFER_MODE="${KVXFER_TRANSFER_MODE:-pull}"
+case "$TRANSFER_MODE" in pull|push) ;; *) echo "KVXFER_TRANSFER_MODE must be pull or push, got '$TRANSFER_MODE'" >&2; exit 2 ;; esac
+if [[ -n "$DECODER_PREFIX_CACHE" && "$TRANSFER_MODE" == push ]]; then
+  echo "DECODER_PREFIX_CACHE needs KVXFER_TRANSFER_MODE=pull (a push reserves every block" \
+       "of the prompt: the decode's prefix cache is not used yet)" >&2
   exit 2
 fi
 MODEL="${MODEL:-smollm2-135m-instruct}"
@@ -175,7 +188,7 @@ done
 for i in $(seq "$NUM_DECODE_INSTANCES"); do
   launch "decode-$i" "${serve[@]}" --role decode --tp "$DECODER_TP_SIZE" \
     --block-size "$DECODER_BLOCK_SIZE" --kv-cache-layout "$DECODE_LAYOUT" \
-    "${decode_policy[@]}" "${decode_cache[@]}" "${common[@]}"
+    --kv-transfer-mode "$TRANSFER_MODE" "${decode_policy[@]}" "${decode_cache[@]}" "${common[@]}"
   sidecars+=("decode-$i")
 done
 launch reference "${serve[@]}" --role both --tp 1 --kv-cache-layout LBHNC "${common[@]}"
@@ -184,7 +197,7 @@ sidecars+=(reference)
 echo "accuracy: prefill ${PREFILL_LAYOUT} TP${PREFILLER_TP_SIZE} block ${PREFILLER_BLOCK_SIZE}" \
      "x${NUM_PREFILL_INSTANCES}, decode ${DECODE_LAYOUT} TP${DECODER_TP_SIZE} block" \
      "${DECODER_BLOCK_SIZE} x${NUM_DECODE_INSTANCES}, model ${MODEL}," \
-     "KV on ${KV_BUFFER_DEVICE}${DECODER_PREFIX_CACHE:+, decode prefix cache cold then warm}"
+     "KV on ${KV_BUFFER_DEVICE}, ${TRANSFER_MODE}${DECODER_PREFIX_CACHE:+, decode prefix cache cold then warm}"
 if ! urls="$(wait_ready "${sidecars[@]}")"; then
   echo "accuracy: instances did not come up; see the logs" >&2
   show_logs
@@ -195,7 +208,7 @@ port_of() { local url; url="$(url_of "$1")"; echo "${url##*:}"; }
 prefill_ports=(); decode_ports=()
 for i in $(seq "$NUM_PREFILL_INSTANCES"); do prefill_ports+=("$(port_of "prefill-$i")"); done
 for i in $(seq "$NUM_DECODE_INSTANCES"); do decode_ports+=("$(port_of "decode-$i")"); done
-launch proxy "$PYTHON" -m proxy --host 127.0.0.1 --port 0 \
+launch proxy "$PYTHON" -m proxy --host 127.0.0.1 --port 0 --kv-transfer-mode "$TRANSFER_MODE" \
   --prefiller-hosts 127.0.0.1 --prefiller-ports "${prefill_ports[@]}" \
   --decoder-hosts 127.0.0.1 --decoder-ports "${decode_ports[@]}"
 if ! proxy_url="$(wait_ready proxy)"; then

@@ -69,6 +69,7 @@ def run_script(argv: list[str], env: dict[str, str],
 
 TINY = {"MODEL": "kvxfer-tiny"}
 TINY_MLA = {"MODEL": "kvxfer-tiny-mla"}  # one latent per token, on every TP rank
+PUSH = {"KVXFER_TRANSFER_MODE": "push"}
 GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as MODEL
 
 
@@ -97,6 +98,18 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
                   "DECODER_BLOCK_SIZE": "32"}, id="tiny-lbnhc-tp1-to-tp2-block16-to-block32"),
     pytest.param({**TINY_MLA, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
                  id="tiny-mla-tp1-to-tp2"),
+    # push mode: the decode reserves, the prefill writes each layer as it computes it
+    pytest.param({**TINY, **PUSH, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
+                 marks=pytest.mark.heavy, id="push-tiny-tp1-to-tp2"),
+    pytest.param({**TINY, **PUSH, "KVXFER_KV_CACHE_LAYOUT": "BLHNC",
+                  "DECODER_KV_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
+                  "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
+                 marks=pytest.mark.heavy, id="push-tiny-block32-to-block16-tp2-to-tp1"),
+    pytest.param({**TINY_MLA, **PUSH, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
+                 marks=pytest.mark.heavy, id="push-tiny-mla-tp1-to-tp2"),
+    pytest.param({**PUSH, "KVXFER_KV_CACHE_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "1",
+                  "DECODER_TP_SIZE": "3"}, marks=pytest.mark.heavy,
+                 id="push-smollm2-bhlnc-tp1-to-tp3"),
     # the second prefill rank is only told to free; LBNHC needs no conversion for one head
     pytest.param({**TINY_MLA, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "LBNHC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"}, id="tiny-mla-tp2-to-tp1"),

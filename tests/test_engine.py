@@ -72,9 +72,10 @@ def test_one_step_is_one_forward_over_all_running_requests(prompts: list[list[in
     calls: list[int] = []
     forward = engine.model.forward
 
-    def counting(tokens: torch.Tensor, segments: list, caches: list) -> torch.Tensor:
+    def counting(tokens: torch.Tensor, segments: list, caches: list, *rest: object
+                 ) -> torch.Tensor:
         calls.append(len(segments))
-        return forward(tokens, segments, caches)
+        return forward(tokens, segments, caches, *rest)  # type: ignore[arg-type]
 
     engine.model.forward = counting  # type: ignore[method-assign]
     for i, prompt in enumerate(prompts):

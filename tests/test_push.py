@@ -311,3 +311,23 @@ def test_bench_push_times_push_and_pull_of_the_same_bytes_side_by_side() -> None
         assert row["push_vs_pull"] == pytest.approx(row["pull_ms"] / row["push_ms"], abs=0.02)
     bad = bench("--cases", "LBHNC-1-1")
     assert bad.returncode != 0 and "LAYOUT:PREFILL_TP:DECODE_TP" in bad.stderr
+
+
+def test_a_pair_only_a_conversion_can_place_tells_the_decode_at_once(
+        prefill: PrefillProcess) -> None:
+    """Layouts whose heads byte copies cannot place (a head split of a tokens-outside-heads
+    prefill): the push writes nothing and tells every decode rank it gave up, so the
+    reservation ends "failed" now, not at its deadline."""
+    pcfg = CacheConfig(layout="LBNHC", num_blocks=16)
+    dcfg = replace(pcfg, tp=2)
+    remote = prefill.create(pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    try:
+        reservation = decode.reserve("resv", [1, 2], 2 * pcfg.block_size, ttl=60)
+        prefill.push(remote["engine_id"], "lease", reservation, [5, 6])
+        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "failed"}
+        assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
+        assert untouched(decode)
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])

@@ -137,6 +137,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode: longest handshake with a prefill (all attempts "
                              "together), and longest READ of one request's KV; then the "
                              "read fails (recompute or 502, by policy) (default 10)")
+    parser.add_argument("--kv-transfer-mode", choices=["pull", "push"],
+                        default=os.environ.get("KVXFER_TRANSFER_MODE", "pull"),
+                        help="decode: pull (the decode READs each prompt's KV from the "
+                             "prefill) or push: also reserve blocks on POST /v1/kv/reserve, "
+                             "which a prefill WRITEs the prompt's KV into as it computes it; "
+                             "the side channel (--side-channel-port) then serves this "
+                             "decode's metadata to prefills (default pull, or "
+                             "$KVXFER_TRANSFER_MODE)")
     parser.add_argument("--kv-heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
                         help="decode: while a READ from a prefill is in flight, ask the "
                              "prefill's side channel every SECONDS/4 whether it answers; a "
@@ -221,9 +229,10 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=tuple(args.served_model_name or ()), api_key=api_key,
         kv_read_timeout=args.kv_read_timeout,
         kv_heartbeat_timeout=args.kv_heartbeat_timeout, advertise_host=args.advertise_host,
+        kv_transfer_mode=args.kv_transfer_mode,
         drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,
         enable_prefix_caching=args.enable_prefix_caching)
-    if args.role == "prefill":
+    if args.role == "prefill" or args.kv_transfer_mode == "push":  # a listener's address
         try:
             settings.side_channel_advertised()  # before the model loads
         except ValueError as exc:

@@ -37,6 +37,7 @@ reads or copies only positions past its cached prefix.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -136,6 +137,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ended: list[Request] = []  # ended outside a step; reported by the next step
         self._lock = threading.RLock()
+        # called as hook([(request id, block ids) of the batch], layer) once a forward's
+        # layer wrote its K/V (a push mode prefill WRITEs it meanwhile); the engine's thread
+        self.layer_hook: Callable[[list[tuple[str, list[int]]], int], None] | None = None
         self._ids = itertools.count()
 
     @classmethod
@@ -176,12 +180,27 @@ class LLMEngine:
 
     # -- requests
 
+    def reserve_blocks(self, count: int) -> list[int]:
+        """Decode side, push mode: ``count`` free blocks that no request holds yet, for a
+        prefill to write a prompt's KV into (a ``remote_kv`` request adopts them later,
+        ``blocks``; else :meth:`free_blocks`); NoFreeBlocks when they are not free."""
+        with self._lock:
+            return self.allocator.allocate(count)
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Return reserved blocks no request adopted."""
+        with self._lock:
+            self.allocator.free(block_ids)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, hold_blocks: bool = False, remote_kv: bool = False,
-                    remote_block_size: int | None = None, first: Logprob | None = None) -> None:
+                    remote_block_size: int | None = None, first: Logprob | None = None,
+                    blocks: Sequence[int] | None = None) -> None:
         """Queue a request; see the module docstring for ``hold_blocks`` / ``remote_kv``.
 
-        ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
+        ``blocks``: a ``remote_kv`` request's blocks, reserved before it came
+        (:meth:`reserve_blocks`: push mode), one per block of its prompt; it owns them
+        from here. ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
         request's cached prefix is aligned (default: this engine's). ``first``: the
         request's first output token, sampled elsewhere and already answered (its
         output, :meth:`first_output`, is not reported again). Raises ValueError for
@@ -194,9 +213,16 @@ class LLMEngine:
             if hold_blocks and (remote_kv or first is not None):
                 raise ValueError(f"request {request_id!r}: hold_blocks (prefill role) and "
                                  f"remote_kv or first (decode role) exclude each other")
+            if blocks is not None and (not remote_kv or
+                                       len(blocks) != self.scheduler.blocks_for(len(prompt))):
+                raise ValueError(f"request {request_id!r}: {len(blocks)} reserved blocks for "
+                                 f"a {len(prompt)}-token prompt (remote_kv: {remote_kv})")
             request = self._new_request(request_id, prompt, params, first)
             request.hold_blocks = hold_blocks
-            if remote_kv:
+            if blocks is not None:
+                request.block_ids = list(blocks)
+                request.state = RequestState.WAITING_FOR_KV
+            elif remote_kv:
                 if not self.scheduler.take_blocks(request, remote_block_size):
                     raise NoFreeBlocks(self.scheduler.blocks_for(len(prompt)),
                                        self.allocator.num_free)
@@ -236,29 +262,10 @@ class LLMEngine:
 
     def _check_request(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams) -> list[int]:
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
-        if request_id in self._requests:
+        if isinstance(request_id, str) and request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {request_id!r}: params must be SamplingParams, "
-                             f"got {type(params).__name__}")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.config.vocab_size
-        for token in prompt:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"request {request_id!r}: token id {token!r} is not in "
-                                 f"[0, {vocab})")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            limit = ("max_position_embeddings" if self.max_model_len ==
-                     self.config.max_position_embeddings else "KV cache capacity")
-            raise ValueError(f"request {request_id!r}: {len(prompt)} prompt tokens + max_tokens "
-                             f"{params.max_tokens} = {total} exceeds the {limit} of "
-                             f"{self.max_model_len} tokens")
-        return prompt
+        return checked_prompt(request_id, prompt_token_ids, params, self.config,
+                              self.max_model_len)
 
     def _get(self, request_id: str) -> Request:
         request = self._requests.get(request_id)
@@ -417,6 +424,8 @@ class LLMEngine:
             return outputs
 
     def _forward(self, batch: list[Request]) -> torch.Tensor:
+        on_layer = None if self.layer_hook is None else functools.partial(
+            self.layer_hook, [(r.request_id, r.block_ids) for r in batch])
         tokens: list[int] = []
         segments = []
         for request in batch:
@@ -426,7 +435,8 @@ class LLMEngine:
                                  device=self.model.device)
             segments.append(Segment(request.num_computed, len(new), (table,) * self.tp))
         caches = [list(rank.values()) for rank in self.kv_caches]
-        return self.model.forward(torch.tensor(tokens, dtype=torch.int64), segments, caches)
+        return self.model.forward(torch.tensor(tokens, dtype=torch.int64), segments, caches,
+                                  on_layer)
 
     def _finish(self, request: Request) -> None:
         """A request sampled its last token: hold its blocks or free them."""
@@ -450,37 +460,67 @@ class LLMEngine:
                  params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion; one cumulative output per prompt, in order
         (its ``new_*`` fields and ``logprobs`` cover the whole completion)."""
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) \
-            else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
-                self.add_request(request_id, list(prompt), p)
-                added.append(request_id)
-        except Exception:
-            for request_id in added:
-                self.abort(request_id)
-            raise
-        return self._run_until_done(ids, sum(len(p) + q.max_tokens
-                                             for p, q in zip(prompts, per_prompt, strict=True)))
+        return _generate(self, prompts, params)
 
-    def _run_until_done(self, ids: list[str], work: int) -> list[RequestOutput]:
-        requests = {i: self._requests[i] for i in ids}
-        # Every step computes at least one token unless preemptions recompute; this
-        # bound is far above any real schedule and only guards against a hang.
-        for _ in range(10 * work + 100):
-            if all(r.finished for r in requests.values()):
-                break
-            if not self.step():
-                break  # nothing schedulable: only a release or abort could change that
-        stuck = [i for i, r in requests.items() if not r.finished]
-        if stuck:
-            raise RuntimeError(f"requests {stuck} cannot be scheduled: held or parked "
-                               f"requests own the KV blocks they need")
-        return [requests[i].cumulative() for i in ids]
+
+def _generate(engine: LLMEngine, prompts: Sequence[Sequence[int]],
+              params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+    """:meth:`LLMEngine.generate` (its own requests, stepped until they all finished)."""
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) \
+        else list(params)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+    ids = [f"generate-{next(engine._ids)}" for _ in prompts]
+    added: list[str] = []
+    try:
+        for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+            engine.add_request(request_id, list(prompt), p)
+            added.append(request_id)
+    except Exception:
+        for request_id in added:
+            engine.abort(request_id)
+        raise
+    requests = {i: engine._requests[i] for i in ids}
+    work = sum(len(p) + q.max_tokens for p, q in zip(prompts, per_prompt, strict=True))
+    # Every step computes at least one token unless preemptions recompute; this
+    # bound is far above any real schedule and only guards against a hang.
+    for _ in range(10 * work + 100):
+        if all(r.finished for r in requests.values()):
+            break
+        if not engine.step():
+            break  # nothing schedulable: only a release or abort could change that
+    stuck = [i for i, r in requests.items() if not r.finished]
+    if stuck:
+        raise RuntimeError(f"requests {stuck} cannot be scheduled: held or parked "
+                           f"requests own the KV blocks they need")
+    return [requests[i].cumulative() for i in ids]
+
+
+def checked_prompt(request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                   config: ModelConfig, max_model_len: int) -> list[int]:
+    """The prompt as a list; ValueError for a bad id, params or token id, or a request
+    longer than ``max_model_len`` tokens."""
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"request {request_id!r}: params must be SamplingParams, "
+                         f"got {type(params).__name__}")
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    vocab = config.vocab_size
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"request {request_id!r}: token id {token!r} is not in "
+                             f"[0, {vocab})")
+    total = len(prompt) + params.max_tokens
+    if total > max_model_len:
+        limit = ("max_position_embeddings" if max_model_len ==
+                 config.max_position_embeddings else "KV cache capacity")
+        raise ValueError(f"request {request_id!r}: {len(prompt)} prompt tokens + max_tokens "
+                         f"{params.max_tokens} = {total} exceeds the {limit} of "
+                         f"{max_model_len} tokens")
+    return prompt
 
 
 def _kv_needed(request: Request) -> int:

@@ -19,6 +19,7 @@ float32 frequencies, RMSNorm in float32, softmax in float32, logits as float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -222,12 +223,14 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, segments: list[Segment],
-                kv_caches: list[list[torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[list[torch.Tensor]],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run the flattened tokens of ``segments`` (in order) through the model.
 
         ``kv_caches[r][layer]`` is rank ``r``'s ``[B, H, N, C]`` view of that layer.
         Writes every new token's K/V into the caches and returns float32 logits
-        ``[len(segments), vocab]`` of each segment's last token.
+        ``[len(segments), vocab]`` of each segment's last token. ``on_layer(i)`` is
+        called once layer ``i`` wrote its K/V, before layer ``i + 1`` runs.
         """
         positions = torch.cat([torch.arange(s.start, s.start + s.num_tokens)
                                for s in segments]).to(self.device)
@@ -240,6 +243,8 @@ class Transformer:
             hidden = hidden + self._all_reduce(
                 [attention(x, cos, sin, segments, r, i, kv_caches[r][i])
                  for r in range(self.tp)])
+            if on_layer is not None:
+                on_layer(i)
             x = rms_norm(hidden, self.post_norms[i], eps)
             hidden = hidden + self._all_reduce([self._mlp(x, rank.layers[i])
                                                 for rank in self.ranks])

@@ -105,6 +105,20 @@ def _plan(target: SideGeometry, writer: SideGeometry, push: PushPlan) -> PeerRea
     return plans[0]
 
 
+def push_targets(writer_rank: int, *, writer_tp: int, target_tp: int, total_kv_heads: int
+                 ) -> dict[int, tuple[tuple[HeadSlice, ...], int]]:
+    """The decode ranks prefill rank ``writer_rank`` writes into (those that read heads
+    from it), each with its slices read from this rank and how many prefill ranks write
+    into it (the "done" count it waits for): topology alone, no geometry."""
+    out = {}
+    for rank in range(target_tp):
+        slices = read_plan(rank, target_tp, writer_tp, total_kv_heads)
+        mine = tuple(s for s in slices if s.remote_rank == writer_rank)
+        if mine:
+            out[rank] = (mine, len({s.remote_rank for s in slices}))
+    return out
+
+
 def plan_pushes(writer_rank: int, writer: SideGeometry, targets: dict[int, SideGeometry], *,
                 writer_tp: int, target_tp: int, total_kv_heads: int) -> list[PushPlan]:
     """The decode ranks prefill rank ``writer_rank`` (geometry ``writer``, TP
@@ -114,15 +128,13 @@ def plan_pushes(writer_rank: int, writer: SideGeometry, targets: dict[int, SideG
     :class:`PushRefused` where byte copies cannot place the heads,
     :class:`~kvxfer.plan.descriptors.IncompatibleLayoutError` where nothing can."""
     out = []
-    for rank in range(target_tp):
+    for rank, (mine, writers) in push_targets(writer_rank, writer_tp=writer_tp,
+                                              target_tp=target_tp,
+                                              total_kv_heads=total_kv_heads).items():
         if rank not in targets:
             raise ValueError(f"no geometry for decode rank {rank}")
-        slices = read_plan(rank, target_tp, writer_tp, total_kv_heads)
-        mine = tuple(s for s in slices if s.remote_rank == writer_rank)
-        if not mine:
-            continue
-        push = PushPlan(writer_rank, rank, len({s.remote_rank for s in slices}), writer,
-                        targets[rank], (target_tp, writer_tp), mine)
+        push = PushPlan(writer_rank, rank, writers, writer, targets[rank],
+                        (target_tp, writer_tp), mine)
         push.group()  # check the pair now, not on a request
         out.append(push)
     return out

@@ -55,10 +55,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
 from kvxfer.sidecar.kv_loads import KVLoads
+from kvxfer.sidecar.kv_pushes import KVPushes
 from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.sidecar.prefill_pushes import PrefillPushes
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import LeaseBook
 from kvxfer.wire.messages import ReleaseOutcome
+from kvxfer.wire.reservations import RESERVATION_ID_KEY, Reservation
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket, verify_ticket
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
@@ -77,6 +80,7 @@ __all__ = ["FAILURE_POLICIES", "ROLES", "AbortOutcome", "ConnectorEvents", "KVCo
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+TRANSFER_MODES = ("pull", "push")  # push: a decode also takes reservations (kv_pushes)
 FAILURE_POLICIES = ("recompute", "fail")
 # decode: a READ in flight from a prefill whose side channel answered no heartbeat for this
 # long fails (kvxfer.transfer.liveness): within 1.25 x this after the prefill fell silent
@@ -121,9 +125,13 @@ class KVConnector:
                  nixl_backends: tuple[str, ...] = ("UCX",),
                  kv_read_timeout: float = 10.0, hmac_key: bytes | None = None,
                  host_reads: bool = True,
-                 kv_heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+                 kv_heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 kv_transfer_mode: str = "pull") -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if kv_transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"the KV transfer mode must be one of {', '.join(TRANSFER_MODES)}, "
+                             f"got {kv_transfer_mode!r}")
         if failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"kv load failure policy must be one of "
                              f"{', '.join(FAILURE_POLICIES)}, got {failure_policy!r}")
@@ -157,16 +165,19 @@ class KVConnector:
         self.listener: HandshakeListener | None = None
         self.answers: LeaseAnswers | None = None  # prefill: the listener's lease answers
         self.loads: KVLoads | None = None  # decode: requests whose KV is read
+        self.pushes: KVPushes | None = None  # decode, push mode: reservations written into
+        self.pushing = PrefillPushes(self.workers)  # prefill: prompts pushed into them
         self._leases: dict[str, _Leased] = {}  # by lease id
         self._lease_of: dict[str, str] = {}  # request id -> lease id
         if role == "both":
             return  # a plain instance: nobody reads from it and it reads from nobody
         try:
             self._start_workers()
-            if role == "prefill":
-                self._start_listener(side_channel_port)
-            else:
-                self._start_loads()
+            engine.layer_hook = self.pushing.on_layer if role == "prefill" else None
+            if role == "prefill" or kv_transfer_mode == "push":  # prefills handshake a push's
+                self._start_listener(side_channel_port)      # decode
+            if role == "decode":
+                self._start_loads(kv_transfer_mode)
         except BaseException:
             self.close()
             raise
@@ -215,15 +226,19 @@ class KVConnector:
             for worker in self.workers:
                 worker.peer_connecting()
 
-        self.answers = LeaseAnswers(self.workers, ttl=self.lease_ttl, max_age=self.lease_max_age)
+        answers = {}
+        if self.role == "prefill":  # a decode's listener only serves its metadata
+            self.answers = LeaseAnswers(self.workers, ttl=self.lease_ttl,
+                                        max_age=self.lease_max_age)
+            answers = {"on_release": self.answers.on_release, "on_renew": self.answers.on_renew,
+                       "on_done": self.answers.on_done}
         self.listener = HandshakeListener(
             self.side_channel_host, port, engine_id=self.engine_id,
             compat=compat_info(self.engine),
             metadata=lambda: [w.metadata() for w in self.workers], hmac_key=self._key,
-            on_request=connecting, on_release=self.answers.on_release,
-            on_renew=self.answers.on_renew, on_done=self.answers.on_done).start()
+            on_request=connecting, **answers).start()
 
-    def _start_loads(self) -> None:
+    def _start_loads(self, mode: str) -> None:
         from kvxfer.transfer.lease_client import LeaseClient
         from kvxfer.transfer.side_channel.client import HandshakeClient
         from kvxfer.transfer.side_channel.release_sender import ReleaseSender
@@ -243,6 +258,11 @@ class KVConnector:
                              renewer, read_timeout=self.kv_read_timeout)
         self.loads = KVLoads(self.engine, self.workers, self.metrics, leases,
                              failure_policy=self.failure_policy)
+        if mode == "push" and self.listener is not None:
+            self.pushes = KVPushes(self.engine, self.workers, self.metrics,
+                                   engine_id=self.engine_id, host=self.advertise_host,
+                                   port=self.listener.port, key=self._key, ttl=self.lease_ttl,
+                                   failure_policy=self.failure_policy)
 
     @property
     def side_channel_port(self) -> int | None:
@@ -256,8 +276,9 @@ class KVConnector:
 
     @property
     def busy(self) -> bool:
-        """READs in flight: the loop should poll every millisecond or so."""
-        return self.loads is not None and self.loads.busy
+        """READs or pushes in flight: the loop should poll every millisecond or so."""
+        return (self.loads is not None and self.loads.busy) or \
+            (self.pushes is not None and self.pushes.busy)
 
     @property
     def claiming(self) -> bool:
@@ -294,7 +315,7 @@ class KVConnector:
 
     # -- prefill ----------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: list[int], num_prompt_tokens: int,
-             first: Logprob | None = None) -> dict[str, Any]:
+             first: Logprob | None = None, push: Reservation | None = None) -> dict[str, Any]:
         """Lease a finished ``hold_blocks`` request's blocks on every rank.
 
         Returns the ``kv_transfer_params`` of the answer. ``remote_block_ids``
@@ -304,8 +325,15 @@ class KVConnector:
         lease id (``remote_request_id``) is 128 random bits: unique, so a late or
         repeated "done" for an ended lease can never release a new one, and
         unguessable, so nobody can name a lease they were not handed. With a key,
-        ``lease_ticket`` signs what the params say (:mod:`kvxfer.wire.tickets`).
+        ``lease_ticket`` signs what the params say (:mod:`kvxfer.wire.tickets`). With
+        ``push`` (a decode's reservation), the blocks are WRITten into it instead: the
+        pushes lease them and end the lease; the params name the reservation.
         """
+        if push is not None:
+            lease_id = self.pushing.seal(request_id, block_ids)
+            self._add_lease(lease_id, _Leased(request_id, set(range(len(self.workers)))))
+            return {"do_remote_decode": False, "do_remote_prefill": True,
+                    RESERVATION_ID_KEY: push.reservation_id, **_first_token(first)}
         lease_id = secrets.token_urlsafe(16)
         expires_at = time.time() + self.lease_ttl  # before hold: never later than enforced
         holding: set[int] = set()
@@ -335,10 +363,7 @@ class KVConnector:
                   "tp_size": self.engine.tp, "lease_expires_at": claims.expires_at}
         if self._key is not None:
             params[TICKET_KEY] = sign_ticket(self._key, claims)
-        if first is not None:
-            params["first_token"] = {"id": first.token_id, "logprob": first.logprob,
-                                     "top": [list(pair) for pair in first.top]}
-        return params
+        return {**params, **_first_token(first)}
 
     def _add_lease(self, lease_id: str, lease: _Leased) -> None:
         self._leases[lease_id] = lease
@@ -351,6 +376,9 @@ class KVConnector:
         for rank, worker in enumerate(self.workers):
             for item in worker.poll_released():
                 lease = self._leases.get(item.request_id)  # a worker's id is the lease id
+                if lease is None and (self.pushing.ended_unheld(item.request_id) or (
+                        self.pushes is not None and self.pushes.released(rank, item))):
+                    continue
                 if lease is None:
                     log.warning("rank %d released unknown lease %s", rank, item.request_id)
                     continue
@@ -393,7 +421,9 @@ class KVConnector:
 
     def take_transfer_error(self, request_id: str) -> str | None:
         """The failure message if ``request_id`` ended because its KV read failed."""
-        return None if self.loads is None else self.loads.take_transfer_error(request_id)
+        pushed = None if self.pushes is None else self.pushes.take_transfer_error(request_id)
+        return pushed or (None if self.loads is None else
+                          self.loads.take_transfer_error(request_id))
 
     # -- both roles -------------------------------------------------------------------------
     def abort(self, request_id: str) -> AbortOutcome:
@@ -403,6 +433,8 @@ class KVConnector:
         caller forgets its siblings too. DEFERRED for it aborts the siblings still
         parked when the READ ends."""
         outcome = None if self.loads is None else self.loads.abort(request_id)
+        if outcome is None and self.pushes is not None:
+            outcome = self.pushes.abort(request_id)
         if outcome is not None:
             return outcome
         if self.end_unanswered(request_id):
@@ -458,6 +490,8 @@ class KVConnector:
         self._poll_leases(events)
         if self.loads is not None:
             self.loads.poll(events)
+        if self.pushes is not None:
+            self.pushes.poll()
         self._count_worker_events()
         self.metrics.leases_held.set(len(self._leases))
         return events
@@ -474,6 +508,14 @@ class KVConnector:
                     metric.labels(reason).inc(count)
             for (peer, path), moved in counts.paths.items():
                 m.count_path(peer, path, moved.num_bytes, moved.seconds, moved.ceiling)
+
+
+def _first_token(first: Logprob | None) -> dict[str, Any]:
+    """The ``first_token`` param of a prefill's answer (none without a first token)."""
+    if first is None:
+        return {}
+    return {"first_token": {"id": first.token_id, "logprob": first.logprob,
+                            "top": [list(pair) for pair in first.top]}}
 
 
 def _lease_end_reason(reasons: set[str]) -> str:

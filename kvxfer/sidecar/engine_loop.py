@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +39,12 @@ from kvxfer.sidecar.connector import AbortOutcome, ConnectorEvents, KVConnector
 from kvxfer.sidecar.kv_loads import first_logprob
 from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.wire.messages import ReleaseOutcome
+from kvxfer.wire.params import RemoteParams
+from kvxfer.wire.reservations import PushedParams
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams
-    from kvxfer.wire.params import RemoteParams
+    from kvxfer.wire.reservations import Reservation
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +116,10 @@ class Sibling:
 class Submission:
     """One choice of an HTTP request, ready for the engine.
 
-    ``hold``: prefill path (``hold_blocks``); ``remote``: decode path (read the
-    prompt's KV from a prefill instance). Neither: a plain request. ``siblings``
+    ``hold``: prefill path (``hold_blocks``), its blocks WRITten into a decode's
+    reservation when ``push`` names one; ``remote``: decode path (read the prompt's KV
+    from a prefill instance, or, push mode, wait for a prefill to write it into a
+    reservation). Neither: a plain request. ``siblings``
     (decode path only): the other ``n - 1`` samples of the prompt, which start from
     a copy of the KV this submission reads.
     """
@@ -124,8 +129,9 @@ class Submission:
     prompt: list[int]
     params: SamplingParams
     hold: bool = False
-    remote: RemoteParams | None = None
+    remote: RemoteParams | PushedParams | None = None
     siblings: tuple[Sibling, ...] = ()
+    push: Reservation | None = None
 
     def __post_init__(self) -> None:
         if self.siblings and self.remote is None:
@@ -138,6 +144,7 @@ class _Tracked:
     index: int
     hold: bool
     siblings: tuple[str, ...] = ()  # ids the connector forgets along with this one
+    push: Reservation | None = None  # a held request's blocks are pushed into it
 
 
 class EngineLoop:
@@ -234,15 +241,27 @@ class EngineLoop:
         sink.push(Event(sub.index, output))
         if not output.finished:
             return False
-        self.connector.release_remote(sub.remote, f"the prefill's first token ended the "
-                                                  f"request ({output.finish_reason})",
-                                      ReleaseOutcome.ANSWERED)
+        if isinstance(sub.remote, RemoteParams):
+            self.connector.release_remote(sub.remote, f"the prefill's first token ended the "
+                                                      f"request ({output.finish_reason})",
+                                          ReleaseOutcome.ANSWERED)
         self._release_id(sub.request_id)
         return True
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """The client left: abort these requests (a READ in flight finishes first)."""
         self._command("abort", list(request_ids))
+
+    def reserve(self, num_tokens: int) -> Future[Reservation]:
+        """Push mode, decode: blocks for a prompt of ``num_tokens`` tokens, reserved on the
+        loop's thread (:meth:`KVPushes.reserve`); the future fails with NoFreeBlocks, a
+        ValueError (this decode takes no pushes) or EngineStopped."""
+        future: Future[Reservation] = Future()
+        with self._submit_lock:
+            if self._closed or not self.running:
+                raise EngineStopped(self.error or "the engine loop is not running")
+            self._command("reserve", (num_tokens, future))
+        return future
 
     def _command(self, kind: str, payload: Any) -> None:
         self._commands.put((kind, payload))
@@ -285,12 +304,14 @@ class EngineLoop:
                 for sub in submissions:
                     self._track(sub, sink)
                     self._release_unadmitted(sub)
+            elif kind == "reserve":
+                payload[1].set_exception(EngineStopped(failure.message))
         self._fail_all(failure)
 
     def _release_unadmitted(self, sub: Submission) -> None:
         """A decode submission that never reached the connector: its lease would wait
         for its TTL, so tell the prefill now (the connector still sends at this point)."""
-        if sub.remote is not None:
+        if isinstance(sub.remote, RemoteParams):
             self.connector.release_remote(sub.remote, "the decode instance shut down before "
                                                       "admitting the request")
 
@@ -313,13 +334,26 @@ class EngineLoop:
                 submissions, sink = payload
                 for submission in submissions:
                     self._add(submission, sink)
+            elif kind == "reserve":
+                self._reserve(*payload)
             else:
                 for request_id in payload:
                     self._abort(request_id)
 
+    def _reserve(self, num_tokens: int, future: Future[Reservation]) -> None:
+        pushes = self.connector.pushes
+        try:
+            if pushes is None:
+                raise ValueError("this instance takes no pushes: start a decode with "
+                                 "--kv-transfer-mode push")
+            future.set_result(pushes.reserve(num_tokens))
+        except Exception as exc:  # answered to the caller, whatever it was
+            future.set_exception(exc)
+
     def _track(self, sub: Submission, sink: Sink) -> None:
         self._tracked[sub.request_id] = _Tracked(sink, sub.index, sub.hold,
-                                                 tuple(s.request_id for s in sub.siblings))
+                                                 tuple(s.request_id for s in sub.siblings),
+                                                 sub.push)
         for sibling in sub.siblings:
             self._tracked[sibling.request_id] = _Tracked(sink, sibling.index, False)
 
@@ -327,12 +361,20 @@ class EngineLoop:
         self._track(sub, sink)
         group = [sub.request_id, *(s.request_id for s in sub.siblings)]
         try:
-            if sub.remote is not None:
+            if isinstance(sub.remote, PushedParams):
+                if self.connector.pushes is None:
+                    raise ValueError("kv_transfer_params.kv_reservation_id: this decode takes "
+                                     "no pushes (start it with --kv-transfer-mode push)")
+                self.connector.pushes.add(sub.request_id, sub.prompt, sub.params,
+                                          sub.remote.kv_reservation_id, first_logprob(sub.remote))
+            elif sub.remote is not None:
                 self.connector.add_remote(sub.request_id, sub.prompt, sub.params, sub.remote,
                                           [(s.request_id, s.params) for s in sub.siblings])
             else:
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params,
                                         hold_blocks=sub.hold)
+                if sub.push is not None:
+                    self.connector.pushing.expect(sub.request_id, sub.push)
         except ValueError as exc:
             for request_id in group:
                 self._end(request_id, Failure(400, str(exc), "invalid_request_error"))
@@ -391,6 +433,8 @@ class EngineLoop:
         request_id = output.request_id
         del self._tracked[request_id]
         if output.finish_reason == "error":
+            if tracked.push is not None:
+                self.connector.pushing.give_up(request_id)
             transfer = self.connector.take_transfer_error(request_id)
             failure = Failure(502, transfer, "kv_transfer_error") if transfer is not None \
                 else Failure(500, output.error or "the request failed", "internal_error")
@@ -398,13 +442,15 @@ class EngineLoop:
             tracked.sink.push(Event(tracked.index, failure=failure))
             return
         params = None
+        if tracked.push is not None and output.finish_reason not in ("stop", "length"):
+            self.connector.pushing.give_up(request_id)
         if tracked.hold and output.finish_reason in ("stop", "length"):
             try:
                 # the first token, when it is the only one (a decode continues from it)
                 first = output.logprobs[0] if len(output.token_ids) == 1 \
                     and len(output.logprobs) == 1 else None
                 params = self.connector.hold(request_id, output.block_ids,
-                                             output.num_prompt_tokens, first)
+                                             output.num_prompt_tokens, first, tracked.push)
             except Exception as exc:
                 log.exception("leasing the blocks of request %s failed", request_id)
                 if not self.connector.is_leased(request_id):

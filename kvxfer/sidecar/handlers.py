@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-RELEASE = "/v1/kv/release"
-ROUTES = (COMPLETIONS, CHAT, RELEASE, "/v1/models", "/health", "/metrics")
+RELEASE, RESERVE = "/v1/kv/release", "/v1/kv/reserve"
+ROUTES = (COMPLETIONS, CHAT, RELEASE, RESERVE, "/v1/models", "/health", "/metrics")
 MAX_REQUEST_ID_CHARS = 200
 
 
@@ -164,6 +164,40 @@ class Handlers:
             raise OpenAIError(400, str(exc)) from None
         return json_response({"released": released})
 
+    async def reserve(self, request: Request) -> Response:
+        """Push mode, decode: reserve blocks for the prompt of a completion or chat request
+        (``{"endpoint": path, "body": request}``, tokenized as that route would) and answer
+        ``{"kv_reservation": ...}``, the signed reservation a prefill writes its KV into;
+        the generation request names it (``kv_transfer_params.kv_reservation_id``). 503
+        when the blocks are not free (nothing is held then)."""
+        from kvxfer.engine import NoFreeBlocks
+
+        if self.side.draining:
+            return self._refuse_draining()
+        raw = await request.body()
+        try:
+            asked = msgspec.json.decode(raw, type=_ReserveBody)
+            body = msgspec.json.encode(asked.body)
+            prepared = prepare_chat(decode_body(body, ChatRequest), self.side.info) \
+                if asked.endpoint == CHAT else \
+                prepare_completion(decode_body(body, CompletionRequest), self.side.info)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            raise OpenAIError(400, f"cannot reserve: {exc}") from None
+        if len(prepared.prompts) != 1 or prepared.n != 1:
+            raise OpenAIError(400, "a reservation holds one prompt's KV for one choice: send "
+                                   "one prompt, n 1", param="body")
+        try:
+            future = self.side.loop.reserve(len(prepared.prompts[0]))
+            reservation = await asyncio.wrap_future(future)
+        except EngineStopped as exc:
+            return error_response(OpenAIError(503, str(exc), "service_unavailable"))
+        except NoFreeBlocks as exc:
+            return error_response(OpenAIError(503, f"no free KV blocks to reserve: {exc}",
+                                              "service_unavailable"))
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from None
+        return json_response({"kv_reservation": msgspec.to_builtins(reservation)})
+
     def _refuse_draining(self) -> Response:
         """503 for a new request while draining; the header tells a proxy that nothing
         was started (a decode left the lease alone), so another instance may take it."""
@@ -230,6 +264,11 @@ class _ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     kv_transfer_params: dict[str, object]
 
 
+class _ReserveBody(msgspec.Struct, forbid_unknown_fields=True):
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    body: dict[str, object]
+
+
 def _submissions(prepared: Prepared, ids: list[str]) -> list[Submission]:
     """One submission per choice (``ids[k]`` is choice ``k``); a decode request's ``n``
     samples are one submission whose siblings start from its single KV read."""
@@ -238,8 +277,8 @@ def _submissions(prepared: Prepared, ids: list[str]) -> list[Submission]:
         siblings = tuple(Sibling(ids[k], k, params(k)) for k in range(1, len(ids)))
         return [Submission(ids[0], 0, prepared.prompts[0], params(0), remote=prepared.remote,
                            siblings=siblings)]
-    return [Submission(rid, k, prepared.prompts[k // prepared.n], params(k), hold=prepared.hold)
-            for k, rid in enumerate(ids)]
+    return [Submission(rid, k, prepared.prompts[k // prepared.n], params(k), hold=prepared.hold,
+                       push=prepared.push) for k, rid in enumerate(ids)]
 
 
 def _request_id(request: Request) -> str:

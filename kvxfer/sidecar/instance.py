@@ -67,7 +67,8 @@ class Sidecar:
             lease_max_age=settings.lease_max_age,
             failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
             nixl_backends=settings.nixl_backends, kv_read_timeout=settings.kv_read_timeout,
-            kv_heartbeat_timeout=settings.kv_heartbeat_timeout, host_reads=settings.host_reads)
+            kv_heartbeat_timeout=settings.kv_heartbeat_timeout, host_reads=settings.host_reads,
+            kv_transfer_mode=settings.kv_transfer_mode)
         self.loop = EngineLoop(self.engine, self.connector, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,

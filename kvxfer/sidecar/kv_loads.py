@@ -84,6 +84,7 @@ if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.transfer.results import PollResult, ReadStats
     from kvxfer.transfer.worker import TransferWorker
     from kvxfer.wire.params import RemoteParams
+    from kvxfer.wire.reservations import PushedParams
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class _Reading:
     unnotified: dict[int, str] = field(default_factory=dict)
 
 
-def first_logprob(remote: RemoteParams | None) -> Logprob | None:
+def first_logprob(remote: RemoteParams | PushedParams | None) -> Logprob | None:
     """The first token ``remote``'s prefill sampled (``first_token``), as the engine takes
     it; None when the params bring none (vLLM's prefills, ``n > 1``): then the decode
     samples it from the last prompt token, which it computes again."""

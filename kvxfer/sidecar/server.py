@@ -58,6 +58,7 @@ from kvxfer.sidecar.handlers import (
     CHAT,
     COMPLETIONS,
     RELEASE,
+    RESERVE,
     CountRequests,
     Handlers,
     install_error_handlers,
@@ -101,6 +102,7 @@ def create_app(settings: Settings, sidecar: Sidecar | None = None) -> FastAPI:
     app.add_api_route(COMPLETIONS, handlers.completions, methods=["POST"])
     app.add_api_route(CHAT, handlers.chat, methods=["POST"])
     app.add_api_route(RELEASE, handlers.release, methods=["POST"])
+    app.add_api_route(RESERVE, handlers.reserve, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/health", handlers.health, methods=["GET"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])

@@ -39,6 +39,9 @@ class Settings:
     # decode: a READ in flight from a prefill whose side channel answered no heartbeat for
     # this long fails (0: no heartbeats); see --kv-heartbeat-timeout
     kv_heartbeat_timeout: float = 2.0
+    # decode: "push" also takes reservations that prefills WRITE into (kv_pushes.py), and
+    # serves its metadata on the side channel for them
+    kv_transfer_mode: str = "pull"
     # the address peers reach this instance at; None: the bind host (never a wildcard)
     advertise_host: str | None = None
     drain_timeout: float = 30.0  # after SIGTERM: longest wait for in-flight work and leases

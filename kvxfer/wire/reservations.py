@@ -30,10 +30,14 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from kvxfer.wire.params import FirstToken
 from kvxfer.wire.tickets import TicketError, mac_text, verify_mac
 
 RESERVATION_KEY = "kv_reservation"
 """The ``kv_transfer_params`` key that carries a reservation to the prefill."""
+
+RESERVATION_ID_KEY = "kv_reservation_id"
+"""The ``kv_transfer_params`` key that names the reservation a decode request uses."""
 
 PUSH_GRACE_S = 10.0
 """Seconds a decode keeps an unfinished reservation's blocks past its deadline."""
@@ -119,3 +123,20 @@ def parse_reservation(value: object) -> Reservation:
         return msgspec.convert(value, Reservation, strict=True)
     except msgspec.ValidationError as exc:
         raise ReservationError(f"kv_reservation: {exc}") from exc
+
+
+class PushedParams(msgspec.Struct, frozen=True):
+    """A decode request's ``kv_transfer_params`` in push mode: the reservation its
+    prompt's KV is written into (``kv_reservation_id``) and the prefill's first token, as
+    :class:`~kvxfer.wire.params.RemoteParams` brings it in pull mode. Other keys are
+    ignored (a request carries ``do_remote_prefill`` beside them)."""
+
+    kv_reservation_id: _Name
+    first_token: FirstToken | None = None
+
+    @classmethod
+    def parse(cls, kv: object) -> PushedParams:
+        try:
+            return msgspec.convert(kv, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise ReservationError(f"kv_transfer_params: {exc}") from exc

@@ -4,25 +4,31 @@ lease a refused decode request names."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
 from kvxfer.sidecar.openai_api.errors import bad_request
 from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.openai_api.request_bodies import CommonFields, is_int
+from kvxfer.wire.reservations import RESERVATION_ID_KEY, RESERVATION_KEY
 
 if TYPE_CHECKING:
     from kvxfer.engine import SamplingParams
     from kvxfer.wire.params import RemoteParams
+    from kvxfer.wire.reservations import PushedParams, Reservation
 
 
 def kv_intent(req: CommonFields, prompts: list[list[int]], params: SamplingParams,
-              info: ModelInfo) -> tuple[bool, RemoteParams | None]:
-    """(hold the blocks, read the KV from) for this request on this role."""
+              info: ModelInfo
+              ) -> tuple[bool, RemoteParams | PushedParams | None, Reservation | None]:
+    """(hold the blocks, where the KV comes from, the reservation the held blocks are
+    pushed into) for this request on this role. The KV comes from a prefill's lease
+    (:class:`RemoteParams`) or, push mode, is written into a reservation of this decode
+    (:class:`PushedParams`)."""
     kv = req.kv_transfer_params
     if kv is None:
-        return False, None
+        return False, None, None
     for key in ("do_remote_decode", "do_remote_prefill"):
         if kv.get(key) is not None and not isinstance(kv[key], bool):
             raise bad_request(f"kv_transfer_params.{key} must be true or false, got "
@@ -36,17 +42,45 @@ def kv_intent(req: CommonFields, prompts: list[list[int]], params: SamplingParam
             raise bad_request(f"a prefill request (kv_transfer_params.do_remote_decode) "
                               f"computes the prompt once: n must be 1, got {req.n}; the "
                               f"decode samples the n choices", "n")
-        return True, None
+        return True, None, _reservation(kv)
     if info.role == "decode" and kv.get("do_remote_prefill") is True:
         _one_prompt(prompts)
+        if RESERVATION_ID_KEY in kv:
+            if req.n is not None and req.n != 1:
+                raise bad_request(f"a pushed prompt's KV serves one choice: n must be 1, got "
+                                  f"{req.n}", "n")
+            return False, _first_token(_pushed(kv), 1, params, info), None
         _check_siblings_fit(req.n or 1, len(prompts[0]), info)
         remote = _remote_params(kv, len(prompts[0]), info.block_size)
-        return False, _first_token(remote, req.n or 1, params, info)
-    return False, None
+        return False, _first_token(remote, req.n or 1, params, info), None
+    return False, None, None
 
 
-def _first_token(remote: RemoteParams, n: int, params: SamplingParams,
-                 info: ModelInfo) -> RemoteParams:
+def _reservation(kv: dict[str, Any]) -> Reservation | None:
+    """The decode reservation a prefill request's KV is pushed into, if it names one."""
+    from kvxfer.wire.reservations import ReservationError, parse_reservation
+
+    if kv.get(RESERVATION_KEY) is None:
+        return None
+    try:
+        return parse_reservation(kv[RESERVATION_KEY])
+    except ReservationError as exc:
+        raise bad_request(str(exc), "kv_transfer_params") from None
+
+
+def _pushed(kv: dict[str, Any]) -> PushedParams:
+    from kvxfer.wire.reservations import PushedParams, ReservationError
+
+    try:
+        return PushedParams.parse(kv)
+    except ReservationError as exc:
+        raise bad_request(str(exc), "kv_transfer_params") from None
+
+
+P = TypeVar("P", "RemoteParams", "PushedParams")
+
+
+def _first_token(remote: P, n: int, params: SamplingParams, info: ModelInfo) -> P:
     """``remote`` with the prefill's first token when this decode continues from it:
     dropped for ``n > 1`` (the prefill sampled one choice; the decode samples all ``n``,
     each from the last prompt token); a 400 for ids outside the vocabulary, or a number

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvxfer.engine import SamplingParams, Tokenizer
     from kvxfer.wire.params import RemoteParams
+    from kvxfer.wire.reservations import PushedParams, Reservation
 
 SEED_LIMIT = 2**63
 
@@ -44,9 +45,10 @@ class Prepared:
     chat: bool
     logprobs: bool
     hold: bool = False
-    remote: RemoteParams | None = None
+    remote: RemoteParams | PushedParams | None = None
     n: int = 1
     echo: list[str] | None = None
+    push: Reservation | None = None  # a held prompt's KV is WRITten into this reservation
 
     @property
     def num_choices(self) -> int:

@@ -220,6 +220,8 @@ class Pusher:
                 return
             raise PushFailed(f"the connection to decode {push.engine} ended (another push "
                              f"into it failed)")
+        if target.refused is not None:
+            raise PushFailed(f"decode {push.engine} at {target.address}: {target.refused}")
         if not self._leases.holds(push.lease_id):
             raise PushFailed("its lease ended before the push finished (its blocks may be "
                              "another request's now)")
@@ -236,7 +238,7 @@ class Pusher:
             if landed and push.sealed and rank not in push.told:
                 release_transfers(transfers, push.lease_id)
                 self._tell(push, target, rank)
-        if push.sealed and push.told >= set(target.plans) and \
+        if push.sealed and push.told >= set(target.writers) and \
                 all(_settled(ts) for ts in push.inflight.values()):
             self._end(push, "done")
 
@@ -264,7 +266,7 @@ class Pusher:
         there was one (delivered after its bytes), else, and for ``ok=False``, as a bare
         notification."""
         done = encode_notif(ReadDone(push.reservation.reservation_id, self._local.engine_id,
-                                     self._local.rank, target.plans[rank].writers, ok),
+                                     self._local.rank, target.writers[rank], ok),
                             self._local.key)
         push.told.add(rank)
         rows = push.last_rows.get(rank)
@@ -293,7 +295,7 @@ class Pusher:
                 self._targets.shaking(push.engine):
             return  # (a decode still handshaking is told once connected)
         target = self._targets.get(push.engine)
-        for rank in target.plans if target is not None else ():
+        for rank in target.writers if target is not None else ():
             try:
                 self._tell(push, target, rank, ok=False)
             except Exception as exc:  # the decode frees at its deadline then
@@ -308,7 +310,7 @@ class Pusher:
             log.warning("push of request %s into decode %s cut off: %s", push.lease_id,
                         push.engine, reason)
         target = self._targets.get(push.engine)
-        for rank in target.plans if target is not None else ():
+        for rank in target.writers if target is not None else ():
             if _settled(push.inflight.get(rank, [])):
                 try:
                     self._tell(push, target, rank, ok=False)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvxfer.plan.descriptors import SideGeometry
-from kvxfer.plan.pushes import PushPlan, plan_pushes
+from kvxfer.plan.descriptors import IncompatibleLayoutError, SideGeometry
+from kvxfer.plan.pushes import PushPlan, plan_pushes, push_targets
 from kvxfer.transfer.handshakes import Handshakes, fetch_ranks
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
 from kvxfer.transfer.results import TransferError
@@ -28,16 +28,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Shaken:
-    """A decode's checked metadata and this rank's push plans, before NIXL connects."""
+    """A decode's checked metadata and this rank's push plans, before NIXL connects;
+    ``writers``: the decode ranks it writes into, each with its count of writers;
+    ``refused``: why byte copies cannot place its heads there (no plans then)."""
 
     metas: dict[int, AgentMetadata]
     plans: list[PushPlan]
+    writers: dict[int, int]
+    refused: str | None = None
 
 
 @dataclass
 class Target:
-    """A handshaken decode engine as this prefill rank writes into it: a plan, an agent
-    and a memory kind per decode rank it writes into (none: it holds no head they read)."""
+    """A handshaken decode engine as this prefill rank writes into it: a plan, an agent,
+    a memory kind and a count of writers per decode rank it writes into (none: it holds
+    no head they read). ``refused``: why nothing can be pushed into it (its ranks are
+    connected all the same, to be told so)."""
 
     engine_id: str
     address: str
@@ -45,6 +51,8 @@ class Target:
     plans: dict[int, PushPlan] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)
     cuda: dict[int, bool] = field(default_factory=dict)
+    writers: dict[int, int] = field(default_factory=dict)
+    refused: str | None = None
 
 
 class Targets:
@@ -118,25 +126,32 @@ class Targets:
         geometries = {rank: SideGeometry.from_plan(meta.plan, meta.kv_packing)
                       for rank, meta in metas.items()}
         sizes = {meta.block_size for meta in metas.values()}
-        if sizes != {reservation.block_size}:
-            raise TransferError(f"its reservation counts {reservation.block_size}-token blocks "
-                                f"but the decode's cache has {', '.join(map(str, sizes))}-token "
-                                f"blocks")
-        plans = plan_pushes(local.rank, local.geometry, geometries, writer_tp=local.tp_size,
-                            target_tp=reservation.tp_size, total_kv_heads=self.total_kv_heads)
-        return _Shaken(metas, plans)
+        shape = {"writer_tp": local.tp_size, "target_tp": reservation.tp_size,
+                 "total_kv_heads": self.total_kv_heads}
+        writers = {rank: count for rank, (_, count)
+                   in push_targets(local.rank, **shape).items()}
+        try:
+            if sizes != {reservation.block_size}:
+                raise IncompatibleLayoutError(
+                    f"its reservation counts {reservation.block_size}-token blocks but the "
+                    f"decode's cache has {', '.join(map(str, sizes))}-token blocks")
+            plans = plan_pushes(local.rank, local.geometry, geometries, **shape)
+        except IncompatibleLayoutError as exc:  # the decode is told, then it fails
+            return _Shaken(metas, [], writers, str(exc))
+        return _Shaken(metas, plans, writers)
 
     # -- worker thread: NIXL ----------------------------------------------------------------
     def _connect(self, reservation: Reservation, shaken: _Shaken) -> Target:
         local = self._local
-        target = Target(reservation.engine_id, reservation.address, reservation.tp_size)
+        target = Target(reservation.engine_id, reservation.address, reservation.tp_size,
+                        {plan.target_rank: plan for plan in shaken.plans},
+                        writers=shaken.writers, refused=shaken.refused)
         try:
-            for plan in shaken.plans:
-                rank, meta = plan.target_rank, shaken.metas[plan.target_rank]
+            for rank in shaken.writers:
+                meta = shaken.metas[rank]
                 target.cuda[rank] = memory_kind(meta.plan.memory, f"decode rank {rank}")
                 target.agents[rank] = local.agent.add_remote(meta.agent_blob)
                 local.agent.connect(target.agents[rank], probe=meta.plan.memory[0])
-                target.plans[rank] = plan
         except Exception as exc:
             for name in target.agents.values():
                 self._local.agent.drop_remote(name)

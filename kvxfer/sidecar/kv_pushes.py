@@ -1,0 +1,191 @@
+"""``KVPushes``: a decode instance's reservations, blocks a prefill WRITEs a prompt's KV into.
+
+Push mode, the decode's side. Owned by the decode's
+:class:`~kvxfer.sidecar.connector.KVConnector`, which calls every method from the engine
+loop's thread. Who calls what:
+
+* :meth:`KVPushes.reserve` (``POST /v1/kv/reserve``): blocks for a prompt of
+  ``num_tokens`` tokens, taken from the engine (:meth:`LLMEngine.reserve_blocks`) and held
+  on every rank as a lease of the rank's own blocks under a fresh, unguessable
+  reservation id, until every prefill rank writing into it said "done", or its deadline
+  plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S`; the answer is the
+  :class:`~kvxfer.wire.reservations.Reservation`, signed with the key, that the proxy hands
+  the prefill.
+* :meth:`KVPushes.add`: the generation request naming the reservation: the engine parks it
+  in the reserved blocks (``add_request(..., remote_kv=True, blocks=...)``; it owns them
+  from then on), with the prefill's first token when it came. A reservation is used
+  once, by a prompt of its token count.
+* :meth:`KVPushes.released`: a rank's lease of a reservation ended. Once every rank's
+  did: "done" on all of them is the KV in place, the request runs
+  (``finish_kv_load(ok=True)``); anything else ("failed": a writer gave up, "expired")
+  recomputes the prompt or fails the request, by the failure policy.
+* :meth:`KVPushes.poll`: a reservation whose request never came gives its blocks back
+  once its deadline and the grace passed and every rank's lease ended.
+* :meth:`KVPushes.abort`: a request whose reservation is still being written into is
+  aborted only once its lease ended on every rank (a WRITE may land until then).
+
+Invariant: a reserved block is never freed or reused while a rank's lease of its
+reservation is held.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvxfer.sidecar.connector_events import AbortOutcome
+from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation
+
+if TYPE_CHECKING:
+    from kvxfer.engine import LLMEngine, Logprob, SamplingParams
+    from kvxfer.sidecar.metrics import SidecarMetrics
+    from kvxfer.transfer.results import Released
+    from kvxfer.transfer.worker import TransferWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Reserved:
+    """One reservation: its blocks, which ranks still hold it, and the request using it."""
+
+    reservation: Reservation
+    ranks_left: set[int]
+    reasons: set[str] = field(default_factory=set)
+    request_id: str | None = None  # the generation request that adopted the blocks
+    aborted: bool = False
+
+    @property
+    def landed(self) -> bool:
+        return not self.ranks_left and self.reasons == {"done"}
+
+
+class KVPushes:
+    """See the module docstring. ``ttl``: seconds a reservation is valid."""
+
+    def __init__(self, engine: LLMEngine, workers: list[TransferWorker],
+                 metrics: SidecarMetrics, *, engine_id: str, host: str, port: int,
+                 key: bytes | None, ttl: float, failure_policy: str) -> None:
+        self.engine, self.workers, self.metrics = engine, workers, metrics
+        self.engine_id, self.host, self.port, self._key = engine_id, host, port, key
+        self.ttl, self.failure_policy = ttl, failure_policy
+        self._reserved: dict[str, _Reserved] = {}
+        self._transfer_errors: dict[str, str] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Reservations a prefill may be writing into."""
+        return any(r.ranks_left for r in self._reserved.values())
+
+    def holds(self, reservation_id: str) -> bool:
+        return reservation_id in self._reserved
+
+    def reserve(self, num_tokens: int) -> Reservation:
+        """Blocks for a prompt of ``num_tokens`` tokens, held for a push (NoFreeBlocks when
+        they are not free: nothing is held then)."""
+        size = self.engine.block_size
+        blocks = self.engine.reserve_blocks(-(-num_tokens // size))
+        reservation_id = f"resv-{secrets.token_urlsafe(16)}"
+        expires_at = time.time() + self.ttl
+        held: set[int] = set()
+        try:
+            for rank, worker in enumerate(self.workers):
+                worker.hold(reservation_id, blocks, readers=None, ttl=self.ttl + PUSH_GRACE_S)
+                held.add(rank)
+        except Exception:
+            for rank in held:
+                self.workers[rank].end_lease(reservation_id, "abandoned")
+            if not held:
+                self.engine.free_blocks(blocks)
+            raise
+        reservation = Reservation(reservation_id, self.engine_id, self.host, self.port,
+                                  self.engine.tp, tuple(blocks), size, num_tokens,
+                                  expires_at).signed(self._key)
+        self._reserved[reservation_id] = _Reserved(reservation, held)
+        return reservation
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+            reservation_id: str, first: Logprob | None) -> None:
+        """Park generation request ``request_id`` in reservation ``reservation_id``'s
+        blocks; ValueError (a 400) for a reservation this decode does not hold, one used
+        already, or one for another number of tokens."""
+        reserved = self._reserved.get(reservation_id)
+        if reserved is None:
+            raise ValueError(f"kv_transfer_params.kv_reservation_id {reservation_id!r} names "
+                             f"no reservation of this decode (never made, or ended unused)")
+        if reserved.request_id is not None:
+            raise ValueError(f"kv_reservation {reservation_id} is used by another request")
+        if reserved.reservation.num_tokens != len(prompt):
+            raise ValueError(f"kv_reservation {reservation_id} holds "
+                             f"{reserved.reservation.num_tokens} tokens but the prompt has "
+                             f"{len(prompt)}")
+        self.engine.add_request(request_id, prompt, params, remote_kv=True, first=first,
+                                blocks=reserved.reservation.block_ids)
+        reserved.request_id = request_id
+        if not reserved.ranks_left:
+            self._resolve(reservation_id)
+
+    def released(self, rank: int, item: Released) -> bool:
+        """A rank's lease ended; False when ``item`` is no reservation of this decode."""
+        reserved = self._reserved.get(item.request_id)
+        if reserved is None:
+            return False
+        reserved.ranks_left.discard(rank)
+        reserved.reasons.add(item.reason)
+        if not reserved.ranks_left and reserved.request_id is not None:
+            self._resolve(item.request_id)
+        return True
+
+    def poll(self) -> None:
+        """Give back the blocks of reservations no request came for, once over."""
+        now = time.time()
+        for reservation_id, reserved in list(self._reserved.items()):
+            if reserved.request_id is None and not reserved.ranks_left and \
+                    now >= reserved.reservation.expires_at + PUSH_GRACE_S:
+                del self._reserved[reservation_id]
+                self.engine.free_blocks(reserved.reservation.block_ids)
+                log.info("reservation %s ended unused (%s)", reservation_id,
+                         ", ".join(sorted(reserved.reasons)))
+
+    def _resolve(self, reservation_id: str) -> None:
+        """Every rank's lease of an adopted reservation ended: run its request, or
+        recompute or fail it."""
+        reserved = self._reserved.pop(reservation_id)
+        request_id = reserved.request_id
+        assert request_id is not None
+        if reserved.aborted:
+            self.metrics.transfers.labels("aborted").inc()
+            self.engine.abort(request_id)
+        elif reserved.landed:
+            self.metrics.transfers.labels("ok").inc()
+            self.engine.finish_kv_load(request_id, ok=True)
+        else:
+            self.metrics.transfers.labels("failed").inc()
+            self.metrics.transfer_failures.inc()
+            why = (f"the push into reservation {reservation_id} ended "
+                   f"{', '.join(sorted(reserved.reasons))}")
+            if self.failure_policy == "recompute":
+                log.warning("request %s: %s; recomputing its prompt", request_id, why)
+                self.metrics.recomputes.inc()
+                self.engine.finish_kv_load(request_id, ok=False, recompute=True)
+            else:
+                self._transfer_errors[request_id] = f"KV push failed: {why}"
+                self.engine.finish_kv_load(request_id, ok=False, recompute=False, reason=why)
+
+    def take_transfer_error(self, request_id: str) -> str | None:
+        return self._transfer_errors.pop(request_id, None)
+
+    def abort(self, request_id: str) -> AbortOutcome | None:
+        """Defer the abort of a request whose reservation is still held; None when
+        ``request_id`` uses no reservation still held (the engine aborts it)."""
+        for reserved in self._reserved.values():
+            if reserved.request_id == request_id:
+                reserved.aborted = True
+                return AbortOutcome.DEFERRED
+        return None
+
+    def close(self) -> None:
+        self._reserved.clear()

@@ -1,0 +1,133 @@
+"""Push mode between real sidecars: the decode reserves, the prefill WRITEs, the decode
+answers as one instance does.
+
+The test drives the pair as a proxy would: ``POST /v1/kv/reserve`` on the decode (started
+with ``--kv-transfer-mode push``), the prefill request with the reservation in its
+``kv_transfer_params``, then the decode request naming the reservation and the prefill's
+first token. Every answer is checked against a single instance (``both``), and both
+sidecars end with every block free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, prefill_body, start_proxies
+from test_first_token import streamed
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MODEL = "kvxfer-tiny"
+GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+SEEDED: dict[str, Any] = {"model": MODEL, "temperature": 1.0, "seed": 7, "ignore_eos": True,
+                          "logprobs": 2}
+
+
+@dataclass(frozen=True)
+class Trio:
+    both: Sidecar
+    prefill: Sidecar
+    decode: Sidecar
+    proxy: ProxyProcess  # --kv-transfer-mode push in front of prefill and decode
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+    log_dir = tmp_path_factory.mktemp("push")
+    with SidecarGroup(log_dir) as group:
+        both, prefill, decode = group.start([
+            Spec("both"), Spec("prefill", layout="BLHNC"),
+            Spec("decode", policy="fail", extra=("--kv-transfer-mode", "push"))])
+        proxy = ProxyProcess(log_dir, [prefill], [decode], ("--health-interval", "3600",
+                                                            "--kv-transfer-mode", "push"))
+        try:
+            start_proxies([proxy])
+            yield Trio(both, prefill, decode, proxy)
+        finally:
+            proxy.stop()
+
+
+def idle(health: dict[str, Any]) -> bool:
+    return bool(health["used_blocks"] == 0 and health["leases"] == 0
+                and health["requests_in_flight"] == 0)
+
+
+def reserve(decode: Sidecar, path: str, body: dict[str, Any]) -> httpx.Response:
+    return decode.post("/v1/kv/reserve", {"endpoint": path, "body": body})
+
+
+def pushed(trio: Trio, path: str, body: dict[str, Any]) -> httpx.Response:
+    """One request through push mode, as the proxy sends it."""
+    reserved = reserve(trio.decode, path, body)
+    assert reserved.status_code == 200, reserved.text
+    reservation = reserved.json()["kv_reservation"]
+    first = trio.prefill.post(path, {**prefill_body(body), "kv_transfer_params": {
+        "do_remote_decode": True, "kv_reservation": reservation}})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    assert params["kv_reservation_id"] == reservation["reservation_id"]
+    return trio.decode.post(path, {**body, "kv_transfer_params": params})
+
+
+def choice(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    return dict(response.json()["choices"][0])
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (COMPLETIONS, {**GREEDY, "prompt": "The quick brown fox jumps over the lazy dog " * 3,
+                   "max_tokens": 8}),
+    (COMPLETIONS, {**SEEDED, "prompt": "A seeded story begins", "max_tokens": 6}),
+    (CHAT, {**GREEDY, "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+            "max_tokens": 5}),
+])
+def test_a_pushed_prompt_answers_as_one_instance(trio: Trio, path: str,
+                                                 body: dict[str, Any]) -> None:
+    want = choice(trio.both.post(path, body))
+    got = choice(pushed(trio, path, body))
+    assert got == want
+    for side in (trio.prefill, trio.decode):
+        side.wait_for("every block free", idle)
+    assert trio.decode.metric("kvxfer_kv_transfers_total", outcome="ok") >= 1
+
+
+def test_a_reservation_names_one_prompt_and_is_used_once(trio: Trio) -> None:
+    body = {**GREEDY, "prompt": "Used once", "max_tokens": 3}
+    reservation = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
+    first = trio.prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
+        "do_remote_decode": True, "kv_reservation": reservation}})
+    params = first.json()["kv_transfer_params"]
+    other = trio.decode.post(COMPLETIONS, {**body, "prompt": "Another prompt, longer than it",
+                                           "kv_transfer_params": params})
+    assert other.status_code == 400 and "holds" in other.text
+    assert choice(trio.decode.post(COMPLETIONS, {**body, "kv_transfer_params": params})) == \
+        choice(trio.both.post(COMPLETIONS, body))
+    again = trio.decode.post(COMPLETIONS, {**body, "kv_transfer_params": params})
+    assert again.status_code == 400 and "no reservation" in again.text
+    trio.decode.wait_for("every block free", idle)
+
+
+def test_reserving_is_refused_by_a_pull_decode_and_for_bad_bodies(trio: Trio) -> None:
+    body = {**GREEDY, "prompt": "x", "max_tokens": 2}
+    assert trio.prefill.post("/v1/kv/reserve", {"endpoint": COMPLETIONS, "body": body}
+                             ).status_code == 400
+    assert reserve(trio.decode, "/v1/embeddings", body).status_code == 400
+    assert reserve(trio.decode, COMPLETIONS, {**body, "n": 2}).status_code == 400
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_proxy_in_push_mode_answers_as_one_instance(trio: Trio, stream: bool) -> None:
+    """The proxy reserves at the decode, has the prefill write into the reservation and
+    relays the decode's answer, streamed or whole: the same tokens and log-probabilities
+    as one instance."""
+    body = {**SEEDED, "prompt": "Through the proxy, pushed", "max_tokens": 7, "stream": stream}
+    want, got = trio.both.post(COMPLETIONS, body), trio.proxy.post(COMPLETIONS, body)
+    if stream:
+        assert streamed(got) == streamed(want)
+    else:
+        assert choice(got) == choice(want)
+    for side in (trio.prefill, trio.decode):
+        side.wait_for("every block free", idle)
