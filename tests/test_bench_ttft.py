@@ -75,8 +75,9 @@ def test_the_table_and_verdict_lines_from_fixed_inputs() -> None:
     assert r["lengths"][0]["vs_one"]["pd"]["ratios"]["ttft_p50"] == 1.02
     assert r["lengths"][1]["vs_one"]["pd"]["ratios"]["tt2t_p90"] == pytest.approx(1.4286)
     table = "\n".join(ttft.table_lines(r))
-    assert "    20  one instance       100.0     100.0" in table
-    assert "   500  P/D (proxy)        500.0     500.0  1.250x     600.0     600.0  1.429x" in table
+    assert "    20  one instance          100.0     100.0" in table
+    assert ("   500  P/D (proxy)           500.0     500.0  1.250x     600.0     600.0  "
+            "1.429x") in table
     first, second = ttft.verdict_lines(r)
     assert first.startswith("P/D (proxy), 20 tokens: TTFT 102.0 ms, target <= 105.0")
     assert first.count(": ok") == 2
@@ -109,7 +110,8 @@ def test_the_plot_is_a_png(tmp_path: Path) -> None:
 
 
 def test_end_to_end_with_real_sidecars_and_the_proxy(tmp_path: Path) -> None:
-    """About 10 s on two busy cores: three tiny sidecars and the proxy start in parallel."""
+    """About 10 s on two busy cores: four tiny sidecars and two proxies (pull and push)
+    start in parallel."""
     path = tmp_path / "ttft.json"
     done = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "bench", "ttft", "--json", "--model",
@@ -122,12 +124,14 @@ def test_end_to_end_with_real_sidecars_and_the_proxy(tmp_path: Path) -> None:
     assert result["failed_requests"] == 0
     assert [row["prompt_tokens"] for row in result["lengths"]] == [8, 32]
     for row in result["lengths"]:
-        assert set(row["modes"]) == {"one", "pd"}
+        assert set(row["modes"]) == {"one", "pd", "push"}
         for mode, s in row["modes"].items():
             assert (s["requests"], s["failed"]) == (2, 0)
             for metric in (*METRICS, *(("transfer_ms",) if mode == "pd" else ())):
                 assert s[metric]["p90"] >= s[metric]["p50"] > 0, (mode, metric)
             assert s["tt2t_ms"]["p50"] > s["ttft_ms"]["p50"]
+        # push: the decode request's wait for KV that may have landed before it came
+        assert row["modes"]["push"]["transfer_ms"]["p50"] >= 0
         assert row["modes"]["one"]["transfer_ms"] is None
         assert row["modes"]["one"]["read_wait_ms"] is None
         wait = row["modes"]["pd"]["read_wait_ms"]  # the decode's arrival to its READ's start

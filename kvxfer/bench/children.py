@@ -41,7 +41,7 @@ class Child:
     def start(self) -> None:
         """Launch it, in a session of its own: Ctrl-C reaches only the benchmark, which
         stops it."""
-        binary = self.name == "proxy"  # wait_healthy reads bytes, _wait_ready text
+        binary = self.name.startswith("proxy")  # wait_healthy reads bytes, _wait_ready text
         with self._lock:
             if self._closed:
                 raise BenchError(f"{self.name} is not started again: the run is ending")
@@ -57,7 +57,7 @@ class Child:
 
     def wait_ready(self) -> None:
         try:
-            if self.name == "proxy":  # its ready line is not a sidecar's: ask /health
+            if self.name.startswith("proxy"):  # its ready line is not a sidecar's: ask /health
                 wait_healthy(self.name, self.process, self._reader, f"{self.url}/health")
             else:
                 _wait_ready(self.process, self._reader, self.name)

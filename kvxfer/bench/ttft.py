@@ -2,9 +2,11 @@
 
 Starts, each its own process on 127.0.0.1 (logs in ``--log-dir``, else a temporary
 folder removed at exit): a ``kvxfer serve --role both`` (the baseline, "one instance"),
-a ``--role prefill`` and a ``--role decode`` sidecar, and the proxy in front of those
-two (``python -m proxy``, no retries, no prefill timeout in the way). The client sends
-the one instance its requests directly and P/D's to the proxy, as each is deployed.
+a ``--role prefill`` sidecar, two ``--role decode`` sidecars (one pulls, one takes pushes:
+``--kv-transfer-mode push``) and a proxy in front of the prefill and each decode
+(``python -m proxy``, pull and push, no retries, no prefill timeout in the way). The
+client sends the one instance its requests directly and P/D's to a proxy, as each is
+deployed.
 
 Every target gets the same prompts (token ids, ``--lengths`` tokens long), alternating
 target request by request (the one asked first swapping every repeat), after one
@@ -16,7 +18,8 @@ token) and timed on the client's side:
 - time to second token (TT2T): from sending to the second token;
 - inter-token latency (ITL): the mean gap between the tokens after the first;
 - P/D only, the KV transfer: the decode sidecar's ``kvxfer_kv_transfer_duration_seconds``
-  (its /metrics read before and after the request), and the decode-side overhead before
+  (its /metrics read before and after the request; push mode: how long the decode
+  request waited for the pushed KV to land), and the decode-side overhead before
   it (``kvxfer_kv_read_wait_seconds``: lease check, claim, waiting for blocks), p50 and p99.
 
 Per length and target it reports the median and p90 of each, every other target's
@@ -58,7 +61,8 @@ from kvxfer.bench.serve import (
 HELP = "time to first and second token and inter-token latency, one instance vs P/D"
 
 BASELINE = "one"
-MODES = {BASELINE: "one instance", "pd": "P/D (proxy)"}  # the baseline first
+# the baseline first; "push": the decode reserves, the prefill writes each layer into it
+MODES = {BASELINE: "one instance", "pd": "P/D (proxy)", "push": "P/D push (proxy)"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_LENGTHS = (20, 50, 120, 500, 1000, 2000)
 TTFT_LIMIT = 1.05  # issue 25: P/D median TTFT at most 1.05x one instance's
@@ -69,6 +73,7 @@ KEY_VARIABLES = ("KVXFER_API_KEY", "KVXFER_PROXY_API_KEY", "KVXFER_KV_KEY_FILE")
 TRANSFER_S = "kvxfer_kv_transfer_duration_seconds_sum"
 READ_WAIT_S = "kvxfer_kv_read_wait_seconds_sum"
 METRICS = ("ttft_ms", "tt2t_ms", "itl_ms")
+SIDECARS = ("both", "prefill", "decode", "decode-push")  # a name's role comes before "-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,18 +221,18 @@ def table_lines(report: dict[str, Any]) -> list[str]:
     pair, ratio = f"{'p50':>9} {'p90':>9}", f"{'ratio':>7}"
     lines = [f"kvxfer bench ttft (model {c['model']}, {c['repeats']} requests per target and "
              f"length, {c['max_tokens']} tokens each; ms; ratios of medians to one instance)",
-             (f"{'':22} {'time to 1st token':^19} {'':7} {'time to 2nd token':^19} {'':7} "
+             (f"{'':25} {'time to 1st token':^19} {'':7} {'time to 2nd token':^19} {'':7} "
               f"{'inter-token':^19} {'KV transfer':^19}").rstrip(),
-             f"{'tokens':>6}  {'target':<14} {pair} {ratio} {pair} {ratio} {pair} {pair}  failed"]
+             f"{'tokens':>6}  {'target':<17} {pair} {ratio} {pair} {ratio} {pair} {pair}  failed"]
     for row in report["lengths"]:
         for mode, s in row["modes"].items():
             found = row["vs_one"].get(mode, {}).get("ratios", {})
-            lines.append(f"{row['prompt_tokens']:>6}  {MODES[mode]:<14} {_pair(s['ttft_ms'])} "
+            lines.append(f"{row['prompt_tokens']:>6}  {MODES[mode]:<17} {_pair(s['ttft_ms'])} "
                          f"{_ratio(found, 'ttft_p50')} {_pair(s['tt2t_ms'])} "
                          f"{_ratio(found, 'tt2t_p50')} {_pair(s['itl_ms'])} "
                          f"{_pair(s['transfer_ms'])}  {s['failed']}")
             if s["first_error"]:
-                lines.append(f"{'':24}first failure: {s['first_error']}")
+                lines.append(f"{'':27}first failure: {s['first_error']}")
     return lines
 
 
@@ -280,7 +285,7 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for mode, label in MODES.items():
         points = [(r["prompt_tokens"], r["modes"][mode]["ttft_ms"]) for r in report["lengths"]
-                  if r["modes"][mode]["ttft_ms"]]
+                  if mode in r["modes"] and r["modes"][mode]["ttft_ms"]]
         x = [n for n, _ in points]
         line = axes.plot(x, [s["p50"] for _, s in points], marker="o", label=f"{label}, p50")
         axes.plot(x, [s["p90"] for _, s in points], linestyle="--",
@@ -337,34 +342,41 @@ def _argvs(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[st
     """The command line of every process, by name (the proxy's is named "proxy")."""
     blocks = num_blocks(max(args.lengths), args.max_tokens)
     sidecars = {name: [sys.executable, "-m", "kvxfer.cli", "--log-level", "WARNING", "serve",
-                       "--role", name, "--model", args.model, "--port", str(ports[name]),
-                       "--block-size", str(BLOCK_SIZE), "--num-blocks", str(blocks),
-                       "--kv-load-failure-policy", "fail"]
-                for name in ("both", "prefill", "decode")}
-    # No retry and no prefill timeout: a slow or failed request shows as it is.
-    proxy = [sys.executable, "-m", "proxy", "--port", str(ports["proxy"]),
-             "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(ports["prefill"]),
-             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(ports["decode"]),
-             "--retries", "0", "--prefill-timeout", str(REQUEST_TIMEOUT_S),
-             "--health-timeout", "30", "--log-level", "warning"]
-    return {**sidecars, "proxy": proxy}
+                       "--role", name.split("-")[0], "--model", args.model,
+                       "--port", str(ports[name]), "--block-size", str(BLOCK_SIZE),
+                       "--num-blocks", str(blocks), "--kv-load-failure-policy", "fail",
+                       "--kv-transfer-mode", "push" if name.endswith("push") else "pull"]
+                for name in SIDECARS}
+    # No retry and no prefill timeout: a slow or failed request shows as it is. Both
+    # proxies front the same prefill, each its own decode.
+    proxies = {proxy: [sys.executable, "-m", "proxy", "--port", str(ports[proxy]),
+                       "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+                       str(ports["prefill"]), "--decoder-hosts", "127.0.0.1",
+                       "--decoder-ports", str(ports[decode]), "--kv-transfer-mode", mode,
+                       "--retries", "0", "--prefill-timeout", str(REQUEST_TIMEOUT_S),
+                       "--health-timeout", "30", "--log-level", "warning"]
+               for proxy, decode, mode in (("proxy", "decode", "pull"),
+                                           ("proxy-push", "decode-push", "push"))}
+    return {**sidecars, **proxies}
 
 
 @contextmanager
 def deployment(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Target]]:
     """The sidecars, then the proxy, ready: each mode's :class:`Target`. All are stopped
     on exit, Ctrl-C included (each runs in a session of its own: only we get the SIGINT)."""
+    names = (*SIDECARS, "proxy", "proxy-push")
     ports: set[int] = set()
-    while len(ports) < 4:
+    while len(ports) < len(names):
         ports.add(free_port())
-    names = ("both", "prefill", "decode", "proxy")
     port = dict(zip(names, sorted(ports), strict=True))
     url = {name: f"http://127.0.0.1:{port[name]}" for name in names}
     env = _child_env()
     children = {name: Child(name, argv, url[name], env, log_dir)
                 for name, argv in _argvs(args, port).items()}
-    with started([[children[n] for n in names[:3]], [children["proxy"]]]):
-        yield {BASELINE: Target(url["both"]), "pd": Target(url["proxy"], url["decode"])}
+    with started([[children[n] for n in SIDECARS],
+                  [children["proxy"], children["proxy-push"]]]):
+        yield {BASELINE: Target(url["both"]), "pd": Target(url["proxy"], url["decode"]),
+               "push": Target(url["proxy-push"], url["decode-push"])}
 
 
 # -- measuring --------------------------------------------------------------------------------

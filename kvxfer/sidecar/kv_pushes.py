@@ -56,6 +56,7 @@ class _Reserved:
     ranks_left: set[int]
     reasons: set[str] = field(default_factory=set)
     request_id: str | None = None  # the generation request that adopted the blocks
+    attached: float = 0.0  # when it did (monotonic)
     aborted: bool = False
 
     @property
@@ -125,6 +126,7 @@ class KVPushes:
         self.engine.add_request(request_id, prompt, params, remote_kv=True, first=first,
                                 blocks=reserved.reservation.block_ids)
         reserved.request_id = request_id
+        reserved.attached = time.monotonic()
         if not reserved.ranks_left:
             self._resolve(reservation_id)
 
@@ -159,8 +161,9 @@ class KVPushes:
         if reserved.aborted:
             self.metrics.transfers.labels("aborted").inc()
             self.engine.abort(request_id)
-        elif reserved.landed:
+        elif reserved.landed:  # the transfer's time: what the request waited for it
             self.metrics.transfers.labels("ok").inc()
+            self.metrics.transfer_seconds.observe(time.monotonic() - reserved.attached)
             self.engine.finish_kv_load(request_id, ok=True)
         else:
             self.metrics.transfers.labels("failed").inc()
