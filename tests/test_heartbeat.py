@@ -112,6 +112,51 @@ def test_once_stopped_nothing_is_silent_nor_watched() -> None:
     assert live.beats_due(1.0) == [] and live.channels() == []
 
 
+def test_a_channel_nobody_watched_wakes_the_heartbeat_thread() -> None:
+    """The heartbeat thread sleeps in its poll while nothing is due: a reader that starts
+    watching a channel must wake it (its first heartbeat goes out at once)."""
+    live, woken = Liveness(TIMEOUT_S), []
+    live.on_new_channel(lambda: woken.append(1))
+    live.watch("rank0", [CHANNEL], now=0.0)
+    assert len(woken) == 1
+    live.watch("rank1", [CHANNEL], now=0.0)
+    live.watch("rank0", [], now=0.0)
+    assert len(woken) == 1, "watched already: nothing new for the thread"
+    live.watch("rank1", [CHANNEL, OTHER], now=0.0)
+    assert len(woken) == 2
+
+
+def test_an_idle_heartbeat_thread_sends_at_once_when_a_channel_is_watched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real listener and heartbeat thread: with the idle wait a minute long, the first
+    heartbeat to a newly watched channel is still answered within the slack (the watch
+    wakes the thread), and close() stops both threads at once (it wakes their polls)."""
+    import kvxfer.transfer.side_channel.heartbeats as heartbeats_module
+    from kvxfer.transfer.side_channel.listener import HandshakeListener
+    from kvxfer.wire.compat import CompatInfo
+
+    monkeypatch.setattr(heartbeats_module, "IDLE_WAIT_S", 60.0)
+    compat = CompatInfo(model="m", dtype="float32", cache_dtype="float32", head_size=8,
+                        total_kv_heads=2, num_layers=1)
+    listener = HandshakeListener("127.0.0.1", engine_id="P", compat=compat,
+                                 metadata=lambda: []).start()
+    live = Liveness(TIMEOUT_S)
+    beats = Heartbeats(live, "D", compat)
+    try:
+        time.sleep(0.3)  # the thread is in its (minute-long) idle poll by now
+        channel = ("127.0.0.1", listener.port)
+        live.watch("rank0", [channel], now=time.monotonic())
+        end = time.monotonic() + SLACK_S + TIMEOUT_S
+        while live.last_answered([channel]) is None:
+            assert time.monotonic() < end, "the watch did not wake the heartbeat thread"
+            time.sleep(0.01)
+    finally:
+        threads = [beats._thread, listener._thread]
+        beats.close()
+        listener.close()
+    assert not any(thread is not None and thread.is_alive() for thread in threads)
+
+
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])
 def test_a_timeout_must_be_positive(timeout: float) -> None:
     with pytest.raises(ValueError, match="heartbeat timeout must be a positive"):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 Channel = tuple[str, int]
@@ -66,6 +66,13 @@ class Liveness:
         self._channels: dict[Channel, _Channel] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        self._on_new_channel: Callable[[], None] = lambda: None
+
+    def on_new_channel(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the watching thread) whenever a channel nobody watched
+        is watched: the heartbeat thread, which waits in its poll while nothing is due,
+        sends its first heartbeat at once."""
+        self._on_new_channel = callback
 
     @property
     def bound(self) -> float:
@@ -82,6 +89,7 @@ class Liveness:
         with self._lock:
             if self._stopped or self._watching.get(owner, frozenset()) == watched:
                 return
+            before = self._watched()
             if watched:
                 self._watching[owner] = watched
             else:
@@ -94,6 +102,8 @@ class Liveness:
                     state.idle_since = None
                 elif state.idle_since is None:
                     state.idle_since = now
+        if not watched <= before:
+            self._on_new_channel()
 
     def silent_since(self, channels: Iterable[Channel]) -> float | None:
         """The monotonic time since which one of ``channels`` has left a heartbeat

@@ -117,7 +117,8 @@ from kvxfer.wire.reservations import Reservation
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.05       # idle: progress/expire 20 times a second (~0.1% of a core)
+IDLE_POLL_S = 1.0        # idle: whatever needs the thread (a lease, a read, a push, a
+                         # handshake served) wakes it; each idle wake-up costs CPU
 BUSY_POLL_S = 0.0005     # reads in flight or leases waiting for "done"
 CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
 

@@ -24,7 +24,7 @@ import zmq
 
 from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.liveness import Channel, Liveness
-from kvxfer.transfer.side_channel.sockets import JOIN_TIMEOUT_S, POLL_INTERVAL_S, new_socket
+from kvxfer.transfer.side_channel.sockets import IDLE_WAIT_S, JOIN_TIMEOUT_S, Wakeup, new_socket
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
 from kvxfer.wire.errors import HandshakeError
@@ -49,25 +49,29 @@ class Heartbeats:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sockets: dict[Channel, zmq.Socket[bytes]] = {}  # the thread's alone
         self._stop = threading.Event()
+        self._wakeup = Wakeup()  # a newly watched channel, or close(): poll no longer
+        liveness.on_new_channel(self._wakeup.set)
         self.sent = self.answered = 0  # heartbeats sent, answers that counted
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"kvxfer-heartbeats-{engine_id}")
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread within about :data:`POLL_INTERVAL_S`, close every connection
-        (idempotent)."""
+        """Stop the thread at once, close every connection (idempotent)."""
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wakeup.set()
         self._thread.join(JOIN_TIMEOUT_S)
         if self._thread.is_alive():  # its sockets are still in use: leave the context
             log.error("the heartbeat thread of %s did not stop", self.engine_id)
             return
+        self._wakeup.close()
         self._ctx.term()
 
     def _run(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._wakeup, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -75,13 +79,12 @@ class Heartbeats:
                 for channel, seq in self.liveness.beats_due(now):
                     self._send(channel, seq)
                 due = self.liveness.next_due()
-                wait = POLL_INTERVAL_S if due is None else min(POLL_INTERVAL_S,
-                                                               max(0.0, due - now))
-                if not self._sockets:
-                    self._stop.wait(wait)
-                    continue
+                wait = IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.0, due - now))
                 for sock, _ in poller.poll(round(wait * 1000)):
-                    self._receive(sock)
+                    if sock is self._wakeup:
+                        self._wakeup.clear()
+                    else:
+                        self._receive(sock)
         except Exception:  # the decode reads on without heartbeats: its read timeout holds
             log.exception("the heartbeat thread of %s failed; silent prefills are noticed "
                           "at the read timeout only", self.engine_id)

@@ -16,7 +16,7 @@ from kvxfer.transfer.faults import LOSS
 from kvxfer.transfer.side_channel.sockets import (
     JOIN_TIMEOUT_S,
     MAX_REQUEST_BYTES,
-    POLL_INTERVAL_S,
+    Wakeup,
     new_socket,
 )
 from kvxfer.wire.compat import CompatInfo, compat_hash
@@ -113,6 +113,7 @@ class HandshakeListener:
         assert isinstance(bound, bytes)
         self._port = int(bound.decode().rsplit(":", 1)[1])
         self._stop = threading.Event()
+        self._wakeup = Wakeup()  # close() ends the serving thread's poll with it
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -137,11 +138,12 @@ class HandshakeListener:
         return self
 
     def close(self) -> None:
-        """Stop serving within about POLL_INTERVAL_S and close the socket (idempotent)."""
+        """Stop serving at once and close the socket (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
+        self._wakeup.set()
         if self._thread is None:
             self._sock.close(linger=0)
         else:
@@ -151,6 +153,7 @@ class HandshakeListener:
                 log.error("handshake listener at %s: serving thread did not stop within "
                           "%.0f s", self.address, JOIN_TIMEOUT_S)
                 return
+        self._wakeup.close()
         self._ctx.term()
 
     def __enter__(self) -> HandshakeListener:
@@ -162,10 +165,13 @@ class HandshakeListener:
 
     # -- the serving thread -------------------------------------------------------------
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wakeup, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self._sock.poll(int(POLL_INTERVAL_S * 1000), zmq.POLLIN):
-                    continue
+                if self._sock not in dict(poller.poll()):
+                    continue  # woken: stopping
                 for _ in range(MAX_BATCH):
                     try:
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
