@@ -150,11 +150,23 @@ def test_an_idle_heartbeat_thread_sends_at_once_when_a_channel_is_watched(
         while live.last_answered([channel]) is None:
             assert time.monotonic() < end, "the watch did not wake the heartbeat thread"
             time.sleep(0.01)
+        live.watch("rank0", [], now=time.monotonic())
+        time.sleep(0.2)
+        used = thread_cpu_s(beats._thread)
+        time.sleep(1.0)
+        assert thread_cpu_s(beats._thread) - used < 0.3, "the idle heartbeat thread spins"
     finally:
         threads = [beats._thread, listener._thread]
         beats.close()
         listener.close()
     assert not any(thread is not None and thread.is_alive() for thread in threads)
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` (of this process) has used."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan")])

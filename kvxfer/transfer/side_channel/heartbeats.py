@@ -71,7 +71,8 @@ class Heartbeats:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wakeup, zmq.POLLIN)
+        woken = self._wakeup.fileno()  # a plain fd: the poller reports it as such
+        poller.register(woken, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -81,7 +82,7 @@ class Heartbeats:
                 due = self.liveness.next_due()
                 wait = IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.0, due - now))
                 for sock, _ in poller.poll(round(wait * 1000)):
-                    if sock is self._wakeup:
+                    if sock == woken:
                         self._wakeup.clear()
                     else:
                         self._receive(sock)

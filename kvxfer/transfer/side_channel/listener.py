@@ -167,7 +167,7 @@ class HandshakeListener:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wakeup, zmq.POLLIN)
+        poller.register(self._wakeup.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 if self._sock not in dict(poller.poll()):
