@@ -361,3 +361,17 @@ def start_proxies(proxies: Sequence[ProxyProcess], timeout: float = READY_TIMEOU
     deadline = time.monotonic() + timeout
     for proxy in proxies:
         proxy.wait_ready(deadline)
+
+
+def streamed(response: httpx.Response) -> tuple[str, list[Any]]:
+    """A stream's text and its chunks' logprobs, in order."""
+    assert response.status_code == 200, response.text
+    text, logprobs = "", []
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk["choices"]:
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if choice.get("logprobs"):
+                    logprobs.append(choice["logprobs"])
+    return text, logprobs

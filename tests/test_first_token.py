@@ -6,7 +6,6 @@ single instance (``both``).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -17,7 +16,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, prefill_body, start_proxies
+from sidecars import (
+    ProxyProcess,
+    Sidecar,
+    SidecarGroup,
+    Spec,
+    prefill_body,
+    start_proxies,
+    streamed,
+)
 
 from kvxfer.engine.sampler import SamplingParams, sample, skip_draw, top_p_filter
 from kvxfer.wire.params import RemoteParams
@@ -75,20 +82,6 @@ def answer_of(body: dict[str, Any]) -> Any:
         text = choice["text"] if "text" in choice else choice["message"]["content"]
         choices.append((choice["index"], text, choice.get("logprobs"), choice["finish_reason"]))
     return choices, body["usage"]
-
-
-def streamed(response: httpx.Response) -> tuple[str, list[Any]]:
-    """A stream's text and its chunks' logprobs, in order."""
-    assert response.status_code == 200, response.text
-    text, logprobs = "", []
-    for line in response.text.splitlines():
-        if line.startswith("data: {"):
-            chunk = json.loads(line[len("data: "):])
-            for choice in chunk["choices"]:
-                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if choice.get("logprobs"):
-                    logprobs.append(choice["logprobs"])
-    return text, logprobs
 
 
 def transfers(fleet: Fleet) -> float:

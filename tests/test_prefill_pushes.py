@@ -49,7 +49,7 @@ def reservation(tokens: int) -> Reservation:
 def test_each_layer_is_handed_once_it_is_computed_then_the_push_is_sealed() -> None:
     engine = LLMEngine(tiny_config(), None, seed=1, block_size=4, num_blocks=32)
     worker = Recorder(engine)
-    pushes = PrefillPushes([worker])  # type: ignore[list-item]
+    pushes = PrefillPushes([worker], None)  # type: ignore[list-item]
     engine.layer_hook = pushes.on_layer
     prompt = list(range(1, 11))
     engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
@@ -73,7 +73,7 @@ def test_each_layer_is_handed_once_it_is_computed_then_the_push_is_sealed() -> N
 def test_a_request_that_ends_unheld_gives_its_push_up_and_its_lease_frees_nothing() -> None:
     engine = LLMEngine(tiny_config(), None, seed=1, block_size=4, num_blocks=32)
     worker = Recorder(engine)
-    pushes = PrefillPushes([worker, Recorder(engine)])  # type: ignore[list-item]
+    pushes = PrefillPushes([worker, Recorder(engine)], None)  # type: ignore[list-item]
     engine.layer_hook = pushes.on_layer
     engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=1), hold_blocks=True)
     pushes.expect("p", reservation(3))

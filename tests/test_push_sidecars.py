@@ -16,8 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, prefill_body, start_proxies
-from test_first_token import streamed
+from sidecars import (
+    ProxyProcess,
+    Sidecar,
+    SidecarGroup,
+    Spec,
+    prefill_body,
+    start_proxies,
+    streamed,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MODEL = "kvxfer-tiny"
@@ -52,7 +59,7 @@ def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
 
 def idle(health: dict[str, Any]) -> bool:
     return bool(health["used_blocks"] == 0 and health["leases"] == 0
-                and health["requests_in_flight"] == 0)
+                and health["reservations"] == 0 and health["requests_in_flight"] == 0)
 
 
 def reserve(decode: Sidecar, path: str, body: dict[str, Any]) -> httpx.Response:

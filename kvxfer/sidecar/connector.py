@@ -166,7 +166,7 @@ class KVConnector:
         self.answers: LeaseAnswers | None = None  # prefill: the listener's lease answers
         self.loads: KVLoads | None = None  # decode: requests whose KV is read
         self.pushes: KVPushes | None = None  # decode, push mode: reservations written into
-        self.pushing = PrefillPushes(self.workers)  # prefill: prompts pushed into them
+        self.pushing = PrefillPushes(self.workers, hmac_key)  # prefill: prompts pushed into them
         self._leases: dict[str, _Leased] = {}  # by lease id
         self._lease_of: dict[str, str] = {}  # request id -> lease id
         if role == "both":

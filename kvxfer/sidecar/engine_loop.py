@@ -361,6 +361,8 @@ class EngineLoop:
         self._track(sub, sink)
         group = [sub.request_id, *(s.request_id for s in sub.siblings)]
         try:
+            if sub.push is not None:
+                self.connector.pushing.check(sub.push)
             if isinstance(sub.remote, PushedParams):
                 if self.connector.pushes is None:
                     raise ValueError("kv_transfer_params.kv_reservation_id: this decode takes "
@@ -495,4 +497,5 @@ class EngineLoop:
         self._prefix_counted = (queries, hits)
         self._snapshot = {"free_blocks": free, "used_blocks": used,
                           "num_blocks": self.engine.num_blocks, "leases": leases,
+                          "reservations": len(self.connector.pushes or ()),
                           "requests_in_flight": len(self._tracked)}

@@ -20,7 +20,9 @@ loop's thread. Who calls what:
   (``finish_kv_load(ok=True)``); anything else ("failed": a writer gave up, "expired")
   recomputes the prompt or fails the request, by the failure policy.
 * :meth:`KVPushes.poll`: a reservation whose request never came gives its blocks back
-  once its deadline and the grace passed and every rank's lease ended.
+  once its deadline and the grace passed and every rank's lease ended. A request that
+  names it later (it waited in a queue, say) recomputes its prompt under the failure
+  policy ``recompute``, and gets a 400 that says the reservation ended otherwise.
 * :meth:`KVPushes.abort`: a request whose reservation is still being written into is
   aborted only once its lease ended on every rank (a WRITE may land until then).
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
     from kvxfer.transfer.worker import TransferWorker
 
 log = logging.getLogger(__name__)
+
+ENDED_KEPT = 4096  # reservations that ended unused, remembered to say so to a late request
 
 
 @dataclass
@@ -74,7 +79,12 @@ class KVPushes:
         self.engine_id, self.host, self.port, self._key = engine_id, host, port, key
         self.ttl, self.failure_policy = ttl, failure_policy
         self._reserved: dict[str, _Reserved] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # ended unused: id -> why
         self._transfer_errors: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        """Reservations held: written into, waiting for their request, or both."""
+        return len(self._reserved)
 
     @property
     def busy(self) -> bool:
@@ -114,9 +124,17 @@ class KVPushes:
         blocks; ValueError (a 400) for a reservation this decode does not hold, one used
         already, or one for another number of tokens."""
         reserved = self._reserved.get(reservation_id)
+        ended = self._ended.get(reservation_id)
+        if reserved is None and ended is not None and self.failure_policy == "recompute":
+            log.warning("request %s: its reservation %s %s; recomputing its prompt",
+                        request_id, reservation_id, ended)
+            self.metrics.recomputes.inc()
+            self.engine.add_request(request_id, prompt, params)
+            return
         if reserved is None:
             raise ValueError(f"kv_transfer_params.kv_reservation_id {reservation_id!r} names "
-                             f"no reservation of this decode (never made, or ended unused)")
+                             f"no reservation of this decode: "
+                             f"{ended or 'never made, or used already'}")
         if reserved.request_id is not None:
             raise ValueError(f"kv_reservation {reservation_id} is used by another request")
         if reserved.reservation.num_tokens != len(prompt):
@@ -149,8 +167,12 @@ class KVPushes:
                     now >= reserved.reservation.expires_at + PUSH_GRACE_S:
                 del self._reserved[reservation_id]
                 self.engine.free_blocks(reserved.reservation.block_ids)
-                log.info("reservation %s ended unused (%s)", reservation_id,
-                         ", ".join(sorted(reserved.reasons)))
+                why = (f"ended unused at its deadline "
+                       f"({', '.join(sorted(reserved.reasons))}), before its request came")
+                log.info("reservation %s %s", reservation_id, why)
+                self._ended[reservation_id] = why
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
 
     def _resolve(self, reservation_id: str) -> None:
         """Every rank's lease of an adopted reservation ended: run its request, or

@@ -36,11 +36,18 @@ log = logging.getLogger(__name__)
 class PrefillPushes:
     """See the module docstring."""
 
-    def __init__(self, workers: list[TransferWorker]) -> None:
-        self._workers = workers
+    def __init__(self, workers: list[TransferWorker], key: bytes | None) -> None:
+        self._workers, self._key = workers, key
         self._expected: dict[str, Reservation] = {}  # request id -> reservation, not started
         self._started: dict[str, str] = {}  # request id -> lease id
         self._orphans: dict[str, int] = {}  # a given-up push's lease -> ranks to report it
+
+    def check(self, reservation: Reservation) -> None:
+        """Before the request is computed: a reservation this instance would not write
+        into (forged, signed with another key, expired) fails it with a 400 that says
+        why (:class:`~kvxfer.wire.reservations.ReservationError`), instead of a prompt
+        computed for nothing and a decode told the push failed."""
+        reservation.check(self._key)
 
     def expect(self, request_id: str, reservation: Reservation) -> None:
         self._expected[request_id] = reservation
