@@ -383,9 +383,10 @@ class TransferWorker:
     # -- the worker thread --------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
+            pushes = self._pusher.holding if self._pusher is not None else 0
             busy = (self._reads is not None and self._reads.busy) or \
                 (self._pusher is not None and self._pusher.busy) or \
-                time.monotonic() < self._fast_until or len(self._leases) > 0
+                time.monotonic() < self._fast_until or len(self._leases) > pushes
             self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
             self._wake.clear()
             reads, pusher = self._reads, self._pusher  # None until register_kv_caches

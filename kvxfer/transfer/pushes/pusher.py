@@ -82,6 +82,17 @@ class _Push:
     last_rows: dict[int, RankDescriptors] = field(default_factory=dict)
     told: set[int] = field(default_factory=set)  # decode ranks whose "done" WRITE is posted
     failed: str | None = None  # why it failed: it waits for its WRITEs, then tells
+    landed: dict[int, int] = field(default_factory=dict)  # per rank: WRITEs seen DONE, in
+    # order (the first ones of ``inflight``: each step asks only about the others)
+
+    @property
+    def polled(self) -> bool:
+        """Whether the worker must progress it without being woken: a WRITE in flight,
+        or it is sealed or failed (it finishes). Between two layers it waits for the next
+        (the engine's hand wakes the worker), and it does not poll: a forward pass on a
+        CPU shares its cores with the worker thread."""
+        return self.sealed or self.failed is not None or any(
+            self.landed.get(rank, 0) < len(ts) for rank, ts in self.inflight.items())
 
     @property
     def engine(self) -> str:
@@ -105,7 +116,13 @@ class Pusher:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pushes)
+        return any(push.polled for push in self._pushes.values())
+
+    @property
+    def holding(self) -> int:
+        """Leases of the rank's table that are pushes' own: no reader's notification
+        is awaited for them."""
+        return len(self._pushes)
 
     # -- any thread ------------------------------------------------------------------------
     def start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
@@ -230,7 +247,11 @@ class Pusher:
         for rank in target.plans:
             transfers = push.inflight.get(rank, [])
             try:
-                landed = all(t.state() == "DONE" for t in transfers)
+                done = push.landed.get(rank, 0)
+                while done < len(transfers) and transfers[done].state() == "DONE":
+                    done += 1
+                push.landed[rank] = done
+                landed = done == len(transfers)
             except Exception as exc:
                 self._targets.forget_dead(push.engine, str(exc))
                 raise PushFailed(f"decode {push.engine} at {target.address} rank {rank}: "
