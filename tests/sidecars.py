@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvxfer.harness.network import Network, in_ns
 from proxy.contract import decode_request, parse_prefill_answer, prefill_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,6 +251,32 @@ def sidecars(log_dir: Path, specs: Sequence[Spec]) -> Iterator[list[Sidecar]]:
     """Start ``specs`` and stop them on exit, also when the body fails."""
     with SidecarGroup(log_dir) as group:
         yield group.start(specs)
+
+
+# -- sidecars on other "hosts": network namespaces (kvxfer.harness.network) ----------------
+
+@dataclass(frozen=True)
+class NsSpec(Spec):
+    """A sidecar launched inside a namespace (``ip netns exec`` execs it: same PID)."""
+
+    netns: str = ""
+
+    def argv(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *super().argv()]
+
+
+def at(launched: Launched, address: str) -> None:
+    """Point ``launched``'s client at ``address``: it printed its wildcard bind."""
+    launched.url = f"http://{address}:{launched.port}"
+
+
+def health_inside(network: Network, role: str, sidecar: Sidecar) -> dict[str, Any]:
+    """/health asked from inside ``role``'s namespace, over its loopback (works while
+    its link is down)."""
+    code = ("import sys, urllib.request; print(urllib.request.urlopen("
+            f"'http://127.0.0.1:{sidecar.port}/health', timeout=5).read().decode())")
+    out = in_ns(network.ns(role), sys.executable, "-c", code).stdout
+    return dict(json.loads(out))
 
 
 # -- driving a pair the way the proxy does ------------------------------------------------

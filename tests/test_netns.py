@@ -48,13 +48,16 @@ import pytest
 from sidecars import (
     READY_TIMEOUT_S,
     Launched,
+    NsSpec,
     Sidecar,
     SidecarGroup,
     Spec,
+    at,
     disaggregated,
+    health_inside,
 )
 
-from kvxfer.harness.network import UCX_ENV, Network, in_ns, why_not
+from kvxfer.harness.network import UCX_ENV, Network, why_not
 from kvxfer.transfer.peers import DEAD_PEER_S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,30 +79,6 @@ def _needs_namespaces() -> None:
     reason = why_not()
     if reason is not None:
         pytest.skip(reason)
-
-
-@dataclass(frozen=True)
-class NsSpec(Spec):
-    """A sidecar launched inside a namespace (``ip netns exec`` execs it: same PID)."""
-
-    netns: str = ""
-
-    def argv(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *super().argv()]
-
-
-def at(launched: Launched, address: str) -> None:
-    """Point ``launched``'s client at ``address``: it printed its wildcard bind."""
-    launched.url = f"http://{address}:{launched.port}"
-
-
-def health_inside(network: Network, role: str, sidecar: Sidecar) -> dict[str, Any]:
-    """/health asked from inside ``role``'s namespace, over its loopback (works while
-    its link is down)."""
-    code = ("import sys, urllib.request; print(urllib.request.urlopen("
-            f"'http://127.0.0.1:{sidecar.port}/health', timeout=5).read().decode())")
-    out = in_ns(network.ns(role), sys.executable, "-c", code).stdout
-    return dict(json.loads(out))
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Push mode under faults, with real processes: a reservation nobody writes into, a
-prefill killed while it holds one, a decode killed while a prefill pushes to it.
+prefill killed while it holds one, a decode killed while a prefill pushes to it, and the
+prefill's link cut while it pushes (the two on two "hosts", network namespaces).
 
 Each case ends with a clear outcome (an error that names the failed instance, or the
 single instance's answer), every surviving sidecar with every block free and no lease
 held, and nothing wrong served. The decodes reserve for 2 s (``--lease-ttl 2``), so an
 unused reservation ends after those plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S`
 (the writers' cut-off: a block may be written until then, so it is not freed before).
-Only processes this module started are signalled, by PID. In the heavy tier: each case
-starts its own processes and waits out a reservation (about a minute in all).
+Only processes this module started are signalled, by PID; the namespaces and links the
+link-cut case makes are removed, also when it fails. In the heavy tier: each case starts
+its own processes and waits out a reservation (about a minute and a half in all).
 """
 
 from __future__ import annotations
@@ -21,8 +23,19 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecars import ProxyProcess, SidecarGroup, Spec, prefill_body, start_proxies
+from sidecars import (
+    NsSpec,
+    ProxyProcess,
+    Sidecar,
+    SidecarGroup,
+    Spec,
+    at,
+    health_inside,
+    prefill_body,
+    start_proxies,
+)
 
+from kvxfer.harness.network import UCX_ENV, Network, why_not
 from kvxfer.wire.reservations import PUSH_GRACE_S
 
 COMPLETIONS = "/v1/completions"
@@ -136,3 +149,104 @@ def test_a_decode_killed_while_a_prefill_pushes_to_it_fails_the_request_and_free
     assert answers[0].status_code in (502, 503), answers[0].text
     assert "decode" in answers[0].text, answers[0].text
     pair.prefill.wait_for("the failed push's blocks free", idle, timeout=ENDS_S)
+
+
+# -- the prefill's link cut while it pushes ------------------------------------------------
+
+CUT_RESERVE_S = 8.0  # the reservation outlives the slowed push; the cut ends it
+CUT_PROMPT = ("The prefill host drops off the network while it pushes. " * 40)[:1800]
+SLOW_RATE = "10mbit"  # kvxfer-tiny: 2 KiB of KV per token, ~3.6 MB: ~3 s slowed
+CUT_ANSWER_S = CUT_RESERVE_S + PUSH_GRACE_S + 10.0  # the recomputed answer, after the cut
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[tuple[Network, Sidecar, Sidecar, Sidecar]]:
+    """A prefill and a push-mode decode on two "hosts" (UCX over TCP between them, as in
+    test_netns), and a single instance in the test's namespace to compare with."""
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    with Network(("prefill", "decode")) as network, \
+            SidecarGroup(tmp_path, env=UCX_ENV) as group:
+        def on(role: str) -> tuple[str, ...]:
+            return ("--host", "0.0.0.0", "--side-channel-host", network.address(role))
+        reference, prefill, decode = group.start([
+            Spec("both"),
+            NsSpec("prefill", netns=network.ns("prefill"),
+                   extra=(*on("prefill"), "--no-host-reads")),
+            NsSpec("decode", netns=network.ns("decode"), policy="recompute", extra=(
+                *on("decode"), "--kv-transfer-mode", "push", "--lease-ttl",
+                str(CUT_RESERVE_S))),
+        ])
+        at(prefill, network.address("prefill"))
+        at(decode, network.address("decode"))
+        try:
+            yield network, reference, prefill, decode
+        finally:  # the sidecars stop with their links up
+            network.link("prefill", up=True)
+            network.slow("prefill", None)
+
+
+def push_first(prefill: Sidecar, decode: Sidecar, body: dict[str, Any]) -> dict[str, Any]:
+    """Reserve at the decode and prefill into the reservation, as the proxy does; the
+    decode request's body (with the prefill's kv_transfer_params)."""
+    reserved = decode.post("/v1/kv/reserve", {"endpoint": COMPLETIONS, "body": body})
+    assert reserved.status_code == 200, reserved.text
+    first = prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
+        "do_remote_decode": True, "kv_reservation": reserved.json()["kv_reservation"]}})
+    assert first.status_code == 200, first.text
+    return {**body, "kv_transfer_params": first.json()["kv_transfer_params"]}
+
+
+def same_answer(got: httpx.Response, want: httpx.Response) -> None:
+    assert got.status_code == 200, got.text
+    answer, expected = got.json()["choices"][0], want.json()["choices"][0]
+    assert answer["text"] == expected["text"]
+    assert answer["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+    for a, b in zip(answer["logprobs"]["token_logprobs"],
+                    expected["logprobs"]["token_logprobs"], strict=True):
+        assert abs(a - b) <= 1e-4
+
+
+def test_a_link_cut_while_a_prefill_pushes_recomputes_and_strands_nothing(
+        hosts: tuple[Network, Sidecar, Sidecar, Sidecar]) -> None:
+    """UCX over TCP notices nothing of the cut; the prefill cuts its push off at the
+    reservation's deadline, the decode recomputes the prompt once the grace after it
+    passed, the client gets the one-instance answer and both sides free every block.
+
+    The link comes back only as the sidecars stop: the bytes of the aborted WRITE that
+    the prefill's kernel still holds land once it does, in blocks the decode has freed
+    (the README's known hole), so nothing is asked of the decode after that."""
+    network, reference, prefill, decode = hosts
+    body = {**BODY, "logprobs": 1}
+    warm = decode.post(COMPLETIONS, push_first(prefill, decode, body))  # connects the pair
+    same_answer(warm, reference.post(COMPLETIONS, body))
+    cut_body = {**body, "prompt": CUT_PROMPT}
+    want = reference.post(COMPLETIONS, cut_body)
+    network.slow("prefill", SLOW_RATE)
+    before = network.sent_bytes("prefill")
+    began = time.monotonic()
+    decode_body = push_first(prefill, decode, cut_body)
+    answers: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answers.append(
+        decode.post(COMPLETIONS, decode_body, timeout=CUT_ANSWER_S + 30)), daemon=True)
+    client.start()
+    while (sent := network.sent_bytes("prefill") - before) < 256 * 1024:
+        assert time.monotonic() - began < 20, f"only {sent} bytes left the prefill"
+        time.sleep(0.02)
+    inside = health_inside(network, "prefill", prefill)
+    assert inside["leases"] == 1, f"the push is not under way any more: {inside}"
+    network.link("prefill", up=False)
+    cut_at = time.monotonic()
+    client.join(CUT_ANSWER_S + 30)
+    assert answers, f"no answer {time.monotonic() - cut_at:.0f} s after the cut"
+    print(f"link cut: the decode answered {time.monotonic() - cut_at:.1f} s after the cut")
+    same_answer(answers[0], want)
+    assert decode.metric("kvxfer_kv_recomputes_total") == 1
+    decode.wait_for("every block free", idle)
+    deadline = time.monotonic() + CUT_RESERVE_S + 10
+    while (inside := health_inside(network, "prefill", prefill))["leases"] or \
+            inside["used_blocks"]:
+        assert time.monotonic() < deadline, f"the cut-off prefill still holds: {inside}"
+        time.sleep(0.2)
+    assert "cut off" in prefill.log_tail(400), prefill.log_tail(20)
