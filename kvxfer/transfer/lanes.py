@@ -25,7 +25,7 @@ import numpy as np
 
 from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.plan.regions import MemoryRegion
-from kvxfer.transfer.nixl_agent import NixlAgent
+from kvxfer.transfer.nixl_agent import NixlAgent, Transfer
 from kvxfer.transfer.results import Span, TransferError, merge_spans
 from kvxfer.transfer.threads import run_all
 
@@ -98,14 +98,14 @@ class Lanes:
                                         remote_cuda[rank_descs.remote_rank]))
         return parts
 
-    def copy(self, parts: Sequence[Sequence[Part]], local_cuda: bool, overdue: Overdue
-             ) -> Span | None:
+    def copy(self, parts: Sequence[Sequence[Part]], local_cuda: bool, overdue: Overdue,
+             stale: list[Any] | None = None) -> Span | None:
         """READ every agent's ``parts`` at once (the rank's own agent on this thread);
         return once all landed (with NIXL's span of them all), or raise the first error
         once every one ended (each lane gives up once ``overdue`` returns an error:
-        :func:`copy_parts`)."""
+        :func:`copy_parts`, which leaves a READ it gave up in flight in ``stale``)."""
         agents = [self.agent, *self.agents]
-        lanes = run_all([functools.partial(copy_parts, agent, part, local_cuda, overdue)
+        lanes = run_all([functools.partial(copy_parts, agent, part, local_cuda, overdue, stale)
                          for agent, part in zip(agents, parts, strict=True)], self.pool)
         return merge_spans(span for lane in lanes for span in lane)
 
@@ -119,24 +119,38 @@ class Lanes:
 
 
 def copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
-               overdue: Overdue) -> list[Span | None]:
+               overdue: Overdue, stale: list[Any] | None = None) -> list[Span | None]:
     """Lane (or worker) thread: READ each part with ``agent`` and wait until it landed
     (NIXL's span of each READ: ``Transfer.span``); raise what ``overdue()`` returns (any
-    thread may call it) as soon as it is not None."""
+    thread may call it) as soon as it is not None. A READ given up while NIXL still
+    reports it in flight goes, unreleased, into ``stale`` when given (its bytes may still
+    land: :class:`~kvxfer.transfer.reads.path.Stale`), else is released."""
     spans: list[Span | None] = []
     for remote, local, remote_descs, remote_cuda in parts:
         transfer = agent.read(remote, local, remote_descs, local_is_cuda=local_cuda,
                               remote_is_cuda=remote_cuda)
+        landed = False
         try:
             while transfer.state() != "DONE":
                 failure = overdue()
                 if failure is not None:
                     raise failure
                 time.sleep(LANE_POLL_S)
+            landed = True
             spans.append(transfer.span)
         finally:
-            transfer.release()
+            if stale is not None and not landed and _in_flight(transfer):
+                stale.append(transfer)
+            else:
+                transfer.release()
     return spans
+
+
+def _in_flight(transfer: Transfer) -> bool:
+    try:
+        return transfer.state() == "PROC"
+    except Exception:
+        return False
 
 
 def overdue_after(timeout: float) -> Overdue:

@@ -19,13 +19,18 @@ Who calls what, on which thread:
   worker's thread drops it at its next step (:meth:`Peers.drop_forgotten`).
 
 A dropped peer's agents are removed, its shares with sibling ranks end, and the staging
-held for its failed reads is freed (no cancelled READ of it writes there any more).
+held for its failed reads is freed (no cancelled READ of it writes there any more). While
+READs of it that were given up in flight have not settled (:meth:`Peers.hold`: the
+reader's :class:`~kvxfer.transfer.reads.path.Stale`), that waits: removing an agent does
+not stop a READ over TCP from landing once a cut link is back, and only the loaded agent
+still reports when it did (:meth:`Peers.unhold`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -133,6 +138,8 @@ class Peers:
         self._shaking: dict[str, RemoteParams] = {}  # the params that started each handshake
         self._lock = threading.Lock()
         self._forget: set[str] = set()
+        self._holds: Counter[str] = Counter()  # by engine: its stale reads not settled
+        self._unremoved: dict[str, set[str]] = {}  # by engine: agents dropped while held
 
     def __contains__(self, engine_id: object) -> bool:
         return engine_id in self._peers
@@ -190,8 +197,34 @@ class Peers:
         local.shares.leave(local.engine_id, engine_id, local.rank)
         if peer is not None:
             for name in peer.agents.values():
-                self._quietly_remove(name)
-        local.staging.drop_held(engine_id)
+                self._quietly_remove(engine_id, name)
+        if not self._holds[engine_id]:
+            local.staging.drop_held(engine_id)
+
+    def hold(self, engine_id: str) -> None:
+        """Worker thread: a read of ``engine_id`` was given up with READs in flight; its
+        agents and held staging stay until as many :meth:`unhold` calls (a reconnect
+        loads the same agents again, which NIXL takes as it is)."""
+        self._holds[engine_id] += 1
+
+    def unhold(self, engine_id: str) -> None:
+        """Worker thread: one held read's READs settled (landed, failed, or past the
+        reader's ceiling); after the last, do what dropping the engine put off."""
+        self._holds[engine_id] -= 1
+        if self._holds[engine_id] > 0:
+            return
+        del self._holds[engine_id]
+        names = self._unremoved.pop(engine_id, set())
+        peer = self._peers.get(engine_id)
+        for name in names - set(peer.agents.values() if peer is not None else ()):
+            self._quietly_remove(engine_id, name)
+        if peer is None:
+            self._local.staging.drop_held(engine_id)
+
+    @property
+    def held(self) -> int:
+        """Engines with stale reads not settled."""
+        return len(self._holds)
 
     def close(self) -> None:
         """End every share with sibling ranks and stop the handshakes."""
@@ -250,7 +283,7 @@ class Peers:
                     local.lanes.connect(meta.agent_blob, agents[rank], meta.plan.memory[0])
         except Exception as exc:
             for name in agents.values():
-                self._quietly_remove(name)
+                self._quietly_remove(remote.remote_engine_id, name)
             raise TransferError(f"NIXL could not connect to rank {rank}: {exc}") from exc
         routes = self._choose(remote, shake, agents)
         peer = Peer(remote.remote_engine_id, remote.address, remote.tp_size, agents,
@@ -282,7 +315,11 @@ class Peers:
                      probed or "not probed")
         return routes
 
-    def _quietly_remove(self, name: str) -> None:
+    def _quietly_remove(self, engine_id: str, name: str) -> None:
+        """Remove agent ``name`` of ``engine_id``, unless a stale read of it is held."""
+        if self._holds[engine_id]:
+            self._unremoved.setdefault(engine_id, set()).add(name)
+            return
         self._local.agent.drop_remote(name)
         if self._local.lanes is not None:
             self._local.lanes.remove(name)

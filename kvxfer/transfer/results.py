@@ -93,7 +93,10 @@ class PollResult:
     and resent, so that the lease ends even when a NIXL notification was lost or none
     went out). ``unnotified`` holds the requests, failed or finished, whose prefill was
     neither told nor can be (its connection was dropped before it was known): the
-    caller releases their leases over the side channel.
+    caller releases their leases over the side channel. ``quarantined`` holds the failed
+    requests whose READs were given up while in flight: their bytes may still land in the
+    request's blocks (see :class:`~kvxfer.transfer.reads.path.Stale`), so the caller keeps
+    those blocks from any other use until the request is named in ``settled``.
     """
 
     finished: list[str] = field(default_factory=list)
@@ -101,9 +104,11 @@ class PollResult:
     stats: dict[str, ReadStats] = field(default_factory=dict)
     unnotified: set[str] = field(default_factory=set)
     reports: dict[str, tuple[DoneReport, ...]] = field(default_factory=dict)
+    quarantined: set[str] = field(default_factory=set)
+    settled: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.finished or self.failed)
+        return bool(self.finished or self.failed or self.settled)
 
 
 @dataclass(frozen=True)
@@ -167,10 +172,18 @@ class ReadResults:
         self._ready.set()
 
     def failed(self, request_id: str, reason: str, unnotified: bool,
-               reports: tuple[DoneReport, ...] = ()) -> None:
+               reports: tuple[DoneReport, ...] = (), quarantined: bool = False) -> None:
         with self._lock:
             self._results.failed[request_id] = reason
+            if quarantined:
+                self._results.quarantined.add(request_id)
             self._end(request_id, unnotified, reports)
+        self._ready.set()
+
+    def settled(self, request_id: str) -> None:
+        """A quarantined read's READs all ended: its blocks are safe to use again."""
+        with self._lock:
+            self._results.settled.append(request_id)
         self._ready.set()
 
     def _end(self, request_id: str, unnotified: bool, reports: tuple[DoneReport, ...]) -> None:

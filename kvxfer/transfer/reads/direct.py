@@ -21,7 +21,9 @@ from kvxfer.transfer.reads.path import (
     Progress,
     ReadFailed,
     ReadPath,
+    Stale,
     Waiting,
+    abandon_transfers,
     reads_landed,
     release_transfers,
 )
@@ -70,3 +72,7 @@ class DirectPath(ReadPath):
 
     def finish(self) -> None:
         release_transfers(self._transfers, self._read.request_id)
+
+    def abandon(self, reason: str) -> Stale | None:
+        """Its READs still in flight stay open, as :class:`Stale`."""
+        return abandon_transfers(self._transfers, self._read.request_id)

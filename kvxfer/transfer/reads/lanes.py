@@ -15,12 +15,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.transfer.lanes import Lanes
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.peers import Peer
-from kvxfer.transfer.reads.path import TIMEOUT, ReadFailed, ReadPath, Waiting
+from kvxfer.transfer.reads.path import TIMEOUT, ReadFailed, ReadPath, Stale, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import ReadStats
 
@@ -41,6 +42,7 @@ class LanesPath(ReadPath):
         self._local, self._lanes, self._peer, self._read = local, lanes, peer, read
         self._descs = descs
         self.lanes = 1  # agents that copied a part
+        self._stale: list[Any] = []  # READs given up in flight (Stale)
 
     def post(self) -> None:
         peer = self._peer
@@ -56,7 +58,8 @@ class LanesPath(ReadPath):
                                 time.monotonic())
 
         try:
-            self.nixl_span = self._lanes.copy(parts, self._local.is_cuda, overdue)
+            self.nixl_span = self._lanes.copy(parts, self._local.is_cuda, overdue,
+                                              self._stale)
         except ReadFailed:
             raise
         except Exception as exc:
@@ -68,6 +71,11 @@ class LanesPath(ReadPath):
 
     def finish(self) -> None:
         """Nothing is held: every lane's READs were released as they landed."""
+
+    def abandon(self, reason: str) -> Stale | None:
+        """The READs a lane gave up while they were in flight, as :class:`Stale`."""
+        stale, self._stale = self._stale, []
+        return Stale(stale, self._read.request_id) if stale else None
 
     def add_to(self, stats: ReadStats) -> ReadStats:
         stats = super().add_to(stats)

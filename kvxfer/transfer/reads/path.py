@@ -15,7 +15,13 @@ worker's thread:
    read up at its :class:`Deadline`: the read timeout, or earlier when the peer that owes
    the bytes went silent);
 4. :meth:`ReadPath.finish` once every path landed, or :meth:`ReadPath.abandon` when the
-   read fails, is given up or the worker closes: every resource goes back either way.
+   read fails, is given up or the worker closes: every resource goes back either way,
+   except what a READ still in flight may yet write into. Giving a READ up does not stop
+   it: over TCP, once a cut link is back, the prefill's kernel delivers what it still
+   held and UCX places it, even after the peer was removed from the agent. So an
+   abandoned path hands the READs it could not see end to the reader as :class:`Stale`,
+   with what they land in, and the reader keeps them, the peer's agent and the read's
+   blocks until each one settled (:meth:`Stale.settled`).
 
 Any step may raise :class:`ReadFailed`, the one way a read fails: it names the peer and
 the reason, says whether the prefill ranks can be told over NIXL, and when the peer is
@@ -30,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
@@ -146,10 +152,12 @@ class ReadPath(ABC):
     def finish(self) -> None:
         """Every path of the read landed: give back what this one holds."""
 
-    def abandon(self, reason: str) -> None:
-        """The read failed or is given up (``reason``): stop and give back everything;
-        nothing writes into this rank's blocks for it once this returns."""
+    def abandon(self, reason: str) -> Stale | None:
+        """The read failed or is given up (``reason``): stop and give back everything but
+        the READs still in flight, returned as :class:`Stale` (None: nothing more lands
+        for it once this returns)."""
         self.finish()
+        return None
 
     def add_to(self, stats: ReadStats) -> ReadStats:
         """``stats`` with what this path moved added."""
@@ -171,6 +179,49 @@ def reads_landed(transfers: Sequence[Any]) -> bool:
     if failed is not None:
         raise TransferError(failed)
     return all(s == "DONE" for s in states)
+
+
+class Stale:
+    """READs an abandoned path left in flight (``transfers``: their bytes may still land)
+    and ``then``, what gives back the memory they land in besides this rank's blocks
+    (staging); ``blocks``: whether they land in the read's blocks. :meth:`settled` asks
+    each one (which progresses its agent; the thread that owns the agents calls it);
+    :meth:`release` frees the handles, then calls ``then``."""
+
+    def __init__(self, transfers: Sequence[Any], request_id: str,
+                 then: Callable[[], None] | None = None, *, blocks: bool = True) -> None:
+        self.transfers, self.request_id, self._then = list(transfers), request_id, then
+        self.blocks = blocks
+
+    def settled(self) -> bool:
+        """Whether every READ ended (landed or failed): nothing more lands for them."""
+        return not in_flight(self.transfers)
+
+    def release(self) -> None:
+        release_transfers(self.transfers, self.request_id)
+        if self._then is not None:
+            self._then()
+
+
+def in_flight(transfers: Sequence[Any]) -> list[Any]:
+    """The ``transfers`` NIXL still reports in progress (one that failed has ended)."""
+    pending = []
+    for transfer in transfers:
+        try:
+            if transfer.state() != "DONE":
+                pending.append(transfer)
+        except Exception:
+            continue
+    return pending
+
+
+def abandon_transfers(transfers: list[Any], request_id: str, *, blocks: bool = True
+                      ) -> Stale | None:
+    """Release the ``transfers`` that ended; those still in flight become :class:`Stale`."""
+    pending = in_flight(transfers)
+    release_transfers([t for t in transfers if t not in pending], request_id)
+    transfers.clear()
+    return Stale(pending, request_id, blocks=blocks) if pending else None
 
 
 def release_transfers(transfers: list[Any], request_id: str) -> None:

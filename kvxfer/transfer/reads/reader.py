@@ -29,10 +29,15 @@ with a side-channel "done" report for each prefill rank of the peer, which the c
 sends (acknowledged): the lease ends even when a notification was lost.
 
 Every failure ends in :meth:`Reader._fail`, the one failure path: the read's paths are
-abandoned (nothing writes into its blocks any more), the prefill ranks are told
+abandoned, the prefill ranks are told
 ``ok=False`` where a NIXL connection exists and the failure allows it, and reported so
 over the side channel (a peer never handshaken is reported unnotified instead: its
-caller releases the lease), and a peer at fault is taken for dead for a moment.
+caller releases the lease), and a peer at fault is taken for dead for a moment. READs
+an abandoned path saw still in flight may yet land (over TCP, once a cut link is back):
+the reader keeps them (:class:`~kvxfer.transfer.reads.path.Stale`) and their peer's agents
+(:meth:`Peers.hold`), reports the failure at once as *quarantined* when they land in the
+read's blocks (the caller keeps those blocks from every other use), and reports the read
+*settled* once every one of them ended, or after :data:`STALE_CEILING_S`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from dataclasses import dataclass
+from typing import Final
 
 from kvxfer.plan.ceiling import ceiling_descriptors
 from kvxfer.plan.descriptors import PeerReadPlan, build_requests_descriptors
@@ -51,12 +58,31 @@ from kvxfer.transfer.peers import HandshakeFailed, Peer, Peers
 from kvxfer.transfer.reads.direct import DirectPath
 from kvxfer.transfer.reads.host import HostPath, MappedPath
 from kvxfer.transfer.reads.lanes import LanesPath
-from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Waiting
+from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Stale, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.staged import StagedPath
 from kvxfer.transfer.results import PathTraffic, ReadResults, TransferError
 
 log = logging.getLogger(__name__)
+
+# how long a READ given up in flight is waited for at most: longer than Linux keeps
+# retransmitting on a connection whose peer stopped answering (tcp_retries2 = 15: about
+# 15.4 minutes), after which nothing of it can land
+STALE_CEILING_S: Final = 20 * 60.0
+
+
+@dataclass
+class _Held:
+    """A failed read's READs that were still in flight, waited for until ``until``."""
+
+    request_id: str
+    engine: str
+    stales: list[Stale]
+    until: float
+
+    @property
+    def blocks(self) -> bool:
+        return any(stale.blocks for stale in self.stales)
 
 
 class Reader:
@@ -70,6 +96,7 @@ class Reader:
         self.staging_wait: list[tuple[Read, Peer]] = []  # converted reads short of staging
         self._queued: queue.SimpleQueue[Read] = queue.SimpleQueue()
         self._handshaking: dict[str, list[Read]] = {}  # by engine: reads parked on it
+        self.held: list[_Held] = []  # failed reads whose READs may still land
 
     @property
     def read_timeout(self) -> float:
@@ -99,6 +126,8 @@ class Reader:
             self._begin(read)
         self._progress()
         self._watch()
+        if self.held:
+            self._settle()
 
     def close(self) -> None:
         """The worker is closing (its thread stopped): abandon every read, so that
@@ -106,7 +135,13 @@ class Reader:
         reason = f"decode rank {self._local.rank} is closing"
         for read in [*self.inflight, *(read for read, _ in self.staging_wait)]:
             for path in read.paths:
-                path.abandon(reason)
+                stale = path.abandon(reason)
+                if stale is not None:  # the agents close next: nothing lands after that
+                    stale.release()
+        for held in self.held:
+            for stale in held.stales:
+                stale.release()
+        self.held.clear()
 
     # -- routing ---------------------------------------------------------------------------
     def _begin(self, read: Read) -> None:
@@ -239,19 +274,53 @@ class Reader:
 
     def _fail(self, read: Read, failure: ReadFailed) -> None:
         """Fail one read (see the module docstring)."""
-        for path in read.paths:  # siblings fail too, and place nothing more here
-            path.abandon(str(failure))
-        log.warning("read for request %s failed: %s", read.request_id, failure)
+        # siblings fail too, and nothing is placed here any more; READs still in flight
+        # are held until they settle
+        stales = [stale for path in read.paths
+                  if (stale := path.abandon(str(failure))) is not None]
+        held = None
+        if stales:
+            held = _Held(read.request_id, read.engine, stales,
+                         time.monotonic() + STALE_CEILING_S)
+            self.held.append(held)
+            self._peers.hold(read.engine)
+        quarantined = held is not None and held.blocks
+        log.warning("read for request %s failed%s: %s", read.request_id,
+                    " (its blocks may still be written: quarantined)" if quarantined else "",
+                    failure)
         peer = self._peers.get(read.engine)
         if peer is None:
-            self._results.failed(read.request_id, str(failure), unnotified=True)
+            self._results.failed(read.request_id, str(failure), unnotified=True,
+                                 quarantined=quarantined)
         else:
             if failure.notify:
                 peer.tell(self._local, read.lease_id, list(peer.agents), ok=False)
             self._results.failed(read.request_id, str(failure), unnotified=False,
-                                 reports=peer.reports(self._local, read.lease_id, ok=False))
+                                 reports=peer.reports(self._local, read.lease_id, ok=False),
+                                 quarantined=quarantined)
         if failure.peer_gone is not None and peer is not None:
             self._peers.forget_dead(read.engine, failure.peer_gone)
+
+
+    def _settle(self) -> None:
+        """Release the held reads whose READs all ended (or that reached the ceiling)."""
+        now = time.monotonic()
+        for held in list(self.held):
+            if now < held.until and not all(stale.settled() for stale in held.stales):
+                continue
+            if now >= held.until:
+                log.warning("read for request %s: READs given up %.0f s ago still did not "
+                            "end; nothing of them can land any more, releasing them",
+                            held.request_id, STALE_CEILING_S)
+            else:
+                log.info("read for request %s: the READs given up in flight ended",
+                         held.request_id)
+            self.held.remove(held)
+            for stale in held.stales:
+                stale.release()
+            self._peers.unhold(held.engine)
+            if held.blocks:
+                self._results.settled(held.request_id)
 
 
 def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:

@@ -36,7 +36,9 @@ from kvxfer.transfer.reads.path import (
     Progress,
     ReadFailed,
     ReadPath,
+    Stale,
     Waiting,
+    abandon_transfers,
     reads_landed,
     release_transfers,
 )
@@ -153,12 +155,17 @@ class StagedPath(ReadPath):
         release_transfers(self._transfers, self._read.request_id)
         self._local.staging.settle(self._job, self._read.engine)
 
-    def abandon(self, reason: str) -> None:
-        """Also end this rank's shares: siblings fail too, and place nothing more here."""
-        self.finish()
+    def abandon(self, reason: str) -> Stale | None:
+        """Also end this rank's shares: siblings fail too, and place nothing more here.
+        READs still in flight land in staging, never in blocks (nothing places them now):
+        they are :class:`Stale`, and their staging stays held (the pool holds a failed
+        read's buffers until its peer is dropped, which waits for them to settle)."""
+        stale = abandon_transfers(self._transfers, self._read.request_id, blocks=False)
+        self._local.staging.settle(self._job, self._read.engine)
         for meeting in self._meetings:
             meeting.end_share(self._local.rank, reason)
             meeting.close(self._local.rank)
+        return stale
 
     def add_to(self, stats: ReadStats) -> ReadStats:
         stats = super().add_to(stats)
