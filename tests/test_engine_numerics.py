@@ -162,12 +162,14 @@ def assert_matches_dense(config: ModelConfig, tp: int, dense: Callable[
 
 # -- the disaggregated path --
 
-def run_to_end(engine: LLMEngine, ids: set[str]) -> dict[str, RequestOutput]:
-    """Step until every id has a finished output; keep each request's last output."""
+def run_to_end(engine: LLMEngine, ids: set[str], first: list[RequestOutput] | None = None
+               ) -> dict[str, RequestOutput]:
+    """Step until every id has a finished output; keep each request's last output
+    (``first``: the outputs of a step the caller took already)."""
     done: dict[str, RequestOutput] = {}
     tokens: dict[str, list] = {i: [] for i in ids}
-    for _ in range(500):
-        for out in engine.step():
+    for step in range(500):
+        for out in first if step == 0 and first is not None else engine.step():
             tokens[out.request_id] += out.logprobs
             if out.finished:
                 out.logprobs = tokens[out.request_id]
@@ -199,6 +201,13 @@ def poison(engine: LLMEngine) -> None:
     for rank in engine.kv_caches:
         for view in rank.values():
             view.fill_(float("nan"))
+
+
+def poison_blocks(engine: LLMEngine, block_ids: list[int]) -> None:
+    """Fill ``block_ids`` with NaN in every layer of every rank."""
+    for rank in engine.kv_caches:
+        for view in rank.values():
+            view[torch.tensor(block_ids, device=view.device)] = float("nan")
 
 
 def prefill_and_hold(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, RequestOutput]:
@@ -261,6 +270,33 @@ def test_failed_load_recomputes_the_prompt_in_the_same_blocks(
         assert decode.block_ids(f"d{i}") == blocks[i]
     done = run_to_end(decode, {f"d{i}" for i in range(len(prompts))})
     assert_same_run([done[f"d{i}"] for i in range(len(prompts))], reference, tol=1e-4)
+
+
+def test_a_quarantined_load_recomputes_in_fresh_blocks_and_keeps_the_old_ones_aside(
+        prompts: list[list[int]], reference: list[RequestOutput]) -> None:
+    """A READ given up in flight may still write into a request's blocks: set aside, they
+    stay allocated and out of every request until freed, and the recompute runs in fresh
+    blocks whatever is written into the old ones meanwhile."""
+    decode = make_engine(2, "BHLNC")
+    poison(decode)
+    for i, prompt in enumerate(prompts):
+        decode.add_request(f"d{i}", prompt, PARAMS, remote_kv=True)
+    aside = {i: decode.set_aside_blocks(f"d{i}") for i in range(len(prompts))}
+    used = decode.num_used_blocks
+    for i in range(len(prompts)):
+        assert aside[i] and decode.block_ids(f"d{i}") == []
+        decode.finish_kv_load(f"d{i}", ok=False, recompute=True, reason="link cut")
+    held = {b for blocks in aside.values() for b in blocks}
+    first = decode.step()  # the recompute takes fresh blocks: none of those set aside
+    fresh = {b for i in range(len(prompts)) for b in decode.block_ids(f"d{i}")}
+    assert fresh and not fresh & held
+    poison_blocks(decode, sorted(held))  # the stale READ lands while they run
+    done = run_to_end(decode, {f"d{i}" for i in range(len(prompts))}, first)
+    assert_same_run([done[f"d{i}"] for i in range(len(prompts))], reference, tol=1e-4)
+    assert decode.num_used_blocks == used  # the finished requests freed theirs, not these
+    for blocks in aside.values():
+        decode.free_blocks(blocks)
+    assert decode.num_used_blocks == 0
 
 
 @pytest.mark.cuda

@@ -69,6 +69,8 @@ HEARTBEAT_BOUND_S = 1.25 * HEARTBEAT_S  # after the cut, the read fails this soo
 HEARTBEAT_SLACK_S = 1.5         # two busy cores; the bound plus it stays far below 8 s
 CUT_DEADLINE_S = HEARTBEAT_BOUND_S + HEARTBEAT_SLACK_S + 7.0  # the retried answer
 SLOW_RATE = "10mbit"            # the prefill's egress during the cut test: ~1.2 MB/s
+# the link was down ~20 s: TCP's next retransmit comes within about as long again
+QUARANTINE_END_S = 90.0
 CUT_PROMPT_TOKENS = 1800        # kvxfer-tiny: 2 KiB of KV per token, ~3.6 MB, ~3 s slowed
 REAL_MODEL = "smollm2-135m-instruct"
 
@@ -286,9 +288,15 @@ def test_link_cut_mid_read(rig: Rig) -> None:
         assert json.loads(result["body"])["choices"][0]["text"] == want["text"], result
         assert rig.proxy.metric("kvxfer_proxy_retries_total", role="decode") \
             == retries_before + 1
-        # both sides free the request's blocks: the decode at once, the prefill (cut
-        # off, told nothing) when its lease expires; asked over its own loopback
-        decode.wait_for("blocks freed", lambda h: h["used_blocks"] == 0, timeout=10)
+        # the READ given up is still in flight: once the link is back, the prefill's
+        # kernel delivers what it held and UCX places it. The decode keeps the request's
+        # blocks out of use until then (quarantined), and uses nothing else
+        health = decode.wait_for("the request ended", lambda h: not h["requests_in_flight"],
+                                 timeout=10)
+        assert health["quarantined_blocks"] >= CUT_PROMPT_TOKENS // 2 // 16, health
+        assert health["used_blocks"] == health["quarantined_blocks"], health
+        # the prefill (cut off, told nothing) frees its blocks when its lease expires;
+        # asked over its own loopback
         deadline = time.monotonic() + LEASE_TTL_S + 10
         while (inside := health_inside(network, cut, prefill))["used_blocks"]:
             assert time.monotonic() < deadline, f"{cut} still holds blocks: {inside}"
@@ -306,8 +314,17 @@ def test_link_cut_mid_read(rig: Rig) -> None:
             network.link(cut, up=True)
         for role in PREFILLS:
             network.slow(role, None)
-    # back on the network: after the decode's fail-fast pause for a peer whose read
-    # failed, the cut prefill serves again too
+    # back on the network: the READ given up lands, which the decode sees, and only then
+    # frees the quarantined blocks
+    back = time.monotonic()
+    health = decode.wait_for("quarantined blocks freed", lambda h: not h["quarantined_blocks"],
+                             timeout=QUARANTINE_END_S)
+    print(f"link back: the decode freed the quarantined blocks {time.monotonic() - back:.1f} s "
+          f"later")
+    assert health["used_blocks"] == 0, health
+    assert "READs of request" in decode.log_tail(200), decode.log_tail(20)
+    # after the decode's fail-fast pause for a peer whose read failed, the cut prefill
+    # serves again too
     wait_instances(rig.proxy, f"{cut} back in rotation", all_healthy, timeout=20)
     time.sleep(max(0.0, failed_at + DEAD_PEER_S + 0.5 - time.monotonic()))
     assert prefill.metric("kvxfer_kv_leases_released_total", reason="expired") \

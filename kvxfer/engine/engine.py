@@ -188,7 +188,8 @@ class LLMEngine:
             return self.allocator.allocate(count)
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
-        """Return reserved blocks no request adopted."""
+        """Return reserved blocks no request adopted, or blocks set aside
+        (:meth:`set_aside_blocks`)."""
         with self._lock:
             self.allocator.free(block_ids)
 
@@ -309,6 +310,21 @@ class LLMEngine:
                 self.scheduler.start_running(request)
                 return
             self._end(request, "error", reason or "KV transfer failed")
+
+    def set_aside_blocks(self, request_id: str) -> list[int]:
+        """Decode side, before ``finish_kv_load(ok=False)`` or :meth:`abort`: a READ given
+        up in flight may still write into the blocks of ``request_id`` past its cached
+        prefix. They leave the request (it grows fresh ones if it is recomputed) and are
+        returned still allocated: the caller gives them back with :meth:`free_blocks` once
+        nothing can write into them."""
+        with self._lock:
+            request = self._get(request_id)
+            if request.state is not RequestState.WAITING_FOR_KV:
+                raise ValueError(f"request {request_id!r} is {request.state.value}, "
+                                 f"not waiting for KV")
+            keep = request.num_cached // self.block_size
+            aside, request.block_ids = request.block_ids[keep:], request.block_ids[:keep]
+            return aside
 
     def start_siblings(self, source_id: str, sibling_ids: Sequence[str]) -> None:
         """Decode side, ``n > 1``: start parked requests from ``source_id``'s loaded KV.

@@ -62,7 +62,11 @@ Who calls what:
 Invariant (the reason deferred aborts exist): a request's blocks are never freed or
 reused while any rank's READ may still be writing into them. An abort that arrives
 while a read is in flight is recorded and carried out only after every rank reported
-finished or failed.
+finished or failed. A rank whose failed read left READs in flight (given up while a cut
+link was down: they may land once it is back) reports it *quarantined*: the request's
+blocks past its cached prefix are set aside (``engine.set_aside_blocks``) before it is
+recomputed into fresh blocks, failed or aborted, and freed only once every such rank
+reported its READs *settled* (:attr:`KVLoads.quarantined_blocks` until then).
 """
 
 from __future__ import annotations
@@ -119,6 +123,15 @@ class _Reading:
     aborted: bool = False
     # ranks whose prefill was never told and cannot be (no connection), and why
     unnotified: dict[int, str] = field(default_factory=dict)
+    quarantined: set[int] = field(default_factory=set)  # ranks whose READs may still land
+
+
+@dataclass
+class _SetAside:
+    """A failed read's blocks, kept until the READs of ``ranks`` settled."""
+
+    blocks: list[int]
+    ranks: set[int]
 
 
 def first_logprob(remote: RemoteParams | PushedParams | None) -> Logprob | None:
@@ -144,6 +157,12 @@ class KVLoads:
         self._pending: deque[_Waiting] = deque()
         self._reads: dict[str, _Reading] = {}
         self._transfer_errors: dict[str, str] = {}
+        self._aside: dict[str, _SetAside] = {}  # by request: blocks a READ may still write
+
+    @property
+    def quarantined_blocks(self) -> int:
+        """Blocks set aside for READs given up in flight that may still land."""
+        return sum(len(aside.blocks) for aside in self._aside.values())
 
     @property
     def busy(self) -> bool:
@@ -347,9 +366,29 @@ class KVLoads:
                 if read is not None:
                     read.ranks_left.discard(rank)
                     read.failures[rank] = reason
+                    if request_id in result.quarantined:
+                        read.quarantined.add(rank)
                     self._report(request_id, rank, read, result, reason)
+            for request_id in result.settled:
+                self._settled(request_id, rank)
         for request_id in [rid for rid, read in self._reads.items() if not read.ranks_left]:
             self._resolve(request_id)
+
+    def _settled(self, request_id: str, rank: int) -> None:
+        """Rank ``rank``'s stale READs of ``request_id`` ended: free its set-aside blocks
+        once no rank's may land any more."""
+        aside = self._aside.get(request_id)
+        if aside is not None:
+            aside.ranks.discard(rank)
+            if not aside.ranks:
+                del self._aside[request_id]
+                self.engine.free_blocks(aside.blocks)
+                log.info("the READs of request %s given up in flight ended: its %d "
+                         "quarantined blocks are free", request_id, len(aside.blocks))
+            return
+        read = self._reads.get(request_id)
+        if read is not None:  # settled before every rank ended: nothing to set aside
+            read.quarantined.discard(rank)
 
     def _report(self, request_id: str, rank: int, read: _Reading, result: PollResult,
                 why: str) -> None:
@@ -368,6 +407,9 @@ class KVLoads:
         if read.unnotified:  # some prefill rank waits for a reader that cannot tell it
             why = "; ".join(read.unnotified[rank] for rank in sorted(read.unnotified))
             self.leases.release_after_failed_read(read.remote, why)
+        if read.quarantined:
+            self._aside[request_id] = _SetAside(self.engine.set_aside_blocks(request_id),
+                                                set(read.quarantined))
         if read.stats:
             self.metrics.transfer_bytes.inc(sum(s.num_bytes for s in read.stats))
             self.metrics.transfer_descriptors.inc(sum(s.descriptors for s in read.stats))
