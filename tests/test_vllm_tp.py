@@ -216,3 +216,37 @@ def test_lost_notifications_are_repaired_reader_by_reader_over_the_side_channel(
     assert "p" in sending, f"the lease was not freed within {REPAIR_S} s of the last read"
     assert prefill.ranks[0].worker.num_leases == 0
     assert torch.equal(decode.cache()[:, [1, 6, 3]], prefill.full[:, [5, 2, 7]])
+
+
+@pytest.mark.parametrize("instances", [(1, 1)], indirect=True, ids=["tp1-tp1"])
+def test_a_load_given_up_with_reads_in_flight_reaches_vllm_only_once_they_ended(
+        instances: tuple[Instance, Instance], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM recomputes a failed load in the same blocks (or frees them): a READ given up
+    while NIXL still reports it in flight may land there later, so the failure is
+    reported only once it ended."""
+    from test_stale_reads import StuckRead
+
+    prefill, decode = instances
+    side = decode.ranks[0]
+    warm = hand_out(prefill, [1], 8)
+    side.apply(StepPlan(loads=[Load("warm", dict(warm), (1,))]))  # handshake + connect
+    deadline = time.monotonic() + 30
+    while "warm" not in step_all(prefill, decode, {"p"})[1][0].recving:
+        assert time.monotonic() < deadline, "the warm-up load never ended"
+    stuck = StuckRead()
+    monkeypatch.setattr(side.worker._agent, "read", lambda *a, **k: stuck)
+    side.worker.read_timeout = 0.5
+    side.apply(StepPlan(loads=[Load("d", dict(hand_out(prefill, [5, 2], 20)), (3, 4))]))
+    seen = StepResult()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:  # the read fails after 0.5 s: vLLM hears nothing
+        seen = step_all(prefill, decode, {"p"})[1][0]
+        assert not seen.recving and not seen.error_blocks, seen
+        assert not stuck.released
+        time.sleep(0.01)
+    stuck.land()
+    deadline = time.monotonic() + 10
+    while not seen.recving:
+        assert time.monotonic() < deadline, "the load never reached vLLM once it ended"
+        seen = step_all(prefill, decode, {"p"})[1][0]
+    assert seen.recving == {"d"} and seen.error_blocks == {3, 4} and seen.failures == 1

@@ -22,7 +22,10 @@ Who calls what (vLLM's model-runner thread, once per step, in this order):
   back as vLLM wants them: request ids done loading or sending, and the block ids
   of failed loads (vLLM then recomputes or fails them, by its
   ``kv_load_failure_policy``). A lease is reported only once vLLM said the
-  request finished (``finished_req_ids``), as vLLM requires.
+  request finished (``finished_req_ids``), as vLLM requires. A load that failed with
+  READs still in flight (given up while a cut link was down: they may land once it is
+  back) is reported only once they settled: vLLM would recompute into the same blocks
+  or hand them to another request.
 
 The listener's thread only calls thread-safe :class:`TransferWorker` methods and
 queues releases for :meth:`poll` (through :class:`LeaseAnswers`).
@@ -104,6 +107,8 @@ class WorkerSide:
         self.answers = LeaseAnswers([self.worker], ttl=settings.lease_ttl,
                                     max_age=settings.max_age)
         self._loads: dict[str, _Load] = {}
+        # failed loads whose READs may still land: reported once they settled
+        self._quarantined: dict[str, tuple[Load, str]] = {}
         self._to_hold: list[Hold] = []
         self._lease_request: dict[str, str] = {}  # held lease id -> vLLM request id
         self._ended: set[str] = set()     # requests whose lease ended, vLLM not yet told
@@ -265,7 +270,16 @@ class WorkerSide:
             if item is None:
                 continue
             self._report(request_id, item, polled)
-            self._fail(item.load, reason)
+            if request_id in polled.quarantined:
+                log.warning("KV load of request %s failed with READs in flight; reported "
+                            "to vLLM once they ended: %s", request_id, reason)
+                self._quarantined[request_id] = (item.load, reason)
+            else:
+                self._fail(item.load, reason)
+        for request_id in polled.settled:
+            held = self._quarantined.pop(request_id, None)
+            if held is not None:
+                self._fail(*held)
 
     def _report(self, request_id: str, item: _Load, polled: PollResult) -> None:
         """Send an ended read's "done" reports; release a lease nobody could tell."""
