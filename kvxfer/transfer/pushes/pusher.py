@@ -52,7 +52,7 @@ from kvxfer.transfer.handshakes import HandshakeFailed
 from kvxfer.transfer.leases import LeaseTable
 from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.pushes.targets import Target, Targets
-from kvxfer.transfer.reads.path import release_transfers
+from kvxfer.transfer.reads.path import in_flight, release_transfers
 from kvxfer.transfer.results import TransferError
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import Reservation, ReservationError
@@ -354,13 +354,7 @@ class Pusher:
 
 def _settled(transfers: list[Any]) -> bool:
     """Whether no WRITE of ``transfers`` can still land: each completed or failed."""
-    for transfer in transfers:
-        try:
-            if transfer.state() != "DONE":
-                return False
-        except Exception:  # failed (or released): nothing more of it lands
-            continue
-    return True
+    return not in_flight(transfers)
 
 
 def _runs(layers: list[int]) -> list[tuple[int, int]]:
