@@ -25,7 +25,7 @@ import numpy as np
 
 from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.plan.regions import MemoryRegion
-from kvxfer.transfer.nixl_agent import NixlAgent, Transfer
+from kvxfer.transfer.nixl_agent import NixlAgent, in_flight
 from kvxfer.transfer.results import Span, TransferError, merge_spans
 from kvxfer.transfer.threads import run_all
 
@@ -139,18 +139,11 @@ def copy_parts(agent: NixlAgent, parts: Sequence[Part], local_cuda: bool,
             landed = True
             spans.append(transfer.span)
         finally:
-            if stale is not None and not landed and _in_flight(transfer):
+            if stale is not None and not landed and in_flight([transfer]):
                 stale.append(transfer)
             else:
                 transfer.release()
     return spans
-
-
-def _in_flight(transfer: Transfer) -> bool:
-    try:
-        return transfer.state() == "PROC"
-    except Exception:
-        return False
 
 
 def overdue_after(timeout: float) -> Overdue:

@@ -242,6 +242,19 @@ class Transfer:
                 f"descriptors={self.num_descriptors}, state={self._state})")
 
 
+def in_flight(transfers: Sequence[Any]) -> list[Any]:
+    """The ``transfers`` NIXL still reports in progress (one that failed, or was released,
+    has ended: nothing more of it lands)."""
+    pending = []
+    for transfer in transfers:
+        try:
+            if transfer.state() != "DONE":
+                pending.append(transfer)
+        except Exception:
+            continue
+    return pending
+
+
 class NixlAgent:
     """A UCX NIXL agent for one TP rank, progressed by its owner (see module doc).
 

@@ -221,11 +221,6 @@ class Peers:
         if peer is None:
             self._local.staging.drop_held(engine_id)
 
-    @property
-    def held(self) -> int:
-        """Engines with stale reads not settled."""
-        return len(self._holds)
-
     def close(self) -> None:
         """End every share with sibling ranks and stop the handshakes."""
         for engine_id in list(self._peers):

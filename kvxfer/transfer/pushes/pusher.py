@@ -51,8 +51,9 @@ from kvxfer.plan.pushes import check_layers
 from kvxfer.transfer.handshakes import HandshakeFailed
 from kvxfer.transfer.leases import LeaseTable
 from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.nixl_agent import in_flight
 from kvxfer.transfer.pushes.targets import Target, Targets
-from kvxfer.transfer.reads.path import in_flight, release_transfers
+from kvxfer.transfer.reads.path import release_transfers
 from kvxfer.transfer.results import TransferError
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import Reservation, ReservationError

@@ -36,10 +36,11 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from kvxfer.transfer.nixl_agent import in_flight
 from kvxfer.transfer.results import PathStats, ReadStats, Span, TransferError
 
 log = logging.getLogger(__name__)
@@ -182,15 +183,14 @@ def reads_landed(transfers: Sequence[Any]) -> bool:
 
 
 class Stale:
-    """READs an abandoned path left in flight (``transfers``: their bytes may still land)
-    and ``then``, what gives back the memory they land in besides this rank's blocks
-    (staging); ``blocks``: whether they land in the read's blocks. :meth:`settled` asks
-    each one (which progresses its agent; the thread that owns the agents calls it);
-    :meth:`release` frees the handles, then calls ``then``."""
+    """READs an abandoned path left in flight (``transfers``: their bytes may still land);
+    ``blocks``: whether they land in the read's blocks (else in staging, which the pool
+    holds meanwhile). :meth:`settled` asks each one (which progresses its agent; the
+    thread that owns the agents calls it); :meth:`release` frees the handles."""
 
-    def __init__(self, transfers: Sequence[Any], request_id: str,
-                 then: Callable[[], None] | None = None, *, blocks: bool = True) -> None:
-        self.transfers, self.request_id, self._then = list(transfers), request_id, then
+    def __init__(self, transfers: Sequence[Any], request_id: str, *, blocks: bool = True
+                 ) -> None:
+        self.transfers, self.request_id = list(transfers), request_id
         self.blocks = blocks
 
     def settled(self) -> bool:
@@ -199,20 +199,6 @@ class Stale:
 
     def release(self) -> None:
         release_transfers(self.transfers, self.request_id)
-        if self._then is not None:
-            self._then()
-
-
-def in_flight(transfers: Sequence[Any]) -> list[Any]:
-    """The ``transfers`` NIXL still reports in progress (one that failed has ended)."""
-    pending = []
-    for transfer in transfers:
-        try:
-            if transfer.state() != "DONE":
-                pending.append(transfer)
-        except Exception:
-            continue
-    return pending
 
 
 def abandon_transfers(transfers: list[Any], request_id: str, *, blocks: bool = True

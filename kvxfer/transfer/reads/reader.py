@@ -301,7 +301,6 @@ class Reader:
         if failure.peer_gone is not None and peer is not None:
             self._peers.forget_dead(read.engine, failure.peer_gone)
 
-
     def _settle(self) -> None:
         """Release the held reads whose READs all ended (or that reached the ceiling)."""
         now = time.monotonic()
