@@ -27,7 +27,8 @@ class Recorder:
         self.blocks: list[int] = []
         self.handed: dict[int, torch.Tensor] = {}
 
-    def start_push(self, lease_id: str, reservation: Reservation, block_ids: list[int]) -> None:
+    def start_push(self, lease_id: str, reservation: Reservation, block_ids: list[int],
+                   _answers_at: tuple[str, int] = ("", 0)) -> None:
         self.calls.append(("start", list(block_ids)))
         self.blocks = list(block_ids)
 

@@ -134,6 +134,37 @@ def test_a_reservation_that_does_not_verify_is_never_written(prefill: PrefillPro
         prefill.drop(remote["engine_id"])
 
 
+def test_a_reservation_another_engine_claimed_first_is_never_written(
+        prefill: PrefillProcess) -> None:
+    """The prefill claims a reservation before its first WRITE; a decode grants the claim
+    to the first engine only, so a reservation claimed by someone else fails the push
+    (its lease ends "failed") with no byte of its blocks changed, and the "gave up" the
+    prefill then sends ends nothing there (it is not the claimer). The decode is
+    connected already (a first push landed), so only the claim keeps the WRITEs back."""
+    from kvxfer.transfer.side_channel.client import HandshakeClient
+
+    cfg = CacheConfig(num_blocks=16, key=KEY)
+    remote = prefill.create(cfg)
+    decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
+    try:
+        first = decode.reserve("first", [1, 2], 2 * cfg.block_size, ttl=30)
+        prefill.push(remote["engine_id"], "lease-1", first, [5, 6])
+        assert wait_released(decode, {"first"}) == {"first": "done"}
+        taken = decode.reserve("resv", [3, 4], 2 * cfg.block_size, ttl=5, grace=0.5)
+        with HandshakeClient("first-claimer", cfg.compat(), cfg.hmac_key) as other:
+            assert other.renew("127.0.0.1", decode.port, "resv", claim=True).found
+        prefill.push(remote["engine_id"], "lease-2", taken, [7, 8])
+        assert prefill.wait_released(remote["engine_id"], {"lease-1", "lease-2"}) == {
+            "lease-1": "done", "lease-2": "failed"}
+        assert all(bool((view[3:5] == -1).all())
+                   for caches in decode.caches for view in caches.values())
+        assert decode.workers[0].lease_claimer("resv") == "first-claimer"
+        assert decode.released() == {} and leases(decode) == [1]
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
 def test_an_expired_reservation_is_never_written(prefill: PrefillProcess) -> None:
     cfg = CacheConfig(num_blocks=16)
     remote = prefill.create(cfg)
@@ -149,9 +180,12 @@ def test_an_expired_reservation_is_never_written(prefill: PrefillProcess) -> Non
         prefill.drop(remote["engine_id"])
 
 
-def test_a_prefill_killed_mid_push_leaves_the_reservation_to_expire_unlanded() -> None:
-    """The prefill process dies after WRITing some layers, before its "done": the
-    decode's reservation never ends "done"; its deadline ends it, blocks free."""
+def test_a_reservation_a_prefill_claimed_outlives_its_deadline_and_names_its_claimer() -> None:
+    """The prefill claims the reservation before its first WRITE, then dies after WRITing
+    some layers, before its "done". Only a writer can say that its WRITEs ended (over TCP,
+    a cut link delivers what it held back once it is back), so the claimed reservation
+    is not ended by its deadline: it names its claimer, which the decode's sidecar asks
+    whether it still runs (``Claimers``), and holds up to the stale ceiling."""
     cfg = CacheConfig(num_blocks=16, num_layers=3)
     proc = PrefillProcess()
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
@@ -165,9 +199,12 @@ def test_a_prefill_killed_mid_push_leaves_the_reservation_to_expire_unlanded() -
         while bool((view[1] == -1).all()) and time.monotonic() < deadline:
             time.sleep(0.005)
         assert not bool((view[1] == -1).all()), "layer 0 was never written"
+        assert decode.workers[0].lease_claimer("resv") == remote["engine_id"]
         proc.kill()
-        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "expired"}
-        assert leases(decode) == [0]
+        time.sleep(max(0.0, reservation.expires_at + 1.5 - time.time()))  # past the grace
+        assert decode.released() == {} and leases(decode) == [1]
+        assert decode.workers[0].end_lease("resv", "abandoned")
+        assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "abandoned"}
     finally:
         decode.close()
         proc.close()

@@ -130,6 +130,7 @@ class LoopbackInstance:
         (a decode that prefills push into does)."""
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
         from kvxfer.transfer.converted.process_shares import ProcessShares
+        from kvxfer.transfer.leases import LeaseAnswers
         from kvxfer.transfer.side_channel.listener import HandshakeListener
         from kvxfer.transfer.worker import TransferWorker
 
@@ -160,11 +161,13 @@ class LoopbackInstance:
             inst.workers.append(worker)
             inst.caches.append(caches)
             inst.raws.append(raw)
-        if listen or (listen is None and role == "prefill"):
+        if listen or (listen is None and role == "prefill"):  # a decode's answers claims
+            claims = LeaseAnswers.for_reservations(inst.workers) if role == "decode" else None
             inst.listener = HandshakeListener(
                 host, 0, engine_id=engine_id, compat=cfg.compat(), hmac_key=cfg.hmac_key,
                 metadata=lambda: [w.metadata() for w in inst.workers],
-                on_request=lambda _peer: [w.peer_connecting() for w in inst.workers]).start()
+                on_request=lambda _peer: [w.peer_connecting() for w in inst.workers],
+                on_renew=claims.on_renew if claims is not None else None).start()
         return inst
 
     @property
@@ -202,7 +205,7 @@ class LoopbackInstance:
         ``groups`` handed as the engine would hand finished layers, the rest at the seal
         (none without ``seal``: the push waits for more layers)."""
         for worker in self.workers:
-            worker.start_push(request_id, reservation, block_ids)
+            worker.start_push(request_id, reservation, block_ids, ("127.0.0.1", self.port))
             for layers in groups or ():
                 worker.push_layers(request_id, layers)
             if seal:

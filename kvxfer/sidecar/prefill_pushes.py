@@ -38,6 +38,7 @@ class PrefillPushes:
 
     def __init__(self, workers: list[TransferWorker], key: bytes | None) -> None:
         self._workers, self._key = workers, key
+        self.answers_at: tuple[str, int] = ("", 0)  # the side channel claims name (once up)
         self._expected: dict[str, Reservation] = {}  # request id -> reservation, not started
         self._started: dict[str, str] = {}  # request id -> lease id
         self._orphans: dict[str, int] = {}  # a given-up push's lease -> ranks to report it
@@ -98,7 +99,7 @@ class PrefillPushes:
     def _start(self, request_id: str, reservation: Reservation, block_ids: list[int]) -> None:
         lease_id = secrets.token_urlsafe(16)
         for worker in self._workers:
-            worker.start_push(lease_id, reservation, block_ids)
+            worker.start_push(lease_id, reservation, block_ids, self.answers_at)
         self._started[request_id] = lease_id
         log.debug("request %s: pushing into reservation %s (lease %s)", request_id,
                   reservation.reservation_id, lease_id)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvxfer.transfer.faults import LOSS, MessageLoss
-from kvxfer.transfer.results import Released, Tally
+from kvxfer.transfer.results import STALE_CEILING_S, Released, Tally
 from kvxfer.wire.errors import BadSignature, ProtocolError
 from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewRefused
 from kvxfer.wire.notification import ReadDone, decode_notif
@@ -75,6 +75,7 @@ class _Lease:
     held_at: float = field(default_factory=time.monotonic)  # the maximum age counts from here
     claimer: str | None = None  # the decode engine that claimed it (see renew)
     gave_up: bool = False  # a party's "done" said it did not move its bytes (ok=False)
+    due: float = math.inf  # the deadline it was held with (a claim or renewal extends it)
 
 
 class LeaseTable:
@@ -101,7 +102,8 @@ class LeaseTable:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a lease")
-            self._leases[request_id] = _Lease(tuple(block_ids), readers, time.monotonic() + ttl)
+            expires = time.monotonic() + ttl
+            self._leases[request_id] = _Lease(tuple(block_ids), readers, expires, due=expires)
 
     def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
               max_age: float = math.inf) -> float:
@@ -139,6 +141,12 @@ class LeaseTable:
         with self._lock:
             return request_id in self._leases
 
+    def claimer(self, request_id: str) -> str | None:
+        """The engine that claimed held lease ``request_id`` (None: unclaimed, not held)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return None if lease is None else lease.claimer
+
     def end(self, request_id: str, reason: str) -> bool:
         """End lease ``request_id`` now, released with ``reason``; False when it is not
         held (nothing changes)."""
@@ -157,6 +165,14 @@ class LeaseTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    def awaited(self) -> int:
+        """Leases within the deadline they were held with: their party's "done" is due
+        any moment (the worker polls for it fast). A lease a claim or renewal kept past
+        that deadline waits for a straggler (a write given up in flight, say)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(now < lease.due for lease in self._leases.values())
 
     def receive(self, notifications: Mapping[str, Sequence[bytes]]) -> None:
         """Worker thread: count the "done" notifications (raw, by sending agent) this
@@ -266,6 +282,14 @@ class LeaseAnswers:
     def __init__(self, ranks: Sequence[RankLeases], *, ttl: float, max_age: float) -> None:
         self.ranks, self.ttl, self.max_age = ranks, ttl, max_age
         self._releases: queue.SimpleQueue[Release] = queue.SimpleQueue()
+
+    @classmethod
+    def for_reservations(cls, ranks: Sequence[RankLeases]) -> LeaseAnswers:
+        """A push-mode decode's answers over its ``ranks``, whose reservations are leases:
+        a prefill claims one before its first WRITE (:meth:`on_renew` with ``claim``),
+        which keeps it held up to :data:`~kvxfer.transfer.results.STALE_CEILING_S`
+        unless its writers end it ("done", or ``ok=False`` once their WRITEs ended)."""
+        return cls(ranks, ttl=STALE_CEILING_S, max_age=math.inf)
 
     def on_release(self, lease_id: str, requester: str, reason: str,
                    outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:

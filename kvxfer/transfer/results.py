@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 
 from kvxfer.wire.messages import DoneReport
 
+# how long a transfer given up in flight (a READ, or a WRITE) is waited for at most:
+# longer than Linux keeps retransmitting on a connection whose peer stopped answering
+# (tcp_retries2 = 15: about 15.4 minutes), after which nothing of it can land
+STALE_CEILING_S = 20 * 60.0
+
 Span = tuple[float, float]
 """A READ as NIXL timed it: (posted, seen done), in seconds of the monotonic clock."""
 

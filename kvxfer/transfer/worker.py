@@ -335,6 +335,10 @@ class TransferWorker:
         """Whether lease ``request_id`` is held (thread-safe)."""
         return self._leases.holds(request_id)
 
+    def lease_claimer(self, request_id: str) -> str | None:
+        """The engine that claimed held lease ``request_id``, if any (thread-safe)."""
+        return self._leases.claimer(request_id)
+
     def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
         """End lease ``request_id`` now; ``poll_released()`` reports it with ``reason``.
 
@@ -353,15 +357,17 @@ class TransferWorker:
         return self._leases.take_released()
 
     def start_push(self, lease_id: str, reservation: Reservation,
-                   block_ids: Sequence[int]) -> None:
+                   block_ids: Sequence[int], answers_at: tuple[str, int] = ("", 0)) -> None:
         """Lease this rank's logical ``block_ids`` (in token order) as ``lease_id`` and push
         them into a decode's ``reservation``: WRITEs of the layers handed with
         :meth:`push_layers`, the rest at :meth:`seal_push`, then a signed "done" to each
         decode rank; the push ends the lease "done", or "failed", and ``poll_released``
-        reports it (:mod:`kvxfer.transfer.pushes.pusher` is the contract). Returns at once;
-        ValueError when ``lease_id`` holds a lease already."""
+        reports it (:mod:`kvxfer.transfer.pushes.pusher` is the contract). ``answers_at``:
+        this instance's side channel, named in its claim of the reservation. Returns at
+        once; ValueError when ``lease_id`` holds a lease already."""
         self._require_pusher().start(lease_id, reservation,  # a copy: the caller may reuse it
-                                     np.array(block_ids, dtype=np.int64).reshape(-1))
+                                     np.array(block_ids, dtype=np.int64).reshape(-1),
+                                     answers_at)
 
     def push_layers(self, lease_id: str, layers: range) -> None:
         """The engine finished ``layers`` of lease ``lease_id``'s prompt: WRITE them now."""
@@ -386,7 +392,7 @@ class TransferWorker:
             pushes = self._pusher.holding if self._pusher is not None else 0
             busy = (self._reads is not None and self._reads.busy) or \
                 (self._pusher is not None and self._pusher.busy) or \
-                time.monotonic() < self._fast_until or len(self._leases) > pushes
+                time.monotonic() < self._fast_until or self._leases.awaited() > pushes
             self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
             self._wake.clear()
             reads, pusher = self._reads, self._pusher  # None until register_kv_caches

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 from kvxfer.wire.errors import ErrorCode, MalformedMessage, require
 from kvxfer.wire.metadata import AgentMetadata
@@ -107,6 +108,7 @@ class ReleaseOutcome(str, enum.Enum):
 
 
 MAX_LEASE_ID_CHARS = 1024  # a request id (<= 200 characters) plus "@<serial>", with room
+MAX_HOST_CHARS = 255  # a DNS name's limit
 MAX_RELEASE_REASON_CHARS = 1024  # senders truncate; the reason is only logged
 
 
@@ -160,11 +162,17 @@ class RenewLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill grants it only to the first engine that claims a held lease, and
     renews a lease only for its claimer, so params sent to a second decode (or to
     a restarted one, which has a new engine id) are never read.
+
+    A prefill claims a decode's reservation (push mode) the same way, before its first
+    WRITE, naming its own side channel (``claimer_host``, ``claimer_port``): the decode
+    asks there whether the claimer still runs when the reservation is overdue.
     """
 
     lease_id: str
     requester_engine_id: str
     claim: bool = False
+    claimer_host: str = ""
+    claimer_port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
     def __post_init__(self) -> None:
         require(bool(self.lease_id), "RenewLease.lease_id must not be empty")
@@ -173,6 +181,8 @@ class RenewLease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"{MAX_LEASE_ID_CHARS} are allowed")
         require(bool(self.requester_engine_id),
                 "RenewLease.requester_engine_id must not be empty")
+        require(len(self.claimer_host) <= MAX_HOST_CHARS,
+                f"RenewLease.claimer_host has more than {MAX_HOST_CHARS} characters")
 
 
 class RenewAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -16,10 +16,13 @@ reserved, as the decode stated them (engine, side channel, ids, block size, toke
 deadline); nobody can widen it to other blocks or a later deadline.
 
 Deadline: ``expires_at`` is seconds since the epoch on the decode's clock. The prefill
-posts no WRITE at or after it and aborts any still in flight then; the decode frees the
-blocks of an unfinished reservation :data:`PUSH_GRACE_S` after it, so a WRITE aborted at
-the deadline never lands in blocks given to another request (clocks of the two hosts must
-agree to well within that grace).
+claims the reservation at the decode before its first WRITE and posts none at or after
+the deadline. The decode frees the blocks of a reservation nobody claimed
+:data:`PUSH_GRACE_S` after it (clocks of the two hosts must agree to well within that
+grace). One that a prefill claimed and did not finish by then keeps its blocks out of use
+until that prefill says its WRITEs ended, or is shown gone
+(:mod:`kvxfer.sidecar.claimers`): over TCP, a WRITE given up while a link was down still
+lands once it is back.
 """
 
 from __future__ import annotations

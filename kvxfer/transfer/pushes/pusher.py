@@ -9,7 +9,11 @@ Who calls what (the worker's ``push_*`` methods queue each call for its thread):
   (``poll_released``), as for any lease. The reservation must verify with the instances'
   key and be unexpired, and this rank's blocks must hold its tokens; otherwise the lease
   ends "failed" at once, and the decode is told nothing (its reservation was not shown
-  to be genuine: it frees the blocks at its own deadline).
+  to be genuine: it frees the blocks at its own deadline). Before its first WRITE the
+  push *claims* the reservation over the decode's side channel (the decode's
+  :class:`~kvxfer.transfer.leases.LeaseAnswers`): a decode frees the blocks of an
+  unfinished reservation nobody claimed at its deadline, and keeps those of a claimed
+  one until its writers said their WRITEs ended. A claim refused fails the push.
 * :meth:`Pusher.layers` (any thread): the engine finished ``layers`` (a run of layer
   indices, each handed at most once): WRITE them into every decode rank now, one WRITE
   per decode rank, while the engine computes the next ones.
@@ -29,10 +33,14 @@ caller sealed it not ``ok``, its lease was ended by someone else). A failed push
 nothing more and waits for its WRITEs in flight to complete or fail, then tells each
 decode rank ``ok=False`` (it frees the reservation now, not at its deadline) and ends its
 lease: no WRITE of it is in flight once either side frees a block. At the reservation's
-deadline a push still unfinished, or still waiting for its WRITEs, is cut off: those are
-aborted, the decode ranks they were writing into are told nothing, and the decode frees
-the blocks :data:`~kvxfer.wire.reservations.PUSH_GRACE_S` after its deadline, so nothing
-lands in reused blocks.
+deadline a push still unfinished fails the same way. Its WRITEs may stay in flight long
+after (over TCP, a cut link: the bytes still in this host's kernel land once the link is
+back), and the decode keeps the claimed blocks out of use until it is told ``ok=False``.
+Such a push is not polled fast: each step of the worker asks its WRITEs whether they
+ended. At :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the deadline, or when
+the worker closes, a push still waiting is cut off: its WRITEs are released, and the
+decode ranks they were writing into are told nothing (the decode frees at its own
+ceiling).
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.nixl_agent import in_flight
 from kvxfer.transfer.pushes.targets import Target, Targets
 from kvxfer.transfer.reads.path import release_transfers
-from kvxfer.transfer.results import TransferError
+from kvxfer.transfer.results import STALE_CEILING_S, TransferError
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import Reservation, ReservationError
 
@@ -78,6 +86,7 @@ class _Push:
     handed: list[range] = field(default_factory=list)  # layers handed, not posted yet
     posted: set[int] = field(default_factory=set)  # layers posted
     sealed: bool = False
+    claimed: bool = False  # the decode granted this prefill its claim of the reservation
     # per decode rank: WRITEs in flight, and the last rows posted (the "done" repeats one)
     inflight: dict[int, list[Any]] = field(default_factory=dict)
     last_rows: dict[int, RankDescriptors] = field(default_factory=dict)
@@ -86,12 +95,14 @@ class _Push:
     landed: dict[int, int] = field(default_factory=dict)  # per rank: WRITEs seen DONE, in
     # order (the first ones of ``inflight``: each step asks only about the others)
 
-    @property
-    def polled(self) -> bool:
+    def polled(self, now: float) -> bool:
         """Whether the worker must progress it without being woken: a WRITE in flight,
-        or it is sealed or failed (it finishes). Between two layers it waits for the next
-        (the engine's hand wakes the worker), and it does not poll: a forward pass on a
-        CPU shares its cores with the worker thread."""
+        or it is sealed or failed (it finishes). Between two layers, or while its claim
+        is on its way, it waits (the engine's hand, the claim's answer wake the worker),
+        and it does not poll: a forward pass on a CPU shares its cores with the worker
+        thread. Past its deadline it only waits for stale WRITEs: not polled either."""
+        if now >= self.reservation.expires_at:
+            return False
         return self.sealed or self.failed is not None or any(
             self.landed.get(rank, 0) < len(ts) for rank, ts in self.inflight.items())
 
@@ -117,20 +128,23 @@ class Pusher:
 
     @property
     def busy(self) -> bool:
-        return any(push.polled for push in self._pushes.values())
+        now = time.time()
+        return any(push.polled(now) for push in self._pushes.values())
 
     @property
     def holding(self) -> int:
         """Leases of the rank's table that are pushes' own: no reader's notification
         is awaited for them."""
-        return len(self._pushes)
+        return sum(self._leases.holds(push.lease_id) for push in self._pushes.values())
 
     # -- any thread ------------------------------------------------------------------------
-    def start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
-        """Hold the lease now (ValueError when ``lease_id`` holds one), push later."""
+    def start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
+              answers_at: tuple[str, int] = ("", 0)) -> None:
+        """Hold the lease now (ValueError when ``lease_id`` holds one), push later; the
+        claim names ``answers_at``, this instance's side channel."""
         ttl = max(reservation.expires_at - time.time(), 0.0) + LEASE_MARGIN_S
         self._leases.hold(lease_id, block_ids.tolist(), None, ttl)
-        self._submit(lambda: self._start(lease_id, reservation, block_ids))
+        self._submit(lambda: self._start(lease_id, reservation, block_ids, answers_at))
 
     def layers(self, lease_id: str, layers: range) -> None:
         self._submit(lambda: self._hand(lease_id, layers))
@@ -154,9 +168,13 @@ class Pusher:
             command()
         now = time.time()
         for push in list(self._pushes.values()):
-            if now >= push.reservation.expires_at:
-                self._cut_off(push, f"the reservation expired before the push finished "
-                                    f"({len(push.posted)} of {self._num_layers} layers posted)")
+            if now >= push.reservation.expires_at + STALE_CEILING_S:
+                self._cut_off(push, f"its WRITEs were still in flight {STALE_CEILING_S:g} s "
+                                    f"after the reservation's deadline")
+                continue
+            if now >= push.reservation.expires_at and push.failed is None:
+                self._fail(push, f"the reservation expired before the push finished "
+                                 f"({len(push.posted)} of {self._num_layers} layers posted)")
                 continue
             try:
                 self._progress(push)
@@ -169,7 +187,8 @@ class Pusher:
             self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
 
-    def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray) -> None:
+    def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
+               answers_at: tuple[str, int]) -> None:
         try:
             reservation.check(self._local.key)
             need = -(-reservation.num_tokens // self._local.geometry.block_size)
@@ -183,6 +202,8 @@ class Pusher:
             return
         push = _Push(lease_id, reservation, block_ids[:need])
         self._pushes[lease_id] = push
+        self._targets.claim(reservation, answers_at, lambda refused: self._submit(
+            lambda: self._claimed(lease_id, refused)))
         if self._targets.get(push.engine) is not None:
             return
         dead = self._targets.dead(push.engine)
@@ -201,6 +222,18 @@ class Pusher:
         except HandshakeFailed as exc:
             for push in parked:
                 self._fail(push, str(exc))
+
+    def _claimed(self, lease_id: str, refused: str | None) -> None:
+        """The decode answered the claim of ``lease_id``'s reservation (``refused``: why
+        not, or why no answer came)."""
+        push = self._pushes.get(lease_id)
+        if push is None or push.failed is not None:
+            return
+        if refused is not None:
+            self._fail(push, f"decode {push.engine} did not grant the claim of reservation "
+                             f"{push.reservation.reservation_id}: {refused}")
+        else:
+            push.claimed = True
 
     def _hand(self, lease_id: str, layers: range) -> None:
         push = self._pushes.get(lease_id)
@@ -243,6 +276,8 @@ class Pusher:
         if not self._leases.holds(push.lease_id):
             raise PushFailed("its lease ended before the push finished (its blocks may be "
                              "another request's now)")
+        if not push.claimed:
+            return  # nothing is written into a reservation the decode does not know claimed
         while push.handed:
             self._post(push, target, push.handed.pop(0))
         for rank in target.plans:
@@ -326,8 +361,9 @@ class Pusher:
         self._end(push, "failed")
 
     def _cut_off(self, push: _Push, reason: str) -> None:
-        """The reservation's deadline passed (or the worker closes): abort what is in
-        flight; tell only the decode ranks none of whose WRITEs may still land."""
+        """The ceiling past the reservation's deadline passed (or the worker closes):
+        release what is in flight; tell only the decode ranks none of whose WRITEs may
+        still land."""
         if push.failed is None:
             log.warning("push of request %s into decode %s cut off: %s", push.lease_id,
                         push.engine, reason)

@@ -6,12 +6,15 @@ from the side channel its reservation names and plans what this rank WRITEs into
 decode rank (:func:`~kvxfer.plan.pushes.plan_pushes`); back on the worker's thread,
 :meth:`Targets.connect` loads the decode ranks' agents into this rank's agent and warms
 each connection. A decode that failed is dead for a moment
-(:data:`~kvxfer.transfer.handshakes.DEAD_PEER_S`).
+(:data:`~kvxfer.transfer.handshakes.DEAD_PEER_S`). :meth:`Targets.claim` claims one
+reservation for this prefill over the decode's side channel, on a pool thread of its own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvxfer.plan.descriptors import IncompatibleLayoutError, SideGeometry
@@ -67,6 +70,8 @@ class Targets:
         self._shakes: Handshakes[_Shaken] = Handshakes(f"kvxfer-push-handshake-r{local.rank}",
                                                        local.wake, local.tally)
         self._shaking: dict[str, Reservation] = {}
+        self._claims = ThreadPoolExecutor(max_workers=2,
+                                          thread_name_prefix=f"kvxfer-push-claim-r{local.rank}")
 
     def get(self, engine_id: str) -> Target | None:
         return self._targets.get(engine_id)
@@ -98,6 +103,25 @@ class Targets:
         self._targets[target.engine_id] = target
         return target
 
+    def claim(self, reservation: Reservation, answers_at: tuple[str, int],
+              answered: Callable[[str | None], None]) -> None:
+        """Claim ``reservation`` for this prefill at its decode, naming ``answers_at`` (this
+        instance's side channel); a pool thread calls ``answered`` with None once the
+        decode granted it, or with why not (refused, no answer within the handshake's
+        timeout)."""
+        def run() -> None:
+            try:
+                ack = self._client.renew(reservation.host, reservation.port,
+                                         reservation.reservation_id, claim=True,
+                                         timeout=self._local.deadlines.handshake_timeout,
+                                         side_channel=answers_at)
+                refused = None if ack.found else ack.reason or "refused"
+            except Exception as exc:  # no answer, a dead decode: nothing gets written
+                refused = str(exc)
+            answered(refused)
+
+        self._claims.submit(run)
+
     def forget_dead(self, engine_id: str, reason: str) -> None:
         """A WRITE into ``engine_id`` failed: drop it, fail fast for a moment."""
         self.drop(engine_id)
@@ -111,6 +135,7 @@ class Targets:
                 self._local.agent.drop_remote(name)
 
     def close(self) -> None:
+        self._claims.shutdown(wait=False, cancel_futures=True)
         self._shakes.close()
 
     # -- pool thread: no NIXL ---------------------------------------------------------------

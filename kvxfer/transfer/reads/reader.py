@@ -37,7 +37,8 @@ an abandoned path saw still in flight may yet land (over TCP, once a cut link is
 the reader keeps them (:class:`~kvxfer.transfer.reads.path.Stale`) and their peer's agents
 (:meth:`Peers.hold`), reports the failure at once as *quarantined* when they land in the
 read's blocks (the caller keeps those blocks from every other use), and reports the read
-*settled* once every one of them ended, or after :data:`STALE_CEILING_S`.
+*settled* once every one of them ended, or after
+:data:`~kvxfer.transfer.results.STALE_CEILING_S`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import logging
 import queue
 import time
 from dataclasses import dataclass
-from typing import Final
 
 from kvxfer.plan.ceiling import ceiling_descriptors
 from kvxfer.plan.descriptors import PeerReadPlan, build_requests_descriptors
@@ -61,14 +61,10 @@ from kvxfer.transfer.reads.lanes import LanesPath
 from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Stale, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.staged import StagedPath
-from kvxfer.transfer.results import PathTraffic, ReadResults, TransferError
+from kvxfer.transfer.results import STALE_CEILING_S, PathTraffic, ReadResults, TransferError
 
 log = logging.getLogger(__name__)
 
-# how long a READ given up in flight is waited for at most: longer than Linux keeps
-# retransmitting on a connection whose peer stopped answering (tcp_retries2 = 15: about
-# 15.4 minutes), after which nothing of it can land
-STALE_CEILING_S: Final = 20 * 60.0
 
 
 @dataclass

@@ -179,9 +179,11 @@ class HandshakeClient:
         return self._parse_ack(frames, address, lease_id, ReleaseAck, what).found
 
     def renew(self, host: str, port: int, lease_id: str, *,
-              timeout: float = RELEASE_TIMEOUT_S, claim: bool = False) -> RenewAck:
+              timeout: float = RELEASE_TIMEOUT_S, claim: bool = False,
+              side_channel: tuple[str, int] = ("", 0)) -> RenewAck:
         """Ask the prefill at ``host:port`` to keep lease ``lease_id`` for another TTL
-        (with ``claim``: to claim it for this engine first, see :class:`RenewLease`).
+        (with ``claim``: to claim it for this engine first, see :class:`RenewLease`;
+        a prefill claiming a decode's reservation names its own ``side_channel``).
 
         One attempt of at most ``timeout`` seconds; the ack says whether the lease was
         still held (and claimed by this engine) and for how long it now lasts. Raises
@@ -192,7 +194,7 @@ class HandshakeClient:
         if self._closed:
             raise RuntimeError("HandshakeClient is closed")
         address = endpoint(host, port)
-        request = encode_message(RenewLease(lease_id, self.engine_id, claim),
+        request = encode_message(RenewLease(lease_id, self.engine_id, claim, *side_channel),
                                  compat=self.compat, hmac_key=self._key)
         frames = self._exchange(host, address, request, timeout, probe_port=port)
         if frames is None:

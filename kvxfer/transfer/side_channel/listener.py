@@ -68,6 +68,8 @@ class HandshakeListener:
     ``unavailable``. ``on_renew(lease_id, requester_engine_id, claim)`` claims
     (``claim``) or extends a held lease and returns the seconds it now has left, or
     raises :class:`RenewRefused` saying why not; the :class:`RenewAck` says which.
+    ``on_claimer(requester_engine_id, (host, port))`` is called after a claim granted
+    to a requester that named its own side channel (a prefill claiming a reservation).
     ``on_done(report, requester_engine_id)`` counts a reader's :class:`DoneReport` and
     returns whether the lease was held (a :class:`ReleaseAck` says so), or raises
     ValueError for a rank this instance does not serve (``unknown_rank``).
@@ -88,13 +90,15 @@ class HandshakeListener:
                  on_request: Callable[[str], None] | None = None,
                  on_release: Callable[[str, str, str, ReleaseOutcome], bool] | None = None,
                  on_renew: Callable[[str, str, bool], float] | None = None,
-                 on_done: Callable[[DoneReport, str], bool] | None = None
+                 on_done: Callable[[DoneReport, str], bool] | None = None,
+                 on_claimer: Callable[[str, tuple[str, int]], None] | None = None
                  ) -> None:
         self.engine_id = engine_id
         self.host = host
         self._compat, self._hash = compat, compat_hash(compat)
         self._metadata, self._on_request = metadata, on_request
         self._on_release, self._on_renew, self._on_done = on_release, on_renew, on_done
+        self._on_claimer = on_claimer
         self._key = hmac_key
         self._replay = ReplayGuard()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -326,6 +330,8 @@ class HandshakeListener:
                           renew.lease_id)
             return ErrorReply(ErrorCode.UNAVAILABLE, f"engine {self.engine_id} could not "
                                                      f"renew lease {renew.lease_id!r}: {exc}")
+        if renew.claim and renew.claimer_port and self._on_claimer is not None:
+            self._on_claimer(renew.requester_engine_id, (renew.claimer_host, renew.claimer_port))
         return RenewAck(renew.lease_id, True, float(ttl))
 
 
