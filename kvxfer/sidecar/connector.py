@@ -53,6 +53,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvxfer.sidecar.claimers import Claimers
 from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
 from kvxfer.sidecar.kv_loads import KVLoads
 from kvxfer.sidecar.kv_pushes import KVPushes
@@ -226,8 +227,11 @@ class KVConnector:
             for worker in self.workers:
                 worker.peer_connecting()
 
-        answers = {}
-        if self.role == "prefill":  # a decode's listener only serves its metadata
+        # a push-mode decode's listener serves its metadata and the claims of reservations
+        answers: dict[str, Any] = {
+            "on_renew": LeaseAnswers.for_reservations(self.workers).on_renew,
+            "on_claimer": lambda *heard: self.pushes and self.pushes.claimers.heard(*heard)}
+        if self.role == "prefill":
             self.answers = LeaseAnswers(self.workers, ttl=self.lease_ttl,
                                         max_age=self.lease_max_age)
             answers = {"on_release": self.answers.on_release, "on_renew": self.answers.on_renew,
@@ -237,6 +241,7 @@ class KVConnector:
             compat=compat_info(self.engine),
             metadata=lambda: [w.metadata() for w in self.workers], hmac_key=self._key,
             on_request=connecting, **answers).start()
+        self.pushing.answers_at = (self.advertise_host, self.listener.port)
 
     def _start_loads(self, mode: str) -> None:
         from kvxfer.transfer.lease_client import LeaseClient
@@ -259,7 +264,8 @@ class KVConnector:
         self.loads = KVLoads(self.engine, self.workers, self.metrics, leases,
                              failure_policy=self.failure_policy)
         if mode == "push" and self.listener is not None:
-            self.pushes = KVPushes(self.engine, self.workers, self.metrics,
+            claimers = Claimers(HandshakeClient(self.engine_id, compat, self._key))
+            self.pushes = KVPushes(self.engine, self.workers, self.metrics, claimers,
                                    engine_id=self.engine_id, host=self.advertise_host,
                                    port=self.listener.port, key=self._key, ttl=self.lease_ttl,
                                    failure_policy=self.failure_policy)
@@ -310,8 +316,9 @@ class KVConnector:
         if self.heartbeats is not None:
             self.heartbeats.close()
             self.heartbeats = None
-        if self.loads is not None:
-            self.loads.close()
+        for part in (self.loads, self.pushes):
+            if part is not None:
+                part.close()
 
     # -- prefill ----------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: list[int], num_prompt_tokens: int,

@@ -498,6 +498,7 @@ class EngineLoop:
         self._snapshot = {"free_blocks": free, "used_blocks": used,
                           "num_blocks": self.engine.num_blocks, "leases": leases,
                           "reservations": len(self.connector.pushes or ()),
-                          "quarantined_blocks": 0 if self.connector.loads is None else
-                          self.connector.loads.quarantined_blocks,
+                          "quarantined_blocks": sum(
+                              part.quarantined_blocks for part in
+                              (self.connector.loads, self.connector.pushes) if part is not None),
                           "requests_in_flight": len(self._tracked)}

@@ -23,6 +23,15 @@ loop's thread. Who calls what:
   once its deadline and the grace passed and every rank's lease ended. A request that
   names it later (it waited in a queue, say) recomputes its prompt under the failure
   policy ``recompute``, and gets a 400 that says the reservation ended otherwise.
+  A reservation still held on some rank at its deadline plus the grace is *overdue*: a
+  prefill claimed it (the side channel's
+  :meth:`~kvxfer.transfer.leases.LeaseAnswers.for_reservations`: a claim keeps the lease
+  up to :data:`~kvxfer.transfer.results.STALE_CEILING_S`) and has not said that its
+  WRITEs ended: over TCP, a cut link's bytes land once it is back. Its request, if one came, is
+  recomputed or failed at once in fresh blocks (``set_aside_blocks``); the reserved blocks
+  stay *quarantined* (:attr:`KVPushes.quarantined_blocks`) until every rank's lease ended
+  (the writers' late ``ok=False``, or the ceiling), or the grace after the claimer was
+  shown gone (:class:`~kvxfer.sidecar.claimers.Claimers`).
 * :meth:`KVPushes.abort`: a request whose reservation is still being written into is
   aborted only once its lease ended on every rank (a WRITE may land until then).
 
@@ -39,6 +48,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvxfer.sidecar.claimers import Claimers
 from kvxfer.sidecar.connector_events import AbortOutcome
 from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation
 
@@ -63,6 +73,7 @@ class _Reserved:
     request_id: str | None = None  # the generation request that adopted the blocks
     attached: float = 0.0  # when it did (monotonic)
     aborted: bool = False
+    blocks: list[int] | None = None  # overdue: the quarantined blocks, held until it ends
 
     @property
     def landed(self) -> bool:
@@ -73,9 +84,10 @@ class KVPushes:
     """See the module docstring. ``ttl``: seconds a reservation is valid."""
 
     def __init__(self, engine: LLMEngine, workers: list[TransferWorker],
-                 metrics: SidecarMetrics, *, engine_id: str, host: str, port: int,
-                 key: bytes | None, ttl: float, failure_policy: str) -> None:
+                 metrics: SidecarMetrics, claimers: Claimers, *, engine_id: str, host: str,
+                 port: int, key: bytes | None, ttl: float, failure_policy: str) -> None:
         self.engine, self.workers, self.metrics = engine, workers, metrics
+        self.claimers = claimers
         self.engine_id, self.host, self.port, self._key = engine_id, host, port, key
         self.ttl, self.failure_policy = ttl, failure_policy
         self._reserved: dict[str, _Reserved] = {}
@@ -88,8 +100,13 @@ class KVPushes:
 
     @property
     def busy(self) -> bool:
-        """Reservations a prefill may be writing into."""
-        return any(r.ranks_left for r in self._reserved.values())
+        """Reservations a prefill may be writing into before their deadline."""
+        return any(r.ranks_left and r.blocks is None for r in self._reserved.values())
+
+    @property
+    def quarantined_blocks(self) -> int:
+        """Blocks of overdue reservations, out of use until their writers' WRITEs ended."""
+        return sum(len(r.blocks) for r in self._reserved.values() if r.blocks is not None)
 
     def holds(self, reservation_id: str) -> bool:
         return reservation_id in self._reserved
@@ -125,6 +142,8 @@ class KVPushes:
         already, or one for another number of tokens."""
         reserved = self._reserved.get(reservation_id)
         ended = self._ended.get(reservation_id)
+        if reserved is not None and reserved.blocks is not None:  # overdue
+            reserved, ended = None, "was not written in time (its blocks are quarantined)"
         if reserved is None and ended is not None and self.failure_policy == "recompute":
             log.warning("request %s: its reservation %s %s; recomputing its prompt",
                         request_id, reservation_id, ended)
@@ -155,30 +174,80 @@ class KVPushes:
             return False
         reserved.ranks_left.discard(rank)
         reserved.reasons.add(item.reason)
-        if not reserved.ranks_left and reserved.request_id is not None:
+        if not reserved.ranks_left and reserved.blocks is not None:
+            del self._reserved[item.request_id]
+            self.engine.free_blocks(reserved.blocks)
+            log.info("reservation %s: its writers' WRITEs ended (%s): its %d quarantined "
+                     "blocks are free", item.request_id, ", ".join(sorted(reserved.reasons)),
+                     len(reserved.blocks))
+        elif not reserved.ranks_left and reserved.request_id is not None:
             self._resolve(item.request_id)
         return True
 
     def poll(self) -> None:
-        """Give back the blocks of reservations no request came for, once over."""
+        """Give back the blocks of reservations no request came for, once over; set
+        those of overdue ones aside."""
         now = time.time()
         for reservation_id, reserved in list(self._reserved.items()):
-            if reserved.request_id is None and not reserved.ranks_left and \
-                    now >= reserved.reservation.expires_at + PUSH_GRACE_S:
+            if reserved.blocks is not None:
+                self._check_claimer(reservation_id, reserved)
+            elif now < reserved.reservation.expires_at + PUSH_GRACE_S:
+                continue
+            elif reserved.ranks_left:
+                self._overdue(reservation_id, reserved)
+            elif reserved.request_id is None:
                 del self._reserved[reservation_id]
                 self.engine.free_blocks(reserved.reservation.block_ids)
-                why = (f"ended unused at its deadline "
-                       f"({', '.join(sorted(reserved.reasons))}), before its request came")
-                log.info("reservation %s %s", reservation_id, why)
-                self._ended[reservation_id] = why
-                while len(self._ended) > ENDED_KEPT:
-                    self._ended.popitem(last=False)
+                self._end_unused(reservation_id, f"ended unused at its deadline "
+                                                 f"({', '.join(sorted(reserved.reasons))}), "
+                                                 f"before its request came")
 
-    def _resolve(self, reservation_id: str) -> None:
-        """Every rank's lease of an adopted reservation ended: run its request, or
-        recompute or fail it."""
-        reserved = self._reserved.pop(reservation_id)
+    def _end_unused(self, reservation_id: str, why: str) -> None:
+        log.info("reservation %s %s", reservation_id, why)
+        self._ended[reservation_id] = why
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+
+    def _overdue(self, reservation_id: str, reserved: _Reserved) -> None:
+        """A writer claimed ``reserved`` and has not said its WRITEs ended: its blocks
+        leave every use until it does (or the ceiling); its request goes on without
+        them."""
         request_id = reserved.request_id
+        if request_id is None:
+            reserved.blocks = list(reserved.reservation.block_ids)
+            self._end_unused(reservation_id, "was not written in time (its blocks are "
+                                             "quarantined)")
+        else:
+            reserved.blocks = self.engine.set_aside_blocks(request_id)
+            reserved.reasons.add("overdue")
+            self._resolve(reservation_id, keep=True)
+        log.warning("reservation %s: ranks %s still held %g s after its deadline (a writer "
+                    "may still be writing): %d blocks quarantined until its WRITEs ended",
+                    reservation_id, sorted(reserved.ranks_left), PUSH_GRACE_S,
+                    len(reserved.blocks))
+
+    def _check_claimer(self, reservation_id: str, reserved: _Reserved) -> None:
+        """An overdue reservation: end its leases once the grace passed since the prefill
+        that claimed it was shown gone (its WRITEs ended with it)."""
+        claimed = {engine for rank in reserved.ranks_left
+                   if (engine := self.workers[rank].lease_claimer(reservation_id))}
+        gone = {engine: self.claimers.gone(engine) for engine in claimed}
+        known = [g for g in gone.values() if g is not None]
+        if not claimed or len(known) < len(gone) or \
+                time.monotonic() < max(since for _, since in known) + PUSH_GRACE_S:
+            return  # (a rank nobody claimed ends at its own deadline)
+        log.warning("reservation %s: its writer %s; its quarantined blocks are freed",
+                    reservation_id, "; ".join(why for why, _ in known))
+        for rank in sorted(reserved.ranks_left):
+            self.workers[rank].end_lease(reservation_id, "abandoned")
+
+    def _resolve(self, reservation_id: str, keep: bool = False) -> None:
+        """Every rank's lease of an adopted reservation ended (or, ``keep``, it is
+        overdue and stays held, its blocks set aside): run its request, or recompute or
+        fail it."""
+        reserved = self._reserved[reservation_id] if keep else \
+            self._reserved.pop(reservation_id)
+        request_id, reserved.request_id = reserved.request_id, None
         assert request_id is not None
         if reserved.aborted:
             self.metrics.transfers.labels("aborted").inc()
@@ -214,3 +283,4 @@ class KVPushes:
 
     def close(self) -> None:
         self._reserved.clear()
+        self.claimers.close()

@@ -1,0 +1,128 @@
+"""``Claimers`` (:mod:`kvxfer.sidecar.claimers`) against real side channels: a push-mode
+decode learns where each prefill that claimed a reservation answers, and asks there,
+with a real ``HandshakeClient``, whether that prefill still runs.
+
+The prefill is a loopback instance (real workers and listener in this process); the
+claim goes over a real ZMQ connection to a decode's real listener."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
+from kvxfer.sidecar.claimers import PROBE_EVERY_S, Claimers
+from kvxfer.transfer.side_channel.client import HandshakeClient
+
+CFG = CacheConfig(num_blocks=8)
+
+
+@pytest.fixture
+def prefill() -> Iterator[LoopbackInstance]:
+    inst = LoopbackInstance.create("prefill", CFG)
+    try:
+        yield inst
+    finally:
+        inst.close()
+
+
+@pytest.fixture
+def claimers() -> Iterator[Claimers]:
+    made = Claimers(HandshakeClient("decode-probing", CFG.compat(), CFG.hmac_key))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def settle(claimers: Claimers, engine_id: str, probes: int = 2) -> tuple[str, float] | None:
+    """What ``gone`` says once ``probes`` probes were answered (or it is known gone)."""
+    deadline = time.monotonic() + probes * PROBE_EVERY_S + 5.0
+    while time.monotonic() < deadline:
+        gone = claimers.gone(engine_id)
+        if gone is not None:
+            return gone
+        time.sleep(0.05)
+    return None
+
+
+def test_a_claimer_that_answers_as_itself_is_not_gone(prefill: LoopbackInstance,
+                                                      claimers: Claimers) -> None:
+    claimers.heard(prefill.engine_id, ("127.0.0.1", prefill.port))
+    assert settle(claimers, prefill.engine_id) is None
+
+
+def test_a_claimer_whose_side_channel_refuses_is_gone_since_the_probe_saw_it(
+        prefill: LoopbackInstance, claimers: Claimers) -> None:
+    port = prefill.port
+    claimers.heard(prefill.engine_id, ("127.0.0.1", port))
+    assert claimers.gone(prefill.engine_id) is None  # a probe starts; it answers
+    prefill.close()
+    before = time.monotonic()
+    gone = settle(claimers, prefill.engine_id)
+    assert gone is not None and "no longer runs" in gone[0], gone
+    assert before <= gone[1] <= time.monotonic()
+    assert claimers.gone(prefill.engine_id) == gone  # known gone stays gone
+
+
+def test_another_engine_answering_at_the_claimers_side_channel_means_it_restarted(
+        prefill: LoopbackInstance, claimers: Claimers) -> None:
+    claimers.heard("the-engine-before-the-restart", ("127.0.0.1", prefill.port))
+    gone = settle(claimers, "the-engine-before-the-restart")
+    assert gone is not None and prefill.engine_id in gone[0], gone
+
+
+def test_a_claimer_nobody_heard_of_is_never_probed(claimers: Claimers) -> None:
+    assert settle(claimers, "never-claimed", probes=1) is None
+
+
+def test_a_decode_listener_hands_over_where_a_granted_claimer_answers(
+        prefill: LoopbackInstance, claimers: Claimers) -> None:
+    """The claim names the claimer's side channel: the decode's listener hands it to
+    ``on_claimer`` once the claim is granted, never for a refused one."""
+    from kvxfer.transfer.leases import LeaseAnswers
+    from kvxfer.transfer.side_channel.listener import HandshakeListener
+
+    decode = LoopbackInstance.create("decode", CFG)
+    heard: list[tuple[str, tuple[str, int]]] = []
+    listener = HandshakeListener(
+        "127.0.0.1", 0, engine_id=decode.engine_id, compat=CFG.compat(),
+        metadata=lambda: [w.metadata() for w in decode.workers],
+        on_renew=LeaseAnswers.for_reservations(decode.workers).on_renew,
+        on_claimer=lambda engine, at: heard.append((engine, at))).start()
+    try:
+        for worker in decode.workers:
+            worker.hold("resv", [1], readers=None, ttl=30)
+        with HandshakeClient("writer", CFG.compat(), CFG.hmac_key) as writer, \
+                HandshakeClient("late-writer", CFG.compat(), CFG.hmac_key) as late:
+            assert writer.renew("127.0.0.1", listener.port, "resv", claim=True,
+                                side_channel=("10.0.0.7", 4321)).found
+            assert not late.renew("127.0.0.1", listener.port, "resv", claim=True,
+                                  side_channel=("10.0.0.8", 4321)).found
+        assert heard == [("writer", ("10.0.0.7", 4321))]
+        # the claim keeps the reservation past the deadline it was held with
+        assert decode.workers[0].lease_claimer("resv") == "writer"
+    finally:
+        listener.close()
+        decode.close()
+
+
+def test_a_claimed_reservation_outlives_its_deadline_and_is_not_polled_for_past_it() -> None:
+    """A claim keeps a reservation's lease up to the stale ceiling; past the deadline it
+    was held with, the worker no longer polls fast for it (``awaited``): its writer's
+    word may be minutes away."""
+    from kvxfer.transfer.leases import LeaseTable
+    from kvxfer.transfer.results import STALE_CEILING_S, Tally
+
+    table = LeaseTable(None, Tally())
+    table.hold("resv", [1], None, ttl=0.2)
+    table.hold("other", [2], None, ttl=0.2)
+    assert table.awaited() == 2
+    assert table.renew("resv", STALE_CEILING_S, "writer", claim=True) > STALE_CEILING_S - 1
+    time.sleep(0.3)
+    table.expire()
+    assert [r.request_id for r in table.take_released()] == ["other"]
+    assert table.holds("resv") and table.claimer("resv") == "writer"
+    assert table.awaited() == 0
