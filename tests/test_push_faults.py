@@ -36,6 +36,7 @@ from sidecars import (
 )
 
 from kvxfer.harness.network import UCX_ENV, Network, why_not
+from kvxfer.sidecar.claimers import PROBE_EVERY_S
 from kvxfer.wire.reservations import PUSH_GRACE_S
 
 COMPLETIONS = "/v1/completions"
@@ -151,12 +152,41 @@ def test_a_decode_killed_while_a_prefill_pushes_to_it_fails_the_request_and_free
     pair.prefill.wait_for("the failed push's blocks free", idle, timeout=ENDS_S)
 
 
+def test_a_prefill_gone_after_it_claimed_a_reservation_ends_its_quarantine(
+        tmp_path: Path) -> None:
+    """The decode loses every NIXL notification (``KVXFER_DROP_MESSAGES``), so a push that
+    landed is never said to have: the reservation is overdue at its deadline plus the
+    grace, its request recomputes, and its blocks stay out of use while the prefill that
+    claimed it runs (only the writer can say its WRITEs ended). Killed, it cannot: the
+    decode finds nothing listening at its side channel and frees the blocks the grace
+    later."""
+    with SidecarGroup(tmp_path, env={"KVXFER_DROP_MESSAGES": "notification=1"}) as group:
+        prefill, decode = group.start([
+            Spec("prefill"), Spec("decode", policy="recompute", extra=PUSH_DECODE)])
+        want = decode.post(COMPLETIONS, BODY)  # the decode computing the prompt itself
+        assert want.status_code == 200, want.text
+        answer = decode.post(COMPLETIONS, push_first(prefill, decode, BODY), timeout=ENDS_S)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"] == want.json()["choices"]
+        assert decode.metric("kvxfer_kv_recomputes_total") == 1
+        time.sleep(2 * PROBE_EVERY_S + 1)  # probed meanwhile: the prefill still runs
+        held = decode.health()
+        assert held["quarantined_blocks"] > 0 and held["reservations"] == 1, held
+        prefill.kill()
+        killed = time.monotonic()
+        decode.wait_for("the gone prefill's reservation freed", idle,
+                        timeout=PUSH_GRACE_S + 3 * PROBE_EVERY_S + 10)
+        assert time.monotonic() - killed >= PUSH_GRACE_S - 1, "freed before the grace"
+        assert "no longer runs" in decode.log_tail(200), decode.log_tail(20)
+
+
 # -- the prefill's link cut while it pushes ------------------------------------------------
 
 CUT_RESERVE_S = 8.0  # the reservation outlives the slowed push; the cut ends it
 CUT_PROMPT = ("The prefill host drops off the network while it pushes. " * 40)[:1800]
 SLOW_RATE = "10mbit"  # kvxfer-tiny: 2 KiB of KV per token, ~3.6 MB: ~3 s slowed
 CUT_ANSWER_S = CUT_RESERVE_S + PUSH_GRACE_S + 10.0  # the recomputed answer, after the cut
+QUARANTINE_END_S = 90.0  # TCP retransmits within this once the link is back
 
 
 @pytest.fixture
@@ -210,13 +240,13 @@ def same_answer(got: httpx.Response, want: httpx.Response) -> None:
 
 def test_a_link_cut_while_a_prefill_pushes_recomputes_and_strands_nothing(
         hosts: tuple[Network, Sidecar, Sidecar, Sidecar]) -> None:
-    """UCX over TCP notices nothing of the cut; the prefill cuts its push off at the
+    """UCX over TCP notices nothing of the cut; the prefill gives its push up at the
     reservation's deadline, the decode recomputes the prompt once the grace after it
-    passed, the client gets the one-instance answer and both sides free every block.
-
-    The link comes back only as the sidecars stop: the bytes of the aborted WRITE that
-    the prefill's kernel still holds land once it does, in blocks the decode has freed
-    (the README's known hole), so nothing is asked of the decode after that."""
+    passed, and the client gets the one-instance answer. The prefill frees its blocks;
+    the decode keeps the reservation's out of use while the link is down (the bytes of
+    the WRITE the prefill's kernel still holds land once it is back). Once it is back,
+    the WRITE ends, the prefill says so, and the decode frees them
+    (``test_link_return.py`` checks that no other request is served wrong meanwhile)."""
     network, reference, prefill, decode = hosts
     body = {**BODY, "logprobs": 1}
     warm = decode.post(COMPLETIONS, push_first(prefill, decode, body))  # connects the pair
@@ -243,10 +273,14 @@ def test_a_link_cut_while_a_prefill_pushes_recomputes_and_strands_nothing(
     print(f"link cut: the decode answered {time.monotonic() - cut_at:.1f} s after the cut")
     same_answer(answers[0], want)
     assert decode.metric("kvxfer_kv_recomputes_total") == 1
-    decode.wait_for("every block free", idle)
     deadline = time.monotonic() + CUT_RESERVE_S + 10
     while (inside := health_inside(network, "prefill", prefill))["leases"] or \
             inside["used_blocks"]:
         assert time.monotonic() < deadline, f"the cut-off prefill still holds: {inside}"
         time.sleep(0.2)
-    assert "cut off" in prefill.log_tail(400), prefill.log_tail(20)
+    assert "expired before the push finished" in prefill.log_tail(400), prefill.log_tail(20)
+    held = decode.health()
+    assert held["quarantined_blocks"] > 0 and held["reservations"] == 1, held
+    network.link("prefill", up=True)
+    decode.wait_for("the WRITE ended and the decode told: every block free", idle,
+                    timeout=QUARANTINE_END_S)
