@@ -143,7 +143,8 @@ class KVPushes:
         reserved = self._reserved.get(reservation_id)
         ended = self._ended.get(reservation_id)
         if reserved is not None and reserved.blocks is not None:  # overdue
-            reserved, ended = None, "was not written in time (its blocks are quarantined)"
+            reserved, ended = None, ("was claimed by a prefill that did not finish writing "
+                                     "it in time (its blocks are quarantined)")
         if reserved is None and ended is not None and self.failure_policy == "recompute":
             log.warning("request %s: its reservation %s %s; recomputing its prompt",
                         request_id, reservation_id, ended)
@@ -193,8 +194,10 @@ class KVPushes:
                 self._check_claimer(reservation_id, reserved)
             elif now < reserved.reservation.expires_at + PUSH_GRACE_S:
                 continue
-            elif reserved.ranks_left:
-                self._overdue(reservation_id, reserved)
+            elif reserved.ranks_left:  # unclaimed ranks end at their own deadline
+                if any(self.workers[rank].lease_claimer(reservation_id)
+                       for rank in reserved.ranks_left):
+                    self._overdue(reservation_id, reserved)
             elif reserved.request_id is None:
                 del self._reserved[reservation_id]
                 self.engine.free_blocks(reserved.reservation.block_ids)
@@ -215,8 +218,8 @@ class KVPushes:
         request_id = reserved.request_id
         if request_id is None:
             reserved.blocks = list(reserved.reservation.block_ids)
-            self._end_unused(reservation_id, "was not written in time (its blocks are "
-                                             "quarantined)")
+            self._end_unused(reservation_id, "was claimed by a prefill that did not finish "
+                                             "writing it in time (its blocks are quarantined)")
         else:
             reserved.blocks = self.engine.set_aside_blocks(request_id)
             reserved.reasons.add("overdue")
