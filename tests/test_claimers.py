@@ -56,9 +56,9 @@ def test_a_claimer_that_answers_as_itself_is_not_gone(prefill: LoopbackInstance,
 
 def test_a_claimer_whose_side_channel_refuses_is_gone_since_the_probe_saw_it(
         prefill: LoopbackInstance, claimers: Claimers) -> None:
-    port = prefill.port
-    claimers.heard(prefill.engine_id, ("127.0.0.1", port))
-    assert claimers.gone(prefill.engine_id) is None  # a probe starts; it answers
+    claimers.heard(prefill.engine_id, ("127.0.0.1", prefill.port))
+    time.sleep(1.0)  # the claim's own probe: it answers there as itself
+    assert claimers.gone(prefill.engine_id) is None
     prefill.close()
     before = time.monotonic()
     gone = settle(claimers, prefill.engine_id)
@@ -69,9 +69,39 @@ def test_a_claimer_whose_side_channel_refuses_is_gone_since_the_probe_saw_it(
 
 def test_another_engine_answering_at_the_claimers_side_channel_means_it_restarted(
         prefill: LoopbackInstance, claimers: Claimers) -> None:
-    claimers.heard("the-engine-before-the-restart", ("127.0.0.1", prefill.port))
-    gone = settle(claimers, "the-engine-before-the-restart")
-    assert gone is not None and prefill.engine_id in gone[0], gone
+    from kvxfer.transfer.side_channel.listener import HandshakeListener
+
+    port = prefill.port
+    claimers.heard(prefill.engine_id, ("127.0.0.1", port))
+    time.sleep(1.0)  # seen there as itself
+    prefill.close()
+    restarted = HandshakeListener("127.0.0.1", port, engine_id="restarted-prefill",
+                                  compat=CFG.compat(), metadata=list).start()
+    try:
+        gone = settle(claimers, prefill.engine_id)
+        assert gone is not None and "restarted-prefill" in gone[0], gone
+    finally:
+        restarted.close()
+
+
+def test_an_address_that_never_answered_as_the_claimer_proves_nothing(
+        prefill: LoopbackInstance, claimers: Claimers) -> None:
+    """A claim names a side channel that some other engine serves, or that nothing
+    serves at all (a wrong --advertise-host, say): neither makes the claimer gone, so a
+    WRITE it may still have in flight keeps its blocks out of use."""
+    claimers.heard("claimed-from-elsewhere", ("127.0.0.1", prefill.port))
+    claimers.heard("claimed-from-nowhere", ("127.0.0.1", 1))  # nothing listens on port 1
+    assert settle(claimers, "claimed-from-elsewhere", probes=1) is None
+    assert settle(claimers, "claimed-from-nowhere", probes=1) is None
+
+
+def test_the_first_side_channel_an_engine_named_is_the_one_probed(
+        prefill: LoopbackInstance, claimers: Claimers) -> None:
+    """A later claim naming another address for the same engine (a peer with the key
+    pretending to be it, say) does not move where it is probed."""
+    claimers.heard(prefill.engine_id, ("127.0.0.1", prefill.port))
+    claimers.heard(prefill.engine_id, ("127.0.0.1", 1))
+    assert settle(claimers, prefill.engine_id) is None
 
 
 def test_a_claimer_nobody_heard_of_is_never_probed(claimers: Claimers) -> None:
@@ -82,7 +112,7 @@ def test_a_decode_listener_hands_over_where_a_granted_claimer_answers(
         prefill: LoopbackInstance, claimers: Claimers) -> None:
     """The claim names the claimer's side channel: the decode's listener hands it to
     ``on_claimer`` once the claim is granted, never for a refused one."""
-    from kvxfer.transfer.leases import LeaseAnswers
+    from kvxfer.transfer.leases import ReservationAnswers
     from kvxfer.transfer.side_channel.listener import HandshakeListener
 
     decode = LoopbackInstance.create("decode", CFG)
@@ -90,7 +120,7 @@ def test_a_decode_listener_hands_over_where_a_granted_claimer_answers(
     listener = HandshakeListener(
         "127.0.0.1", 0, engine_id=decode.engine_id, compat=CFG.compat(),
         metadata=lambda: [w.metadata() for w in decode.workers],
-        on_renew=LeaseAnswers.for_reservations(decode.workers).on_renew,
+        on_renew=ReservationAnswers(decode.workers, 30.0).on_renew,
         on_claimer=lambda engine, at: heard.append((engine, at))).start()
     try:
         for worker in decode.workers:
@@ -126,3 +156,26 @@ def test_a_claimed_reservation_outlives_its_deadline_and_is_not_polled_for_past_
     assert [r.request_id for r in table.take_released()] == ["other"]
     assert table.holds("resv") and table.claimer("resv") == "writer"
     assert table.awaited() == 0
+
+
+def test_a_reservation_is_claimed_once_before_its_deadline_and_never_renewed() -> None:
+    from kvxfer.transfer.leases import LeaseTable, ReservationAnswers
+    from kvxfer.transfer.results import Tally
+    from kvxfer.wire.messages import RenewRefused
+
+    decode = LoopbackInstance.create("decode", CFG)
+    try:
+        answers = ReservationAnswers(decode.workers, 30.0)
+        for worker in decode.workers:
+            worker.hold("resv", [1], readers=None, ttl=30)
+        with pytest.raises(RenewRefused, match="never renewed"):
+            answers.on_renew("resv", "writer", False)
+        assert decode.workers[0].lease_claimer("resv") is None
+        assert answers.on_renew("resv", "writer", True) > 30.0  # past the deadline
+    finally:
+        decode.close()
+    table = LeaseTable(None, Tally())
+    table.hold("late", [1], None, ttl=0.1)
+    time.sleep(0.2)  # not expired yet (nobody called expire), but past its deadline
+    with pytest.raises(RenewRefused, match="deadline passed"):
+        table.renew("late", 60.0, "writer", claim=True)

@@ -155,6 +155,7 @@ def test_bytes_of_a_transfer_given_up_never_land_in_another_request(
             for thread in clients:
                 thread.start()
             time.sleep(DOWN_S)
+            assert decode.health()["quarantined_blocks"] > 0, "freed while the link was down"
             network.link("lrprefill", up=True)
             linked = True
             back = time.monotonic()
@@ -174,6 +175,8 @@ def test_bytes_of_a_transfer_given_up_never_land_in_another_request(
             for thread in clients:
                 thread.join(60)
         assert not wrong, f"{len(wrong)} wrong answers of {len(served)}: {wrong}"
+        # freed by the writer's word once its WRITEs ended, not by taking it for gone
+        assert "no longer runs" not in decode.log_tail(2000)
         decode.wait_for("nothing held", lambda h: not h["used_blocks"], timeout=30)
         print(f"link return ({mode}): {len(served)} answers, all right; the quarantined "
               f"blocks were freed {freed - back:.1f} s after the link was back")

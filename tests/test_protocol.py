@@ -532,8 +532,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 13): a change here changes the wire, so it needs a version bump.
-    assert HASH == "87ff4946adc60ceca97799a0aa6c123f86477c38e098e929f50b442e5ce48f0d"
+    # Pinned (protocol 14): a change here changes the wire, so it needs a version bump.
+    assert HASH == "dcda110b79f250949da26e9616d3f89e5b9cc3face360f048681a4e625b5b722"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -563,7 +563,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 13
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 14
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

@@ -284,3 +284,4 @@ def test_a_link_cut_while_a_prefill_pushes_recomputes_and_strands_nothing(
     network.link("prefill", up=True)
     decode.wait_for("the WRITE ended and the decode told: every block free", idle,
                     timeout=QUARANTINE_END_S)
+    assert "no longer runs" not in decode.log_tail(2000), "freed as gone, not by the word"

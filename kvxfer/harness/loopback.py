@@ -130,7 +130,7 @@ class LoopbackInstance:
         (a decode that prefills push into does)."""
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
         from kvxfer.transfer.converted.process_shares import ProcessShares
-        from kvxfer.transfer.leases import LeaseAnswers
+        from kvxfer.transfer.leases import ReservationAnswers
         from kvxfer.transfer.side_channel.listener import HandshakeListener
         from kvxfer.transfer.worker import TransferWorker
 
@@ -162,7 +162,7 @@ class LoopbackInstance:
             inst.caches.append(caches)
             inst.raws.append(raw)
         if listen or (listen is None and role == "prefill"):  # a decode's answers claims
-            claims = LeaseAnswers.for_reservations(inst.workers) if role == "decode" else None
+            claims = ReservationAnswers(inst.workers, 60.0) if role == "decode" else None
             inst.listener = HandshakeListener(
                 host, 0, engine_id=engine_id, compat=cfg.compat(), hmac_key=cfg.hmac_key,
                 metadata=lambda: [w.metadata() for w in inst.workers],

@@ -7,23 +7,25 @@ whose writers have not said their WRITEs ended by its deadline plus the grace ke
 blocks out of use (:class:`~kvxfer.sidecar.kv_pushes.KVPushes`): over TCP, what a cut
 link held back lands once it is back, and only the writer can tell when its WRITEs
 ended. A writer that no longer runs will never tell; its WRITEs ended with its process.
-:meth:`Claimers.gone` says so, from probes of the claimer's side channel run on a pool
-thread (at most one per claimer every :data:`PROBE_EVERY_S`): gone when it refuses
-connections (its host answers, nothing listens) or another engine answers there (it
-restarted). No answer at all (the link may be cut) proves nothing: the blocks wait.
+:meth:`Claimers.gone` says so, from heartbeats sent to the claimer's side channel on a
+pool thread (at most one per claimer every :data:`PROBE_EVERY_S`; a heartbeat changes
+nothing on the prefill). Only an address that once answered as the claimer counts (the
+first one an engine named, checked when it is heard): it is gone once that address
+refuses connections (its host answers, nothing listens) or another engine answers there
+(it restarted). No answer, an unreachable network, a name that does not resolve: none of
+them proves anything (the link may be cut), and the blocks wait.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from kvxfer.transfer.side_channel.errors import PeerUnreachable
 
 if TYPE_CHECKING:
     from kvxfer.transfer.side_channel.client import HandshakeClient
@@ -36,10 +38,12 @@ KEPT = 1024  # claimers remembered (the oldest is forgotten first)
 
 
 @dataclass
-class _Probe:
-    """What is known of one claimer: the probe on its way, when the next is due, and
-    since when and why it is gone (monotonic time)."""
+class _Claimer:
+    """One claimer: where it answers, whether it once answered there as itself, the
+    probe on its way, when the next is due, and since when and why it is gone."""
 
+    at: tuple[str, int]
+    seen: bool = False
     running: Future[str | None] | None = None
     next_at: float = 0.0
     gone: tuple[str, float] | None = None
@@ -51,58 +55,70 @@ class Claimers:
     def __init__(self, client: HandshakeClient) -> None:
         self._client = client
         self._lock = threading.Lock()
-        self._at: OrderedDict[str, tuple[str, int]] = OrderedDict()  # engine -> side channel
-        self._probes: OrderedDict[str, _Probe] = OrderedDict()
+        self._claimers: OrderedDict[str, _Claimer] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-claimers")
 
     def heard(self, engine_id: str, side_channel: tuple[str, int]) -> None:
         """Listener thread: prefill ``engine_id`` claimed a reservation, answering at
-        ``side_channel``."""
+        ``side_channel``; the first address an engine named is kept, and checked."""
         with self._lock:
-            self._at[engine_id] = side_channel
-            self._at.move_to_end(engine_id)
-            while len(self._at) > KEPT:
-                self._at.popitem(last=False)
+            if engine_id in self._claimers:
+                return
+            claimer = self._claimers[engine_id] = _Claimer(side_channel)
+            while len(self._claimers) > KEPT:
+                self._claimers.popitem(last=False)
+            claimer.running = self._pool.submit(self._probe, engine_id, claimer)
 
     def gone(self, engine_id: str) -> tuple[str, float] | None:
         """Engine loop: why claimer ``engine_id`` is known gone, and since when (monotonic);
         None while that is not known (a probe is started when one is due)."""
-        probe = self._probes.setdefault(engine_id, _Probe())
-        self._probes.move_to_end(engine_id)
-        while len(self._probes) > KEPT:
-            self._probes.popitem(last=False)
-        now = time.monotonic()
-        if probe.running is not None and probe.running.done():
-            why = probe.running.result()
-            probe.running = None
-            if why is not None:
-                log.warning("prefill %s, which claimed reservations here, %s", engine_id, why)
-                probe.gone = (why, now)
-        if probe.gone is not None or probe.running is not None or now < probe.next_at:
-            return probe.gone
         with self._lock:
-            at = self._at.get(engine_id)
-        if at is not None:
-            probe.next_at = now + PROBE_EVERY_S
-            probe.running = self._pool.submit(self._probe, engine_id, at)
-        return None
+            claimer = self._claimers.get(engine_id)
+            if claimer is None:
+                return None
+            now = time.monotonic()
+            if claimer.running is not None and claimer.running.done():
+                why = claimer.running.result()
+                claimer.running = None
+                if why is not None:
+                    log.warning("prefill %s, which claimed reservations here, %s",
+                                engine_id, why)
+                    claimer.gone = (why, now)
+            if claimer.gone is None and claimer.running is None and now >= claimer.next_at:
+                claimer.next_at = now + PROBE_EVERY_S
+                claimer.running = self._pool.submit(self._probe, engine_id, claimer)
+            return claimer.gone
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
-    def _probe(self, engine_id: str, at: tuple[str, int]) -> str | None:
-        """Pool thread: why ``engine_id`` no longer runs at ``at``, or None (it answered
-        as itself, or nothing answered)."""
-        host, port = at
+    def _probe(self, engine_id: str, claimer: _Claimer) -> str | None:
+        """Pool thread: why ``engine_id`` no longer runs where it answered, or None."""
+        host, port = claimer.at
         try:
-            answer = self._client.fetch(host, port, [0], timeout=PROBE_TIMEOUT_S, retries=0)
-        except PeerUnreachable as exc:
-            return f"no longer runs: {exc}"
-        except Exception as exc:  # no answer (a cut link?), or a refusal: proves nothing
+            answering = self._client.who(host, port, timeout=PROBE_TIMEOUT_S)
+        except Exception as exc:  # a refusal is checked below; the rest proves nothing
+            if claimer.seen and _refused(host, port):
+                return f"no longer runs: nothing listens at its side channel {host}:{port}"
             log.debug("probing prefill %s at %s:%d: %s", engine_id, host, port, exc)
             return None
-        if answer.engine_id != engine_id:
-            return (f"no longer runs: engine {answer.engine_id} answers at its side channel "
+        if answering == engine_id:
+            claimer.seen = True
+            return None
+        if claimer.seen:
+            return (f"no longer runs: engine {answering} answers at its side channel "
                     f"{host}:{port} now")
         return None
+
+
+def _refused(host: str, port: int) -> bool:
+    """Whether a TCP connect to ``host:port`` is refused: the host answers, nothing
+    listens on the port."""
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

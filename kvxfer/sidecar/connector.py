@@ -220,7 +220,7 @@ class KVConnector:
                 "read_timeout": self.kv_read_timeout}
 
     def _start_listener(self, port: int) -> None:
-        from kvxfer.transfer.leases import LeaseAnswers
+        from kvxfer.transfer.leases import LeaseAnswers, ReservationAnswers
         from kvxfer.transfer.side_channel.listener import HandshakeListener
 
         def connecting(_requester: str) -> None:
@@ -229,7 +229,7 @@ class KVConnector:
 
         # a push-mode decode's listener serves its metadata and the claims of reservations
         answers: dict[str, Any] = {
-            "on_renew": LeaseAnswers.for_reservations(self.workers).on_renew,
+            "on_renew": ReservationAnswers(self.workers, self.lease_ttl).on_renew,
             "on_claimer": lambda *heard: self.pushes and self.pushes.claimers.heard(*heard)}
         if self.role == "prefill":
             self.answers = LeaseAnswers(self.workers, ttl=self.lease_ttl,

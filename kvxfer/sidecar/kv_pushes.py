@@ -7,8 +7,9 @@ loop's thread. Who calls what:
 * :meth:`KVPushes.reserve` (``POST /v1/kv/reserve``): blocks for a prompt of
   ``num_tokens`` tokens, taken from the engine (:meth:`LLMEngine.reserve_blocks`) and held
   on every rank as a lease of the rank's own blocks under a fresh, unguessable
-  reservation id, until every prefill rank writing into it said "done", or its deadline
-  plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S`; the answer is the
+  reservation id, until every prefill rank writing into it said "done" (or gave up), or
+  its deadline plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S` when no prefill claimed
+  it (see *overdue* below); the answer is the
   :class:`~kvxfer.wire.reservations.Reservation`, signed with the key, that the proxy hands
   the prefill.
 * :meth:`KVPushes.add`: the generation request naming the reservation: the engine parks it
@@ -23,12 +24,12 @@ loop's thread. Who calls what:
   once its deadline and the grace passed and every rank's lease ended. A request that
   names it later (it waited in a queue, say) recomputes its prompt under the failure
   policy ``recompute``, and gets a 400 that says the reservation ended otherwise.
-  A reservation still held on some rank at its deadline plus the grace is *overdue*: a
-  prefill claimed it (the side channel's
-  :meth:`~kvxfer.transfer.leases.LeaseAnswers.for_reservations`: a claim keeps the lease
-  up to :data:`~kvxfer.transfer.results.STALE_CEILING_S`) and has not said that its
-  WRITEs ended: over TCP, a cut link's bytes land once it is back. Its request, if one came, is
-  recomputed or failed at once in fresh blocks (``set_aside_blocks``); the reserved blocks
+  A reservation still held on a rank a prefill claimed at its deadline plus the grace is
+  *overdue* (the side channel's :class:`~kvxfer.transfer.leases.ReservationAnswers`: a
+  claim keeps the lease up to :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the
+  deadline): its writer has not said that its WRITEs ended, and over TCP a cut link's
+  bytes land once it is back. Its request, if one came, is recomputed or failed at once
+  in fresh blocks (``set_aside_blocks``); the reserved blocks
   stay *quarantined* (:attr:`KVPushes.quarantined_blocks`) until every rank's lease ended
   (the writers' late ``ok=False``, or the ceiling), or the grace after the claimer was
   shown gone (:class:`~kvxfer.sidecar.claimers.Claimers`).
@@ -142,7 +143,8 @@ class KVPushes:
         already, or one for another number of tokens."""
         reserved = self._reserved.get(reservation_id)
         ended = self._ended.get(reservation_id)
-        if reserved is not None and reserved.blocks is not None:  # overdue
+        if reserved is not None and reserved.blocks is not None and \
+                reserved.request_id is None:  # overdue before its request came
             reserved, ended = None, ("was claimed by a prefill that did not finish writing "
                                      "it in time (its blocks are quarantined)")
         if reserved is None and ended is not None and self.failure_policy == "recompute":
@@ -250,7 +252,7 @@ class KVPushes:
         fail it."""
         reserved = self._reserved[reservation_id] if keep else \
             self._reserved.pop(reservation_id)
-        request_id, reserved.request_id = reserved.request_id, None
+        request_id = reserved.request_id
         assert request_id is not None
         if reserved.aborted:
             self.metrics.transfers.labels("aborted").inc()
@@ -279,7 +281,7 @@ class KVPushes:
         """Defer the abort of a request whose reservation is still held; None when
         ``request_id`` uses no reservation still held (the engine aborts it)."""
         for reserved in self._reserved.values():
-            if reserved.request_id == request_id:
+            if reserved.request_id == request_id and reserved.blocks is None:
                 reserved.aborted = True
                 return AbortOutcome.DEFERRED
         return None

@@ -75,7 +75,7 @@ class _Lease:
     held_at: float = field(default_factory=time.monotonic)  # the maximum age counts from here
     claimer: str | None = None  # the decode engine that claimed it (see renew)
     gave_up: bool = False  # a party's "done" said it did not move its bytes (ok=False)
-    due: float = math.inf  # the deadline it was held with (a claim or renewal extends it)
+    due: float = math.inf  # the deadline it was held with (``expires`` may be extended)
 
 
 class LeaseTable:
@@ -118,6 +118,8 @@ class LeaseTable:
                 raise RenewRefused("the prefill no longer holds it (it ended, or was never "
                                    "handed out)")
             if claim and lease.claimer is None:
+                if time.monotonic() >= lease.due:
+                    raise RenewRefused("its deadline passed before anyone claimed it")
                 lease.claimer = requester
             if lease.claimer != requester:
                 raise RenewRefused("another decode claimed it first: a lease is read by one "
@@ -283,13 +285,6 @@ class LeaseAnswers:
         self.ranks, self.ttl, self.max_age = ranks, ttl, max_age
         self._releases: queue.SimpleQueue[Release] = queue.SimpleQueue()
 
-    @classmethod
-    def for_reservations(cls, ranks: Sequence[RankLeases]) -> LeaseAnswers:
-        """A push-mode decode's answers over its ``ranks``, whose reservations are leases:
-        a prefill claims one before its first WRITE (:meth:`on_renew` with ``claim``),
-        which keeps it held up to :data:`~kvxfer.transfer.results.STALE_CEILING_S`
-        unless its writers end it ("done", or ``ok=False`` once their WRITEs ended)."""
-        return cls(ranks, ttl=STALE_CEILING_S, max_age=math.inf)
 
     def on_release(self, lease_id: str, requester: str, reason: str,
                    outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
@@ -353,3 +348,21 @@ class LeaseAnswers:
             log.info("decode %s will not read lease %s (%s): freeing its blocks",
                      release.requester, release.lease_id, release.reason)
             taken.append(release)
+
+
+class ReservationAnswers(LeaseAnswers):
+    """A push-mode decode's side-channel answers over its ``ranks``, whose reservations
+    are leases: a prefill claims one before its first WRITE (:meth:`on_renew` with
+    ``claim``; the first engine only, and before the deadline it was held with), which
+    keeps it held up to :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the
+    reservation's deadline (``reservation_ttl`` after it was made), unless its writers end
+    it ("done", or ``ok=False`` once their WRITEs ended). Nothing renews a reservation."""
+
+    def __init__(self, ranks: Sequence[RankLeases], reservation_ttl: float) -> None:
+        span = reservation_ttl + STALE_CEILING_S
+        super().__init__(ranks, ttl=span, max_age=span)
+
+    def on_renew(self, lease_id: str, requester: str, claim: bool) -> float:
+        if not claim:
+            raise RenewRefused("a reservation is claimed by its writer, never renewed")
+        return super().on_renew(lease_id, requester, claim)

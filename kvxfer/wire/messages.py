@@ -244,9 +244,12 @@ class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class HeartbeatAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Prefill → decode: the answer to :class:`Heartbeat` ``seq``, sent at once."""
+    """Prefill → decode: the answer to :class:`Heartbeat` ``seq``, sent at once, by engine
+    ``engine_id`` (a push-mode decode asks a heartbeat of a reservation's claimer to learn
+    whether it still runs there)."""
 
     seq: int
+    engine_id: str = ""
 
     def __post_init__(self) -> None:
         require(self.seq >= 0, f"HeartbeatAck.seq must not be negative, got {self.seq}")

@@ -49,7 +49,10 @@ from __future__ import annotations
 #      becomes SharedRegion.id, a buffer id (the descriptor is not in the prefill's fd table).
 #      Message kinds "heartbeat" (Heartbeat, decode -> prefill, while a READ from it is in
 #      flight) and "heartbeat_ack" (HeartbeatAck), both hash-checked.
-KVXFER_PROTOCOL_VERSION: int = 13
+#  14: RenewLease.claimer_host and .claimer_port: a prefill claiming a decode's reservation
+#      (push mode) names its own side channel; HeartbeatAck.engine_id: who answers there
+#      (a decode asks so whether a claimer still runs, kvxfer.sidecar.claimers).
+KVXFER_PROTOCOL_VERSION: int = 14
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""

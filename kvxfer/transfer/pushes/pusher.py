@@ -32,7 +32,9 @@ Outcome: the lease ``lease_id`` ends "done" once every decode rank was told ``ok
 caller sealed it not ``ok``, its lease was ended by someone else). A failed push posts
 nothing more and waits for its WRITEs in flight to complete or fail, then tells each
 decode rank ``ok=False`` (it frees the reservation now, not at its deadline) and ends its
-lease: no WRITE of it is in flight once either side frees a block. At the reservation's
+lease: no WRITE of it is in flight once the decode frees a block (this side frees its own
+at the lease's end, a second past the deadline at the latest: a WRITE still in flight
+then only reads them, into blocks the decode keeps out of use). At the reservation's
 deadline a push still unfinished fails the same way. Its WRITEs may stay in flight long
 after (over TCP, a cut link: the bytes still in this host's kernel land once the link is
 back), and the decode keeps the claimed blocks out of use until it is told ``ok=False``.
@@ -133,9 +135,12 @@ class Pusher:
 
     @property
     def holding(self) -> int:
-        """Leases of the rank's table that are pushes' own: no reader's notification
+        """Leases of the rank's table that are pushes' own and within the deadline they
+        were held with (:meth:`LeaseTable.awaited` counts them): no reader's notification
         is awaited for them."""
-        return sum(self._leases.holds(push.lease_id) for push in self._pushes.values())
+        now = time.time()
+        return sum(now < push.reservation.expires_at + LEASE_MARGIN_S and
+                   self._leases.holds(push.lease_id) for push in self._pushes.values())
 
     # -- any thread ------------------------------------------------------------------------
     def start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,

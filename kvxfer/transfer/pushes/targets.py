@@ -70,7 +70,7 @@ class Targets:
         self._shakes: Handshakes[_Shaken] = Handshakes(f"kvxfer-push-handshake-r{local.rank}",
                                                        local.wake, local.tally)
         self._shaking: dict[str, Reservation] = {}
-        self._claims = ThreadPoolExecutor(max_workers=2,
+        self._claims = ThreadPoolExecutor(max_workers=8,  # a silent decode holds one a while
                                           thread_name_prefix=f"kvxfer-push-claim-r{local.rank}")
 
     def get(self, engine_id: str) -> Target | None:

@@ -66,7 +66,6 @@ from kvxfer.transfer.results import STALE_CEILING_S, PathTraffic, ReadResults, T
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Held:
     """A failed read's READs that were still in flight, waited for until ``until``."""

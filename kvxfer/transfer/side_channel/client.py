@@ -27,6 +27,8 @@ from kvxfer.wire.messages import (
     MAX_RELEASE_REASON_CHARS,
     DoneReport,
     ErrorReply,
+    Heartbeat,
+    HeartbeatAck,
     MessageKind,
     MetadataRequest,
     MetadataResponse,
@@ -201,6 +203,30 @@ class HandshakeClient:
             raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
                                    f"{lease_id!r} within {timeout:g} s", peer=address)
         return self._parse_ack(frames, address, lease_id, RenewAck, "renewal")
+
+    def who(self, host: str, port: int, *, timeout: float) -> str:
+        """The engine id that answers a heartbeat at ``host:port``: who serves there now,
+        asked without changing anything there. One attempt of at most ``timeout``
+        seconds; raises as :meth:`renew` does (:class:`PeerUnreachable` at once when the
+        TCP connect fails other than by timing out)."""
+        if self._closed:
+            raise RuntimeError("HandshakeClient is closed")
+        address = endpoint(host, port)
+        request = encode_message(Heartbeat(self.engine_id, 0), compat=self.compat,
+                                 hmac_key=self._key)
+        frames = self._exchange(host, address, request, timeout, probe_port=port)
+        if frames is None:
+            raise HandshakeTimeout(f"no answer from {address} to a heartbeat within "
+                                   f"{timeout:g} s", peer=address)
+        if len(frames) != 1:
+            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
+                                   expected=1, found=len(frames))
+        envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
+                                   hmac_key=self._key, replay=self._replay)
+        if envelope.kind is MessageKind.ERROR_REPLY:
+            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
+                              what="a heartbeat")
+        return decode_payload(envelope, HeartbeatAck, peer=address).engine_id
 
     def close(self) -> None:
         """Close the kept connections and the ZMQ context (idempotent)."""

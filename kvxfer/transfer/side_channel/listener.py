@@ -255,7 +255,8 @@ class HandshakeListener:
         if envelope.kind is MessageKind.DONE:
             return self._done(decode_payload(envelope, DoneReport, peer=peer), peer), None
         if envelope.kind is MessageKind.HEARTBEAT:
-            return HeartbeatAck(decode_payload(envelope, Heartbeat, peer=peer).seq), None
+            return HeartbeatAck(decode_payload(envelope, Heartbeat, peer=peer).seq,
+                                self.engine_id), None
         request = decode_payload(envelope, MetadataRequest, peer=peer)
         try:
             served = {m.tp_rank: m for m in self._metadata()}
