@@ -43,6 +43,7 @@ from kvxfer.wire.replay import ReplayGuard
 
 log = logging.getLogger(__name__)
 _Ack = TypeVar("_Ack", ReleaseAck, RenewAck)
+_Reply = TypeVar("_Reply", ReleaseAck, RenewAck, HeartbeatAck)
 
 BACKOFF_S = 0.05              # first pause between attempts; doubles, capped at MAX_BACKOFF_S
 MAX_BACKOFF_S = 0.5
@@ -218,15 +219,7 @@ class HandshakeClient:
         if frames is None:
             raise HandshakeTimeout(f"no answer from {address} to a heartbeat within "
                                    f"{timeout:g} s", peer=address)
-        if len(frames) != 1:
-            raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
-                                   expected=1, found=len(frames))
-        envelope = decode_envelope(frames[0], expected_hash=None, peer=address,
-                                   hmac_key=self._key, replay=self._replay)
-        if envelope.kind is MessageKind.ERROR_REPLY:
-            raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
-                              what="a heartbeat")
-        return decode_payload(envelope, HeartbeatAck, peer=address).engine_id
+        return self._parse_reply(frames, address, HeartbeatAck, "a heartbeat").engine_id
 
     def close(self) -> None:
         """Close the kept connections and the ZMQ context (idempotent)."""
@@ -298,10 +291,10 @@ class HandshakeClient:
         response = decode_payload(envelope, MetadataResponse, peer=address)
         return check_response(response, ranks, peer=address)
 
-    def _parse_ack(self, frames: list[bytes], address: str, lease_id: str,
-                   kind: type[_Ack], what: str) -> _Ack:
-        """The ``kind`` ack of lease ``lease_id`` in a reply; a refusal or anything else
-        raises, naming ``what`` ("release", "renewal") and the peer."""
+    def _parse_reply(self, frames: list[bytes], address: str, kind: type[_Reply],
+                     what: str) -> _Reply:
+        """The ``kind`` answer in a reply; a refusal (naming ``what``) or anything else
+        raises, naming the peer."""
         if len(frames) != 1:
             raise MalformedMessage("reply", f"{len(frames)} frames, expected 1", peer=address,
                                    expected=1, found=len(frames))
@@ -309,8 +302,14 @@ class HandshakeClient:
                                    hmac_key=self._key, replay=self._replay)
         if envelope.kind is MessageKind.ERROR_REPLY:
             raise PeerRefused(decode_payload(envelope, ErrorReply, peer=address), peer=address,
-                              what=f"the {what} of lease {lease_id!r}")
-        ack = decode_payload(envelope, kind, peer=address)
+                              what=what)
+        return decode_payload(envelope, kind, peer=address)
+
+    def _parse_ack(self, frames: list[bytes], address: str, lease_id: str,
+                   kind: type[_Ack], what: str) -> _Ack:
+        """The ``kind`` ack of lease ``lease_id`` in a reply; a refusal or anything else
+        raises, naming ``what`` ("release", "renewal") and the peer."""
+        ack = self._parse_reply(frames, address, kind, f"the {what} of lease {lease_id!r}")
         if ack.lease_id != lease_id:
             raise MalformedMessage(f"{what} ack", f"it acknowledges lease {ack.lease_id!r}, "
                                                   f"not {lease_id!r}", peer=address,
