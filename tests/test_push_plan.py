@@ -28,6 +28,7 @@ from tests.test_descriptors import (
     expect_compatible,
     kernel_ratio,
     make_rank,
+    make_views_like,
     pick_ids,
     scenarios,
     spec_for,
@@ -41,11 +42,15 @@ def layer_groups(layers: int, cuts: list[int]) -> list[range]:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.lists(st.integers(1, 2), max_size=2))
-def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]) -> None:
+@given(scenarios(), st.lists(st.integers(1, 2), max_size=2), st.integers(0, 3))
+def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int],
+                                                        cached: int) -> None:
     """Any layout pair, TP pair, block-size pair and kernel blocks; any cut of the layers
     into groups: the prefill ranks' WRITEs place the same bytes in every decode rank as
-    the decode ranks' READs, and each decode rank waits for as many writers as it reads."""
+    the decode ranks' READs, and each decode rank waits for as many writers as it reads.
+    Past a cached prefix of the decode's first blocks (its prefix cache), the WRITEs
+    start inside a prefill block where those are larger, and leave the cached blocks
+    as they were."""
     rng = np.random.default_rng(s["seed"])
     decode_bs, prefill_bs = block_sizes(s)
     decode_spec = spec_for(s, s["local_tp"], decode_bs)
@@ -86,9 +91,16 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
                                             remote_tp=s["remote_tp"]):
             execute(decode, prefills[descs.remote_rank], descs.local, descs.remote)
     pulled = {d: [raw.clone() for raw in r.buffers] for d, r in decodes.items()}
+    cached = min(cached, len(decode_ids) - 1)  # decode blocks its prefix cache holds
     for d, decode in decodes.items():
         for raw, old in zip(decode.buffers, before[d], strict=True):
             raw.copy_(old)
+        kept = torch.from_numpy((decode_ids[:cached, None] * decode.ratio +
+                                 np.arange(decode.ratio)).reshape(-1))
+        for want, old in zip(make_views_like(decode, pulled[d]),
+                             make_views_like(decode, before[d]), strict=True):
+            want[kept] = old[kept]
+    skip, offset = divmod(cached * decode_bs, prefill_bs)
 
     groups = layer_groups(s["layers"], cuts)
     writers: dict[int, int] = {}
@@ -97,7 +109,7 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
             assert push.writer_rank == p
             writers[push.target_rank] = push.writers
             for layers in groups:
-                rows = push.build(prefill_ids, decode_ids, layers)
+                rows = push.build(prefill_ids[skip:], decode_ids[cached:], layers, offset)
                 assert rows.remote_rank == push.target_rank
                 write(prefill, decodes[push.target_rank], rows.local, rows.remote)
     for d, decode in decodes.items():

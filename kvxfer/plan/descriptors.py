@@ -36,7 +36,6 @@ logical block where the layout keeps them adjacent, still merge.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,11 +44,11 @@ import numpy.typing as npt
 
 from kvxfer.plan.layout import HEADS_OUTSIDE_TOKENS
 from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
+from kvxfer.plan.pairing import BlockPairs, pair_blocks, pairing_unit
 from kvxfer.plan.regions import RegionPlan
 from kvxfer.plan.topology import HeadSlice
 
 U64 = np.uint64
-IntArray = npt.NDArray[np.int64]
 U64Array = npt.NDArray[np.uint64]
 
 SPLITTABLE_LAYOUTS = HEADS_OUTSIDE_TOKENS
@@ -249,130 +248,6 @@ class RankDescriptors:
         return len(self.local)
 
 
-def validate_block_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
-                       remote_block_ids: Sequence[int] | npt.ArrayLike,
-                       local_num_blocks: int, remote_num_blocks: int
-                       ) -> tuple[IntArray, IntArray]:
-    """Both id lists as int64 arrays, pairs sorted by local id; ValueError names a bad id."""
-    local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
-                                 remote_num_blocks, 1, 1)
-    order = np.argsort(local, kind="stable")
-    local, remote = local[order], remote[order]
-    _no_repeats(local)
-    return local, remote
-
-
-def validate_paired_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
-                        remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
-                        remote_num_blocks: int, local_block_size: int, remote_block_size: int
-                        ) -> tuple[IntArray, IntArray]:
-    """Both lists of logical ids as int64 arrays in request (token) order, for block sizes
-    one a multiple of the other: the side with the larger blocks has ``ceil(n / ratio)`` ids
-    for ``n`` on the other; ValueError names a bad id or count."""
-    small = min(local_block_size, remote_block_size)
-    local, remote = _checked_ids(local_block_ids, remote_block_ids, local_num_blocks,
-                                 remote_num_blocks, local_block_size // small,
-                                 remote_block_size // small)
-    _no_repeats(np.sort(local))
-    return local, remote
-
-
-def _checked_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
-                 remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
-                 remote_num_blocks: int, local_ratio: int, remote_ratio: int
-                 ) -> tuple[IntArray, IntArray]:
-    """Both lists as int64 arrays, each id in range and the lengths consistent with the
-    ratios (the larger-block side has ``ceil(n / ratio)`` ids for ``n`` on the other)."""
-    local = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-    remote = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    if local_ratio == remote_ratio:
-        if len(local) != len(remote):
-            raise ValueError(f"{len(local)} local block ids but {len(remote)} remote block ids")
-    else:
-        coarse, fine, ratio = (local, remote, local_ratio) if local_ratio > 1 else \
-            (remote, local, remote_ratio)
-        if len(coarse) != -(-len(fine) // ratio):
-            raise ValueError(
-                f"{len(local)} local block ids but {len(remote)} remote block ids; with "
-                f"blocks {ratio}x larger on the {'local' if local_ratio > 1 else 'remote'} "
-                f"side, {len(fine)} blocks need {-(-len(fine) // ratio)} there")
-    for side, ids, limit in (("local", local, local_num_blocks),
-                             ("remote", remote, remote_num_blocks)):
-        bad = np.flatnonzero((ids < 0) | (ids >= limit))
-        if len(bad):
-            raise ValueError(f"{side} block id {int(ids[bad[0]])} at position {int(bad[0])} is "
-                             f"outside 0..{limit - 1}")
-    return local, remote
-
-
-def _no_repeats(sorted_local: IntArray) -> None:
-    repeats = np.flatnonzero(sorted_local[1:] == sorted_local[:-1])
-    if len(repeats):
-        raise ValueError(f"local block id {int(sorted_local[repeats[0]])} repeats: a block "
-                         f"would be written twice")
-
-
-@dataclass(frozen=True)
-class BlockPairs:
-    """One request's tokens in pairing units, sorted by local (kernel id, sub-block).
-
-    Position ``p`` reads sub-block ``remote_sub[p]`` of remote kernel block
-    ``remote_ids[p]`` into sub-block ``local_sub[p]`` of local kernel block
-    ``local_ids[p]``; a side's sub-blocks are None where its kernel blocks are one
-    unit (see the module docstring). Kernel ids equal block ids without kernel blocks.
-    """
-
-    local_ids: IntArray
-    local_sub: IntArray | None
-    remote_ids: IntArray
-    remote_sub: IntArray | None
-
-
-def pairing_unit(local_kernel_block_size: int, remote_kernel_block_size: int) -> int:
-    """Tokens per pairing unit: the largest run both sides' kernel blocks are cut into."""
-    return math.gcd(local_kernel_block_size, remote_kernel_block_size)
-
-
-def kernel_units(block_ids: IntArray, kernel_ratio: int, subs: int, count: int
-                 ) -> tuple[IntArray, IntArray]:
-    """The first ``count`` pairing units of logical ``block_ids`` in token order, as
-    (kernel block id, sub-block): block ``b`` is kernel blocks ``b * kernel_ratio + i``
-    (``i < kernel_ratio``), each ``subs`` units."""
-    per_block = kernel_ratio * subs
-    position = np.arange(count, dtype=np.int64)
-    within = position % per_block
-    return block_ids[position // per_block] * kernel_ratio + within // subs, within % subs
-
-
-def pair_blocks(local_block_ids: Sequence[int] | npt.ArrayLike,
-                remote_block_ids: Sequence[int] | npt.ArrayLike, local_num_blocks: int,
-                remote_num_blocks: int, local_block_size: int = 1, remote_block_size: int = 1,
-                local_kernel_ratio: int = 1, remote_kernel_ratio: int = 1) -> BlockPairs:
-    """Validate both lists of logical ids and pair their tokens (see :class:`BlockPairs`).
-
-    ``*_block_size`` are the logical block sizes (one a multiple of the other),
-    ``*_kernel_ratio`` each side's kernel blocks per logical block; ids count logical
-    blocks (``*_num_blocks``). The side with the larger blocks has ``ceil(n / ratio)``
-    ids for ``n`` on the other; tokens pair in order up to the shorter side's end.
-    """
-    if local_block_size == remote_block_size and local_kernel_ratio == remote_kernel_ratio == 1:
-        local, remote = validate_block_ids(local_block_ids, remote_block_ids,
-                                           local_num_blocks, remote_num_blocks)
-        return BlockPairs(local, None, remote, None)
-    local, remote = validate_paired_ids(local_block_ids, remote_block_ids, local_num_blocks,
-                                        remote_num_blocks, local_block_size, remote_block_size)
-    local_kernel = local_block_size // local_kernel_ratio
-    remote_kernel = remote_block_size // remote_kernel_ratio
-    unit = pairing_unit(local_kernel, remote_kernel)
-    count = min(len(local) * local_block_size, len(remote) * remote_block_size) // unit
-    local_ids, local_sub = kernel_units(local, local_kernel_ratio, local_kernel // unit, count)
-    remote_ids, remote_sub = kernel_units(remote, remote_kernel_ratio, remote_kernel // unit,
-                                          count)
-    order = np.lexsort((local_sub, local_ids))
-    return BlockPairs(local_ids[order], local_sub[order] if local_kernel > unit else None,
-                      remote_ids[order], remote_sub[order] if remote_kernel > unit else None)
-
-
 def _chunk_slices(local: SideGeometry, remote: SideGeometry,
                   slices: Sequence[HeadSlice]) -> list[tuple[int, int, int]]:
     """Map KV-head slices to (remote chunk, local chunk, count) ranges, merged where adjacent."""
@@ -523,13 +398,14 @@ class PeerReadPlan:
         return _sub_len(self.local, self.remote)
 
     def pair(self, local_block_ids: npt.ArrayLike, remote_block_ids: npt.ArrayLike,
-             remote_num_blocks: int | None = None) -> BlockPairs:
-        """Validate and pair one request's logical block ids for :meth:`build`."""
+             remote_num_blocks: int | None = None, remote_offset: int = 0) -> BlockPairs:
+        """Validate and pair one request's logical block ids for :meth:`build`
+        (``remote_offset``: see :func:`pair_blocks`)."""
         local, remote = self.local, self.remote
         return pair_blocks(local_block_ids, remote_block_ids, local.num_blocks,
                            remote.num_blocks if remote_num_blocks is None else remote_num_blocks,
                            local.block_size, remote.block_size, local.kernel_ratio,
-                           remote.kernel_ratio)
+                           remote.kernel_ratio, remote_offset)
 
     def build(self, pairs: BlockPairs) -> RankDescriptors:
         """Descriptors for one request's paired blocks (:meth:`pair`)."""

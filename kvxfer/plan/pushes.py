@@ -83,13 +83,15 @@ class PushPlan:
         return plan
 
     def build(self, writer_ids: npt.ArrayLike, target_ids: npt.ArrayLike,
-              layers: range | None = None) -> RankDescriptors:
+              layers: range | None = None, writer_offset: int = 0) -> RankDescriptors:
         """One request's WRITE rows for ``layers``: ``local`` this rank's (sources, from
-        blocks ``writer_ids``), ``remote`` the decode rank's (targets, blocks
-        ``target_ids``, paired in order), ``remote_rank`` the decode rank. Ids count
-        logical blocks of each side; ValueError names a bad one."""
+        blocks ``writer_ids``, from token ``writer_offset`` of the first), ``remote`` the
+        decode rank's (targets, blocks ``target_ids``, paired in order), ``remote_rank``
+        the decode rank. Ids count logical blocks of each side; ValueError names a bad
+        one. A decode whose prefix cache holds a prompt's first tokens reserves blocks
+        for the rest only: they start inside a larger prefill block (``writer_offset``)."""
         plan = self.group(layers)
-        read = plan.build(plan.pair(target_ids, writer_ids))
+        read = plan.build(plan.pair(target_ids, writer_ids, remote_offset=writer_offset))
         return RankDescriptors(self.target_rank, read.remote, read.local)
 
 

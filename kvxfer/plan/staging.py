@@ -50,10 +50,9 @@ from kvxfer.plan.descriptors import (
     check_packings,
     merge_runs,
     plan_peer_reads,
-    validate_block_ids,
-    validate_paired_ids,
 )
 from kvxfer.plan.packing import TOKEN_PACKING, kv_views
+from kvxfer.plan.pairing import validate_block_ids, validate_paired_ids
 from kvxfer.plan.topology import HeadSlice
 
 # how StagedRead.place copies one piece: (target, source), same shape and dtype
@@ -73,7 +72,7 @@ class StagedRead:
     ``heads`` are (remote view head, local view head, count) ranges to place. Block ids
     given to it are logical; staging slots are per remote kernel block. The two sides'
     logical block sizes may differ (one a multiple of the other): a request's tokens
-    then pair in order, as :func:`~kvxfer.plan.descriptors.pair_blocks` pairs them.
+    then pair in order, as :func:`~kvxfer.plan.pairing.pair_blocks` pairs them.
     """
 
     remote_rank: int
