@@ -532,8 +532,8 @@ def test_hash_is_stable() -> None:
                        head_size=64, total_kv_heads=4, num_layers=4)
     assert compat_hash(again) == HASH
     assert len(HASH) == 64 and int(HASH, 16) >= 0
-    # Pinned (protocol 14): a change here changes the wire, so it needs a version bump.
-    assert HASH == "dcda110b79f250949da26e9616d3f89e5b9cc3face360f048681a4e625b5b722"
+    # Pinned (protocol 15): a change here changes the wire, so it needs a version bump.
+    assert HASH == "80f1c82a648200c96ab808a8e83235b206b56d22e7ab63c27b1e5b7f18ced781"
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -563,7 +563,7 @@ def test_tp_size_block_size_and_layout_are_not_hashed(name: str) -> None:
 
 
 def test_protocol_version_defaults_to_the_current_one() -> None:
-    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 14
+    assert COMPAT.protocol_version == KVXFER_PROTOCOL_VERSION == 15
 
 
 @pytest.mark.parametrize("packing", ["rows", "", "vllm-cpu-", "tile"])

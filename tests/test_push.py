@@ -19,7 +19,7 @@ import torch
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
 from kvxfer.plan.layout import KVCacheLayout
-from tests.test_transfer import check_blocks, check_tokens
+from tests.test_transfer import check_blocks, check_tokens, pattern, tokens_of
 
 KEY = "5ec7e7" * 8
 
@@ -97,6 +97,42 @@ def test_a_push_across_block_sizes_moves_every_token_to_its_place(
                      groups=[range(0, 2)])
         assert wait_released(decode, {"resv"}) == {"resv": "done"}
         check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
+@pytest.mark.parametrize(("prefill_bs", "decode_bs", "cached", "tp"), [
+    (32, 16, 16, (1, 1)), (32, 16, 48, (1, 2)), (16, 32, 32, (2, 1)), (16, 16, 48, (1, 1))])
+def test_a_push_past_a_cached_prefix_writes_only_the_reserved_blocks(
+        prefill: PrefillProcess, prefill_bs: int, decode_bs: int, cached: int,
+        tp: tuple[int, int]) -> None:
+    """A decode whose prefix cache holds a prompt's first ``cached`` tokens reserves blocks
+    for the rest only: the prefill writes the tokens after them, from inside one of its
+    blocks where its blocks are larger, and never a block the decode holds already."""
+    tokens = 77
+    pcfg = CacheConfig(layout="LBHNC", block_size=prefill_bs, num_blocks=24, tp=tp[0])
+    dcfg = replace(pcfg, layout="BLHNC", block_size=decode_bs, tp=tp[1])
+    remote = prefill.create(pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    try:
+        remote_ids = [5, 1, 17, 9, 12][:-(-tokens // prefill_bs)]
+        local_ids = [2, 20, 7, 11, 3, 8, 14, 0, 6, 15][:-(-tokens // decode_bs)]
+        reserved = local_ids[cached // decode_bs:]  # the blocks before hold the cached prefix
+        reservation = decode.reserve("resv", reserved, tokens, ttl=30, cached_tokens=cached)
+        prefill.push(remote["engine_id"], "lease", reservation, remote_ids,
+                     groups=[range(0, 1), range(1, pcfg.num_layers)])
+        assert wait_released(decode, {"resv"}) == {"resv": "done"}
+        seen = replace(pcfg, tp=dcfg.tp)
+        others = sorted(set(range(dcfg.num_blocks)) - set(reserved))
+        for rank, caches in enumerate(decode.caches):
+            for layer, view in enumerate(caches.values()):
+                got = dcfg.logical(view)
+                want = tokens_of(pattern(seen, rank, layer), remote_ids, tokens)
+                assert torch.equal(tokens_of(got, local_ids, tokens)[:, cached:],
+                                   want[:, cached:]), (rank, layer)
+                assert (got[others] == -1).all(), "a cached block (or another) was written"
+        assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "done"}
     finally:
         decode.close()
         prefill.drop(remote["engine_id"])

@@ -56,7 +56,23 @@ def test_unsigned_wrongly_signed_and_expired_reservations_are_refused() -> None:
     ({**msgspec.to_builtins(reservation()), "block_ids": [-1, 2, 3]}, "block_ids"),
     ({**msgspec.to_builtins(reservation()), "tp_size": True}, "tp_size"),
     ({**msgspec.to_builtins(reservation()), "extra": 1}, "unknown field"),
+    ({**msgspec.to_builtins(reservation()), "cached_tokens": 8}, "not a whole number"),
+    ({**msgspec.to_builtins(reservation()), "cached_tokens": 48}, "short of the 40"),
+    ({**msgspec.to_builtins(reservation()), "cached_tokens": 16}, "16 of them cached, need 2"),
+    ({**msgspec.to_builtins(reservation()), "cached_tokens": -16}, "cached_tokens"),
 ])
 def test_malformed_reservations_name_what_is_wrong(value: object, says: str) -> None:
     with pytest.raises(ReservationError, match=says):
         parse_reservation(value)
+
+
+def test_a_reservation_past_a_cached_prefix_names_only_the_blocks_after_it() -> None:
+    """The decode's prefix cache holds the first block: the reservation holds the other two,
+    and its signature covers how many tokens are cached."""
+    signed = reservation(block_ids=(9, 1), cached_tokens=16).signed(KEY)
+    again = parse_reservation(msgspec.json.decode(msgspec.json.encode(signed)))
+    assert again == signed and again.cached_tokens == 16
+    again.check(KEY)
+    moved = msgspec.structs.replace(signed, block_ids=(9,), cached_tokens=32)
+    with pytest.raises(ReservationError, match="does not verify"):
+        moved.check(KEY)

@@ -219,8 +219,9 @@ class LoopbackInstance:
 
     # -- decode side ----------------------------------------------------------------------
     def reserve(self, reservation_id: str, block_ids: list[int], num_tokens: int,
-                ttl: float, grace: float = PUSH_GRACE_S) -> Any:
-        """Hold ``block_ids`` for a push of ``num_tokens`` tokens until every writer said
+                ttl: float, grace: float = PUSH_GRACE_S, cached_tokens: int = 0) -> Any:
+        """Hold ``block_ids`` for a push of ``num_tokens`` tokens (past the first
+        ``cached_tokens``, which this side holds already) until every writer said
         "done" or ``ttl + grace`` seconds (a sidecar's grace is
         :data:`~kvxfer.wire.reservations.PUSH_GRACE_S`); the signed reservation, valid
         ``ttl`` seconds, a prefill writes into (:meth:`released` reports its end: "done"
@@ -232,7 +233,7 @@ class LoopbackInstance:
         self.pending[reservation_id] = set(range(self.cfg.tp))
         return Reservation(reservation_id, self.engine_id, "127.0.0.1", self.port, self.cfg.tp,
                            tuple(block_ids), self.cfg.block_size, num_tokens,
-                           time.time() + ttl).signed(self.cfg.hmac_key)
+                           time.time() + ttl, cached_tokens).signed(self.cfg.hmac_key)
 
     def read(self, request_id: str, params: dict[str, Any], local_ids: list[int]) -> None:
         for worker in self.workers:

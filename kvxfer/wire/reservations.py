@@ -52,6 +52,7 @@ _Name = Annotated[str, Meta(min_length=1, max_length=256)]
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Positive = Annotated[int, Meta(ge=1)]
 _BlockId = Annotated[int, Meta(ge=0, le=_MAX_BLOCK_ID)]
+_Count = Annotated[int, Meta(ge=0, le=2**62)]
 
 
 class ReservationError(ValueError):
@@ -62,7 +63,9 @@ class Reservation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Decode ``engine_id`` (side channel at ``host``:``port``, ``tp_size`` ranks) holds
     ``block_ids`` (logical blocks of ``block_size`` tokens) for the first ``num_tokens``
     tokens of one prompt's KV, under id ``reservation_id``, until ``expires_at``; signed
-    by ``ticket`` when the instances share a key."""
+    by ``ticket`` when the instances share a key. ``cached_tokens``: the decode's prefix
+    cache holds the KV of that many leading tokens (whole blocks of its own) already:
+    ``block_ids`` start after them, and a prefill writes none of them."""
 
     reservation_id: _Name
     engine_id: _Name
@@ -73,22 +76,29 @@ class Reservation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: _Positive
     num_tokens: _Positive
     expires_at: float
+    cached_tokens: _Count = 0
     ticket: str | None = None
 
     def __post_init__(self) -> None:
         if len(set(self.block_ids)) != len(self.block_ids):
             raise ReservationError("block_ids names a block twice")
-        if -(-self.num_tokens // self.block_size) != len(self.block_ids):
+        if self.cached_tokens % self.block_size or self.cached_tokens >= self.num_tokens:
+            raise ReservationError(
+                f"cached_tokens {self.cached_tokens} is not a whole number of "
+                f"{self.block_size}-token blocks short of the {self.num_tokens} tokens")
+        need = -(-self.num_tokens // self.block_size) - self.cached_tokens // self.block_size
+        if need != len(self.block_ids):
             raise ReservationError(
                 f"block_ids has {len(self.block_ids)} blocks, but "
-                f"{self.num_tokens} tokens of {self.block_size}-token blocks need "
-                f"{-(-self.num_tokens // self.block_size)}")
+                f"{self.num_tokens} tokens of {self.block_size}-token blocks, "
+                f"{self.cached_tokens} of them cached, need {need}")
 
     def signed_bytes(self) -> bytes:
         """What the ticket's HMAC covers: every field but the ticket."""
         return _DOMAIN + msgspec.msgpack.encode(
             (self.reservation_id, self.engine_id, self.host, self.port, self.tp_size,
-             list(self.block_ids), self.block_size, self.num_tokens, float(self.expires_at)))
+             list(self.block_ids), self.block_size, self.num_tokens, float(self.expires_at),
+             self.cached_tokens))
 
     def signed(self, key: bytes | None) -> Reservation:
         """This reservation with its ticket (unchanged without a key)."""

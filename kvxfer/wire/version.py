@@ -52,7 +52,9 @@ from __future__ import annotations
 #  14: RenewLease.claimer_host and .claimer_port: a prefill claiming a decode's reservation
 #      (push mode) names its own side channel; HeartbeatAck.engine_id: who answers there
 #      (a decode asks so whether a claimer still runs, kvxfer.sidecar.claimers).
-KVXFER_PROTOCOL_VERSION: int = 14
+#  15: Reservation.cached_tokens (signed): a decode's prefix cache holds a prompt's first
+#      tokens; the reservation's blocks, the only ones a prefill writes, start after them.
+KVXFER_PROTOCOL_VERSION: int = 15
 
 MAGIC = b"KVXF"
 """The first four bytes of every kvxfer handshake message and notification."""

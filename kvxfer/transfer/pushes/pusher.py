@@ -84,7 +84,8 @@ class _Push:
 
     lease_id: str
     reservation: Reservation
-    block_ids: np.ndarray  # this rank's logical blocks holding the reservation's tokens
+    block_ids: np.ndarray  # this rank's logical blocks holding the tokens it writes
+    offset: int  # tokens of the first of them that the decode holds already (cached)
     handed: list[range] = field(default_factory=list)  # layers handed, not posted yet
     posted: set[int] = field(default_factory=set)  # layers posted
     sealed: bool = False
@@ -196,7 +197,8 @@ class Pusher:
                answers_at: tuple[str, int]) -> None:
         try:
             reservation.check(self._local.key)
-            need = -(-reservation.num_tokens // self._local.geometry.block_size)
+            size = self._local.geometry.block_size
+            need = -(-reservation.num_tokens // size)
             if len(block_ids) < need:
                 raise PushFailed(f"this prefill holds {len(block_ids)} blocks of the request, "
                                  f"{need} needed for the reservation's "
@@ -205,7 +207,9 @@ class Pusher:
             log.warning("push of request %s refused: %s", lease_id, exc)
             self._leases.end(lease_id, "failed")
             return
-        push = _Push(lease_id, reservation, block_ids[:need])
+        # the decode's cached prefix is written by nobody: the WRITEs start after it
+        skip, offset = divmod(reservation.cached_tokens, size)
+        push = _Push(lease_id, reservation, block_ids[skip:need], offset)
         self._pushes[lease_id] = push
         self._targets.claim(reservation, answers_at, lambda refused: self._submit(
             lambda: self._claimed(lease_id, refused)))
@@ -306,7 +310,7 @@ class Pusher:
 
     def _post(self, push: _Push, target: Target, layers: range) -> None:
         for rank, plan in target.plans.items():
-            rows = plan.build(push.block_ids, push.reservation.block_ids, layers)
+            rows = plan.build(push.block_ids, push.reservation.block_ids, layers, push.offset)
             if not len(rows):
                 continue
             push.inflight.setdefault(rank, []).append(self._write(push, target, rank, rows))
