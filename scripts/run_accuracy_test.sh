@@ -18,15 +18,15 @@
 #   NUM_DECODE_INSTANCES    decode sidecars (default 1)
 #   DECODER_PREFIX_CACHE=1  the decode runs with --enable-prefix-caching and the prompt set
 #                           is sent twice: the second pass must find every whole block of
-#                           every prompt (whole blocks of both sizes) in the decode's cache,
-#                           checked on its /metrics, read only the rest, and still match the
+#                           every prompt (pull: whole blocks of both sizes; push: of the
+#                           decode's, short of the last token) in the decode's cache,
+#                           checked on its /metrics, move only the rest, and still match the
 #                           reference (one decode instance only)
 #   KVXFER_TRANSFER_MODE    pull (default: the decode reads the prefill's KV) or push (the
 #                           decode reserves blocks first, the prefill writes each layer's KV
 #                           into them as it computes it; the proxy and the decodes run with
 #                           --kv-transfer-mode push). Push places bytes only: layout and TP
-#                           pairs that need a converted read, and DECODER_PREFIX_CACHE, are
-#                           pull-only so far
+#                           pairs that need a converted read are pull-only so far
 #   MODEL                   a model name (smollm2-135m-instruct, the default; kvxfer-tiny,
 #                           seeded and fast; kvxfer-tiny-mla, the same with a latent (MLA)
 #                           cache on every rank), a .gguf file or a checkpoint directory; the
@@ -74,11 +74,6 @@ if [[ -n "$DECODER_PREFIX_CACHE" && "$NUM_DECODE_INSTANCES" != 1 ]]; then
 fi
 TRANSFER_MODE="${KVXFER_TRANSFER_MODE:-pull}"
 case "$TRANSFER_MODE" in pull|push) ;; *) echo "KVXFER_TRANSFER_MODE must be pull or push, got '$TRANSFER_MODE'" >&2; exit 2 ;; esac
-if [[ -n "$DECODER_PREFIX_CACHE" && "$TRANSFER_MODE" == push ]]; then
-  echo "DECODER_PREFIX_CACHE needs KVXFER_TRANSFER_MODE=pull (a push reserves every block" \
-       "of the prompt: the decode's prefix cache is not used yet)" >&2
-  exit 2
-fi
 MODEL="${MODEL:-smollm2-135m-instruct}"
 LOGPROB_TOL="${LOGPROB_TOL:-1e-4}"
 STARTUP_TIMEOUT="${STARTUP_TIMEOUT:-180}"
@@ -242,26 +237,32 @@ PY
 # the decode's counters that it found every whole block of every prompt in the cache.
 check_warm() {
   "$PYTHON" - "$1" "$2" "$(decode_counters)" "$3" "$PREFILLER_BLOCK_SIZE" \
-    "$DECODER_BLOCK_SIZE" <<'PY'
+    "$DECODER_BLOCK_SIZE" "$TRANSFER_MODE" <<'PY'
 import json, math, sys
 from kvxfer.commands.accuracy import print_table
 cold, before, after = (json.loads(a) for a in sys.argv[1:4])
 run = json.load(open(sys.argv[4]))
 print_table(run["rows"], run["tolerance"])
-unit = math.lcm(int(sys.argv[5]), int(sys.argv[6]))  # a hit ends on whole blocks of both
 # the decode continues from the prefill's first token: it needs every prompt token's KV
 # (the first output token is the one always computed)
 needed = [r["prompt_tokens"] for r in run["rows"]]
+if sys.argv[7] == "pull":  # a hit ends on whole blocks of both: the rest is read whole
+    unit = math.lcm(int(sys.argv[5]), int(sys.argv[6]))
+    hits = [n // unit * unit for n in needed]
+else:  # push: reserved before the first token is known, short of the last prompt token
+    unit = int(sys.argv[6])
+    hits = [(n - 1) // unit * unit for n in needed]
 want = {"kvxfer_prefix_cache_queries_total": sum(needed),
-        "kvxfer_prefix_cache_hits_total": sum(n // unit * unit for n in needed),
-        "kvxfer_kv_reads_skipped_total": sum(1 for n in needed if n and n % unit == 0)}
+        "kvxfer_prefix_cache_hits_total": sum(hits),
+        "kvxfer_kv_reads_skipped_total": sum(1 for n, h in zip(needed, hits) if n and n == h)}
 got = {k: after[k] - before[k] for k in after}
 read_cold = before["kvxfer_kv_transfer_bytes_total"] - cold["kvxfer_kv_transfer_bytes_total"]
 print(f"accuracy: warm pass: {got['kvxfer_prefix_cache_hits_total']:.0f} of "
       f"{got['kvxfer_prefix_cache_queries_total']:.0f} prompt tokens found in the decode's "
       f"prefix cache (expected {want['kvxfer_prefix_cache_hits_total']}), "
       f"{got['kvxfer_kv_reads_skipped_total']:.0f} reads skipped, "
-      f"{got['kvxfer_kv_transfer_bytes_total']:.0f} bytes read (cold pass: {read_cold:.0f})")
+      f"{got['kvxfer_kv_transfer_bytes_total']:.0f} bytes "
+      f"{'read' if sys.argv[7] == 'pull' else 'written'} (cold pass: {read_cold:.0f})")
 wrong = [k for k, v in want.items() if got[k] != v]
 if not got["kvxfer_kv_transfer_bytes_total"] < read_cold:
     wrong.append("kvxfer_kv_transfer_bytes_total")

@@ -139,11 +139,20 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     pytest.param({**TINY}, id="tiny-block16"),
     pytest.param({**TINY, "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
                  id="tiny-block32-to-block16"),
+    # push: the decode reserves only the blocks past its cached prefix; with the prefill's
+    # blocks larger, the WRITEs start inside one of them
+    pytest.param({**TINY, **PUSH, "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
+                 id="push-tiny-block32-to-block16"),
+    pytest.param({**TINY, **PUSH, "KVXFER_KV_CACHE_LAYOUT": "BLHNC",
+                  "DECODER_KV_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "2",
+                  "DECODER_TP_SIZE": "1", "PREFILLER_BLOCK_SIZE": "16",
+                  "DECODER_BLOCK_SIZE": "32"},
+                 marks=pytest.mark.heavy, id="push-tiny-block16-to-block32-tp2-to-tp1"),
 ])
 def test_accuracy_script_with_a_warm_decode_prefix_cache(env: dict[str, str],
                                                          tmp_path: Path) -> None:
-    """Every prompt twice: the second pass finds each prompt's whole blocks (of both
-    sizes) in the decode's cache, reads less, and still matches the reference."""
+    """Every prompt twice: the second pass finds each prompt's whole blocks (pull: of both
+    sizes) in the decode's cache, moves less, and still matches the reference."""
     result = run_script([str(SCRIPT)], {**env, "DECODER_PREFIX_CACHE": "1"}, tmp_path)
     assert result.returncode == 0, result.stdout
     out = result.stdout
@@ -152,8 +161,8 @@ def test_accuracy_script_with_a_warm_decode_prefix_cache(env: dict[str, str],
     cases = len(prompts["prompts"]) + len(prompts.get("chat", []))
     assert out.count(f"{cases}/{cases} match") == 2, out
     warm = re.search(r"warm pass: (\d+) of (\d+) prompt tokens found in the decode's prefix "
-                     r"cache \(expected (\d+)\), (\d+) reads skipped, (\d+) bytes read "
-                     r"\(cold pass: (\d+)\)", out)
+                     r"cache \(expected (\d+)\), (\d+) reads skipped, (\d+) bytes "
+                     r"(?:read|written) \(cold pass: (\d+)\)", out)
     assert warm, out
     hits, queries, expected, _, read, cold = map(int, warm.groups())
     assert hits == expected and 0.5 * queries < hits < queries, out

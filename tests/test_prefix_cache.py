@@ -257,6 +257,63 @@ def test_a_failed_read_recomputes_past_the_cached_prefix_only() -> None:
     assert outputs[-1].token_ids == want.token_ids
 
 
+@pytest.mark.parametrize(("shared", "cached"), [(16, 12), (12, 12), (11, 8), (3, 0)])
+def test_a_push_reservation_takes_the_cached_prefix_and_fresh_blocks_for_the_rest(
+        shared: int, cached: int) -> None:
+    """Push mode reserves before the request (and its first token) comes: the hit stops
+    short of the prompt's last token, whole decode blocks; only the rest is fresh."""
+    engine = make_engine()
+    prompt = list(range(3, 19))  # 16 tokens: at most 3 of its 4 blocks cached
+    held(engine, "p", prompt[:shared] + [99] * (19 - shared))
+    engine.release("p")
+    cache = engine.prefix_cache
+    assert cache is not None
+    queries, hits = cache.queries, cache.hits
+    hit, fresh = engine.reserve_blocks(prompt)
+    assert len(hit) * 4 == cached and len(hit) + len(fresh) == 4
+    assert all(cache.holders(b) == 1 for b in hit)
+    assert not any(cache.is_cached(b) for b in fresh)
+    assert (cache.queries - queries, cache.hits - hits) == (16, cached)
+    engine.free_blocks(hit + fresh)  # an unused reservation: all of it back
+    assert engine.num_used_blocks == 0
+
+
+def test_a_pushed_request_adopts_its_cached_prefix_and_recomputes_only_past_it() -> None:
+    engine = make_engine()
+    prompt = list(range(3, 22))  # 19 tokens
+    blocks = held(engine, "p", prompt)
+    engine.release("p")
+    before = kv_rows(engine, blocks, range(16))
+    hit, fresh = engine.reserve_blocks(prompt)
+    assert hit == blocks[:4]
+    with pytest.raises(ValueError, match="3 of its tokens cached"):
+        engine.add_request("x", prompt, GREEDY, remote_kv=True, blocks=hit + fresh,
+                           num_cached=3)
+    engine.add_request("d", prompt, GREEDY, remote_kv=True, blocks=hit + fresh, num_cached=16)
+    assert engine.num_cached_tokens("d") == 16
+    assert engine.set_aside_blocks("d") == fresh  # a late WRITE could land only there
+    engine.free_blocks(fresh)
+    engine.finish_kv_load("d", ok=False, recompute=True)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    for old, new in zip(before, kv_rows(engine, blocks, range(16)), strict=True):
+        assert torch.equal(old, new)  # the shared blocks were not written
+    want = make_engine(cache=False).generate([prompt], GREEDY)[0]
+    assert outputs[-1].token_ids == want.token_ids
+
+
+def test_a_push_reservation_that_does_not_fit_holds_nothing() -> None:
+    engine = make_engine(num_blocks=6)
+    prompt = list(range(1, 18))
+    held(engine, "p", prompt)  # 5 blocks held, 4 of them cached
+    with pytest.raises(NoFreeBlocks):
+        engine.reserve_blocks([*prompt, 1, 2, 3, 4, 5, 6, 7, 8])
+    cache = engine.prefix_cache
+    assert cache is not None
+    assert all(cache.holders(b) == 1 for b in engine.block_ids("p")[:4])
+
+
 def play_read(engine: LLMEngine, request_id: str, prompt: list[int], first: int) -> None:
     """Stand in for the READ: the prefill's KV of ``prompt``'s blocks from ``first`` on."""
     prefill = make_engine(cache=False)

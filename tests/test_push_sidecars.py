@@ -138,3 +138,36 @@ def test_the_proxy_in_push_mode_answers_as_one_instance(trio: Trio, stream: bool
         assert choice(got) == choice(want)
     for side in (trio.prefill, trio.decode):
         side.wait_for("every block free", idle)
+
+
+def test_a_decode_with_a_prefix_cache_reserves_and_is_written_only_past_it(
+        trio: Trio, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same prompt twice into a decode with a prefix cache and blocks half the
+    prefill's: the second reservation skips the cached prefix (whole decode blocks, short
+    of the last token), which ends inside a prefill block, so the prefill writes from the
+    middle of one of its blocks; fewer bytes land, and both answers are one instance's."""
+    body = {**GREEDY, "prompt": "The quick brown fox jumps over the lazy dog " * 2,
+            "max_tokens": 6, "logprobs": 2}
+    want = choice(trio.both.post(COMPLETIONS, body))
+    tokens = trio.both.post(COMPLETIONS, body).json()["usage"]["prompt_tokens"]
+    with SidecarGroup(tmp_path_factory.mktemp("push-cache")) as group:
+        (decode,) = group.start([Spec("decode", policy="fail", block_size=8, extra=(
+            "--kv-transfer-mode", "push", "--enable-prefix-caching"))])
+        seen = []
+        for _ in ("cold", "warm"):
+            moved = decode.metric("kvxfer_kv_transfer_bytes_total")
+            reservation = reserve(decode, COMPLETIONS, body).json()["kv_reservation"]
+            first = trio.prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
+                "do_remote_decode": True, "kv_reservation": reservation}})
+            params = first.json()["kv_transfer_params"]
+            assert choice(decode.post(COMPLETIONS, {**body, "kv_transfer_params": params})) \
+                == want
+            seen.append((reservation["cached_tokens"], len(reservation["block_ids"]),
+                         decode.metric("kvxfer_kv_transfer_bytes_total") - moved))
+            decode.wait_for("every block free", idle)
+        (cold_cached, cold_blocks, cold_bytes), (cached, blocks, written) = seen
+        assert cold_cached == 0 and cold_blocks == -(-tokens // 8)
+        assert cached == (tokens - 1) // 8 * 8 and cached % 16 == 8, "ends inside a block"
+        assert blocks == cold_blocks - cached // 8 and 0 < written < cold_bytes / 5
+        assert decode.metric("kvxfer_prefix_cache_hits_total") == cached
+    trio.prefill.wait_for("every block free", idle)

@@ -31,8 +31,11 @@ shared by later requests whose tokens start the same way. A request starts from
 its longest cached prefix (``num_cached`` tokens, always short of its last token);
 a ``remote_kv`` request's prefix ends on a multiple of the prefill's block size
 too, so that the decode reads the rest, whole prefill blocks, into its own
-(:meth:`num_cached_tokens`). A cached block is never written: a request computes,
-reads or copies only positions past its cached prefix.
+(:meth:`num_cached_tokens`). In push mode the prefix is found when the blocks are
+reserved (:meth:`reserve_blocks`), before the request and its first token come, so it
+ends short of the last prompt token; a prefill writes the rest from any position.
+A cached block is never written: a request computes, reads, copies or is written
+only positions past its cached prefix.
 """
 
 from __future__ import annotations
@@ -180,12 +183,14 @@ class LLMEngine:
 
     # -- requests
 
-    def reserve_blocks(self, count: int) -> list[int]:
-        """Decode side, push mode: ``count`` free blocks that no request holds yet, for a
-        prefill to write a prompt's KV into (a ``remote_kv`` request adopts them later,
-        ``blocks``; else :meth:`free_blocks`); NoFreeBlocks when they are not free."""
+    def reserve_blocks(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Decode side, push mode: the blocks of a prompt's KV before its request comes,
+        ``(cached, fresh)`` (:meth:`Scheduler.reserve`: the cached ones are never written);
+        a ``remote_kv`` request adopts both later (``blocks``, ``num_cached``), or
+        :meth:`free_blocks` gives them back. NoFreeBlocks, and nothing held, when the
+        fresh ones are not free."""
         with self._lock:
-            return self.allocator.allocate(count)
+            return self.scheduler.reserve(list(prompt_token_ids))
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         """Return reserved blocks no request adopted, or blocks set aside
@@ -196,12 +201,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, hold_blocks: bool = False, remote_kv: bool = False,
                     remote_block_size: int | None = None, first: Logprob | None = None,
-                    blocks: Sequence[int] | None = None) -> None:
+                    blocks: Sequence[int] | None = None, num_cached: int = 0) -> None:
         """Queue a request; see the module docstring for ``hold_blocks`` / ``remote_kv``.
 
         ``blocks``: a ``remote_kv`` request's blocks, reserved before it came
-        (:meth:`reserve_blocks`: push mode), one per block of its prompt; it owns them
-        from here. ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
+        (:meth:`reserve_blocks`: push mode), one per block of its prompt, those of the
+        first ``num_cached`` tokens from the prefix cache; it owns them from here.
+        ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
         request's cached prefix is aligned (default: this engine's). ``first``: the
         request's first output token, sampled elsewhere and already answered (its
         output, :meth:`first_output`, is not reported again). Raises ValueError for
@@ -214,14 +220,13 @@ class LLMEngine:
             if hold_blocks and (remote_kv or first is not None):
                 raise ValueError(f"request {request_id!r}: hold_blocks (prefill role) and "
                                  f"remote_kv or first (decode role) exclude each other")
-            if blocks is not None and (not remote_kv or
-                                       len(blocks) != self.scheduler.blocks_for(len(prompt))):
-                raise ValueError(f"request {request_id!r}: {len(blocks)} reserved blocks for "
-                                 f"a {len(prompt)}-token prompt (remote_kv: {remote_kv})")
+            if blocks is not None and not remote_kv:
+                raise ValueError(f"request {request_id!r}: reserved blocks are for a "
+                                 f"remote_kv request")
             request = self._new_request(request_id, prompt, params, first)
             request.hold_blocks = hold_blocks
             if blocks is not None:
-                request.block_ids = list(blocks)
+                self.scheduler.adopt(request, blocks, num_cached)
                 request.state = RequestState.WAITING_FOR_KV
             elif remote_kv:
                 if not self.scheduler.take_blocks(request, remote_block_size):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
-from kvxfer.engine.block_allocator import BlockAllocator
+from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.prefix_cache import PrefixCache, extend_hashes
 from kvxfer.engine.sequence import Request, RequestState
 
@@ -95,15 +96,55 @@ class Scheduler:
             self.prefix_cache.record(request.num_tokens - 1, request.num_cached)
         return True
 
+    def reserve(self, prompt: list[int]) -> tuple[list[int], list[int]]:
+        """Blocks for ``prompt``'s KV before its request comes (push mode), ``(cached,
+        fresh)``: the cached blocks of its longest cached prefix short of its last token
+        (its first output token is not known yet), now held, and free blocks for the rest.
+        NoFreeBlocks, and nothing held, when those are not free. A lookup of every prompt
+        token (a decode given the first token needs them all)."""
+        cached = self.match(prompt, len(prompt) - 1)
+        try:
+            fresh = self.allocator.allocate(self.blocks_for(len(prompt)) - len(cached))
+        except NoFreeBlocks:
+            self.allocator.free(cached)
+            raise
+        if self.prefix_cache is not None:
+            self.prefix_cache.record(len(prompt), len(cached) * self.block_size)
+        return cached, fresh
+
+    def adopt(self, request: Request, blocks: Sequence[int], num_cached: int) -> None:
+        """Give ``request``, which holds no blocks, the blocks :meth:`reserve` returned for
+        its prompt, the first ``num_cached`` tokens' cached; ValueError when they do not
+        fit it."""
+        assert not request.block_ids, "adopt is for a request without blocks"
+        prompt = len(request.prompt_token_ids)
+        if len(blocks) != self.blocks_for(prompt) or num_cached % self.block_size \
+                or not 0 <= num_cached < prompt:
+            raise ValueError(f"request {request.request_id!r}: {len(blocks)} reserved blocks "
+                             f"for a {prompt}-token prompt, {num_cached} of its tokens cached")
+        request.block_ids = list(blocks)
+        request.num_computed = request.num_cached = num_cached
+        request.num_offered_blocks = num_cached // self.block_size
+
     def _match(self, request: Request, align: int) -> list[int]:
         """The cached blocks of ``request``'s longest cached prefix that ends on a multiple
         of ``align`` tokens and before its last token (now held by it)."""
+        return self.match(request.token_ids, request.num_tokens - 1, align,
+                          request.block_hashes)
+
+    def match(self, token_ids: list[int], within: int, align: int | None = None,
+              hashes: list[bytes] | None = None) -> list[int]:
+        """The cached blocks of the longest cached prefix of ``token_ids`` that ends on a
+        multiple of ``align`` tokens (default one block) inside their first ``within``;
+        now held by the caller (who frees them as its other blocks). ``hashes``: the
+        chain hashes known so far, extended in place."""
         cache = self.prefix_cache
         if cache is None:
             return []
-        unit = math.lcm(align, self.block_size) // self.block_size  # blocks per step
-        limit = (request.num_tokens - 1) // self.block_size
-        hashes = extend_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
+        unit = math.lcm(align or self.block_size, self.block_size) // self.block_size
+        limit = within // self.block_size
+        hashes = extend_hashes([] if hashes is None else hashes, token_ids, self.block_size,
+                               limit)
         found = cache.lookup(hashes[:limit])
         return cache.match(hashes[:found - found % unit])
 

@@ -252,15 +252,15 @@ class EngineLoop:
         """The client left: abort these requests (a READ in flight finishes first)."""
         self._command("abort", list(request_ids))
 
-    def reserve(self, num_tokens: int) -> Future[Reservation]:
-        """Push mode, decode: blocks for a prompt of ``num_tokens`` tokens, reserved on the
-        loop's thread (:meth:`KVPushes.reserve`); the future fails with NoFreeBlocks, a
+    def reserve(self, prompt: list[int]) -> Future[Reservation]:
+        """Push mode, decode: blocks for ``prompt``'s KV (past its cached prefix), reserved
+        on the loop's thread (:meth:`KVPushes.reserve`); the future fails with NoFreeBlocks, a
         ValueError (this decode takes no pushes) or EngineStopped."""
         future: Future[Reservation] = Future()
         with self._submit_lock:
             if self._closed or not self.running:
                 raise EngineStopped(self.error or "the engine loop is not running")
-            self._command("reserve", (num_tokens, future))
+            self._command("reserve", (list(prompt), future))
         return future
 
     def _command(self, kind: str, payload: Any) -> None:
@@ -340,13 +340,13 @@ class EngineLoop:
                 for request_id in payload:
                     self._abort(request_id)
 
-    def _reserve(self, num_tokens: int, future: Future[Reservation]) -> None:
+    def _reserve(self, prompt: list[int], future: Future[Reservation]) -> None:
         pushes = self.connector.pushes
         try:
             if pushes is None:
                 raise ValueError("this instance takes no pushes: start a decode with "
                                  "--kv-transfer-mode push")
-            future.set_result(pushes.reserve(num_tokens))
+            future.set_result(pushes.reserve(prompt))
         except Exception as exc:  # answered to the caller, whatever it was
             future.set_exception(exc)
 

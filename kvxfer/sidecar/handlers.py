@@ -187,7 +187,7 @@ class Handlers:
             raise OpenAIError(400, "a reservation holds one prompt's KV for one choice: send "
                                    "one prompt, n 1", param="body")
         try:
-            future = self.side.loop.reserve(len(prepared.prompts[0]))
+            future = self.side.loop.reserve(prepared.prompts[0])
             reservation = await asyncio.wrap_future(future)
         except EngineStopped as exc:
             return error_response(OpenAIError(503, str(exc), "service_unavailable"))

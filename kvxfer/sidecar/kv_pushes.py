@@ -4,8 +4,10 @@ Push mode, the decode's side. Owned by the decode's
 :class:`~kvxfer.sidecar.connector.KVConnector`, which calls every method from the engine
 loop's thread. Who calls what:
 
-* :meth:`KVPushes.reserve` (``POST /v1/kv/reserve``): blocks for a prompt of
-  ``num_tokens`` tokens, taken from the engine (:meth:`LLMEngine.reserve_blocks`) and held
+* :meth:`KVPushes.reserve` (``POST /v1/kv/reserve``): blocks for a prompt, taken from the
+  engine (:meth:`LLMEngine.reserve_blocks`): those of its longest prefix in the prefix
+  cache (held, never written: the reservation names them only by their number of tokens,
+  ``cached_tokens``) and fresh ones for the rest, held
   on every rank as a lease of the rank's own blocks under a fresh, unguessable
   reservation id, until every prefill rank writing into it said "done" (or gave up), or
   its deadline plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S` when no prefill claimed
@@ -74,6 +76,7 @@ class _Reserved:
     request_id: str | None = None  # the generation request that adopted the blocks
     attached: float = 0.0  # when it did (monotonic)
     aborted: bool = False
+    cached: list[int] = field(default_factory=list)  # prefix-cache blocks, until adopted
     blocks: list[int] | None = None  # overdue: the quarantined blocks, held until it ends
 
     @property
@@ -94,6 +97,9 @@ class KVPushes:
         self._reserved: dict[str, _Reserved] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # ended unused: id -> why
         self._transfer_errors: dict[str, str] = {}
+        # bytes of one reserved block on every rank, every layer: what a push writes into it
+        self._block_bytes = engine.config.num_hidden_layers * sum(
+            engine.cache_spec(rank).real_page_size_bytes for rank in range(engine.tp))
 
     def __len__(self) -> int:
         """Reservations held: written into, waiting for their request, or both."""
@@ -112,11 +118,11 @@ class KVPushes:
     def holds(self, reservation_id: str) -> bool:
         return reservation_id in self._reserved
 
-    def reserve(self, num_tokens: int) -> Reservation:
-        """Blocks for a prompt of ``num_tokens`` tokens, held for a push (NoFreeBlocks when
-        they are not free: nothing is held then)."""
+    def reserve(self, prompt: list[int]) -> Reservation:
+        """Blocks for ``prompt``'s KV past its cached prefix, held for a push (NoFreeBlocks
+        when they are not free: nothing is held then)."""
         size = self.engine.block_size
-        blocks = self.engine.reserve_blocks(-(-num_tokens // size))
+        cached, blocks = self.engine.reserve_blocks(prompt)
         reservation_id = f"resv-{secrets.token_urlsafe(16)}"
         expires_at = time.time() + self.ttl
         held: set[int] = set()
@@ -127,13 +133,12 @@ class KVPushes:
         except Exception:
             for rank in held:
                 self.workers[rank].end_lease(reservation_id, "abandoned")
-            if not held:
-                self.engine.free_blocks(blocks)
+            self.engine.free_blocks(cached if held else cached + blocks)
             raise
         reservation = Reservation(reservation_id, self.engine_id, self.host, self.port,
-                                  self.engine.tp, tuple(blocks), size, num_tokens,
-                                  expires_at).signed(self._key)
-        self._reserved[reservation_id] = _Reserved(reservation, held)
+                                  self.engine.tp, tuple(blocks), size, len(prompt),
+                                  expires_at, len(cached) * size).signed(self._key)
+        self._reserved[reservation_id] = _Reserved(reservation, held, cached=cached)
         return reservation
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -164,7 +169,9 @@ class KVPushes:
                              f"{reserved.reservation.num_tokens} tokens but the prompt has "
                              f"{len(prompt)}")
         self.engine.add_request(request_id, prompt, params, remote_kv=True, first=first,
-                                blocks=reserved.reservation.block_ids)
+                                blocks=[*reserved.cached, *reserved.reservation.block_ids],
+                                num_cached=reserved.reservation.cached_tokens)
+        reserved.cached = []  # the request's now
         reserved.request_id = request_id
         reserved.attached = time.monotonic()
         if not reserved.ranks_left:
@@ -202,7 +209,7 @@ class KVPushes:
                     self._overdue(reservation_id, reserved)
             elif reserved.request_id is None:
                 del self._reserved[reservation_id]
-                self.engine.free_blocks(reserved.reservation.block_ids)
+                self.engine.free_blocks([*reserved.cached, *reserved.reservation.block_ids])
                 self._end_unused(reservation_id, f"ended unused at its deadline "
                                                  f"({', '.join(sorted(reserved.reasons))}), "
                                                  f"before its request came")
@@ -219,6 +226,8 @@ class KVPushes:
         them."""
         request_id = reserved.request_id
         if request_id is None:
+            self.engine.free_blocks(reserved.cached)  # nobody writes into those
+            reserved.cached = []
             reserved.blocks = list(reserved.reservation.block_ids)
             self._end_unused(reservation_id, "was claimed by a prefill that did not finish "
                                              "writing it in time (its blocks are quarantined)")
@@ -260,6 +269,8 @@ class KVPushes:
         elif reserved.landed:  # the transfer's time: what the request waited for it
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_seconds.observe(time.monotonic() - reserved.attached)
+            self.metrics.transfer_bytes.inc(len(reserved.reservation.block_ids) *
+                                            self._block_bytes)
             self.engine.finish_kv_load(request_id, ok=True)
         else:
             self.metrics.transfers.labels("failed").inc()

@@ -70,7 +70,8 @@ class SidecarMetrics:
                                        "cached: released unread, the decode's prefix cache "
                                        "held it all; expired: TTL)", ["reason"], registry=r)
         self.transfer_bytes = Counter("kvxfer_kv_transfer_bytes", "Decode: KV bytes read from "
-                                      "prefill instances (all TP ranks)", registry=r)
+                                      "prefill instances (all TP ranks); push mode: the bytes "
+                                      "of the reserved blocks prefills wrote", registry=r)
         self.transfer_descriptors = Counter("kvxfer_kv_transfer_descriptors", "Decode: NIXL "
                                             "descriptors posted by finished reads", registry=r)
         self.transfer_seconds = Histogram("kvxfer_kv_transfer_duration_seconds", "Decode: one "
