@@ -122,7 +122,33 @@ def test_reserving_is_refused_by_a_pull_decode_and_for_bad_bodies(trio: Trio) ->
     assert trio.prefill.post("/v1/kv/reserve", {"endpoint": COMPLETIONS, "body": body}
                              ).status_code == 400
     assert reserve(trio.decode, "/v1/embeddings", body).status_code == 400
-    assert reserve(trio.decode, COMPLETIONS, {**body, "n": 2}).status_code == 400
+    two = reserve(trio.decode, COMPLETIONS, {**body, "prompt": ["x", "y"]})
+    assert two.status_code == 400 and "one prompt" in two.text
+    many = reserve(trio.decode, COMPLETIONS, {**body, "prompt": "x" * 400, "n": 20})
+    assert many.status_code == 400 and "n=20 samples" in many.text
+    trio.decode.wait_for("every block free", idle)
+
+
+@pytest.mark.parametrize("via", ["sidecars", "proxy"])
+def test_n_samples_of_a_pushed_prompt_answer_as_one_instance(trio: Trio, via: str) -> None:
+    """n > 1: the decode reserves blocks for every sample, the prefill writes one prompt's
+    KV, the further samples start from a copy of it; every choice is one instance's."""
+    body = {**SEEDED, "prompt": "Three samples of one pushed prompt", "max_tokens": 6, "n": 3}
+    copies = trio.decode.metric("kvxfer_kv_sibling_copies_total")
+    want = trio.both.post(COMPLETIONS, body)
+    got = pushed(trio, COMPLETIONS, body) if via == "sidecars" else \
+        trio.proxy.post(COMPLETIONS, body)
+    assert got.status_code == 200, got.text
+    pairs = list(zip(got.json()["choices"], want.json()["choices"], strict=True))
+    for mine, theirs in pairs:  # the last prompt token computed alone: its logits may
+        assert mine["text"] == theirs["text"]  # differ from one instance's in the last bit
+        assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+        assert mine["logprobs"]["token_logprobs"] == pytest.approx(
+            theirs["logprobs"]["token_logprobs"], abs=1e-4)
+    assert len({mine["text"] for mine, _ in pairs}) > 1, "the samples differ"
+    assert trio.decode.metric("kvxfer_kv_sibling_copies_total") == copies + 2
+    for side in (trio.prefill, trio.decode):
+        side.wait_for("every block free", idle)
 
 
 @pytest.mark.parametrize("stream", [False, True])

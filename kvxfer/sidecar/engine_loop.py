@@ -252,15 +252,16 @@ class EngineLoop:
         """The client left: abort these requests (a READ in flight finishes first)."""
         self._command("abort", list(request_ids))
 
-    def reserve(self, prompt: list[int]) -> Future[Reservation]:
-        """Push mode, decode: blocks for ``prompt``'s KV (past its cached prefix), reserved
-        on the loop's thread (:meth:`KVPushes.reserve`); the future fails with NoFreeBlocks, a
+    def reserve(self, prompt: list[int], n: int = 1) -> Future[Reservation]:
+        """Push mode, decode: blocks for ``prompt``'s KV (past its cached prefix) and ``n``
+        samples of it, reserved on the loop's thread (:meth:`KVPushes.reserve`); the
+        future fails with NoFreeBlocks, a
         ValueError (this decode takes no pushes) or EngineStopped."""
         future: Future[Reservation] = Future()
         with self._submit_lock:
             if self._closed or not self.running:
                 raise EngineStopped(self.error or "the engine loop is not running")
-            self._command("reserve", (list(prompt), future))
+            self._command("reserve", (list(prompt), n, future))
         return future
 
     def _command(self, kind: str, payload: Any) -> None:
@@ -340,13 +341,13 @@ class EngineLoop:
                 for request_id in payload:
                     self._abort(request_id)
 
-    def _reserve(self, prompt: list[int], future: Future[Reservation]) -> None:
+    def _reserve(self, prompt: list[int], n: int, future: Future[Reservation]) -> None:
         pushes = self.connector.pushes
         try:
             if pushes is None:
                 raise ValueError("this instance takes no pushes: start a decode with "
                                  "--kv-transfer-mode push")
-            future.set_result(pushes.reserve(prompt))
+            future.set_result(pushes.reserve(prompt, n))
         except Exception as exc:  # answered to the caller, whatever it was
             future.set_exception(exc)
 
@@ -368,7 +369,8 @@ class EngineLoop:
                     raise ValueError("kv_transfer_params.kv_reservation_id: this decode takes "
                                      "no pushes (start it with --kv-transfer-mode push)")
                 self.connector.pushes.add(sub.request_id, sub.prompt, sub.params,
-                                          sub.remote.kv_reservation_id, first_logprob(sub.remote))
+                                          sub.remote.kv_reservation_id, first_logprob(sub.remote),
+                                          [(s.request_id, s.params) for s in sub.siblings])
             elif sub.remote is not None:
                 self.connector.add_remote(sub.request_id, sub.prompt, sub.params, sub.remote,
                                           [(s.request_id, s.params) for s in sub.siblings])

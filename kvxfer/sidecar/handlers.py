@@ -28,7 +28,7 @@ from kvxfer.sidecar.answer import Answer, ClientGone, error_response, json_respo
 from kvxfer.sidecar.engine_loop import EngineStopped, Sibling, Sink, Submission
 from kvxfer.sidecar.metrics import CONTENT_TYPE
 from kvxfer.sidecar.openai_api.errors import OpenAIError
-from kvxfer.sidecar.openai_api.kv_params import unread_lease
+from kvxfer.sidecar.openai_api.kv_params import check_samples_fit, unread_lease
 from kvxfer.sidecar.openai_api.prepared import Prepared
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest, decode_body
 from kvxfer.sidecar.openai_api.validation import prepare_chat, prepare_completion
@@ -168,8 +168,9 @@ class Handlers:
         """Push mode, decode: reserve blocks for the prompt of a completion or chat request
         (``{"endpoint": path, "body": request}``, tokenized as that route would) and answer
         ``{"kv_reservation": ...}``, the signed reservation a prefill writes its KV into;
-        the generation request names it (``kv_transfer_params.kv_reservation_id``). 503
-        when the blocks are not free (nothing is held then)."""
+        the generation request names it (``kv_transfer_params.kv_reservation_id``); with
+        ``n > 1`` blocks for the further samples too, which copy the pushed KV. 503 when
+        the blocks are not free (nothing is held then)."""
         from kvxfer.engine import NoFreeBlocks
 
         if self.side.draining:
@@ -183,11 +184,12 @@ class Handlers:
                 prepare_completion(decode_body(body, CompletionRequest), self.side.info)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise OpenAIError(400, f"cannot reserve: {exc}") from None
-        if len(prepared.prompts) != 1 or prepared.n != 1:
-            raise OpenAIError(400, "a reservation holds one prompt's KV for one choice: send "
-                                   "one prompt, n 1", param="body")
+        if len(prepared.prompts) != 1:
+            raise OpenAIError(400, f"a reservation holds one prompt's KV: send one prompt, "
+                                   f"not {len(prepared.prompts)}", param="body")
+        check_samples_fit(prepared.n, len(prepared.prompts[0]), self.side.info)
         try:
-            future = self.side.loop.reserve(prepared.prompts[0])
+            future = self.side.loop.reserve(prepared.prompts[0], prepared.n)
             reservation = await asyncio.wrap_future(future)
         except EngineStopped as exc:
             return error_response(OpenAIError(503, str(exc), "service_unavailable"))

@@ -48,6 +48,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,15 @@ class _Reserved:
     attached: float = 0.0  # when it did (monotonic)
     aborted: bool = False
     cached: list[int] = field(default_factory=list)  # prefix-cache blocks, until adopted
+    # n > 1: each further sample's blocks (and its cached tokens), nobody writes into them;
+    # once adopted, the ids of the samples parked in them
+    spare: list[tuple[list[int], int]] = field(default_factory=list)
+    siblings: list[str] = field(default_factory=list)
     blocks: list[int] | None = None  # overdue: the quarantined blocks, held until it ends
+
+    def unadopted(self) -> list[int]:
+        """Blocks it holds that no request adopted, and nobody writes into."""
+        return [*self.cached, *(b for blocks, _ in self.spare for b in blocks)]
 
     @property
     def landed(self) -> bool:
@@ -118,11 +127,20 @@ class KVPushes:
     def holds(self, reservation_id: str) -> bool:
         return reservation_id in self._reserved
 
-    def reserve(self, prompt: list[int]) -> Reservation:
-        """Blocks for ``prompt``'s KV past its cached prefix, held for a push (NoFreeBlocks
-        when they are not free: nothing is held then)."""
+    def reserve(self, prompt: list[int], n: int = 1) -> Reservation:
+        """Blocks for ``prompt``'s KV past its cached prefix, held for a push, and for
+        ``n - 1`` further samples that start from a copy of it (NoFreeBlocks when they
+        are not free: nothing is held then)."""
         size = self.engine.block_size
-        cached, blocks = self.engine.reserve_blocks(prompt)
+        spare: list[tuple[list[int], int]] = []
+        try:
+            for _ in range(n - 1):
+                hit, fresh = self.engine.reserve_blocks(prompt)
+                spare.append(([*hit, *fresh], len(hit) * size))
+            cached, blocks = self.engine.reserve_blocks(prompt)
+        except Exception:
+            self.engine.free_blocks([b for blocks, _ in spare for b in blocks])
+            raise
         reservation_id = f"resv-{secrets.token_urlsafe(16)}"
         expires_at = time.time() + self.ttl
         held: set[int] = set()
@@ -133,19 +151,23 @@ class KVPushes:
         except Exception:
             for rank in held:
                 self.workers[rank].end_lease(reservation_id, "abandoned")
-            self.engine.free_blocks(cached if held else cached + blocks)
+            self.engine.free_blocks([*cached, *(b for bs, _ in spare for b in bs),
+                                     *([] if held else blocks)])
             raise
         reservation = Reservation(reservation_id, self.engine_id, self.host, self.port,
                                   self.engine.tp, tuple(blocks), size, len(prompt),
                                   expires_at, len(cached) * size).signed(self._key)
-        self._reserved[reservation_id] = _Reserved(reservation, held, cached=cached)
+        self._reserved[reservation_id] = _Reserved(reservation, held, cached=cached,
+                                                   spare=spare)
         return reservation
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            reservation_id: str, first: Logprob | None) -> None:
+            reservation_id: str, first: Logprob | None,
+            siblings: Sequence[tuple[str, SamplingParams]] = ()) -> None:
         """Park generation request ``request_id`` in reservation ``reservation_id``'s
-        blocks; ValueError (a 400) for a reservation this decode does not hold, one used
-        already, or one for another number of tokens."""
+        blocks, and its ``siblings`` (further samples: id, params) in the blocks reserved
+        for them; ValueError (a 400) for a reservation this decode does not hold, one
+        used already, or one for another number of tokens or samples."""
         reserved = self._reserved.get(reservation_id)
         ended = self._ended.get(reservation_id)
         if reserved is not None and reserved.blocks is not None and \
@@ -156,7 +178,8 @@ class KVPushes:
             log.warning("request %s: its reservation %s %s; recomputing its prompt",
                         request_id, reservation_id, ended)
             self.metrics.recomputes.inc()
-            self.engine.add_request(request_id, prompt, params)
+            for member, member_params in [(request_id, params), *siblings]:
+                self.engine.add_request(member, prompt, member_params)
             return
         if reserved is None:
             raise ValueError(f"kv_transfer_params.kv_reservation_id {reservation_id!r} names "
@@ -164,18 +187,39 @@ class KVPushes:
                              f"{ended or 'never made, or used already'}")
         if reserved.request_id is not None:
             raise ValueError(f"kv_reservation {reservation_id} is used by another request")
-        if reserved.reservation.num_tokens != len(prompt):
+        if reserved.reservation.num_tokens != len(prompt) or \
+                len(reserved.spare) != len(siblings):
             raise ValueError(f"kv_reservation {reservation_id} holds "
-                             f"{reserved.reservation.num_tokens} tokens but the prompt has "
-                             f"{len(prompt)}")
-        self.engine.add_request(request_id, prompt, params, remote_kv=True, first=first,
-                                blocks=[*reserved.cached, *reserved.reservation.block_ids],
-                                num_cached=reserved.reservation.cached_tokens)
-        reserved.cached = []  # the request's now
+                             f"{reserved.reservation.num_tokens} tokens for "
+                             f"{len(reserved.spare) + 1} samples but the request has "
+                             f"{len(prompt)} for {len(siblings) + 1}")
+        self._park(reserved, request_id, prompt, params, first, siblings)
         reserved.request_id = request_id
         reserved.attached = time.monotonic()
         if not reserved.ranks_left:
             self._resolve(reservation_id)
+
+    def _park(self, reserved: _Reserved, request_id: str, prompt: list[int],
+              params: SamplingParams, first: Logprob | None,
+              siblings: Sequence[tuple[str, SamplingParams]]) -> None:
+        """The samples first, in blocks nobody writes into: one that cannot be parked is
+        aborted with its blocks (the writers' blocks stay the reservation's)."""
+        parked: list[str] = []
+        try:
+            for (member, member_params), (blocks, cached) in zip(siblings, reserved.spare,
+                                                                 strict=True):
+                self.engine.add_request(member, prompt, member_params, remote_kv=True,
+                                        blocks=blocks, num_cached=cached)
+                parked.append(member)
+            self.engine.add_request(request_id, prompt, params, remote_kv=True, first=first,
+                                    blocks=[*reserved.cached, *reserved.reservation.block_ids],
+                                    num_cached=reserved.reservation.cached_tokens)
+        except Exception:
+            for member in parked:
+                self.engine.abort(member)
+            del reserved.spare[:len(parked)]
+            raise
+        reserved.cached, reserved.spare, reserved.siblings = [], [], parked  # theirs now
 
     def released(self, rank: int, item: Released) -> bool:
         """A rank's lease ended; False when ``item`` is no reservation of this decode."""
@@ -209,7 +253,8 @@ class KVPushes:
                     self._overdue(reservation_id, reserved)
             elif reserved.request_id is None:
                 del self._reserved[reservation_id]
-                self.engine.free_blocks([*reserved.cached, *reserved.reservation.block_ids])
+                self.engine.free_blocks([*reserved.unadopted(),
+                                         *reserved.reservation.block_ids])
                 self._end_unused(reservation_id, f"ended unused at its deadline "
                                                  f"({', '.join(sorted(reserved.reasons))}), "
                                                  f"before its request came")
@@ -226,8 +271,8 @@ class KVPushes:
         them."""
         request_id = reserved.request_id
         if request_id is None:
-            self.engine.free_blocks(reserved.cached)  # nobody writes into those
-            reserved.cached = []
+            self.engine.free_blocks(reserved.unadopted())  # nobody writes into those
+            reserved.cached, reserved.spare = [], []
             reserved.blocks = list(reserved.reservation.block_ids)
             self._end_unused(reservation_id, "was claimed by a prefill that did not finish "
                                              "writing it in time (its blocks are quarantined)")
@@ -263,15 +308,20 @@ class KVPushes:
             self._reserved.pop(reservation_id)
         request_id = reserved.request_id
         assert request_id is not None
+        group = [request_id, *reserved.siblings]
         if reserved.aborted:
             self.metrics.transfers.labels("aborted").inc()
-            self.engine.abort(request_id)
+            for member in group:
+                self.engine.abort(member)
         elif reserved.landed:  # the transfer's time: what the request waited for it
             self.metrics.transfers.labels("ok").inc()
             self.metrics.transfer_seconds.observe(time.monotonic() - reserved.attached)
             self.metrics.transfer_bytes.inc(len(reserved.reservation.block_ids) *
                                             self._block_bytes)
             self.engine.finish_kv_load(request_id, ok=True)
+            if reserved.siblings:
+                self.engine.start_siblings(request_id, reserved.siblings)
+                self.metrics.sibling_copies.inc(len(reserved.siblings))
         else:
             self.metrics.transfers.labels("failed").inc()
             self.metrics.transfer_failures.inc()
@@ -280,21 +330,27 @@ class KVPushes:
             if self.failure_policy == "recompute":
                 log.warning("request %s: %s; recomputing its prompt", request_id, why)
                 self.metrics.recomputes.inc()
-                self.engine.finish_kv_load(request_id, ok=False, recompute=True)
+                for member in group:
+                    self.engine.finish_kv_load(member, ok=False, recompute=True)
             else:
-                self._transfer_errors[request_id] = f"KV push failed: {why}"
-                self.engine.finish_kv_load(request_id, ok=False, recompute=False, reason=why)
+                for member in group:
+                    self._transfer_errors[member] = f"KV push failed: {why}"
+                    self.engine.finish_kv_load(member, ok=False, recompute=False, reason=why)
 
     def take_transfer_error(self, request_id: str) -> str | None:
         return self._transfer_errors.pop(request_id, None)
 
     def abort(self, request_id: str) -> AbortOutcome | None:
-        """Defer the abort of a request whose reservation is still held; None when
-        ``request_id`` uses no reservation still held (the engine aborts it)."""
+        """Defer the abort of a request whose reservation is still held; NOT_MINE for a
+        parked sample of one (the engine aborts it); None when ``request_id`` uses no
+        reservation still held (the engine aborts it)."""
         for reserved in self._reserved.values():
             if reserved.request_id == request_id and reserved.blocks is None:
                 reserved.aborted = True
                 return AbortOutcome.DEFERRED
+            if request_id in reserved.siblings:  # parked: the engine aborts it, and frees
+                reserved.siblings.remove(request_id)
+                return AbortOutcome.NOT_MINE
         return None
 
     def close(self) -> None:

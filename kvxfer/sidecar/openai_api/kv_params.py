@@ -45,12 +45,9 @@ def kv_intent(req: CommonFields, prompts: list[list[int]], params: SamplingParam
         return True, None, _reservation(kv)
     if info.role == "decode" and kv.get("do_remote_prefill") is True:
         _one_prompt(prompts)
+        check_samples_fit(req.n or 1, len(prompts[0]), info)
         if RESERVATION_ID_KEY in kv:
-            if req.n is not None and req.n != 1:
-                raise bad_request(f"a pushed prompt's KV serves one choice: n must be 1, got "
-                                  f"{req.n}", "n")
-            return False, _first_token(_pushed(kv), 1, params, info), None
-        _check_siblings_fit(req.n or 1, len(prompts[0]), info)
+            return False, _first_token(_pushed(kv), req.n or 1, params, info), None
         remote = _remote_params(kv, len(prompts[0]), info.block_size)
         return False, _first_token(remote, req.n or 1, params, info), None
     return False, None, None
@@ -104,7 +101,7 @@ def _first_token(remote: P, n: int, params: SamplingParams, info: ModelInfo) -> 
     return remote
 
 
-def _check_siblings_fit(n: int, num_tokens: int, info: ModelInfo) -> None:
+def check_samples_fit(n: int, num_tokens: int, info: ModelInfo) -> None:
     """A decode admits its ``n`` samples of one read together: their prompt blocks
     must fit in the cache at once, or the request would wait forever."""
     needed = n * -(-num_tokens // info.block_size)
