@@ -124,11 +124,14 @@ def parse_reservation(content: bytes, url: str) -> dict[str, Any]:
     return reservation
 
 
+RESERVATION_KEY = "kv_reservation"  # the kv_transfer_params key naming a reservation
+
+
 def push_prefill_request(body: dict[str, Any], reservation: dict[str, Any]) -> dict[str, Any]:
     """Push mode: the prefill call, its KV written into ``reservation``."""
     prefill = prefill_request(body)
     prefill["kv_transfer_params"] = {**prefill["kv_transfer_params"],
-                                     "kv_reservation": reservation}
+                                     RESERVATION_KEY: reservation}
     return prefill
 
 

@@ -55,6 +55,7 @@ from starlette.responses import Response
 
 from proxy.balancer import Balancer, Instance
 from proxy.contract import (
+    RESERVATION_KEY,
     decode_request,
     drain_request,
     one_token,
@@ -186,6 +187,8 @@ class PDRouter:
                                        reservation["reservation_id"])
         except UpstreamFailed as exc:
             failed.update((exc.url, decode.url))
+            self._in_background(self._release(decode, {RESERVATION_KEY: reservation},
+                                              request_id))
             raise
         content = msgspec.json.encode(decode_request(body, params))
         try:
@@ -233,23 +236,25 @@ class PDRouter:
         if not self.balancer.has_healthy("decode"):
             raise self._unavailable("decode")
 
-    async def _release(self, prefill: Instance, params: dict[str, Any], request_id: str
+    async def _release(self, holder: Instance, params: dict[str, Any], request_id: str
                        ) -> None:
-        """Ask ``prefill`` to end the lease ``params`` name (best effort, logged)."""
+        """Ask ``holder`` to end what ``params`` name (best effort, logged): a prefill's
+        lease, or (push mode) a decode's reservation (``kv_reservation``)."""
         content = msgspec.json.encode({"kv_transfer_params": params})
-        lease = params.get("remote_request_id")
+        what = f"reservation {params[RESERVATION_KEY].get('reservation_id')}" \
+            if RESERVATION_KEY in params else f"lease {params.get('remote_request_id')}"
         try:
-            answer = await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
+            answer = await self._fetch(holder, "POST", RELEASE_PATH, request_id, content)
         except Exception as exc:
-            log.info("request %s: prefill %s did not release lease %s (it ends at its TTL): "
-                     "%s", request_id, prefill.url, lease, exc)
+            log.info("request %s: %s did not release %s (it ends at its deadline): %s",
+                     request_id, holder.url, what, exc)
             return
         try:
             released = msgspec.json.decode(answer.content).get("released") is True
         except (msgspec.DecodeError, AttributeError):
             released = False
-        log.info("request %s: no decode took it; lease %s at %s %s", request_id, lease,
-                 prefill.url, "released" if released else "not released (ended or claimed)")
+        log.info("request %s: nobody will use %s at %s: %s", request_id, what, holder.url,
+                 "released" if released else "not released (ended, used or claimed)")
 
     def _unavailable(self, role: str) -> NoInstance:
         return NoInstance(f"no healthy {role} instance: " + "; ".join(

@@ -179,3 +179,23 @@ def test_a_reservation_is_claimed_once_before_its_deadline_and_never_renewed() -
     time.sleep(0.2)  # not expired yet (nobody called expire), but past its deadline
     with pytest.raises(RenewRefused, match="deadline passed"):
         table.renew("late", 60.0, "writer", claim=True)
+
+
+def test_a_release_ends_a_reservation_only_where_nobody_claimed_it() -> None:
+    """Released by the caller holding it: a claimed lease is its writer's to end (its
+    WRITEs may be on their way); an unclaimed one ends, and nobody claims it after."""
+    from kvxfer.transfer.leases import LeaseTable
+    from kvxfer.transfer.results import Tally
+    from kvxfer.wire.messages import RenewRefused
+
+    table = LeaseTable(None, Tally())
+    table.hold("claimed", [1], None, ttl=30)
+    table.hold("unclaimed", [2], None, ttl=30)
+    table.renew("claimed", 30, "writer", claim=True)
+    assert not table.end("claimed", "abandoned", claimed=False)
+    assert table.end("unclaimed", "abandoned", claimed=False)
+    assert table.holds("claimed") and not table.holds("unclaimed")
+    with pytest.raises(RenewRefused, match="no longer holds"):
+        table.renew("unclaimed", 30, "writer", claim=True)
+    assert [(r.request_id, r.reason) for r in table.take_released()] == \
+        [("unclaimed", "abandoned")]

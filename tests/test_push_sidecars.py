@@ -10,6 +10,7 @@ sidecars end with every block free.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -196,4 +197,69 @@ def test_a_decode_with_a_prefix_cache_reserves_and_is_written_only_past_it(
         assert cached == (tokens - 1) // 8 * 8 and cached % 16 == 8, "ends inside a block"
         assert blocks == cold_blocks - cached // 8 and 0 < written < cold_bytes / 5
         assert decode.metric("kvxfer_prefix_cache_hits_total") == cached
+        # three samples share the cached blocks, each holding them: released unused, each
+        # lets go once (the decode keeps serving)
+        spare = reserve(decode, COMPLETIONS, {**body, "n": 3}).json()["kv_reservation"]
+        assert spare["cached_tokens"] == cached
+        assert decode.post("/v1/kv/release", {"kv_transfer_params": {
+            "kv_reservation": spare}}).json() == {"released": True}
+        decode.wait_for("every block free", idle)
+        assert decode.get("/health").json()["status"] == "ok"
     trio.prefill.wait_for("every block free", idle)
+
+
+def test_a_reservation_nobody_will_use_is_released_by_whoever_holds_it(trio: Trio) -> None:
+    """The caller holding a reservation frees it at once (no prefill claimed it); a
+    request naming it later is refused; another decode's, or a used one, frees nothing."""
+    body = {**GREEDY, "prompt": "Nobody will use this", "max_tokens": 3}
+    reservation = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
+    assert trio.decode.health()["reservations"] == 1
+    released = trio.decode.post("/v1/kv/release",
+                                {"kv_transfer_params": {"kv_reservation": reservation}})
+    assert released.status_code == 200 and released.json() == {"released": True}
+    trio.decode.wait_for("every block free", idle, timeout=2.0)  # not its deadline's 120 s
+    late = trio.decode.post(COMPLETIONS, {**body, "kv_transfer_params": {
+        "do_remote_prefill": True, "kv_reservation_id": reservation["reservation_id"]}})
+    assert late.status_code == 400 and "was released" in late.text
+    again = trio.decode.post("/v1/kv/release",
+                             {"kv_transfer_params": {"kv_reservation": reservation}})
+    assert again.json() == {"released": False}
+    other = trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
+        "kv_reservation": {**reservation, "engine_id": "decode-elsewhere"}}})
+    assert other.status_code == 400 and "not this one's" in other.text
+    used = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
+    first = trio.prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
+        "do_remote_decode": True, "kv_reservation": used}})
+    choice(trio.decode.post(COMPLETIONS, {**body,
+                                          "kv_transfer_params": first.json()[
+                                              "kv_transfer_params"]}))
+    assert trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
+        "kv_reservation": used}}).json() == {"released": False}
+    for side in (trio.prefill, trio.decode):
+        side.wait_for("every block free", idle)
+
+
+def test_the_proxy_releases_the_reservation_of_a_prefill_that_did_not_answer(
+        trio: Trio, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A frozen prefill: the proxy gives up on it after --prefill-timeout and releases the
+    decode's reservation at once; once thawed, the prefill finds it ended and writes
+    nothing. Both sides end with every block free, long before the reservation's deadline."""
+    body = {**GREEDY, "prompt": "A prefill that froze", "max_tokens": 3}
+    with SidecarGroup(tmp_path_factory.mktemp("push-release")) as group:
+        (prefill,) = group.start([Spec("prefill")])
+        proxy = ProxyProcess(group.log_dir, [prefill], [trio.decode], (
+            "--health-interval", "3600", "--kv-transfer-mode", "push", "--prefill-timeout",
+            "2", "--retries", "0"))
+        try:
+            start_proxies([proxy])
+            prefill.send_signal(signal.SIGSTOP)
+            try:
+                answer = proxy.post(COMPLETIONS, body)
+                assert answer.status_code == 504, answer.text
+                trio.decode.wait_for("every block free", idle, timeout=5.0)
+            finally:
+                prefill.send_signal(signal.SIGCONT)
+            prefill.wait_for("every block free", idle)
+            trio.decode.wait_for("every block free", idle)
+        finally:
+            proxy.stop()

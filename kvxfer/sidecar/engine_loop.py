@@ -30,10 +30,10 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvxfer.sidecar.connector import AbortOutcome, ConnectorEvents, KVConnector
 from kvxfer.sidecar.kv_loads import first_logprob
@@ -44,8 +44,10 @@ from kvxfer.wire.reservations import PushedParams
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams
+    from kvxfer.sidecar.kv_pushes import KVPushes
     from kvxfer.wire.reservations import Reservation
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 READ_POLL_S = 0.001      # READs in flight
@@ -252,16 +254,16 @@ class EngineLoop:
         """The client left: abort these requests (a READ in flight finishes first)."""
         self._command("abort", list(request_ids))
 
-    def reserve(self, prompt: list[int], n: int = 1) -> Future[Reservation]:
-        """Push mode, decode: blocks for ``prompt``'s KV (past its cached prefix) and ``n``
-        samples of it, reserved on the loop's thread (:meth:`KVPushes.reserve`); the
-        future fails with NoFreeBlocks, a
-        ValueError (this decode takes no pushes) or EngineStopped."""
-        future: Future[Reservation] = Future()
+    def with_pushes(self, call: Callable[[KVPushes], T]) -> Future[T]:
+        """Push mode, decode: ``call`` on this decode's reservations
+        (:class:`~kvxfer.sidecar.kv_pushes.KVPushes`: reserve, release), run on the loop's
+        thread; the future has its result, or fails with its exception, a ValueError
+        (this decode takes no pushes) or EngineStopped."""
+        future: Future[T] = Future()
         with self._submit_lock:
             if self._closed or not self.running:
                 raise EngineStopped(self.error or "the engine loop is not running")
-            self._command("reserve", (list(prompt), n, future))
+            self._command("pushes", (call, future))
         return future
 
     def _command(self, kind: str, payload: Any) -> None:
@@ -305,7 +307,7 @@ class EngineLoop:
                 for sub in submissions:
                     self._track(sub, sink)
                     self._release_unadmitted(sub)
-            elif kind == "reserve":
+            elif kind == "pushes":
                 payload[1].set_exception(EngineStopped(failure.message))
         self._fail_all(failure)
 
@@ -335,19 +337,19 @@ class EngineLoop:
                 submissions, sink = payload
                 for submission in submissions:
                     self._add(submission, sink)
-            elif kind == "reserve":
-                self._reserve(*payload)
+            elif kind == "pushes":
+                self._pushes(*payload)
             else:
                 for request_id in payload:
                     self._abort(request_id)
 
-    def _reserve(self, prompt: list[int], n: int, future: Future[Reservation]) -> None:
+    def _pushes(self, call: Callable[[KVPushes], Any], future: Future[Any]) -> None:
         pushes = self.connector.pushes
         try:
             if pushes is None:
                 raise ValueError("this instance takes no pushes: start a decode with "
                                  "--kv-transfer-mode push")
-            future.set_result(pushes.reserve(prompt, n))
+            future.set_result(call(pushes))
         except Exception as exc:  # answered to the caller, whatever it was
             future.set_exception(exc)
 

@@ -33,6 +33,7 @@ from kvxfer.sidecar.openai_api.prepared import Prepared
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest, decode_body
 from kvxfer.sidecar.openai_api.validation import prepare_chat, prepare_completion
 from kvxfer.wire.params import RemoteParams
+from kvxfer.wire.reservations import RESERVATION_KEY, parse_reservation
 
 if TYPE_CHECKING:
     from kvxfer.sidecar.instance import Sidecar
@@ -150,13 +151,21 @@ class Handlers:
         shows its ``kv_transfer_params`` (the proxy, when no decode will read them): 200
         ``{"released": bool}`` (False: ended already, or claimed by a decode, which alone
         may end it then); 400 for params that are malformed, another prefill's or, with
-        a key, not signed by it."""
+        a key, not signed by it. A push decode likewise ends a reservation nobody will
+        use, for a caller that shows it (``kv_transfer_params.kv_reservation``): at once
+        where no prefill claimed it, else once its writer's WRITEs ended."""
         raw = await request.body()
+        why = "the caller holding its params says no request will use it"
         try:
-            remote = RemoteParams.parse(msgspec.json.decode(raw, type=_ReleaseBody)
-                                        .kv_transfer_params)
-            released = self.side.connector.release_handed_out(
-                remote, "the caller holding its params says no decode will read it")
+            kv = msgspec.json.decode(raw, type=_ReleaseBody).kv_transfer_params
+            if RESERVATION_KEY in kv:  # a push decode's reservation
+                reservation = parse_reservation(kv[RESERVATION_KEY])
+                released = await asyncio.wrap_future(self.side.loop.with_pushes(
+                    lambda pushes: pushes.release(reservation, why)))
+            else:
+                released = self.side.connector.release_handed_out(RemoteParams.parse(kv), why)
+        except EngineStopped as exc:
+            return error_response(OpenAIError(503, str(exc), "service_unavailable"))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as exc:
             raise OpenAIError(400, f"cannot release: {exc}",
                               param="kv_transfer_params") from None
@@ -189,7 +198,8 @@ class Handlers:
                                    f"not {len(prepared.prompts)}", param="body")
         check_samples_fit(prepared.n, len(prepared.prompts[0]), self.side.info)
         try:
-            future = self.side.loop.reserve(prepared.prompts[0], prepared.n)
+            prompt, n = prepared.prompts[0], prepared.n
+            future = self.side.loop.with_pushes(lambda pushes: pushes.reserve(prompt, n))
             reservation = await asyncio.wrap_future(future)
         except EngineStopped as exc:
             return error_response(OpenAIError(503, str(exc), "service_unavailable"))

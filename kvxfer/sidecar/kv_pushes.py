@@ -83,10 +83,12 @@ class _Reserved:
     spare: list[tuple[list[int], int]] = field(default_factory=list)
     siblings: list[str] = field(default_factory=list)
     blocks: list[int] | None = None  # overdue: the quarantined blocks, held until it ends
+    released: str = ""  # why the caller holding it said no request will use it
 
-    def unadopted(self) -> list[int]:
-        """Blocks it holds that no request adopted, and nobody writes into."""
-        return [*self.cached, *(b for blocks, _ in self.spare for b in blocks)]
+    def unadopted(self) -> list[list[int]]:
+        """Blocks it holds that no request adopted, and nobody writes into: one list per
+        holder (the samples share cached blocks, each held once per sample)."""
+        return [self.cached, *(blocks for blocks, _ in self.spare)]
 
     @property
     def landed(self) -> bool:
@@ -139,7 +141,8 @@ class KVPushes:
                 spare.append(([*hit, *fresh], len(hit) * size))
             cached, blocks = self.engine.reserve_blocks(prompt)
         except Exception:
-            self.engine.free_blocks([b for blocks, _ in spare for b in blocks])
+            for blocks, _ in spare:
+                self.engine.free_blocks(blocks)
             raise
         reservation_id = f"resv-{secrets.token_urlsafe(16)}"
         expires_at = time.time() + self.ttl
@@ -151,8 +154,8 @@ class KVPushes:
         except Exception:
             for rank in held:
                 self.workers[rank].end_lease(reservation_id, "abandoned")
-            self.engine.free_blocks([*cached, *(b for bs, _ in spare for b in bs),
-                                     *([] if held else blocks)])
+            for blocks_of in (cached, *(bs for bs, _ in spare), [] if held else blocks):
+                self.engine.free_blocks(blocks_of)
             raise
         reservation = Reservation(reservation_id, self.engine_id, self.host, self.port,
                                   self.engine.tp, tuple(blocks), size, len(prompt),
@@ -174,6 +177,8 @@ class KVPushes:
                 reserved.request_id is None:  # overdue before its request came
             reserved, ended = None, ("was claimed by a prefill that did not finish writing "
                                      "it in time (its blocks are quarantined)")
+        elif reserved is not None and reserved.released:
+            reserved, ended = None, f"was released: {reserved.released}"
         if reserved is None and ended is not None and self.failure_policy == "recompute":
             log.warning("request %s: its reservation %s %s; recomputing its prompt",
                         request_id, reservation_id, ended)
@@ -228,7 +233,10 @@ class KVPushes:
             return False
         reserved.ranks_left.discard(rank)
         reserved.reasons.add(item.reason)
-        if not reserved.ranks_left and reserved.blocks is not None:
+        if not reserved.ranks_left and reserved.released and reserved.request_id is None:
+            self._give_back(item.request_id, reserved, f"was released ({reserved.released}) "
+                                                       f"and its writers ended")
+        elif not reserved.ranks_left and reserved.blocks is not None:
             del self._reserved[item.request_id]
             self.engine.free_blocks(reserved.blocks)
             log.info("reservation %s: its writers' WRITEs ended (%s): its %d quarantined "
@@ -252,12 +260,42 @@ class KVPushes:
                        for rank in reserved.ranks_left):
                     self._overdue(reservation_id, reserved)
             elif reserved.request_id is None:
-                del self._reserved[reservation_id]
-                self.engine.free_blocks([*reserved.unadopted(),
-                                         *reserved.reservation.block_ids])
-                self._end_unused(reservation_id, f"ended unused at its deadline "
-                                                 f"({', '.join(sorted(reserved.reasons))}), "
-                                                 f"before its request came")
+                self._give_back(reservation_id, reserved,
+                                f"ended unused at its deadline "
+                                f"({', '.join(sorted(reserved.reasons))}), before its request "
+                                f"came")
+
+    def release(self, reservation: Reservation, why: str) -> bool:
+        """The caller holding ``reservation`` (the proxy, whose prefill failed) says no
+        request will use it: a rank no prefill claimed ends now, a claimed one once its
+        writer's WRITEs ended, and then the blocks are free, long before the deadline.
+        ValueError for another decode's reservation or, with a key, one it did not sign;
+        whether it was held and unused."""
+        if reservation.engine_id != self.engine_id:
+            raise ValueError(f"kv_reservation {reservation.reservation_id} is decode "
+                             f"{reservation.engine_id}'s, not this one's ({self.engine_id})")
+        reservation.verify(self._key)
+        reserved = self._reserved.get(reservation.reservation_id)
+        if reserved is None or reserved.reservation != reservation or \
+                reserved.request_id is not None or reserved.blocks is not None:
+            return False
+        reserved.released = why
+        for rank in sorted(reserved.ranks_left):  # a claim may come as this runs: unended
+            self.workers[rank].end_lease(reservation.reservation_id, "abandoned",
+                                         claimed=False)
+        return True
+
+    def _give_back(self, reservation_id: str, reserved: _Reserved, why: str) -> None:
+        """Free an unused reservation whose every lease ended."""
+        del self._reserved[reservation_id]
+        self.engine.free_blocks(reserved.reservation.block_ids)
+        self._free_unadopted(reserved)
+        self._end_unused(reservation_id, why)
+
+    def _free_unadopted(self, reserved: _Reserved) -> None:
+        for blocks in reserved.unadopted():
+            self.engine.free_blocks(blocks)
+        reserved.cached, reserved.spare = [], []
 
     def _end_unused(self, reservation_id: str, why: str) -> None:
         log.info("reservation %s %s", reservation_id, why)
@@ -271,8 +309,7 @@ class KVPushes:
         them."""
         request_id = reserved.request_id
         if request_id is None:
-            self.engine.free_blocks(reserved.unadopted())  # nobody writes into those
-            reserved.cached, reserved.spare = [], []
+            self._free_unadopted(reserved)  # nobody writes into those
             reserved.blocks = list(reserved.reservation.block_ids)
             self._end_unused(reservation_id, "was claimed by a prefill that did not finish "
                                              "writing it in time (its blocks are quarantined)")

@@ -149,11 +149,13 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             return None if lease is None else lease.claimer
 
-    def end(self, request_id: str, reason: str) -> bool:
+    def end(self, request_id: str, reason: str, *, claimed: bool = True) -> bool:
         """End lease ``request_id`` now, released with ``reason``; False when it is not
-        held (nothing changes)."""
+        held, or (``claimed`` False) when someone claimed it (as one step with claims):
+        nothing changes then."""
         with self._lock:
-            if request_id not in self._leases:
+            lease = self._leases.get(request_id)
+            if lease is None or (not claimed and lease.claimer is not None):
                 return False
             self._end(request_id, reason)
         return True
@@ -263,7 +265,8 @@ class RankLeases(Protocol):
 
     def holds_lease(self, request_id: str) -> bool: ...
 
-    def end_lease(self, request_id: str, reason: str = ...) -> bool: ...
+    def end_lease(self, request_id: str, reason: str = ..., *, claimed: bool = ...
+                  ) -> bool: ...
 
 
 @dataclass(frozen=True)

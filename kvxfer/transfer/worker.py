@@ -339,13 +339,15 @@ class TransferWorker:
         """The engine that claimed held lease ``request_id``, if any (thread-safe)."""
         return self._leases.claimer(request_id)
 
-    def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
+    def end_lease(self, request_id: str, reason: str = "abandoned", *,
+                  claimed: bool = True) -> bool:
         """End lease ``request_id`` now; ``poll_released()`` reports it with ``reason``.
 
-        False when it is not held (ended already, or never existed): nothing
-        changes. Thread-safe; a "done" arriving later for it is ignored (counted late).
+        False when it is not held (ended already, or never existed), or (``claimed``
+        False) when someone claimed it: nothing changes. Thread-safe; a "done" arriving
+        later for it is ignored (counted late).
         """
-        return self._leases.end(request_id, reason)
+        return self._leases.end(request_id, reason, claimed=claimed)
 
     def count_done(self, note: ReadDone, sender: str) -> bool:
         """Any thread: count a reader's "done" that came over the side channel (see

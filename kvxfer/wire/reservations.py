@@ -107,8 +107,17 @@ class Reservation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def check(self, key: bytes | None, now: float | None = None) -> None:
         """Raise :class:`ReservationError` unless a prefill may write into it now: its
-        ticket verifies with ``key`` (when there is one) and ``now`` (the epoch, default
+        ticket verifies with ``key`` (:meth:`verify`) and ``now`` (the epoch, default
         the clock) is before its deadline."""
+        self.verify(key)
+        now = time.time() if now is None else now
+        if now >= self.expires_at:
+            raise ReservationError(f"kv_reservation {self.reservation_id} expired "
+                                   f"{now - self.expires_at:.1f} s ago")
+
+    def verify(self, key: bytes | None) -> None:
+        """Raise :class:`ReservationError` unless its ticket verifies with ``key`` (when
+        there is one): a decode with that key issued it as it is."""
         if key is not None:
             if self.ticket is None:
                 raise ReservationError("kv_reservation.ticket is missing: this instance only "
@@ -119,10 +128,6 @@ class Reservation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ReservationError(f"kv_reservation.ticket does not verify ({exc}): it "
                                        f"was altered, or not issued by a decode that shares "
                                        f"this instance's key") from exc
-        now = time.time() if now is None else now
-        if now >= self.expires_at:
-            raise ReservationError(f"kv_reservation {self.reservation_id} expired "
-                                   f"{now - self.expires_at:.1f} s ago")
 
     @property
     def address(self) -> str:
