@@ -79,8 +79,9 @@ FLAGS = (  # (flag, type, default, help)
     ("--restart-pause", float, 1.0, "seconds a killed worker stays down"),
     ("--stop-seconds", float, 3.0, "seconds a stop fault lasts; a lease fault, --lease-ttl more"),
     ("--lease-ttl", float, 2.0, f"--lease-ttl of {SHORT_TTL}; lease faults let its leases expire"),
-    ("--lose-share", float, 0.5, f"share of the 'done' notifications and reports {LOSSY} loses "
-                                 f"on purpose ({LOSS_ENV}; 0: none)"),
+    ("--lose-share", float, None, f"share of the 'done' notifications and reports {LOSSY} loses "
+                                  f"on purpose ({LOSS_ENV}; 0: none; default 0.5, and 0 in "
+                                  f"push mode, whose lost 'done' is not repaired yet)"),
     ("--settle-timeout", float, 30.0, "longest wait after the load for idle workers"),
     ("--seed", int, 0, "seed of the request mix"),
 )
@@ -89,9 +90,12 @@ FLAGS = (  # (flag, type, default, help)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, text in FLAGS:
         metavar = "SHARE" if flag == "--lose-share" else "SECONDS" if kind is float else "N"
-        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})",
-                            metavar=metavar)
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar,
+                            help=text if default is None else f"{text} (default {default})")
     parser.add_argument("--model", default="kvxfer-tiny", help="model (default kvxfer-tiny)")
+    parser.add_argument("--kv-transfer-mode", choices=("pull", "push"), default="pull",
+                        help="how the KV moves: the decodes read it (pull, the default), or "
+                             "reserve blocks the prefills write it into (push)")
     parser.add_argument("--netns", action="store_true",
                         help="run each worker and the proxy on a 'host' of its own (network "
                              "namespaces joined by a bridge, UCX over TCP; needs root) and "
@@ -137,7 +141,8 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
                     "--model", args.model, "--port", str(http[i]), *listen, *elsewhere,
                     "--api-key-file", keys.files["api"], "--kv-key-file", keys.files["kv"],
                     *(["--enable-prefix-caching"] if role != "both" else []),
-                    *(["--kv-load-failure-policy", "recompute"] if role == "decode" else []),
+                    *(["--kv-load-failure-policy", "recompute", "--kv-transfer-mode",
+                       args.kv_transfer_mode] if role == "decode" else []),
                     *(["--side-channel-port", str(side[int(name[-1])])] if role == "prefill"
                       else []),
                     *(["--lease-ttl", str(args.lease_ttl if name == SHORT_TTL else LONG_TTL)]
@@ -157,7 +162,8 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
             "--decoder-hosts", *(host(n)[1] for n in upstream["decode"]),
             "--decoder-ports", *(str(http[names.index(n)]) for n in upstream["decode"]),
             "--api-key-file", keys.files["client"], "--upstream-api-key-file",
-            keys.files["api"], "--prefill-timeout", "3", "--health-interval", "1"],
+            keys.files["api"], "--prefill-timeout", "3", "--health-interval", "1",
+            "--kv-transfer-mode", args.kv_transfer_mode],
             f"http://{address}:{http[5]}", env, log_dir)
         with started([[children[n] for n in names], [children["proxy"]]]):
             yield children, network
@@ -511,7 +517,8 @@ def print_table(r: dict[str, Any]) -> None:
     c, latency, recovery, failed = r["config"], r["latency_ms"], r["recovery_s"], r["failed_checks"]
     held = {"total": r["held_total"], **r["held"]}
     print(f"kvxfer bench soak ({c['duration']:g} s, {c['clients']} clients, a fault every "
-          f"{c['fault_interval']:g} s, deadline {c['deadline']:g} s, model {c['model']})")
+          f"{c['fault_interval']:g} s, deadline {c['deadline']:g} s, model {c['model']}, "
+          f"{c['kv_transfer_mode']})")
     for label, value in (
             ("requests", r["requests"]),
             ("successes", f"{r['successes']} ({100 * r['success_rate']:.1f}%)"),
@@ -535,8 +542,11 @@ def run(args: argparse.Namespace) -> int:
            args.clients) <= 0 or min(args.restart_pause, args.stop_seconds) < 0:
         print("durations and --clients must be positive", file=sys.stderr)
         return 2
-    if not 0 <= args.lose_share <= 1:
-        print(f"--lose-share must be within 0..1, got {args.lose_share}", file=sys.stderr)
+    push = args.kv_transfer_mode == "push"
+    args.lose_share = (0.0 if push else 0.5) if args.lose_share is None else args.lose_share
+    if not 0 <= args.lose_share <= (0 if push else 1):
+        print(f"--lose-share must be within 0..1, and 0 in push mode (a push's lost 'done' is "
+              f"not repaired yet), got {args.lose_share}", file=sys.stderr)
         return 2
     if args.netns and (why := why_not()) is not None:
         print(f"kvxfer bench soak --netns: {why}", file=sys.stderr)
