@@ -239,14 +239,20 @@ def test_remote_kv_that_does_not_fit_takes_no_cached_block() -> None:
     assert all(cache.holders(b) == 1 for b in engine.block_ids("p")[:4])
 
 
-def test_a_failed_read_recomputes_past_the_cached_prefix_only() -> None:
+def warm_engine() -> tuple[LLMEngine, list[int], list[int], list[torch.Tensor]]:
+    """An engine whose cache holds a 19-token prompt's first 16 tokens: the engine, the
+    prompt, its blocks and their KV."""
     engine = make_engine()
-    prompt = list(range(3, 22))  # 19 tokens
+    prompt = list(range(3, 22))
     blocks = held(engine, "p", prompt)
     engine.release("p")
-    before = kv_rows(engine, blocks, range(16))
-    engine.add_request("d", prompt, GREEDY, remote_kv=True)
-    assert engine.num_cached_tokens("d") == 16
+    return engine, prompt, blocks, kv_rows(engine, blocks, range(16))
+
+
+def recomputes_past_the_cache(engine: LLMEngine, prompt: list[int], blocks: list[int],
+                              before: list[torch.Tensor]) -> None:
+    """Request "d"'s KV load failed: it recomputes past its 16 cached tokens only (their
+    blocks unchanged) and answers as one instance without a cache."""
     engine.finish_kv_load("d", ok=False, recompute=True)
     outputs = []
     while engine.has_work():
@@ -255,6 +261,13 @@ def test_a_failed_read_recomputes_past_the_cached_prefix_only() -> None:
         assert torch.equal(old, new)  # the shared blocks were not written
     want = make_engine(cache=False).generate([prompt], GREEDY)[0]
     assert outputs[-1].token_ids == want.token_ids
+
+
+def test_a_failed_read_recomputes_past_the_cached_prefix_only() -> None:
+    engine, prompt, blocks, before = warm_engine()
+    engine.add_request("d", prompt, GREEDY, remote_kv=True)
+    assert engine.num_cached_tokens("d") == 16
+    recomputes_past_the_cache(engine, prompt, blocks, before)
 
 
 @pytest.mark.parametrize(("shared", "cached"), [(16, 12), (12, 12), (11, 8), (3, 0)])
@@ -279,11 +292,7 @@ def test_a_push_reservation_takes_the_cached_prefix_and_fresh_blocks_for_the_res
 
 
 def test_a_pushed_request_adopts_its_cached_prefix_and_recomputes_only_past_it() -> None:
-    engine = make_engine()
-    prompt = list(range(3, 22))  # 19 tokens
-    blocks = held(engine, "p", prompt)
-    engine.release("p")
-    before = kv_rows(engine, blocks, range(16))
+    engine, prompt, blocks, before = warm_engine()
     hit, fresh = engine.reserve_blocks(prompt)
     assert hit == blocks[:4]
     with pytest.raises(ValueError, match="3 of its tokens cached"):
@@ -293,14 +302,7 @@ def test_a_pushed_request_adopts_its_cached_prefix_and_recomputes_only_past_it()
     assert engine.num_cached_tokens("d") == 16
     assert engine.set_aside_blocks("d") == fresh  # a late WRITE could land only there
     engine.free_blocks(fresh)
-    engine.finish_kv_load("d", ok=False, recompute=True)
-    outputs = []
-    while engine.has_work():
-        outputs += engine.step()
-    for old, new in zip(before, kv_rows(engine, blocks, range(16)), strict=True):
-        assert torch.equal(old, new)  # the shared blocks were not written
-    want = make_engine(cache=False).generate([prompt], GREEDY)[0]
-    assert outputs[-1].token_ids == want.token_ids
+    recomputes_past_the_cache(engine, prompt, blocks, before)
 
 
 def test_a_push_reservation_that_does_not_fit_holds_nothing() -> None:

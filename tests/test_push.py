@@ -19,7 +19,7 @@ import torch
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
 from kvxfer.plan.layout import KVCacheLayout
-from tests.test_transfer import check_blocks, check_tokens, pattern, tokens_of
+from tests.test_transfer import check_blocks, pattern, tokens_of
 
 KEY = "5ec7e7" * 8
 
@@ -81,36 +81,17 @@ def test_a_push_lands_byte_exact(prefill: PrefillProcess, prefill_layout: str,
         prefill.drop(remote["engine_id"])
 
 
-@pytest.mark.parametrize(("prefill_bs", "decode_bs", "tp"), [(16, 32, (1, 2)), (32, 8, (2, 1))])
-def test_a_push_across_block_sizes_moves_every_token_to_its_place(
-        prefill: PrefillProcess, prefill_bs: int, decode_bs: int, tp: tuple[int, int]) -> None:
-    tokens = 77  # a last block partly filled on both sides
-    pcfg = CacheConfig(layout="LBHNC", block_size=prefill_bs, num_blocks=24, tp=tp[0])
-    dcfg = replace(pcfg, layout="BLHNC", block_size=decode_bs, tp=tp[1])
-    remote = prefill.create(pcfg)
-    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
-    try:
-        remote_ids = [5, 1, 17, 9, 12][:-(-tokens // prefill_bs)]
-        local_ids = [2, 20, 7, 11, 3, 8, 14, 0, 6, 15][:-(-tokens // decode_bs)]
-        reservation = decode.reserve("resv", local_ids, tokens, ttl=30)
-        prefill.push(remote["engine_id"], "lease", reservation, remote_ids,
-                     groups=[range(0, 2)])
-        assert wait_released(decode, {"resv"}) == {"resv": "done"}
-        check_tokens(decode, pcfg, remote_ids, local_ids, tokens)
-    finally:
-        decode.close()
-        prefill.drop(remote["engine_id"])
-
-
 @pytest.mark.parametrize(("prefill_bs", "decode_bs", "cached", "tp"), [
+    (16, 32, 0, (1, 2)), (32, 8, 0, (2, 1)),
     (32, 16, 16, (1, 1)), (32, 16, 48, (1, 2)), (16, 32, 32, (2, 1)), (16, 16, 48, (1, 1))])
-def test_a_push_past_a_cached_prefix_writes_only_the_reserved_blocks(
+def test_a_push_across_block_sizes_moves_every_token_to_its_place(
         prefill: PrefillProcess, prefill_bs: int, decode_bs: int, cached: int,
         tp: tuple[int, int]) -> None:
-    """A decode whose prefix cache holds a prompt's first ``cached`` tokens reserves blocks
-    for the rest only: the prefill writes the tokens after them, from inside one of its
-    blocks where its blocks are larger, and never a block the decode holds already."""
-    tokens = 77
+    """Tokens pair in order across block sizes. A decode whose prefix cache holds a
+    prompt's first ``cached`` tokens reserves blocks for the rest only: the prefill writes
+    the tokens after them, from inside one of its blocks where its blocks are larger, and
+    never a block the decode holds already."""
+    tokens = 77  # a last block partly filled on both sides
     pcfg = CacheConfig(layout="LBHNC", block_size=prefill_bs, num_blocks=24, tp=tp[0])
     dcfg = replace(pcfg, layout="BLHNC", block_size=decode_bs, tp=tp[1])
     remote = prefill.create(pcfg)
