@@ -227,6 +227,13 @@ def test_a_reservation_nobody_will_use_is_released_by_whoever_holds_it(trio: Tri
     other = trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
         "kv_reservation": {**reservation, "engine_id": "decode-elsewhere"}}})
     assert other.status_code == 400 and "not this one's" in other.text
+    written = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
+    assert trio.prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
+        "do_remote_decode": True, "kv_reservation": written}}).status_code == 200
+    trio.prefill.wait_for("the push ended", idle)  # landed: every lease of it ended
+    assert trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
+        "kv_reservation": written}}).json() == {"released": True}
+    trio.decode.wait_for("every block free", idle, timeout=2.0)
     used = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
     first = trio.prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
         "do_remote_decode": True, "kv_reservation": used}})

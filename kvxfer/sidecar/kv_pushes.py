@@ -13,11 +13,17 @@ loop's thread. Who calls what:
   its deadline plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S` when no prefill claimed
   it (see *overdue* below); the answer is the
   :class:`~kvxfer.wire.reservations.Reservation`, signed with the key, that the proxy hands
-  the prefill.
+  the prefill. For ``n > 1`` samples it also holds blocks for the other ``n - 1``
+  (*spare*: nobody writes into them).
 * :meth:`KVPushes.add`: the generation request naming the reservation: the engine parks it
   in the reserved blocks (``add_request(..., remote_kv=True, blocks=...)``; it owns them
-  from then on), with the prefill's first token when it came. A reservation is used
-  once, by a prompt of its token count.
+  from then on), with the prefill's first token when it came, and its further samples in
+  the spare blocks; they start from a copy of its KV once it landed
+  (``start_siblings``). A reservation is used once, by a prompt of its token count and
+  samples.
+* :meth:`KVPushes.release` (``POST /v1/kv/release``): the caller holding the reservation
+  (the proxy, whose prefill failed) says no request will use it: a rank no prefill
+  claimed ends at once, a claimed one when its writer ends it; then the blocks are free.
 * :meth:`KVPushes.released`: a rank's lease of a reservation ended. Once every rank's
   did: "done" on all of them is the KV in place, the request runs
   (``finish_kv_load(ok=True)``); anything else ("failed": a writer gave up, "expired")
@@ -280,6 +286,8 @@ class KVPushes:
                 reserved.request_id is not None or reserved.blocks is not None:
             return False
         reserved.released = why
+        if not reserved.ranks_left:  # written already: nobody will end a lease of it
+            self._give_back(reservation.reservation_id, reserved, f"was released ({why})")
         for rank in sorted(reserved.ranks_left):  # a claim may come as this runs: unended
             self.workers[rank].end_lease(reservation.reservation_id, "abandoned",
                                          claimed=False)
