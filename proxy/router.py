@@ -168,8 +168,9 @@ class PDRouter:
     async def _pair_pushed(self, route: str, body: dict[str, Any], request_id: str,
                            failed: set[str]) -> Response:
         """Push mode, one try: a decode reserves blocks for the prompt, a prefill computes
-        it and writes its KV into them, then the same decode answers. A reservation nobody
-        wrote into ends at its deadline on the decode."""
+        it and writes its KV into them, then the same decode answers. When the prefill
+        step fails in any way (the client leaving included), the reservation is released
+        at the decode; one the decode never used ends at its deadline there otherwise."""
         reserve = msgspec.json.encode(reserve_request(route, body))
         try:
             decode, answer = await self._with_failover(
@@ -185,8 +186,9 @@ class PDRouter:
                 "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), failed)
             params = parse_push_answer(response.content, prefill.url,
                                        reservation["reservation_id"])
-        except UpstreamFailed as exc:
-            failed.update((exc.url, decode.url))
+        except BaseException as exc:  # no request will use the reservation
+            if isinstance(exc, UpstreamFailed):
+                failed.update((exc.url, decode.url))
             self._in_background(self._release(decode, {RESERVATION_KEY: reservation},
                                               request_id))
             raise

@@ -205,6 +205,17 @@ def test_a_decode_with_a_prefix_cache_reserves_and_is_written_only_past_it(
             "kv_reservation": spare}}).json() == {"released": True}
         decode.wait_for("every block free", idle)
         assert decode.get("/health").json()["status"] == "ok"
+        # and used: the samples past the cached prefix start from a copy of the push
+        sampled = {**body, "n": 3, "temperature": 1.0, "seed": 11}
+        spare = reserve(decode, COMPLETIONS, sampled).json()["kv_reservation"]
+        first = trio.prefill.post(COMPLETIONS, {**prefill_body(sampled), "kv_transfer_params": {
+            "do_remote_decode": True, "kv_reservation": spare}})
+        got = decode.post(COMPLETIONS, {**sampled, "kv_transfer_params": first.json()[
+            "kv_transfer_params"]})
+        assert got.status_code == 200, got.text
+        assert [c["text"] for c in got.json()["choices"]] == \
+            [c["text"] for c in trio.both.post(COMPLETIONS, sampled).json()["choices"]]
+        decode.wait_for("every block free", idle)
     trio.prefill.wait_for("every block free", idle)
 
 
@@ -227,6 +238,13 @@ def test_a_reservation_nobody_will_use_is_released_by_whoever_holds_it(trio: Tri
     other = trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
         "kv_reservation": {**reservation, "engine_id": "decode-elsewhere"}}})
     assert other.status_code == 400 and "not this one's" in other.text
+    held = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
+    altered = trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
+        "kv_reservation": {**held, "expires_at": held["expires_at"] + 60}}})
+    assert altered.status_code == 200 and altered.json() == {"released": False}
+    assert trio.decode.health()["reservations"] == 1, "an altered one released nothing"
+    assert trio.decode.post("/v1/kv/release", {"kv_transfer_params": {
+        "kv_reservation": held}}).json() == {"released": True}
     written = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
     assert trio.prefill.post(COMPLETIONS, {**prefill_body(body), "kv_transfer_params": {
         "do_remote_decode": True, "kv_reservation": written}}).status_code == 200

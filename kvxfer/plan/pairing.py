@@ -45,7 +45,8 @@ def validate_paired_ids(local_block_ids: Sequence[int] | npt.ArrayLike,
     before the pairing starts (only a remote side with the larger blocks has them: a
     multiple of the smaller size, short of its own); ValueError names a bad id or count."""
     small = min(local_block_size, remote_block_size)
-    if remote_offset and (remote_offset % small or remote_offset >= remote_block_size
+    if remote_offset and (remote_offset < 0 or remote_offset % small
+                          or remote_offset >= remote_block_size
                           or remote_block_size <= local_block_size):
         raise ValueError(f"remote_offset {remote_offset}: pairing starts inside a remote "
                          f"block only at a multiple of the local block size "

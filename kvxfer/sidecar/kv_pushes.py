@@ -160,8 +160,8 @@ class KVPushes:
         except Exception:
             for rank in held:
                 self.workers[rank].end_lease(reservation_id, "abandoned")
-            for blocks_of in (cached, *(bs for bs, _ in spare), [] if held else blocks):
-                self.engine.free_blocks(blocks_of)
+            for blocks_of in (cached, *(bs for bs, _ in spare), blocks):  # never published:
+                self.engine.free_blocks(blocks_of)  # nobody claimed or wrote into them
             raise
         reservation = Reservation(reservation_id, self.engine_id, self.host, self.port,
                                   self.engine.tp, tuple(blocks), size, len(prompt),
@@ -282,8 +282,8 @@ class KVPushes:
                              f"{reservation.engine_id}'s, not this one's ({self.engine_id})")
         reservation.verify(self._key)
         reserved = self._reserved.get(reservation.reservation_id)
-        if reserved is None or reserved.reservation != reservation or \
-                reserved.request_id is not None or reserved.blocks is not None:
+        if reserved is None or reserved.reservation != reservation or reserved.released \
+                or reserved.request_id is not None or reserved.blocks is not None:
             return False
         reserved.released = why
         if not reserved.ranks_left:  # written already: nobody will end a lease of it
