@@ -152,19 +152,39 @@ def test_a_lease_one_prefill_rank_no_longer_holds_is_not_read_and_is_released_on
     assert ended.num_leases == 0, "rank 0's lease was not left to its TTL"
 
 
-def test_with_a_fixed_side_channel_port_rank_r_listens_on_port_plus_r() -> None:
+def two_free_ports() -> int:
+    """A base port such that it and the next one were both free a moment ago."""
     import socket
 
-    with socket.socket() as probe:  # a free base port (and, almost surely, the next one)
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-    settings = ConnectorSettings(side_channel_port=base, host_reads=False)
-    spec = CacheSpec(BLOCK, 1, HEAD, torch.float32)
-    side = WorkerSide(settings, "vllm-fixed-port", COMPAT, rank=1, tp_size=2,
-                      total_kv_heads=HEADS)
-    try:
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue  # the next port is taken: try another base
+            return base
+    raise AssertionError("no two consecutive free ports in 50 tries")
+
+
+def test_with_a_fixed_side_channel_port_rank_r_listens_on_port_plus_r() -> None:
+    for _ in range(5):  # another process may take the port between the probe and the bind
+        base = two_free_ports()
+        settings = ConnectorSettings(side_channel_port=base, host_reads=False)
+        spec = CacheSpec(BLOCK, 1, HEAD, torch.float32)
+        side = WorkerSide(settings, "vllm-fixed-port", COMPAT, rank=1, tp_size=2,
+                          total_kv_heads=HEADS)
         _, views = allocate_kv_cache(spec, BLOCKS, LAYERS, "LBHNC")
-        side.register({f"layer.{i}": v for i, v in enumerate(views)}, spec, BLOCKS)
+        try:
+            side.register({f"layer.{i}": v for i, v in enumerate(views)}, spec, BLOCKS)
+            break
+        except OSError as exc:
+            side.close()
+            assert "already in use" in str(exc), exc
+    else:
+        raise AssertionError("the probed port was taken five times over")
+    try:
         assert side.port == base + 1
         scheduler = SchedulerSide(settings, "vllm-fixed-port", BLOCK, 2)
         assert scheduler.side_channel_ports == (base, base + 1), "known without a handshake"
