@@ -277,6 +277,44 @@ def test_a_decode_sees_a_writer_that_gave_up_as_failed_not_landed(prefill: Prefi
         prefill.drop(remote["engine_id"])
 
 
+REPAIR_S = 5.0  # a lost "done" is repaired within this; the reservation's deadline is 30 s
+
+
+@pytest.mark.parametrize("gives_up", [False, True], ids=["landed", "gave-up"])
+def test_a_lost_done_notification_is_repaired_over_the_side_channel(
+        prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch, gives_up: bool) -> None:
+    """Every NIXL notification to the decode is lost (its ranks drop them uncounted). The
+    writer's report over the decode's side channel ends the reservation all the same,
+    within REPAIR_S, far below its deadline: "done" with the bytes in place, or "failed"
+    for a writer that gave up once its WRITEs had completed."""
+    pcfg = CacheConfig(layout="LBHNC", num_blocks=16, key=KEY)
+    dcfg = replace(pcfg, tp=2)
+    remote = prefill.create(pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    for worker in decode.workers:
+        monkeypatch.setattr(worker._leases, "receive", lambda _notifications: None)
+    try:
+        reservation = decode.reserve("resv", [1, 2], 2 * pcfg.block_size, ttl=30)
+        prefill.push(remote["engine_id"], "lease", reservation, [5, 6],
+                     groups=[range(0, 1)], seal=not gives_up)
+        if gives_up:
+            view = next(iter(decode.caches[0].values()))
+            deadline = time.monotonic() + 10
+            while bool((view[1] == -1).all()) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.2)  # its WRITE completes at the writer
+            prefill.give_up(remote["engine_id"], "lease")
+        outcome = "failed" if gives_up else "done"
+        assert wait_released(decode, {"resv"}, timeout=REPAIR_S) == {"resv": outcome}
+        if not gives_up:
+            check_blocks(decode, pcfg, [1, 2], [5, 6])
+        assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": outcome}
+        assert leases(decode) == [0, 0]
+    finally:
+        decode.close()
+        prefill.drop(remote["engine_id"])
+
+
 def test_a_reservation_that_does_not_verify_ends_no_real_one(prefill: PrefillProcess) -> None:
     """A forged reservation naming a real one's id (the prefill already connected to that
     decode) is refused without a word to the decode: the real reservation stays held and

@@ -154,13 +154,14 @@ def test_a_decode_killed_while_a_prefill_pushes_to_it_fails_the_request_and_free
 
 def test_a_prefill_gone_after_it_claimed_a_reservation_ends_its_quarantine(
         tmp_path: Path) -> None:
-    """The decode loses every NIXL notification (``KVXFER_DROP_MESSAGES``), so a push that
-    landed is never said to have: the reservation is overdue at its deadline plus the
-    grace, its request recomputes, and its blocks stay out of use while the prefill that
-    claimed it runs (only the writer can say its WRITEs ended). Killed, it cannot: the
-    decode finds nothing listening at its side channel and frees the blocks the grace
-    later."""
-    with SidecarGroup(tmp_path, env={"KVXFER_DROP_MESSAGES": "notification=1"}) as group:
+    """The decode loses every NIXL notification and side-channel "done" report
+    (``KVXFER_DROP_MESSAGES``), so a push that landed is never said to have: the
+    reservation is overdue at its deadline plus the grace, its request recomputes, and its
+    blocks stay out of use (counted in /health and /metrics) while the prefill that claimed
+    it runs (only the writer can say its WRITEs ended). Killed, it cannot: the decode finds
+    nothing listening at its side channel and frees the blocks the grace later."""
+    with SidecarGroup(tmp_path, env={"KVXFER_DROP_MESSAGES": "notification=1,done=1"}
+                      ) as group:
         prefill, decode = group.start([
             Spec("prefill"), Spec("decode", policy="recompute", extra=PUSH_DECODE)])
         want = decode.post(COMPLETIONS, BODY)  # the decode computing the prompt itself
@@ -172,6 +173,8 @@ def test_a_prefill_gone_after_it_claimed_a_reservation_ends_its_quarantine(
         time.sleep(2 * PROBE_EVERY_S + 1)  # probed meanwhile: the prefill still runs
         held = decode.health()
         assert held["quarantined_blocks"] > 0 and held["reservations"] == 1, held
+        assert decode.metric("kvxfer_kv_quarantined_blocks") == held["quarantined_blocks"]
+        assert decode.metric("kvxfer_kv_reservations_held") == 1
         prefill.kill()
         killed = time.monotonic()
         decode.wait_for("the gone prefill's reservation freed", idle,

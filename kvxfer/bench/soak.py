@@ -7,9 +7,10 @@ every 200 must match the reference's answer to the same body, choice by choice; 
 classed by status and error type or by transport failure. Faults hit the workers in turn:
 ``kill`` (SIGKILL, restart), ``stop`` (SIGSTOP, SIGCONT), ``term`` (SIGTERM drains; restart),
 ``lease`` (a decode stopped past the short TTL: its leases expire, it must recompute). All
-along, ``prefill-0`` loses ``--lose-share`` of the "done" NIXL notifications and side-channel
-reports it receives (``KVXFER_DROP_MESSAGES``, :mod:`kvxfer.transfer.faults`): its leases must
-still end by the decodes' resent reports. With ``--netns`` (root) each worker and the proxy run
+along, ``prefill-0`` (``decode-0`` in push mode, where decodes receive them) loses
+``--lose-share`` of the "done" NIXL notifications and side-channel reports it receives
+(``KVXFER_DROP_MESSAGES``, :mod:`kvxfer.transfer.faults`): its leases must still end by the
+resent reports. With ``--netns`` (root) each worker and the proxy run
 on a "host" of their own (:class:`~kvxfer.harness.network.Network`) and ``link`` faults take a
 worker's interface down for a while. Then every worker must come back and go idle. Exit
 status 0 only with no wrong 200, nothing past its deadline, nothing held, every worker back
@@ -62,7 +63,7 @@ EXAMPLES = 5  # wrong answers kept verbatim in the report
 OK, WRONG = "ok", "wrong"  # outcomes of a 200 ("unchecked" when the reference failed)
 EXPIRED = r'kvxfer_kv_leases_released_total\{reason="expired"\}'  # samples of /metrics
 RECOMPUTED = "kvxfer_kv_recomputes_total"
-LOSSY = "prefill-0"  # loses --lose-share of the "done" messages it receives
+LOSSY = {"pull": "prefill-0", "push": "decode-0"}  # loses --lose-share of its "done"s
 DROPPED = r'kvxfer_kv_notifications_failed_total\{reason="dropped"\}'
 
 PREFIX = ("You are the soak's assistant. Answer in one short sentence, keep to the facts "
@@ -79,9 +80,8 @@ FLAGS = (  # (flag, type, default, help)
     ("--restart-pause", float, 1.0, "seconds a killed worker stays down"),
     ("--stop-seconds", float, 3.0, "seconds a stop fault lasts; a lease fault, --lease-ttl more"),
     ("--lease-ttl", float, 2.0, f"--lease-ttl of {SHORT_TTL}; lease faults let its leases expire"),
-    ("--lose-share", float, None, f"share of the 'done' notifications and reports {LOSSY} loses "
-                                  f"on purpose ({LOSS_ENV}; 0: none; default 0.5, and 0 in "
-                                  f"push mode, whose lost 'done' is not repaired yet)"),
+    ("--lose-share", float, 0.5, f"share of the 'done' notifications and reports prefill-0 "
+                                 f"(decode-0 in push mode) loses on purpose ({LOSS_ENV}; 0: none)"),
     ("--settle-timeout", float, 30.0, "longest wait after the load for idle workers"),
     ("--seed", int, 0, "seed of the request mix"),
 )
@@ -149,7 +149,7 @@ def deployment(args: argparse.Namespace, keys: Keys, log_dir: Path
                       if role == "prefill" else [])]
             extra = {**(UCX_ENV if prefix else {}),
                      **({LOSS_ENV: f"notification={args.lose_share},done={args.lose_share}"}
-                        if name == LOSSY and args.lose_share > 0 else {})}
+                        if name == LOSSY[args.kv_transfer_mode] and args.lose_share > 0 else {})}
             children[name] = Child(name, argv, f"http://{address}:{http[i]}", {**env, **extra},
                                    log_dir)
         upstream = {role: [n for n in WORKERS if n.startswith(role)]
@@ -368,7 +368,8 @@ class Faults:
         self.kinds = KINDS if network is None else (*KINDS, LINK)
         self.t0 = load.t0
         self.done: list[Fault] = []
-        self.lost = 0.0  # notifications LOSSY lost, summed over its runs (see count_lost)
+        self.lossy = LOSSY[self.args.kv_transfer_mode]
+        self.lost = 0.0  # notifications it lost, summed over its runs (see count_lost)
         self.error: BaseException | None = None
         self.abort = threading.Event()
 
@@ -386,7 +387,7 @@ class Faults:
         child = self.children[name]
         fault = Fault(kind, name, child.process.pid, time.monotonic() - self.t0)
         if kind in ("kill", "term"):
-            if name == LOSSY:  # its counters start again at 0
+            if name == self.lossy:  # its counters start again at 0
                 self.count_lost()
             child.process.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
             fault.note = child.wait_exit(STOP_TIMEOUT_S if kind == "kill" else DRAIN_BOUND_S)
@@ -438,8 +439,8 @@ class Faults:
                 f"{child.name} recomputed {recomputed:g} prompts")
 
     def count_lost(self) -> None:
-        """Add what LOSSY's current run lost to :attr:`lost` (before it ends; at the end)."""
-        self.lost += self._count(LOSSY, DROPPED)
+        """Add what the lossy worker's run lost to :attr:`lost` (before it ends; at the end)."""
+        self.lost += self._count(self.lossy, DROPPED)
 
     def _count(self, name: str, sample: str) -> float:
         """A counter of worker ``name``'s /metrics, since it started (0: unreadable)."""
@@ -527,7 +528,8 @@ def print_table(r: dict[str, Any]) -> None:
             ("ended past the deadline", r["past_deadline"]),
             ("latency of successes", f"p50 {latency['p50']} ms, p99 {latency['p99']} ms"),
             ("faults", ", ".join(f"{k} {v}" for k, v in r["faults"].items())),
-            ("'done' lost on purpose", f"{r['lost_notifications']} notifications at {LOSSY}, "
+            ("'done' lost on purpose", f"{r['lost_notifications']} notifications at "
+                                       f"{LOSSY[c['kv_transfer_mode']]}, "
                                        f"and {c['lose_share']:.0%} of its reports"),
             ("recovery after the last fault", "-" if recovery is None else f"{recovery} s"),
             ("held at the end: blocks/leases/requests", "  ".join(
@@ -542,11 +544,8 @@ def run(args: argparse.Namespace) -> int:
            args.clients) <= 0 or min(args.restart_pause, args.stop_seconds) < 0:
         print("durations and --clients must be positive", file=sys.stderr)
         return 2
-    push = args.kv_transfer_mode == "push"
-    args.lose_share = (0.0 if push else 0.5) if args.lose_share is None else args.lose_share
-    if not 0 <= args.lose_share <= (0 if push else 1):
-        print(f"--lose-share must be within 0..1, and 0 in push mode (a push's lost 'done' is "
-              f"not repaired yet), got {args.lose_share}", file=sys.stderr)
+    if not 0 <= args.lose_share <= 1:
+        print(f"--lose-share must be within 0..1, got {args.lose_share}", file=sys.stderr)
         return 2
     if args.netns and (why := why_not()) is not None:
         print(f"kvxfer bench soak --netns: {why}", file=sys.stderr)

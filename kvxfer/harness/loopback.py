@@ -167,7 +167,8 @@ class LoopbackInstance:
                 host, 0, engine_id=engine_id, compat=cfg.compat(), hmac_key=cfg.hmac_key,
                 metadata=lambda: [w.metadata() for w in inst.workers],
                 on_request=lambda _peer: [w.peer_connecting() for w in inst.workers],
-                on_renew=claims.on_renew if claims is not None else None).start()
+                on_renew=claims.on_renew if claims is not None else None,
+                on_done=claims.on_done if claims is not None else None).start()
         return inst
 
     @property

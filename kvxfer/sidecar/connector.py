@@ -227,9 +227,11 @@ class KVConnector:
             for worker in self.workers:
                 worker.peer_connecting()
 
-        # a push-mode decode's listener serves its metadata and the claims of reservations
+        # a push-mode decode's listener serves its metadata, the claims of reservations and
+        # the writers' "done" reports (a lost notification's copy)
+        reservations = ReservationAnswers(self.workers, self.lease_ttl)
         answers: dict[str, Any] = {
-            "on_renew": ReservationAnswers(self.workers, self.lease_ttl).on_renew,
+            "on_renew": reservations.on_renew, "on_done": reservations.on_done,
             "on_claimer": lambda *heard: self.pushes and self.pushes.claimers.heard(*heard)}
         if self.role == "prefill":
             self.answers = LeaseAnswers(self.workers, ttl=self.lease_ttl,

@@ -319,12 +319,13 @@ class LeaseAnswers:
         return min(answers)
 
     def on_done(self, report: DoneReport, requester: str) -> bool:
-        """Listener thread: count a decode reader's "done" reported over the side channel
-        on the rank it names, as its NIXL notification would be; whether that rank held
-        the lease. ValueError for a rank this instance does not serve."""
+        """Listener thread: count a reader's "done" (a push's writer's, on a decode)
+        reported over the side channel on the rank it names, as its NIXL notification
+        would be; whether that rank held the lease. ValueError for a rank this instance
+        does not serve."""
         for rank in self.ranks:
             if rank.rank == report.prefill_rank:
-                return rank.count_done(report.done, f"decode {requester} (side channel)")
+                return rank.count_done(report.done, f"{requester} (side channel)")
         raise ValueError(f"this instance serves ranks {sorted(r.rank for r in self.ranks)}, "
                          f"not {report.prefill_rank}")
 

@@ -109,6 +109,7 @@ from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.reader import Reader
 from kvxfer.transfer.results import PollResult, ReadResults, Released, Tally, WorkerCounts
 from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.release_sender import ReleaseSender
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone
@@ -227,7 +228,9 @@ class TransferWorker:
         self._reads = Reader(local, self._peers, self._results)
         self._pusher = Pusher(local, Targets(local, self._client,
                                              total_kv_heads=self.total_kv_heads),
-                              self._leases, local.geometry.num_layers)
+                              self._leases, local.geometry.num_layers,
+                              lambda: ReleaseSender(HandshakeClient(
+                                  self.engine_id, self.compat, hmac_key=self._key)))
         self._plan = plan
         return plan
 

@@ -215,6 +215,10 @@ class DoneReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``found`` says whether the lease was still held as the report arrived; a decode
     resends a report that got no answer (see
     :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`).
+
+    Push mode sends it the other way: a prefill rank that WRITEs into a reservation reports
+    its "done" to the decode rank holding it (``prefill_rank`` then names that rank: the
+    rank of the instance whose side channel it reaches).
     """
 
     prefill_rank: int

@@ -43,6 +43,10 @@ ended. At :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the deadline, or
 the worker closes, a push still waiting is cut off: its WRITEs are released, and the
 decode ranks they were writing into are told nothing (the decode frees at its own
 ceiling).
+
+A lost notification: as its lease ends, the push sends what it told each decode rank once
+more, over the decode's side channel (:meth:`Pusher._report`), to every rank all of whose
+WRITEs completed; the decode counts whichever copy comes first.
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ from kvxfer.transfer.nixl_agent import in_flight
 from kvxfer.transfer.pushes.targets import Target, Targets
 from kvxfer.transfer.reads.path import release_transfers
 from kvxfer.transfer.results import STALE_CEILING_S, TransferError
+from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.notification import ReadDone, encode_notif
-from kvxfer.wire.reservations import Reservation, ReservationError
+from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation, ReservationError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +99,8 @@ class _Push:
     # per decode rank: WRITEs in flight, and the last rows posted (the "done" repeats one)
     inflight: dict[int, list[Any]] = field(default_factory=dict)
     last_rows: dict[int, RankDescriptors] = field(default_factory=dict)
-    told: set[int] = field(default_factory=set)  # decode ranks whose "done" WRITE is posted
+    # per decode rank whose "done" is posted: what it was told (reported again, see _report)
+    told: dict[int, ReadDone] = field(default_factory=dict)
     failed: str | None = None  # why it failed: it waits for its WRITEs, then tells
     landed: dict[int, int] = field(default_factory=dict)  # per rank: WRITEs seen DONE, in
     # order (the first ones of ``inflight``: each step asks only about the others)
@@ -122,9 +129,11 @@ class Pusher:
     ends its lease there)."""
 
     def __init__(self, local: LocalRank, targets: Targets, leases: LeaseTable,
-                 num_layers: int) -> None:
+                 num_layers: int, new_sender: Callable[[], ReleaseSender]) -> None:
         self._local, self._targets, self._leases = local, targets, leases
         self._num_layers = num_layers
+        self._new_sender = new_sender  # side-channel "done" reports, from its own thread
+        self._sender: ReleaseSender | None = None  # made on the first report
         self._pushes: dict[str, _Push] = {}
         self._waiting: dict[str, list[_Push]] = {}  # by decode engine: parked on a handshake
         self._queued: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -192,6 +201,8 @@ class Pusher:
         for push in list(self._pushes.values()):
             self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
+        if self._sender is not None:
+            self._sender.close()  # sends what is queued, a moment at most
 
     def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
                answers_at: tuple[str, int]) -> None:
@@ -304,7 +315,7 @@ class Pusher:
             if landed and push.sealed and rank not in push.told:
                 release_transfers(transfers, push.lease_id)
                 self._tell(push, target, rank)
-        if push.sealed and push.told >= set(target.writers) and \
+        if push.sealed and push.told.keys() >= set(target.writers) and \
                 all(_settled(ts) for ts in push.inflight.values()):
             self._end(push, "done")
 
@@ -331,10 +342,10 @@ class Pusher:
         """Post decode rank ``rank``'s "done": on a WRITE of its last rows' first row where
         there was one (delivered after its bytes), else, and for ``ok=False``, as a bare
         notification."""
-        done = encode_notif(ReadDone(push.reservation.reservation_id, self._local.engine_id,
-                                     self._local.rank, target.writers[rank], ok),
-                            self._local.key)
-        push.told.add(rank)
+        note = ReadDone(push.reservation.reservation_id, self._local.engine_id,
+                        self._local.rank, target.writers[rank], ok)
+        done = encode_notif(note, self._local.key)
+        push.told[rank] = note
         rows = push.last_rows.get(rank)
         if rows is None or not ok:
             self._local.agent.send_notif(target.agents[rank], done)
@@ -390,12 +401,42 @@ class Pusher:
         self._end(push, "failed")
 
     def _end(self, push: _Push, reason: str) -> None:
+        self._report(push)
         for transfers in push.inflight.values():
             release_transfers(transfers, push.lease_id)
         if self._pushes.get(push.lease_id) is push:
             del self._pushes[push.lease_id]
         if not self._leases.end(push.lease_id, reason) and reason == "done":
             log.warning("push of %s finished, but its lease had ended", push.lease_id)
+
+
+    def _report(self, push: _Push) -> None:
+        """Send each decode rank what its NIXL notification told it once more, over its
+        side channel (acknowledged, resent while unanswered until the reservation's
+        deadline and grace), so that a lost notification costs the decode no deadline;
+        the decode counts the copy that comes second as nothing. Only to a rank every
+        WRITE of which completed: NIXL completes a WRITE once its endpoint was flushed,
+        its bytes placed, while one that failed may still land over TCP (a cut link), and
+        only the notification, behind it on the same connection, comes after it then."""
+        reservation = push.reservation
+        left = reservation.expires_at + PUSH_GRACE_S - time.time()
+        for rank, note in push.told.items():
+            if _completed(push.inflight.get(rank, [])):
+                self._reports().submit_done(reservation.host, reservation.port,
+                                            DoneReport(rank, note), left)
+
+    def _reports(self) -> ReleaseSender:
+        if self._sender is None:
+            self._sender = self._new_sender()
+        return self._sender
+
+
+def _completed(transfers: list[Any]) -> bool:
+    """Whether every WRITE of ``transfers`` completed (none failed or is in flight)."""
+    try:
+        return all(transfer.state() == "DONE" for transfer in transfers)
+    except Exception:  # a failed one
+        return False
 
 
 def _settled(transfers: list[Any]) -> bool:
