@@ -225,10 +225,12 @@ def test_a_reservation_nobody_will_use_is_released_by_whoever_holds_it(trio: Tri
     body = {**GREEDY, "prompt": "Nobody will use this", "max_tokens": 3}
     reservation = reserve(trio.decode, COMPLETIONS, body).json()["kv_reservation"]
     assert trio.decode.health()["reservations"] == 1
+    assert trio.decode.metric("kvxfer_kv_reservations_held") == 1
     released = trio.decode.post("/v1/kv/release",
                                 {"kv_transfer_params": {"kv_reservation": reservation}})
     assert released.status_code == 200 and released.json() == {"released": True}
     trio.decode.wait_for("every block free", idle, timeout=2.0)  # not its deadline's 120 s
+    assert trio.decode.metric("kvxfer_kv_reservations_held") == 0
     late = trio.decode.post(COMPLETIONS, {**body, "kv_transfer_params": {
         "do_remote_prefill": True, "kv_reservation_id": reservation["reservation_id"]}})
     assert late.status_code == 400 and "was released" in late.text

@@ -499,10 +499,12 @@ class EngineLoop:
         self.metrics.prefix_cache_hits.inc(hits - self._prefix_counted[1])
         self.metrics.prefix_cache_blocks.set(cached)
         self._prefix_counted = (queries, hits)
+        reservations = len(self.connector.pushes or ())
+        quarantined = sum(part.quarantined_blocks for part in
+                          (self.connector.loads, self.connector.pushes) if part is not None)
+        self.metrics.reservations_held.set(reservations)
+        self.metrics.quarantined_blocks.set(quarantined)
         self._snapshot = {"free_blocks": free, "used_blocks": used,
                           "num_blocks": self.engine.num_blocks, "leases": leases,
-                          "reservations": len(self.connector.pushes or ()),
-                          "quarantined_blocks": sum(
-                              part.quarantined_blocks for part in
-                              (self.connector.loads, self.connector.pushes) if part is not None),
+                          "reservations": reservations, "quarantined_blocks": quarantined,
                           "requests_in_flight": len(self._tracked)}

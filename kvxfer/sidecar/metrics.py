@@ -63,6 +63,13 @@ class SidecarMetrics:
                                         "tracks (queued, running, parked or leased)", registry=r)
         self.leases_held = Gauge("kvxfer_kv_leases_held", "Prefill: requests whose blocks are "
                                  "leased to decode readers", registry=r)
+        self.reservations_held = Gauge("kvxfer_kv_reservations_held", "Decode, push mode: "
+                                       "reservations held (written into, waiting for their "
+                                       "request, or both)", registry=r)
+        self.quarantined_blocks = Gauge("kvxfer_kv_quarantined_blocks", "Decode: blocks out of "
+                                        "use until a peer's transfer into them ended (a READ "
+                                        "or push given up while its bytes may still land)",
+                                        registry=r)
         self.leases_released = Counter("kvxfer_kv_leases_released", "Prefill: leases ended, by "
                                        "reason (done: every reader said so; failed: every "
                                        "reader said so, one that it gave up; abandoned: the "
