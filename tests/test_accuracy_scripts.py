@@ -88,7 +88,7 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
                   "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
-                 id="tiny-block32-to-block16-tp2-to-tp1"),
+                 marks=pytest.mark.heavy, id="tiny-block32-to-block16-tp2-to-tp1"),
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
                   "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
@@ -136,7 +136,7 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("env", [
-    pytest.param({**TINY}, id="tiny-block16"),
+    pytest.param({**TINY}, marks=pytest.mark.heavy, id="tiny-block16"),
     pytest.param({**TINY, "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
                  id="tiny-block32-to-block16"),
     # push: the decode reserves only the blocks past its cached prefix; with the prefill's

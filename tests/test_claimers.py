@@ -13,10 +13,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
-from kvxfer.sidecar.claimers import PROBE_EVERY_S, Claimers
+from kvxfer.sidecar.claimers import Claimers
 from kvxfer.transfer.side_channel.client import HandshakeClient
 
 CFG = CacheConfig(num_blocks=8)
+PROBE_S = 0.2  # probes this often here (a sidecar: PROBE_EVERY_S), so that waits are short
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def prefill() -> Iterator[LoopbackInstance]:
 
 @pytest.fixture
 def claimers() -> Iterator[Claimers]:
-    made = Claimers(HandshakeClient("decode-probing", CFG.compat(), CFG.hmac_key))
+    made = Claimers(HandshakeClient("decode-probing", CFG.compat(), CFG.hmac_key), PROBE_S)
     try:
         yield made
     finally:
@@ -39,7 +40,7 @@ def claimers() -> Iterator[Claimers]:
 
 def settle(claimers: Claimers, engine_id: str, probes: int = 2) -> tuple[str, float] | None:
     """What ``gone`` says once ``probes`` probes were answered (or it is known gone)."""
-    deadline = time.monotonic() + probes * PROBE_EVERY_S + 5.0
+    deadline = time.monotonic() + probes * PROBE_S + 2.0
     while time.monotonic() < deadline:
         gone = claimers.gone(engine_id)
         if gone is not None:

@@ -50,10 +50,11 @@ class _Claimer:
 
 
 class Claimers:
-    """See the module docstring; ``client`` is used by the pool thread alone."""
+    """See the module docstring; ``client`` is used by the pool thread alone; a claimer is
+    probed at most every ``probe_every`` seconds."""
 
-    def __init__(self, client: HandshakeClient) -> None:
-        self._client = client
+    def __init__(self, client: HandshakeClient, probe_every: float = PROBE_EVERY_S) -> None:
+        self._client, self._probe_every = client, probe_every
         self._lock = threading.Lock()
         self._claimers: OrderedDict[str, _Claimer] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-claimers")
@@ -85,7 +86,7 @@ class Claimers:
                                 engine_id, why)
                     claimer.gone = (why, now)
             if claimer.gone is None and claimer.running is None and now >= claimer.next_at:
-                claimer.next_at = now + PROBE_EVERY_S
+                claimer.next_at = now + self._probe_every
                 claimer.running = self._pool.submit(self._probe, engine_id, claimer)
             return claimer.gone
 

@@ -227,17 +227,15 @@ class KVConnector:
             for worker in self.workers:
                 worker.peer_connecting()
 
-        # a push-mode decode's listener serves its metadata, the claims of reservations and
-        # the writers' "done" reports (a lost notification's copy)
-        reservations = ReservationAnswers(self.workers, self.lease_ttl)
-        answers: dict[str, Any] = {
-            "on_renew": reservations.on_renew, "on_done": reservations.on_done,
-            "on_claimer": lambda *heard: self.pushes and self.pushes.claimers.heard(*heard)}
+        # a prefill's listener answers for its leases; a push-mode decode's for the
+        # reservations: their claims, and the writers' "done" reports (a lost notification's)
+        leases = LeaseAnswers(self.workers, ttl=self.lease_ttl, max_age=self.lease_max_age) \
+            if self.role == "prefill" else ReservationAnswers(self.workers, self.lease_ttl)
+        answers: dict[str, Any] = {"on_renew": leases.on_renew, "on_done": leases.on_done}
         if self.role == "prefill":
-            self.answers = LeaseAnswers(self.workers, ttl=self.lease_ttl,
-                                        max_age=self.lease_max_age)
-            answers = {"on_release": self.answers.on_release, "on_renew": self.answers.on_renew,
-                       "on_done": self.answers.on_done}
+            self.answers, answers["on_release"] = leases, leases.on_release
+        else:
+            answers["on_claimer"] = lambda *seen: self.pushes and self.pushes.claimers.heard(*seen)
         self.listener = HandshakeListener(
             self.side_channel_host, port, engine_id=self.engine_id,
             compat=compat_info(self.engine),

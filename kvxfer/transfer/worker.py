@@ -103,7 +103,7 @@ from kvxfer.transfer.liveness import Liveness
 from kvxfer.transfer.local_rank import Deadlines, LocalRank, memory_kind
 from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
 from kvxfer.transfer.peers import Peers
-from kvxfer.transfer.pushes.pusher import Pusher
+from kvxfer.transfer.pushes.pusher import REPORT_TIMEOUT_S, Pusher
 from kvxfer.transfer.pushes.targets import Targets
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.reader import Reader
@@ -230,7 +230,8 @@ class TransferWorker:
                                              total_kv_heads=self.total_kv_heads),
                               self._leases, local.geometry.num_layers,
                               lambda: ReleaseSender(HandshakeClient(
-                                  self.engine_id, self.compat, hmac_key=self._key)))
+                                  self.engine_id, self.compat, hmac_key=self._key),
+                                  timeout=REPORT_TIMEOUT_S))
         self._plan = plan
         return plan
 

@@ -82,6 +82,9 @@ class PushFailed(TransferError):
 
 
 LEASE_MARGIN_S = 1.0  # a push's lease outlives its reservation's deadline by this much
+# One attempt of a "done" report (resent after): its request waits on it where the
+# notification was lost, and an unanswered one holds up the reports behind it.
+REPORT_TIMEOUT_S = 0.1
 
 
 @dataclass
