@@ -253,6 +253,7 @@ def test_accuracy_command_names_an_unreachable_target(two_models: list[str]) -> 
     assert nobody in result.stderr and "not healthy" in result.stderr
 
 
+@pytest.mark.heavy  # a long real-model run: the heavy tier
 def test_demo_answers_with_real_text_by_default(tmp_path: Path) -> None:
     """The first thing a newcomer runs: SmolLM2 behind the proxy, TP 1 -> TP 3."""
     result = run_script([sys.executable, "-m", "kvxfer.cli", "demo", "--max-tokens", "16"],

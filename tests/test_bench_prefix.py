@@ -10,9 +10,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from sidecars import ROOT
 
 
+@pytest.mark.heavy  # a long real-model run: the heavy tier
 def test_bench_prefix_reports_each_configuration_with_ratios_to_off() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvxfer.cli", "bench", "prefix", "--json", "--requests", "3",

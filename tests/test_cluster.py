@@ -248,6 +248,7 @@ def wait_until(what: str, check: Any, timeout: float = 30.0) -> None:
     raise AssertionError(f"{what} not reached within {timeout} s")
 
 
+@pytest.mark.heavy  # a long real-model run: the heavy tier
 def test_proxy_follows_a_name_and_a_sigterm_drains_without_failed_requests(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """A decode name that first maps to one decode, then to two (picked up without a
