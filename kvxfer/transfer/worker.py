@@ -229,9 +229,9 @@ class TransferWorker:
         self._pusher = Pusher(local, Targets(local, self._client,
                                              total_kv_heads=self.total_kv_heads),
                               self._leases, local.geometry.num_layers,
-                              lambda: ReleaseSender(HandshakeClient(
-                                  self.engine_id, self.compat, hmac_key=self._key),
-                                  timeout=REPORT_TIMEOUT_S))
+                              lambda: ReleaseSender(HandshakeClient(  # its thread's alone
+                                  self.engine_id, self.compat, hmac_key=self._key,
+                                  keep_connections=True), timeout=REPORT_TIMEOUT_S))
         self._plan = plan
         return plan
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ LEASE_MARGIN_S = 1.0  # a push's lease outlives its reservation's deadline by th
 # One attempt of a "done" report (resent after): its request waits on it where the
 # notification was lost, and an unanswered one holds up the reports behind it.
 REPORT_TIMEOUT_S = 0.1
+REPORT_SENDERS = 4  # threads sending them (per rank, made as needed)
 
 
 @dataclass
@@ -135,8 +137,8 @@ class Pusher:
                  num_layers: int, new_sender: Callable[[], ReleaseSender]) -> None:
         self._local, self._targets, self._leases = local, targets, leases
         self._num_layers = num_layers
-        self._new_sender = new_sender  # side-channel "done" reports, from its own thread
-        self._sender: ReleaseSender | None = None  # made on the first report
+        self._new_sender = new_sender  # side-channel "done" reports, each from its own thread
+        self._senders: dict[int, ReleaseSender] = {}  # made on first use (see _reports)
         self._pushes: dict[str, _Push] = {}
         self._waiting: dict[str, list[_Push]] = {}  # by decode engine: parked on a handshake
         self._queued: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -204,8 +206,8 @@ class Pusher:
         for push in list(self._pushes.values()):
             self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
-        if self._sender is not None:
-            self._sender.close()  # sends what is queued, a moment at most
+        for sender in self._senders.values():
+            sender.close()  # sends what is queued, a moment at most
 
     def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
                answers_at: tuple[str, int]) -> None:
@@ -425,13 +427,16 @@ class Pusher:
         left = reservation.expires_at + PUSH_GRACE_S - time.time()
         for rank, note in push.told.items():
             if _completed(push.inflight.get(rank, [])):
-                self._reports().submit_done(reservation.host, reservation.port,
-                                            DoneReport(rank, note), left)
+                self._reports(reservation.reservation_id).submit_done(
+                    reservation.host, reservation.port, DoneReport(rank, note), left)
 
-    def _reports(self) -> ReleaseSender:
-        if self._sender is None:
-            self._sender = self._new_sender()
-        return self._sender
+    def _reports(self, reservation_id: str) -> ReleaseSender:
+        """The sender of a reservation's reports, one of :data:`REPORT_SENDERS`: each waits
+        for an answer before its next attempt, and an unanswered one holds up the rest."""
+        index = zlib.crc32(reservation_id.encode()) % REPORT_SENDERS
+        if index not in self._senders:
+            self._senders[index] = self._new_sender()
+        return self._senders[index]
 
 
 def _completed(transfers: list[Any]) -> bool:
