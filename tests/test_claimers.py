@@ -193,8 +193,8 @@ def test_a_release_ends_a_reservation_only_where_nobody_claimed_it() -> None:
     table.hold("claimed", [1], None, ttl=30)
     table.hold("unclaimed", [2], None, ttl=30)
     table.renew("claimed", 30, "writer", claim=True)
-    assert not table.end("claimed", "abandoned", claimed=False)
-    assert table.end("unclaimed", "abandoned", claimed=False)
+    assert not table.end("claimed", "abandoned", claimers=(None,))
+    assert table.end("unclaimed", "abandoned", claimers=(None,))
     assert table.holds("claimed") and not table.holds("unclaimed")
     with pytest.raises(RenewRefused, match="no longer holds"):
         table.renew("unclaimed", 30, "writer", claim=True)

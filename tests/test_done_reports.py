@@ -51,8 +51,9 @@ class Rank:
     def holds_lease(self, request_id: str) -> bool:
         return self.table.holds(request_id)
 
-    def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
-        return self.table.end(request_id, reason)
+    def end_lease(self, request_id: str, reason: str = "abandoned", *,
+                  claimers: tuple[str | None, ...] | None = None) -> bool:
+        return self.table.end(request_id, reason, claimers=claimers)
 
 
 def done(lease: str, reader: str = "decode-a", rank: int = 0, readers: int = 1,

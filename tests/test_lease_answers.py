@@ -37,9 +37,12 @@ class Rank:
     def holds_lease(self, request_id: str) -> bool:
         return request_id in self.leases
 
-    def end_lease(self, request_id: str, reason: str = "abandoned") -> bool:
-        if self.leases.pop(request_id, "absent") == "absent":
+    def end_lease(self, request_id: str, reason: str = "abandoned", *,
+                  claimers: tuple[str | None, ...] | None = None) -> bool:
+        if request_id not in self.leases or \
+                (claimers is not None and self.leases[request_id] not in claimers):
             return False
+        del self.leases[request_id]
         self.ended.append((request_id, reason))
         return True
 
@@ -85,3 +88,52 @@ def test_a_release_of_a_lease_nobody_holds_changes_nothing() -> None:
     assert [(r.lease_id, r.requester) for r in answers.take_releases()] == [
         ("unclaimed", "decode-b")]
     assert ranks[0].ended == [("unclaimed", "abandoned")]
+
+
+def test_a_claim_that_lands_as_a_release_of_an_unclaimed_lease_is_taken_keeps_the_lease() -> None:
+    """Real lease tables. A release of an unclaimed lease is queued; a decode claims the
+    lease just as the owner's thread takes the release (here: on its first look at the
+    lease). The claimer keeps it: the release checks the claimer in the same step as it
+    ends the lease, never in a step before, or the claimer would read freed blocks."""
+    from kvxfer.transfer.leases import LeaseTable
+    from kvxfer.transfer.results import Tally
+
+    class Racing:
+        """A worker's lease methods over a real table; decode-b's claim lands as soon as
+        anything but the listener looks at the lease."""
+
+        rank = 0
+
+        def __init__(self) -> None:
+            self.table = LeaseTable(None, Tally())
+            self.table.hold("L", [3], readers=1, ttl=60)
+            self.racing = False
+
+        def _claim(self) -> None:
+            if self.racing:
+                self.racing = False
+                self.table.renew("L", 10.0, "decode-b", claim=True)
+
+        def may_end(self, request_id: str, requester: str) -> bool:
+            answer = self.table.may_end(request_id, requester)
+            self._claim()
+            return answer
+
+        def holds_lease(self, request_id: str) -> bool:
+            return self.table.holds(request_id)
+
+        def renew(self, request_id: str, ttl: float, requester: str, *, claim: bool = False,
+                  max_age: float = float("inf")) -> float:
+            return self.table.renew(request_id, ttl, requester, claim=claim, max_age=max_age)
+
+        def end_lease(self, request_id: str, reason: str = "abandoned", *,
+                      claimers: tuple[str | None, ...] | None = None) -> bool:
+            self._claim()
+            return self.table.end(request_id, reason, claimers=claimers)
+
+    rank = Racing()
+    answers = LeaseAnswers([rank], ttl=10.0, max_age=40.0)  # type: ignore[list-item]
+    assert answers.on_release("L", "decode-a", "the holder of its params gave up"), "held"
+    rank.racing = True
+    assert answers.take_releases() == []
+    assert rank.table.holds("L") and rank.table.claimer("L") == "decode-b"

@@ -290,7 +290,7 @@ class KVPushes:
             self._give_back(reservation.reservation_id, reserved, f"was released ({why})")
         for rank in sorted(reserved.ranks_left):  # a claim may come as this runs: unended
             self.workers[rank].end_lease(reservation.reservation_id, "abandoned",
-                                         claimed=False)
+                                         claimers=(None,))
         return True
 
     def _give_back(self, reservation_id: str, reserved: _Reserved, why: str) -> None:

@@ -51,7 +51,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -149,13 +149,14 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             return None if lease is None else lease.claimer
 
-    def end(self, request_id: str, reason: str, *, claimed: bool = True) -> bool:
+    def end(self, request_id: str, reason: str, *,
+            claimers: Container[str | None] | None = None) -> bool:
         """End lease ``request_id`` now, released with ``reason``; False when it is not
-        held, or (``claimed`` False) when someone claimed it (as one step with claims):
-        nothing changes then."""
+        held, or (``claimers`` given) when its claimer is none of them (None: nobody
+        claimed it), checked as one step with claims: nothing changes then."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None or (not claimed and lease.claimer is not None):
+            if lease is None or (claimers is not None and lease.claimer not in claimers):
                 return False
             self._end(request_id, reason)
         return True
@@ -265,8 +266,8 @@ class RankLeases(Protocol):
 
     def holds_lease(self, request_id: str) -> bool: ...
 
-    def end_lease(self, request_id: str, reason: str = ..., *, claimed: bool = ...
-                  ) -> bool: ...
+    def end_lease(self, request_id: str, reason: str = ..., *,
+                  claimers: Container[str | None] | None = ...) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -338,16 +339,14 @@ class LeaseAnswers:
                 release = self._releases.get_nowait()
             except queue.Empty:
                 return taken
-            if not all(rank.may_end(release.lease_id, release.requester)
-                       for rank in self.ranks):  # a decode claimed it since: its to end
-                log.info("lease %s was claimed by a decode after %s released it: kept",
-                         release.lease_id, release.requester)
-                continue
-            ended = [rank.end_lease(release.lease_id, release.outcome.value)
+            # a decode that claimed it since keeps it: checked as one step with claims
+            ended = [rank.end_lease(release.lease_id, release.outcome.value,
+                                    claimers=(None, release.requester))
                      for rank in self.ranks]
             if not any(ended):
-                log.info("decode %s released lease %s, which is not held (ended already or "
-                         "never handed out): ignored", release.requester, release.lease_id)
+                log.info("decode %s released lease %s, which is not held (ended already, "
+                         "never handed out, or claimed by another decode since): ignored",
+                         release.requester, release.lease_id)
                 continue
             log.info("decode %s will not read lease %s (%s): freeing its blocks",
                      release.requester, release.lease_id, release.reason)

@@ -83,7 +83,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -344,14 +344,14 @@ class TransferWorker:
         return self._leases.claimer(request_id)
 
     def end_lease(self, request_id: str, reason: str = "abandoned", *,
-                  claimed: bool = True) -> bool:
+                  claimers: Container[str | None] | None = None) -> bool:
         """End lease ``request_id`` now; ``poll_released()`` reports it with ``reason``.
 
-        False when it is not held (ended already, or never existed), or (``claimed``
-        False) when someone claimed it: nothing changes. Thread-safe; a "done" arriving
-        later for it is ignored (counted late).
+        False when it is not held (ended already, or never existed), or (``claimers``
+        given) when its claimer is none of them (None: unclaimed): nothing changes.
+        Thread-safe; a "done" arriving later for it is ignored (counted late).
         """
-        return self._leases.end(request_id, reason, claimed=claimed)
+        return self._leases.end(request_id, reason, claimers=claimers)
 
     def count_done(self, note: ReadDone, sender: str) -> bool:
         """Any thread: count a reader's "done" that came over the side channel (see
