@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 import pytest
@@ -313,6 +314,44 @@ def test_a_lost_done_notification_is_repaired_over_the_side_channel(
     finally:
         decode.close()
         prefill.drop(remote["engine_id"])
+
+
+def test_only_a_rank_every_write_of_which_completed_gets_the_side_channel_copy() -> None:
+    """The side-channel copy of a push's "done" or "failed" goes only to a decode rank
+    every WRITE of which completed (or nothing was written into): a WRITE that failed, or
+    is still in flight, may land later over TCP, and only the NIXL notification is ordered
+    behind it."""
+    import numpy as np
+
+    from kvxfer.transfer.pushes.pusher import Pusher, _Push
+    from kvxfer.wire.notification import ReadDone
+    from kvxfer.wire.reservations import Reservation
+
+    class Write:
+        def __init__(self, state: str) -> None:
+            self._state = state
+
+        def state(self) -> str:
+            if self._state == "ERR":
+                raise RuntimeError("the WRITE failed")
+            return self._state
+
+    reported: list[int] = []
+
+    class Sender:
+        def submit_done(self, host: str, port: int, report: Any, expires_in: float) -> bool:
+            reported.append(report.prefill_rank)
+            return True
+
+    pusher = Pusher(None, None, None, 2, Sender)  # type: ignore[arg-type]  # reports only
+    reservation = Reservation("resv-x", "decode-x", "127.0.0.1", 5555, 4, (1,), 16, 16,
+                              time.time() + 30)
+    push = _Push("lease-x", reservation, np.array([0]), 0)
+    push.told = {rank: ReadDone("resv-x", "prefill-x", 0, 1, False) for rank in range(4)}
+    push.inflight = {0: [Write("DONE"), Write("DONE")], 1: [Write("DONE"), Write("ERR")],
+                     2: [Write("DONE"), Write("PROC")]}  # rank 3: nothing written into it
+    pusher._report(push)
+    assert sorted(reported) == [0, 3]
 
 
 def test_a_reservation_that_does_not_verify_ends_no_real_one(prefill: PrefillProcess) -> None:

@@ -1,6 +1,6 @@
 """``kvxfer bench soak`` as a user runs it, short: mixed load through the proxy while every
-kind of fault hits the workers and a prefill loses half the "done" messages it receives
-(pull mode; push mode too, without the losses). It
+kind of fault hits the workers and a prefill (a decode in push mode) loses half the "done"
+messages it receives. It
 fails whenever the soak finds a problem: a wrong answer served as 200, a request past its
 deadline, or blocks or leases held once all is idle.
 """

@@ -39,7 +39,8 @@ worker's :class:`~kvxfer.vllm.transfers.WorkerSide` (its one rank) hand
   least of all ranks), or the first rank's :class:`~kvxfer.wire.messages.RenewRefused`;
 * the owner's thread (the engine loop; vLLM's model runner) calls
   :meth:`~LeaseAnswers.take_releases` now and then: every queued release ends its
-  lease on each rank still holding it (``end_lease(..., "abandoned")``); the ranks
+  lease on each rank still holding it and claimed by nobody but the releaser
+  (``end_lease(..., "abandoned", claimers=...)``, one step with claims); the ranks
   report it through ``poll_released`` as for any other end. An id that is not a held
   lease (ended already, or never handed out) changes nothing.
 """
@@ -51,7 +52,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -150,7 +151,7 @@ class LeaseTable:
             return None if lease is None else lease.claimer
 
     def end(self, request_id: str, reason: str, *,
-            claimers: Container[str | None] | None = None) -> bool:
+            claimers: tuple[str | None, ...] | None = None) -> bool:
         """End lease ``request_id`` now, released with ``reason``; False when it is not
         held, or (``claimers`` given) when its claimer is none of them (None: nobody
         claimed it), checked as one step with claims: nothing changes then."""
@@ -267,7 +268,7 @@ class RankLeases(Protocol):
     def holds_lease(self, request_id: str) -> bool: ...
 
     def end_lease(self, request_id: str, reason: str = ..., *,
-                  claimers: Container[str | None] | None = ...) -> bool: ...
+                  claimers: tuple[str | None, ...] | None = ...) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,9 @@ class LeaseAnswers:
     def __init__(self, ranks: Sequence[RankLeases], *, ttl: float, max_age: float) -> None:
         self.ranks, self.ttl, self.max_age = ranks, ttl, max_age
         self._releases: queue.SimpleQueue[Release] = queue.SimpleQueue()
+        # a claim over the ranks and a release's end over them never interleave: else a
+        # claim refused on a rank the release ended would keep the others, unread
+        self._over_ranks = threading.Lock()
 
 
     def on_release(self, lease_id: str, requester: str, reason: str,
@@ -307,12 +311,13 @@ class LeaseAnswers:
         too old) is raised, after every rank was asked (as each would be asked alone)."""
         answers: list[float] = []
         refused: list[RenewRefused] = []
-        for rank in self.ranks:
-            try:
-                answers.append(rank.renew(lease_id, self.ttl, requester, claim=claim,
-                                          max_age=self.max_age))
-            except RenewRefused as exc:
-                refused.append(exc)
+        with self._over_ranks:
+            for rank in self.ranks:
+                try:
+                    answers.append(rank.renew(lease_id, self.ttl, requester, claim=claim,
+                                              max_age=self.max_age))
+                except RenewRefused as exc:
+                    refused.append(exc)
         if refused:
             raise refused[0]
         log.debug("decode %s %s lease %s", requester, "claimed" if claim else "renewed",
@@ -339,10 +344,10 @@ class LeaseAnswers:
                 release = self._releases.get_nowait()
             except queue.Empty:
                 return taken
-            # a decode that claimed it since keeps it: checked as one step with claims
-            ended = [rank.end_lease(release.lease_id, release.outcome.value,
-                                    claimers=(None, release.requester))
-                     for rank in self.ranks]
+            with self._over_ranks:  # a decode that claimed it since keeps it
+                ended = [rank.end_lease(release.lease_id, release.outcome.value,
+                                        claimers=(None, release.requester))
+                         for rank in self.ranks]
             if not any(ended):
                 log.info("decode %s released lease %s, which is not held (ended already, "
                          "never handed out, or claimed by another decode since): ignored",

@@ -42,12 +42,14 @@ Contract (who calls what, when):
   the decode that reserved blocks (:class:`~kvxfer.wire.reservations.Reservation`,
   checked with the key) and WRITEs into them the layers handed with
   ``push_layers(lease_id, layers)`` as the engine finishes them, the rest at
-  ``seal_push(lease_id)``, then a signed "done" to each decode rank it wrote; the push
-  ends its lease "done", or "failed". ``seal_push(lease_id, ok=False)`` gives it up (the
+  ``seal_push(lease_id)``, then a signed "done" to each decode rank it wrote (a NIXL
+  notification, and a side-channel report where its WRITEs completed); the push ends
+  its lease "done", or "failed". ``seal_push(lease_id, ok=False)`` gives it up (the
   decode is told once no WRITE of it is in flight).
 * Decode side, push mode: a reservation is a lease on this rank's own blocks,
   ``hold(reservation_id, block_ids, readers=None, ttl)``: the writers' "done"
-  notifications end it "done" (landed), "failed" (a writer gave up) or its ttl does.
+  (notification or report, whichever comes first) end it "done" (landed), "failed" (a
+  writer gave up) or its ttl does.
 * Both sides, now and then: ``take_counts()`` returns the events since the last
   call that only metrics care about (:class:`~kvxfer.transfer.results.WorkerCounts`):
   failed handshakes, "done" notifications not sent or not verified, and late ones
@@ -83,7 +85,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -344,7 +346,7 @@ class TransferWorker:
         return self._leases.claimer(request_id)
 
     def end_lease(self, request_id: str, reason: str = "abandoned", *,
-                  claimers: Container[str | None] | None = None) -> bool:
+                  claimers: tuple[str | None, ...] | None = None) -> bool:
         """End lease ``request_id`` now; ``poll_released()`` reports it with ``reason``.
 
         False when it is not held (ended already, or never existed), or (``claimers``

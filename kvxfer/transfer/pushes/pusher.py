@@ -70,7 +70,7 @@ from kvxfer.transfer.nixl_agent import in_flight
 from kvxfer.transfer.pushes.targets import Target, Targets
 from kvxfer.transfer.reads.path import release_transfers
 from kvxfer.transfer.results import STALE_CEILING_S, TransferError
-from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+from kvxfer.transfer.side_channel.release_sender import DONE_RESEND_FOR_S, ReleaseSender
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation, ReservationError
@@ -139,6 +139,7 @@ class Pusher:
         self._num_layers = num_layers
         self._new_sender = new_sender  # side-channel "done" reports, each from its own thread
         self._senders: dict[int, ReleaseSender] = {}  # made on first use (see _reports)
+        self._closed = False
         self._pushes: dict[str, _Push] = {}
         self._waiting: dict[str, list[_Push]] = {}  # by decode engine: parked on a handshake
         self._queued: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -206,7 +207,8 @@ class Pusher:
         for push in list(self._pushes.values()):
             self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
-        for sender in self._senders.values():
+        self._closed = True  # no new sender (a report of a push cut off above still goes)
+        for sender in list(self._senders.values()):
             sender.close()  # sends what is queued, a moment at most
 
     def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
@@ -406,7 +408,11 @@ class Pusher:
         self._end(push, "failed")
 
     def _end(self, push: _Push, reason: str) -> None:
-        self._report(push)
+        try:
+            self._report(push)
+        except Exception as exc:  # best effort: the lease ends all the same
+            log.warning("could not report the end of push %s to decode %s: %s",
+                        push.lease_id, push.engine, exc)
         for transfers in push.inflight.values():
             release_transfers(transfers, push.lease_id)
         if self._pushes.get(push.lease_id) is push:
@@ -418,15 +424,17 @@ class Pusher:
     def _report(self, push: _Push) -> None:
         """Send each decode rank what its NIXL notification told it once more, over its
         side channel (acknowledged, resent while unanswered until the reservation's
-        deadline and grace), so that a lost notification costs the decode no deadline;
+        deadline and grace, and at least :data:`DONE_RESEND_FOR_S`: the decode keeps a
+        claimed one in quarantine past them), so that a lost notification costs the
+        decode no deadline;
         the decode counts the copy that comes second as nothing. Only to a rank every
         WRITE of which completed: NIXL completes a WRITE once its endpoint was flushed,
         its bytes placed, while one that failed may still land over TCP (a cut link), and
         only the notification, behind it on the same connection, comes after it then."""
         reservation = push.reservation
-        left = reservation.expires_at + PUSH_GRACE_S - time.time()
+        left = max(reservation.expires_at + PUSH_GRACE_S - time.time(), DONE_RESEND_FOR_S)
         for rank, note in push.told.items():
-            if _completed(push.inflight.get(rank, [])):
+            if _completed(push.inflight.get(rank, [])) and not self._closed:
                 self._reports(reservation.reservation_id).submit_done(
                     reservation.host, reservation.port, DoneReport(rank, note), left)
 

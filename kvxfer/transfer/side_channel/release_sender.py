@@ -1,5 +1,6 @@
-"""Decode side: :class:`ReleaseSender` sends releases, renewals, claims and "done" reports
-from one background thread, so that no caller waits on a peer."""
+""":class:`ReleaseSender` sends releases, renewals, claims and "done" reports from one
+background thread, so that no caller waits on a peer (a decode's to its prefills; in push
+mode, a prefill's "done" reports to the decodes it wrote into)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class _Report:
 
 
 class ReleaseSender:
-    """Decode side: sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
+    """Sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
 
     :meth:`submit` only queues (thread-safe, never blocks), so the engine-loop
     thread and HTTP handlers can call it. Releases are best effort: at most
@@ -131,8 +132,8 @@ class ReleaseSender:
             self._queue.put_nowait(item)
         except queue.Full:
             self.dropped += 1
-            log.warning("%s of lease %s at %s dropped: %d messages already wait; the "
-                        "prefill frees it at lease expiry", what, lease_id,
+            log.warning("%s of lease %s at %s dropped: %d messages already wait; its "
+                        "holder frees it at its expiry", what, lease_id,
                         endpoint(host, port), self._queue.maxsize)
             return False
         return True
@@ -203,8 +204,8 @@ class ReleaseSender:
                          done.request_id, endpoint(host, port), exc)
                 return
             self.failed += 1
-            log.warning("the done of lease %s at %s failed after %d attempt(s) (%s): the "
-                        "prefill frees it at lease expiry", done.request_id,
+            log.warning("the done of lease %s at %s failed after %d attempt(s) (%s): its "
+                        "holder frees it at its expiry", done.request_id,
                         endpoint(host, port), queued.sent + 1, exc)
             return
         self.sent += 1
