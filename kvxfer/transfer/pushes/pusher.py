@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -208,8 +209,12 @@ class Pusher:
             self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
         self._closed = True  # no new sender (a report of a push cut off above still goes)
-        for sender in list(self._senders.values()):
-            sender.close()  # sends what is queued, a moment at most
+        closing = [threading.Thread(target=sender.close, name="kvxfer-report-close")
+                   for sender in self._senders.values()]  # each sends what is queued, a
+        for thread in closing:                           # moment at most: all at once
+            thread.start()
+        for thread in closing:
+            thread.join()
 
     def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
                answers_at: tuple[str, int]) -> None:
