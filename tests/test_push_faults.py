@@ -183,6 +183,42 @@ def test_a_prefill_gone_after_it_claimed_a_reservation_ends_its_quarantine(
         assert "no longer runs" in decode.log_tail(200), decode.log_tail(20)
 
 
+def test_a_request_whose_writer_died_before_its_done_arrived_recomputes_long_before_the_deadline(
+        tmp_path: Path) -> None:
+    """The decode loses every "done" (notifications and reports), so a push that landed
+    is never said to have; its request waits. The prefill that claimed the reservation is
+    killed: the decode finds nothing listening at its side channel, gives the reservation
+    up at once (its request recomputes, a few seconds after the kill, not at the deadline
+    a minute away) and frees its quarantined blocks the grace later."""
+    reserve_s = 60.0
+    with SidecarGroup(tmp_path, env={"KVXFER_DROP_MESSAGES": "notification=1,done=1"}
+                      ) as group:
+        prefill, decode = group.start([Spec("prefill"), Spec(
+            "decode", policy="recompute",
+            extra=("--kv-transfer-mode", "push", "--lease-ttl", str(reserve_s)))])
+        want = decode.post(COMPLETIONS, BODY)
+        assert want.status_code == 200, want.text
+        body = push_first(prefill, decode, BODY)
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answers.append(
+            decode.post(COMPLETIONS, body, timeout=reserve_s + 30)), daemon=True)
+        waiting.start()
+        time.sleep(2 * PROBE_EVERY_S)  # it waits for a "done" that never comes
+        assert not answers and decode.health()["reservations"] == 1
+        prefill.kill()
+        killed = time.monotonic()
+        waiting.join(timeout=reserve_s)
+        assert answers, "no answer"
+        answered = time.monotonic() - killed
+        assert answers[0].status_code == 200, answers[0].text
+        assert answers[0].json()["choices"] == want.json()["choices"]
+        assert answered < 3 * PROBE_EVERY_S + 5, f"answered {answered:.1f} s after the kill"
+        decode.wait_for("the gone writer's blocks freed", idle,
+                        timeout=PUSH_GRACE_S + 3 * PROBE_EVERY_S + 10)
+        assert time.monotonic() - killed >= PUSH_GRACE_S - 1, "freed before the grace"
+        assert "no longer runs" in decode.log_tail(200), decode.log_tail(20)
+
+
 # -- the prefill's link cut while it pushes ------------------------------------------------
 
 CUT_RESERVE_S = 8.0  # the reservation outlives the slowed push; the cut ends it

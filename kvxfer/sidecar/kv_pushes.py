@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENDED_KEPT = 4096  # reservations that ended unused, remembered to say so to a late request
+WRITERS_CHECKED_EVERY_S = 0.5  # a held reservation asks this often whether a writer is gone
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Reserved:
     siblings: list[str] = field(default_factory=list)
     blocks: list[int] | None = None  # overdue: the quarantined blocks, held until it ends
     released: str = ""  # why the caller holding it said no request will use it
+    writers_checked: float = 0.0  # when its writers were last asked after (monotonic)
 
     def unadopted(self) -> list[list[int]]:
         """Blocks it holds that no request adopted, and nobody writes into: one list per
@@ -260,11 +262,16 @@ class KVPushes:
             if reserved.blocks is not None:
                 self._check_claimer(reservation_id, reserved)
             elif now < reserved.reservation.expires_at + PUSH_GRACE_S:
-                continue
+                if reserved.ranks_left and (gone := self._writer_gone(reservation_id,
+                                                                      reserved)):
+                    self._overdue(reservation_id, reserved, gone)
             elif reserved.ranks_left:  # unclaimed ranks end at their own deadline
                 if any(self.workers[rank].lease_claimer(reservation_id)
                        for rank in reserved.ranks_left):
-                    self._overdue(reservation_id, reserved)
+                    left = sorted(reserved.ranks_left)
+                    self._overdue(reservation_id, reserved, f"ranks {left} still held "
+                                  f"{PUSH_GRACE_S:g} s after its deadline (a writer may "
+                                  f"still be writing)")
             elif reserved.request_id is None:
                 self._give_back(reservation_id, reserved,
                                 f"ended unused at its deadline "
@@ -311,10 +318,26 @@ class KVPushes:
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
 
-    def _overdue(self, reservation_id: str, reserved: _Reserved) -> None:
-        """A writer claimed ``reserved`` and has not said its WRITEs ended: its blocks
-        leave every use until it does (or the ceiling); its request goes on without
-        them."""
+    def _writer_gone(self, reservation_id: str, reserved: _Reserved) -> str | None:
+        """Why a prefill that claimed a rank of ``reserved`` and has not said it finished
+        is known gone (its "done" will never come), or None; asked at most every
+        :data:`WRITERS_CHECKED_EVERY_S` per reservation."""
+        now = time.monotonic()
+        if now < reserved.writers_checked + WRITERS_CHECKED_EVERY_S:
+            return None
+        reserved.writers_checked = now
+        for rank in reserved.ranks_left:
+            engine = self.workers[rank].lease_claimer(reservation_id)
+            gone = self.claimers.gone(engine) if engine else None
+            if gone is not None:
+                return f"its writer {engine} {gone[0]}"
+        return None
+
+    def _overdue(self, reservation_id: str, reserved: _Reserved, why: str) -> None:
+        """A writer claimed ``reserved`` and has not said its WRITEs ended (``why``: past
+        its deadline and the grace, or the writer is gone): its blocks leave every use
+        until it does (or the ceiling, or the grace after the writer was shown gone); its
+        request goes on without them."""
         request_id = reserved.request_id
         if request_id is None:
             self._free_unadopted(reserved)  # nobody writes into those
@@ -325,10 +348,8 @@ class KVPushes:
             reserved.blocks = self.engine.set_aside_blocks(request_id)
             reserved.reasons.add("overdue")
             self._resolve(reservation_id, keep=True)
-        log.warning("reservation %s: ranks %s still held %g s after its deadline (a writer "
-                    "may still be writing): %d blocks quarantined until its WRITEs ended",
-                    reservation_id, sorted(reserved.ranks_left), PUSH_GRACE_S,
-                    len(reserved.blocks))
+        log.warning("reservation %s: %s: %d blocks quarantined until its WRITEs ended",
+                    reservation_id, why, len(reserved.blocks))
 
     def _check_claimer(self, reservation_id: str, reserved: _Reserved) -> None:
         """An overdue reservation: end its leases once the grace passed since the prefill
