@@ -32,15 +32,17 @@ loop's thread. Who calls what:
   once its deadline and the grace passed and every rank's lease ended. A request that
   names it later (it waited in a queue, say) recomputes its prompt under the failure
   policy ``recompute``, and gets a 400 that says the reservation ended otherwise.
-  A reservation still held on a rank a prefill claimed at its deadline plus the grace is
-  *overdue* (the side channel's :class:`~kvxfer.transfer.leases.ReservationAnswers`: a
-  claim keeps the lease up to :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the
-  deadline): its writer has not said that its WRITEs ended, and over TCP a cut link's
-  bytes land once it is back. Its request, if one came, is recomputed or failed at once
-  in fresh blocks (``set_aside_blocks``); the reserved blocks
-  stay *quarantined* (:attr:`KVPushes.quarantined_blocks`) until every rank's lease ended
-  (the writers' late ``ok=False``, or the ceiling), or the grace after the claimer was
-  shown gone (:class:`~kvxfer.sidecar.claimers.Claimers`).
+  A reservation still held on a rank a prefill claimed at its deadline plus the grace, or
+  earlier once that prefill is shown gone (:class:`~kvxfer.sidecar.claimers.Claimers`: its
+  "done" will never come), is *overdue* (the side channel's
+  :class:`~kvxfer.transfer.leases.ReservationAnswers`: a claim keeps the lease up to
+  :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the deadline): its writer has not
+  said that its WRITEs ended, and over TCP a cut link's bytes land once it is back. Its
+  request, if one came, is recomputed or failed at once in fresh blocks
+  (``set_aside_blocks``); the reserved blocks stay *quarantined*
+  (:attr:`KVPushes.quarantined_blocks`) until every rank's lease ended (the writers' late
+  ``ok=False``, or the ceiling), or the grace after the claimer was shown gone
+  (:class:`~kvxfer.sidecar.claimers.Claimers`).
 * :meth:`KVPushes.abort`: a request whose reservation is still being written into is
   aborted only once its lease ended on every rank (a WRITE may land until then).
 
