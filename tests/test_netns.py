@@ -223,6 +223,7 @@ def connect_every_prefill(rig: Rig) -> None:
     raise AssertionError("the proxy did not send a request to every prefill")
 
 
+@pytest.mark.heavy  # a long run: the heavy tier (test_link_return cuts links there too)
 def test_link_cut_mid_read(rig: Rig) -> None:
     network, decode = rig.network, rig.decode
     wait_instances(rig.proxy, "every instance healthy", all_healthy)

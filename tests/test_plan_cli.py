@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def kvxfer(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvxfer.cli", *args], capture_output=True,
@@ -231,6 +233,7 @@ def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> 
     assert set(result["worst_vs_native"]) == {"block sizes, mapped", "block sizes, staged"}
 
 
+@pytest.mark.heavy  # a long bench run: the heavy tier (the block-size case stays here)
 def test_bench_transfer_runs_a_converted_case_on_each_path() -> None:
     """Every path of one converted case, each next to its native twin (LBHNC), and the
     table names the path: the prefill's mapped cache (what kvxfer does on one host), a
