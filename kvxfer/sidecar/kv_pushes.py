@@ -328,12 +328,18 @@ class KVPushes:
         if now < reserved.writers_checked + WRITERS_CHECKED_EVERY_S:
             return None
         reserved.writers_checked = now
-        for rank in reserved.ranks_left:
-            engine = self.workers[rank].lease_claimer(reservation_id)
-            gone = self.claimers.gone(engine) if engine else None
+        for engine, gone in self._claimers_of(reservation_id, reserved).items():
             if gone is not None:
                 return f"its writer {engine} {gone[0]}"
         return None
+
+    def _claimers_of(self, reservation_id: str, reserved: _Reserved
+                     ) -> dict[str, tuple[str, float] | None]:
+        """The engines that claimed a rank ``reserved`` still holds, each with why and
+        since when it is known gone (None: not known)."""
+        claimed = {engine for rank in reserved.ranks_left
+                   if (engine := self.workers[rank].lease_claimer(reservation_id))}
+        return {engine: self.claimers.gone(engine) for engine in claimed}
 
     def _overdue(self, reservation_id: str, reserved: _Reserved, why: str) -> None:
         """A writer claimed ``reserved`` and has not said its WRITEs ended (``why``: past
@@ -356,11 +362,9 @@ class KVPushes:
     def _check_claimer(self, reservation_id: str, reserved: _Reserved) -> None:
         """An overdue reservation: end its leases once the grace passed since the prefill
         that claimed it was shown gone (its WRITEs ended with it)."""
-        claimed = {engine for rank in reserved.ranks_left
-                   if (engine := self.workers[rank].lease_claimer(reservation_id))}
-        gone = {engine: self.claimers.gone(engine) for engine in claimed}
+        gone = self._claimers_of(reservation_id, reserved)
         known = [g for g in gone.values() if g is not None]
-        if not claimed or len(known) < len(gone) or \
+        if not gone or len(known) < len(gone) or \
                 time.monotonic() < max(since for _, since in known) + PUSH_GRACE_S:
             return  # (a rank nobody claimed ends at its own deadline)
         log.warning("reservation %s: its writer %s; its quarantined blocks are freed",

@@ -431,15 +431,17 @@ class Pusher:
         side channel (acknowledged, resent while unanswered until the reservation's
         deadline and grace, and at least :data:`DONE_RESEND_FOR_S`: the decode keeps a
         claimed one in quarantine past them), so that a lost notification costs the
-        decode no deadline;
-        the decode counts the copy that comes second as nothing. Only to a rank every
+        decode no deadline; the decode counts the copy that comes second as nothing. None
+        once the rank closed (its senders have drained). Only to a rank every
         WRITE of which completed: NIXL completes a WRITE once its endpoint was flushed,
         its bytes placed, while one that failed may still land over TCP (a cut link), and
         only the notification, behind it on the same connection, comes after it then."""
+        if self._closed:
+            return
         reservation = push.reservation
         left = max(reservation.expires_at + PUSH_GRACE_S - time.time(), DONE_RESEND_FOR_S)
         for rank, note in push.told.items():
-            if _completed(push.inflight.get(rank, [])) and not self._closed:
+            if _completed(push.inflight.get(rank, [])):
                 self._reports(reservation.reservation_id).submit_done(
                     reservation.host, reservation.port, DoneReport(rank, note), left)
 
