@@ -9,7 +9,10 @@ WRITTEN layer group by layer group, must leave them byte for byte the same.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,9 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.plan.descriptors import IncompatibleLayoutError, build_read_descriptors
+from kvxfer.plan.descriptors import IncompatibleLayoutError, build_requests_descriptors
 from kvxfer.plan.layout import KVCacheLayout
-from kvxfer.plan.pushes import PushRefused, layers_of, plan_pushes
+from kvxfer.plan.pushes import ConvertedPush, PushRefused, layers_of, plan_pushes
+from kvxfer.plan.staging import StagedRead, plan_reads
 from kvxfer.plan.topology import read_plan
 from tests.test_descriptors import (
     Rank,
@@ -33,6 +37,7 @@ from tests.test_descriptors import (
     scenarios,
     spec_for,
 )
+from tests.test_staging import run_staged
 
 
 def layer_groups(layers: int, cuts: list[int]) -> list[range]:
@@ -47,7 +52,8 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
                                                         cached: int) -> None:
     """Any layout pair, TP pair, block-size pair and kernel blocks; any cut of the layers
     into groups: the prefill ranks' WRITEs place the same bytes in every decode rank as
-    the decode ranks' READs, and each decode rank waits for as many writers as it reads.
+    the decode ranks' READs (converted ones included: converted pushes, from a shadow),
+    and each decode rank waits for as many writers as it reads.
     Past a cached prefix of the decode's first blocks (its prefix cache), the WRITEs
     start inside a prefill block where those are larger, and leave the cached blocks
     as they were."""
@@ -75,20 +81,23 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
     targets = {d: r.geometry for d, r in decodes.items()}
     kwargs = {"writer_tp": s["remote_tp"], "target_tp": s["local_tp"],
               "total_kv_heads": s["total"]}
-    if not expect_compatible(s["local_layout"], s["remote_layout"], decode_spec, prefill_spec,
-                             full, decode_kr, prefill_kr):
+    converting = not expect_compatible(s["local_layout"], s["remote_layout"], decode_spec,
+                                       prefill_spec, full, decode_kr, prefill_kr)
+    if converting:
         with pytest.raises(IncompatibleLayoutError, match="layout"):
             for p, prefill in prefills.items():
                 plan_pushes(p, prefill.geometry, targets, **kwargs)
-        return
 
     before = {d: [raw.clone() for raw in r.buffers] for d, r in decodes.items()}
-    for d, decode in decodes.items():
+    for d, decode in decodes.items():  # the reference: what a pull places
         slices = read_plan(d, s["local_tp"], s["remote_tp"], s["total"])
         geometries = {p: prefills[p].geometry for p in {x.remote_rank for x in slices}}
-        for descs in build_read_descriptors(decode.geometry, geometries, slices, decode_ids,
-                                            prefill_ids, local_tp=s["local_tp"],
-                                            remote_tp=s["remote_tp"]):
+        for read in plan_reads(decode.geometry, geometries, slices, local_tp=s["local_tp"],
+                               remote_tp=s["remote_tp"]):
+            if isinstance(read, StagedRead):
+                run_staged(decode, prefills[read.remote_rank], read, decode_ids, prefill_ids)
+                continue
+            (descs,) = build_requests_descriptors([read], decode_ids, prefill_ids)
             execute(decode, prefills[descs.remote_rank], descs.local, descs.remote)
     pulled = {d: [raw.clone() for raw in r.buffers] for d, r in decodes.items()}
     cached = min(cached, len(decode_ids) - 1)  # decode blocks its prefix cache holds
@@ -105,14 +114,32 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
     groups = layer_groups(s["layers"], cuts)
     writers: dict[int, int] = {}
     for p, prefill in prefills.items():
+        if converting:
+            kwargs["converted"] = functools.partial(ConvertedPush.of, cache=prefill.views[0])
         for push in plan_pushes(p, prefill.geometry, targets, **kwargs):
             assert push.writer_rank == p
+            assert isinstance(push, ConvertedPush) == converting
             writers[push.target_rank] = push.writers
+            need = push.shadow_bytes(len(decode_ids[cached:]))
+            assert (need > 0) == converting
+            shadow = torch.zeros(need, dtype=torch.uint8)  # WRITEs from it: a "rank" too
+            source = SimpleNamespace(buffers=[*prefill.buffers, shadow])
             for layers in groups:
-                rows = push.build(prefill_ids[skip:], decode_ids[cached:], layers, offset)
+                rows = push.build(prefill_ids[skip:], decode_ids[cached:], layers, offset,
+                                  shadow)
                 assert rows.remote_rank == push.target_rank
-                write(prefill, decodes[push.target_rank], rows.local, rows.remote)
+                write(source, decodes[push.target_rank], rows.local, rows.remote)
     for d, decode in decodes.items():
+        if converting:  # whole shadow blocks were written: past the prefill's last token,
+            # the last block's tail holds nothing (the decode writes there as it generates)
+            targets_ids = decode_ids[cached:]
+            paired = min(len(targets_ids) * decode_bs, len(prefill_ids[skip:]) * prefill_bs
+                         - offset)
+            tail = np.arange(paired, len(targets_ids) * decode_bs)
+            kernel, row = decode.kernel_rows(targets_ids[tail // decode_bs], tail % decode_bs)
+            for got, want in zip(make_views_like(decode, decode.buffers),
+                                 make_views_like(decode, pulled[d]), strict=True):
+                got[kernel, :, row] = want[kernel, :, row]
         for got, want in zip(decode.buffers, pulled[d], strict=True):
             assert torch.equal(got, want), f"decode rank {d} differs from what a pull reads"
         reads_from = {x.remote_rank for x in read_plan(d, s["local_tp"], s["remote_tp"],
@@ -147,3 +174,51 @@ def test_a_pair_only_a_conversion_can_place_is_refused_with_the_fix() -> None:
     with pytest.raises(PushRefused, match="--kv-transfer-mode pull"):
         plan_pushes(0, prefill.geometry, {0: decode.geometry}, writer_tp=1, target_tp=1,
                     total_kv_heads=4)
+
+
+@pytest.mark.parametrize(("prefill_packing", "decode_packing", "decode_layout", "ratios",
+                          "sizes"), [
+    ("vllm-cpu-vec", "token", "LBNHC", (1, 1), (4, 4)),
+    ("token", "vllm-cpu-vec", "BLHNC", (1, 1), (4, 4)),
+    ("vllm-cpu-vec", "vllm-cpu-vec", "LBHNC", (2, 1), (4, 4)),
+    ("token", "vllm-cpu-vec", "LBHNC", (1, 1), (2, 8)),
+    ("vllm-cpu-vec", "token", "LBNHC", (1, 1), (8, 2))])
+def test_a_converted_push_repacks_k_and_v_as_a_converted_read_does(
+        prefill_packing: str, decode_packing: str, decode_layout: str,
+        ratios: tuple[int, int], sizes: tuple[int, int]) -> None:
+    """Two packings of K and V (vLLM's CPU one, token), or one at two kernel block sizes
+    (``ratios``: prefill's, decode's), or two block sizes (``sizes``): the push converts
+    into its shadow, and every K and V element of the request's tokens lands where a
+    converted read puts it."""
+    from kvxfer.plan.layout import CacheSpec
+    from kvxfer.plan.packing import kv_views
+    from tests.test_staging import logical_blocks
+
+    rng = np.random.default_rng(3)
+    prefill = make_rank(CacheSpec(sizes[0], 2, 3, torch.float32), KVCacheLayout.LBHNC, 24, 2,
+                        False, rng, ratios[0])
+    decode = make_rank(CacheSpec(sizes[1], 2, 3, torch.float32), KVCacheLayout[decode_layout],
+                       20, 2, False, rng, ratios[1])
+    writer = replace(prefill.geometry, kv_packing=prefill_packing)
+    target = replace(decode.geometry, kv_packing=decode_packing)
+    tokens = 11  # the last block of each side partly used
+    dids = np.array([4, 0, 2, 19, 7, 11])[:-(-tokens // sizes[1])]
+    pids = np.array([1, 5, 3, 23, 8, 12])[:-(-tokens // sizes[0])]
+    (push,) = plan_pushes(0, writer, {0: target}, writer_tp=1, target_tp=1, total_kv_heads=2,
+                          converted=functools.partial(ConvertedPush.of,
+                                                      cache=prefill.views[0]))
+    assert isinstance(push, ConvertedPush)
+    shadow = torch.zeros(push.shadow_bytes(len(dids)), dtype=torch.uint8)
+    for layers in (range(0, 1), range(1, 2)):
+        rows = push.build(pids, dids, layers, 0, shadow)
+        write(SimpleNamespace(buffers=[shadow]), decode, rows.local, rows.remote)
+    count = min(len(dids) * sizes[1], len(pids) * sizes[0])  # tokens paired
+    for layer in range(2):
+        want_k, want_v = (logical_blocks(x, ratios[0])[pids].transpose(0, 1).flatten(1, 2)
+                          for x in kv_views(prefill.views[layer], prefill_packing))
+        got_k, got_v = (logical_blocks(x, ratios[1])[dids].transpose(0, 1).flatten(1, 2)
+                        for x in kv_views(decode.views[layer], decode_packing))
+        for got, want in ((got_k[:, :count], want_k[:, :count]),
+                          (got_v[:, :count], want_v[:, :count])):
+            assert torch.equal(got.contiguous().view(torch.int32),
+                               want.contiguous().view(torch.int32))

@@ -12,19 +12,29 @@ A layer group (``range`` of layer indices) restricts both geometries to those la
 that a push can WRITE each group while the engine computes the next; groups that
 partition the layers move every byte of the whole plan, once.
 
-Only byte-placeable pairs are planned: where a read would need a conversion (layouts
-that order heads and tokens differently, a head split of a layout that keeps a block's
-heads together, two K/V packings) :class:`PushRefused` names the pair and the fix (pull
-converts those).
+Where a read would need a conversion (layouts that order heads and tokens differently, a
+head split of a layout that keeps a block's heads together, two K/V packings, a packing
+cut by two kernel block sizes), byte copies cannot place the heads. A
+:class:`ConvertedPush` then converts on this side: it copies this rank's heads, as a
+converted read places them (:meth:`~kvxfer.plan.staging.StagedRead.place`, from this rank's
+own cache), into a *shadow*, a few blocks shaped as the decode rank's cache, and WRITEs
+those with byte copies; where the decode rank keeps a block's heads together (LBNHC,
+BLNHC) and gathers them from several prefill ranks, one rank's heads are a run per token
+there, and each (token, head) is a chunk (:func:`token_heads`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+import numpy as np
 import numpy.typing as npt
+import torch
 
 from kvxfer.plan.descriptors import (
+    U64,
     ConversionNeeded,
     IncompatibleLayoutError,
     PeerReadPlan,
@@ -32,6 +42,7 @@ from kvxfer.plan.descriptors import (
     SideGeometry,
     plan_peer_reads,
 )
+from kvxfer.plan.staging import Copy, StagedRead, as_numpy, fixed_strides, plan_staged_read
 from kvxfer.plan.topology import HeadSlice, read_plan
 
 
@@ -82,14 +93,21 @@ class PushPlan:
             self._groups[layers] = plan
         return plan
 
+    def shadow_bytes(self, target_blocks: int) -> int:
+        """Bytes of the shadow a push into ``target_blocks`` decode blocks converts in:
+        none, byte copies place the heads."""
+        return 0
+
     def build(self, writer_ids: npt.ArrayLike, target_ids: npt.ArrayLike,
-              layers: range | None = None, writer_offset: int = 0) -> RankDescriptors:
+              layers: range | None = None, writer_offset: int = 0,
+              shadow: torch.Tensor | None = None) -> RankDescriptors:
         """One request's WRITE rows for ``layers``: ``local`` this rank's (sources, from
         blocks ``writer_ids``, from token ``writer_offset`` of the first), ``remote`` the
         decode rank's (targets, blocks ``target_ids``, paired in order), ``remote_rank``
         the decode rank. Ids count logical blocks of each side; ValueError names a bad
         one. A decode whose prefix cache holds a prompt's first tokens reserves blocks
-        for the rest only: they start inside a larger prefill block (``writer_offset``)."""
+        for the rest only: they start inside a larger prefill block (``writer_offset``).
+        ``shadow``: unused (see :class:`ConvertedPush`)."""
         plan = self.group(layers)
         read = plan.build(plan.pair(target_ids, writer_ids, remote_offset=writer_offset))
         return RankDescriptors(self.target_rank, read.remote, read.local)
@@ -122,14 +140,18 @@ def push_targets(writer_rank: int, *, writer_tp: int, target_tp: int, total_kv_h
 
 
 def plan_pushes(writer_rank: int, writer: SideGeometry, targets: dict[int, SideGeometry], *,
-                writer_tp: int, target_tp: int, total_kv_heads: int) -> list[PushPlan]:
+                writer_tp: int, target_tp: int, total_kv_heads: int,
+                converted: Callable[[PushPlan], ConvertedPush] | None = None
+                ) -> list[PushPlan | ConvertedPush]:
     """The decode ranks prefill rank ``writer_rank`` (geometry ``writer``, TP
-    ``writer_tp``) writes into, one :class:`PushPlan` each, from every decode rank's
-    geometry (``targets``, by rank, TP ``target_tp``). A rank that holds no head any
-    decode rank reads from it writes nothing (an empty list). Checks every pair now:
-    :class:`PushRefused` where byte copies cannot place the heads,
+    ``writer_tp``) writes into, one plan each, from every decode rank's geometry
+    (``targets``, by rank, TP ``target_tp``). A rank that holds no head any decode rank
+    reads from it writes nothing (an empty list). Checks every pair now: where byte
+    copies cannot place the heads, ``converted`` makes the pair's
+    :class:`ConvertedPush` (:meth:`ConvertedPush.of` with this rank's cache), or
+    :class:`PushRefused` without it;
     :class:`~kvxfer.plan.descriptors.IncompatibleLayoutError` where nothing can."""
-    out = []
+    out: list[PushPlan | ConvertedPush] = []
     for rank, (mine, writers) in push_targets(writer_rank, writer_tp=writer_tp,
                                               target_tp=target_tp,
                                               total_kv_heads=total_kv_heads).items():
@@ -137,6 +159,177 @@ def plan_pushes(writer_rank: int, writer: SideGeometry, targets: dict[int, SideG
             raise ValueError(f"no geometry for decode rank {rank}")
         push = PushPlan(writer_rank, rank, writers, writer, targets[rank],
                         (target_tp, writer_tp), mine)
-        push.group()  # check the pair now, not on a request
-        out.append(push)
+        try:
+            push.group()  # check the pair now, not on a request
+            out.append(push)
+        except PushRefused:
+            if converted is None:
+                raise
+            out.append(converted(push))
     return out
+
+
+@dataclass
+class ConvertedPush:
+    """What this prefill rank WRITEs into one decode rank where byte copies cannot place
+    the heads (see the module docstring): ``staged`` places this rank's heads, from
+    ``source`` (its own cache as ``[kernel blocks, layers, chunks, chunk elements]``),
+    into a shadow (``staged.local``: the decode rank's geometry, compact, block after
+    block, at address 0), and ``direct`` WRITEs the shadow's blocks into the decode
+    rank's, byte for byte."""
+
+    direct: PushPlan
+    staged: StagedRead
+    source: torch.Tensor
+    copy: Copy | None = None  # copies a piece where K and V move together (numpy arrays)
+
+    @classmethod
+    def of(cls, push: PushPlan, cache: torch.Tensor, copy: Copy | None = None
+           ) -> ConvertedPush:
+        """``push``'s pair converted, ``cache`` any view of this rank's cache (one
+        allocation at fixed strides); :class:`PushRefused` names why not and the fix.
+        ``copy(target, source)`` copies each piece where every piece moves K and V
+        together (:meth:`~kvxfer.plan.staging.StagedRead.kv_together`): numpy arrays
+        then, whose slicing costs a fraction of torch's (default: numpy's copy); other
+        pieces are tensors, copied by torch."""
+        shadow = shadow_geometry(push.target)
+        staged = plan_staged_read(shadow, push.writer, push.writer_rank, push.slices)
+        same = tuple(HeadSlice(s.remote_rank, s.local_head_offset, s.local_head_offset,
+                               s.count) for s in push.slices)  # the shadow's are the decode's
+        direct = PushPlan(push.writer_rank, push.target_rank, push.writers, shadow, push.target,
+                          push.tp, same)
+        if not push.target.heads_contiguous and push.writers > 1:
+            # the decode rank keeps a block's heads together and gathers them from several
+            # prefill ranks: this rank's are a run per token there, each (token, head) a chunk
+            direct = PushPlan(push.writer_rank, push.target_rank, push.writers,
+                              token_heads(shadow), token_heads(push.target), push.tp,
+                              per_token(same, push.target))
+        direct.group()
+        return cls(direct, staged, own_chunks(push.writer, cache), copy)
+
+    @property
+    def writer_rank(self) -> int:
+        return self.direct.writer_rank
+
+    @property
+    def target_rank(self) -> int:
+        return self.direct.target_rank
+
+    @property
+    def writers(self) -> int:
+        return self.direct.writers
+
+    def shadow_bytes(self, target_blocks: int) -> int:
+        geo = self.staged.local
+        return target_blocks * geo.kernel_ratio * int(geo.block_stride[0, 0])
+
+    def build(self, writer_ids: npt.ArrayLike, target_ids: npt.ArrayLike,
+              layers: range | None = None, writer_offset: int = 0,
+              shadow: torch.Tensor | None = None) -> RankDescriptors:
+        """As :meth:`PushPlan.build`, once this rank's heads of ``layers`` are converted
+        into ``shadow`` (a host byte buffer of at least :meth:`shadow_bytes`, registered,
+        kept until the WRITEs ended): the rows' sources lie in it."""
+        targets = np.asarray(target_ids, dtype=np.int64)
+        need = self.shadow_bytes(len(targets))
+        if shadow is None or shadow.numel() < need or shadow.dtype != torch.uint8:
+            raise ValueError(f"a converted push into {len(targets)} blocks needs a shadow of "
+                             f"{need} bytes")
+        geo, writer = self.staged.local, self.staged.remote
+        layers = range(writer.num_layers) if layers is None else layers
+        skip_rows, skip = divmod(writer_offset, writer.kernel_block_size)
+        rows = (np.asarray(writer_ids, dtype=np.int64)[:, None] * writer.kernel_ratio
+                + np.arange(writer.kernel_ratio, dtype=np.int64)).reshape(-1)[skip_rows:]
+        if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < self.source.shape[0]:
+            raise ValueError(f"a prefill block id is outside this rank's {writer.num_blocks}")
+        views = shadow_views(shadow, geo, len(targets), self.source.dtype)
+        slots = np.arange(len(targets), dtype=np.int64)
+        source: Any = self.source
+        group: Any = views[:, layers.start:layers.stop]
+        copy = None  # torch's, for the tensors
+        if self.staged.kv_together(writer.kv_packing, geo.kv_packing):
+            source, group, copy = as_numpy(source), as_numpy(group), self.copy or np.copyto
+        self.staged.place(source, range(self.source.shape[2]), rows, [(layers.start, group)],
+                          slots, writer.kv_packing, geo.kv_packing, copy, skip)
+        rows_out = self.direct.build(slots, targets, layers)
+        local = rows_out.local.copy()
+        local[:, 0] += np.uint64(shadow.data_ptr())
+        return RankDescriptors(rows_out.remote_rank, local, rows_out.remote)
+
+
+def shadow_geometry(target: SideGeometry) -> SideGeometry:
+    """``target``'s chunks (per layer: its view heads where heads are contiguous, else the
+    page), compact and block after block from address 0: kernel block ``k``'s layer ``l``
+    chunk ``c`` at ``((k * layers + l) * chunks + c) * chunk_len``."""
+    layers, chunks = target.base.shape
+    base = (np.arange(layers, dtype=np.int64)[:, None] * chunks
+            + np.arange(chunks, dtype=np.int64)[None]) * target.chunk_len
+    stride = np.full((layers, chunks), layers * chunks * target.chunk_len, dtype=np.int64)
+    return replace(target, base=base, block_stride=stride, mem=np.zeros_like(base),
+                   devices=np.zeros(1, dtype=U64))
+
+
+def token_heads(geometry: SideGeometry) -> SideGeometry:
+    """A geometry whose pages keep tokens outside heads (``[N, H, C]``), seen as one chunk
+    per (token, view head) of a kernel block: chunk ``t * H + h``, ``C`` bytes, and as
+    many "heads", packed together; what byte copies of some heads of each token need.
+    A chunk holds one "token" (the kernel blocks hold one each): only a pair of two such
+    geometries of equal block sizes pairs right (whole blocks)."""
+    tokens, heads = geometry.kernel_block_size, geometry.num_view_heads
+    count = tokens * heads
+    size = geometry.chunk_len // count
+    step = np.arange(count, dtype=np.int64)[None] * size
+    return replace(geometry, block_size=geometry.kernel_ratio, num_kv_heads=count,
+                   separate_kv_head_groups=False,
+                   heads_contiguous=True, chunk_len=size, base=geometry.base[:, :1] + step,
+                   block_stride=np.repeat(geometry.block_stride[:, :1], count, axis=1),
+                   mem=np.repeat(geometry.mem[:, :1], count, axis=1))
+
+
+def per_token(slices: tuple[HeadSlice, ...], geometry: SideGeometry) -> tuple[HeadSlice, ...]:
+    """``slices`` of KV heads (their K and V groups where those are apart) as slices of
+    :func:`token_heads` chunks, one per token of a kernel block."""
+    heads, kv = geometry.num_view_heads, geometry.num_kv_heads
+    groups = (0, kv) if geometry.separate_kv_head_groups else (0,)
+    return tuple(HeadSlice(s.remote_rank, t * heads + g + s.remote_head_offset,
+                           t * heads + g + s.local_head_offset, s.count)
+                 for t in range(geometry.kernel_block_size) for g in groups for s in slices)
+
+
+def shadow_views(shadow: torch.Tensor, geometry: SideGeometry, blocks: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``blocks`` logical blocks of a :func:`shadow_geometry` in byte buffer ``shadow``, as
+    ``[kernel blocks, layers, H, N, C]`` (view heads, kernel block tokens, content)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    layers, chunks = geometry.base.shape
+    heads, tokens = geometry.num_view_heads, geometry.kernel_block_size
+    content = geometry.chunk_len // size // (tokens * (1 if geometry.heads_contiguous
+                                                       else heads))
+    kernels = blocks * geometry.kernel_ratio
+    typed = shadow[:kernels * layers * chunks * geometry.chunk_len].view(dtype)
+    page = heads * tokens * content
+    inner = (tokens * content, content) if geometry.heads_contiguous else \
+        (content, heads * content)  # (head, token) strides
+    return typed.as_strided((kernels, layers, heads, tokens, content),
+                            (layers * page, page, *inner, 1))
+
+
+def own_chunks(geometry: SideGeometry, cache: torch.Tensor) -> torch.Tensor:
+    """This rank's cache (``geometry``; ``cache``: a view of it) as ``[kernel blocks,
+    layers, chunks, chunk elements]``, what :meth:`StagedRead.place` reads from;
+    :class:`PushRefused` unless every chunk lies at fixed strides in ``cache``'s
+    allocation."""
+    strides = fixed_strides(geometry.base, geometry.block_stride)
+    size, start = cache.element_size(), cache.untyped_storage().data_ptr()
+    layers, chunks = geometry.base.shape
+    if strides is not None and not any(x % size for x in (strides[0] - start, *strides[1:],
+                                                             geometry.chunk_len)):
+        first, layer, chunk, block = (x // size for x in (strides[0] - start, *strides[1:]))
+        try:
+            return cache.as_strided((geometry.num_blocks * geometry.kernel_ratio, layers,
+                                     chunks, geometry.chunk_len // size),
+                                    (block, layer, chunk, 1), first)
+        except RuntimeError:  # outside the allocation: the geometry is another memory's
+            pass
+    raise PushRefused("converting a push needs this prefill's cache in one allocation at "
+                      "fixed strides (kvxfer's engine allocates it so); run the sidecars "
+                      "with --kv-transfer-mode pull")

@@ -174,11 +174,12 @@ class StagedRead:
     def place(self, source: torch.Tensor, chunks: Sequence[int], rows: np.ndarray,
               groups: Sequence[tuple[int, torch.Tensor]], local_ids: torch.Tensor | np.ndarray,
               remote_packing: str = TOKEN_PACKING, local_packing: str = TOKEN_PACKING,
-              copy: Copy | None = None) -> None:
+              copy: Copy | None = None, skip: int = 0) -> None:
         """Copy this rank's heads of the request's remote kernel blocks, rows ``rows`` of
         ``source`` in token order (``[kernel blocks, layers, chunks, chunk elements]``
         holding remote chunks ``chunks``: staging, or the prefill's memory itself,
-        :mod:`kvxfer.transfer.converted.mapped_reads`), into view ``groups`` at logical blocks
+        :mod:`kvxfer.transfer.converted.mapped_reads`), from token ``skip`` of the first row
+        on, into view ``groups`` at logical blocks
         ``local_ids``, each piece with ``copy(target, source)`` (default: torch's
         ``copy_``, which may share a large piece out over torch's intra-op threads).
         ``source`` and the groups may be numpy arrays instead, with numpy's copy, where
@@ -191,7 +192,8 @@ class StagedRead:
         copy = copy or _torch_copy
         geo, content = self.remote, groups[0][1].shape[-1]
         count = source.shape[0]
-        segments = token_segments(np.asarray(local_ids, dtype=np.int64), rows, self.local, geo)
+        segments = token_segments(np.asarray(local_ids, dtype=np.int64), rows, self.local, geo,
+                                  skip)
         # K and V move together (one copy per head range) where both sides lay them out
         # alike for the rows copied: whole kernel blocks of one packing, or rows of tokens
         # packed per token on both sides
@@ -239,27 +241,34 @@ class Segment:
 
 
 def token_segments(local_ids: np.ndarray, rows: np.ndarray, local: SideGeometry,
-                   remote: SideGeometry) -> list[Segment]:
+                   remote: SideGeometry, skip: int = 0) -> list[Segment]:
     """How the request's tokens go from the remote kernel blocks at ``rows`` of a source
-    (token order) into the local kernel blocks of logical ``local_ids``, in token order up
-    to the shorter side's end. Where both sides' kernel blocks hold the same tokens, whole
-    kernel blocks move, consecutive ones on both sides in one segment; otherwise each
-    overlap of a local and a remote kernel block is a segment of rows."""
+    (token order, from its token ``skip`` on: fewer than a remote kernel block's) into the
+    local kernel blocks of logical ``local_ids``, in token order up to the shorter side's
+    end. Where both sides' kernel blocks hold the same tokens, whole kernel blocks move,
+    consecutive ones on both sides in one segment; otherwise each overlap of a local and a
+    remote kernel block is a segment of rows."""
     kl, kr = local.kernel_block_size, remote.kernel_block_size
-    tokens = min(len(local_ids) * local.block_size, len(rows) * kr)
+    if not 0 <= skip < kr:
+        raise ValueError(f"a source's first {skip} tokens cannot be skipped: its kernel blocks "
+                         f"hold {kr}")
+    tokens = min(len(local_ids) * local.block_size, len(rows) * kr - skip)
+    if tokens <= 0:
+        return []
     kernel = (local_ids[:, None] * local.kernel_ratio
               + np.arange(local.kernel_ratio, dtype=np.int64)).reshape(-1)
-    if kl == kr:
+    if kl == kr and not skip:
         ids, source = kernel[:tokens // kl], np.asarray(rows[:tokens // kl], dtype=np.int64)
         starts = np.flatnonzero(np.concatenate([[True], (np.diff(ids) != 1)
                                                 | (np.diff(source) != 1)]))
         counts = np.diff(np.append(starts, len(ids)))
         return [Segment(int(ids[s]), int(source[s]), int(c))
                 for s, c in zip(starts, counts, strict=True)]
-    bounds = np.union1d(np.arange(0, tokens, kl), np.arange(0, tokens, kr))
+    # local token a is source token a + skip
+    bounds = np.union1d(np.arange(0, tokens, kl), np.arange(-skip, tokens, kr).clip(0))
     ends = np.append(bounds[1:], tokens)
-    return [Segment(int(kernel[a // kl]), int(rows[a // kr]), 1, False, int(a % kl),
-                    int(a % kr), int(b - a))
+    return [Segment(int(kernel[a // kl]), int(rows[(a + skip) // kr]), 1, False, int(a % kl),
+                    int((a + skip) % kr), int(b - a))
             for a, b in zip(bounds.tolist(), ends.tolist(), strict=True)]
 
 
@@ -348,3 +357,28 @@ def plan_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
         else:
             out.append(plan_staged_read(local, remotes[rank], rank, pieces))
     return out
+
+
+def fixed_strides(base: np.ndarray, block_stride: np.ndarray
+                  ) -> tuple[int, int, int, int] | None:
+    """(first chunk's address, layer stride, chunk stride, block stride) where every chunk
+    of ``base`` (``[layers, chunks]``) lies at fixed, non-negative strides and every block
+    stride is one; else None."""
+    first = int(base[0, 0])
+    layer = int(base[1, 0] - first) if base.shape[0] > 1 else 0
+    chunk = int(base[0, 1] - first) if base.shape[1] > 1 else 0
+    grid = first + np.arange(base.shape[0])[:, None] * layer \
+        + np.arange(base.shape[1])[None] * chunk
+    if min(layer, chunk) < 0 or not (base == grid).all() or \
+            not (block_stride == block_stride[0, 0]).all() or block_stride[0, 0] <= 0:
+        return None
+    return first, layer, chunk, int(block_stride[0, 0])
+
+
+# numpy's view of a tensor's elements, by element size (numpy lacks bfloat16 and fp8)
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``tensor``'s elements, as integers of its element size."""
+    return tensor.view(_SAME_SIZE[tensor.element_size()]).numpy()

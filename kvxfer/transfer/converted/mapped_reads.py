@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvxfer.plan.regions import MemoryRegion
-from kvxfer.plan.staging import StagedRead
+from kvxfer.plan.staging import StagedRead, as_numpy, fixed_strides
 from kvxfer.transfer.converted.fd_handover import HANDOVER, take
 from kvxfer.transfer.converted.host_reads import Canary, HostReadError, verify_canary
 from kvxfer.transfer.converted.stream_copy import stream_copy
@@ -301,7 +301,7 @@ class MappedRead:
         plan = self.plan
         if not plan.kv_together(plan.remote.kv_packing, plan.local.kv_packing):
             return self.source, self.groups, copy_alone
-        return (_as_numpy(self.source), [(layer, _as_numpy(g)) for layer, g in self.groups],
+        return (as_numpy(self.source), [(layer, as_numpy(g)) for layer, g in self.groups],
                 stream_copy)
 
     def placed(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> int:
@@ -313,15 +313,6 @@ class MappedRead:
         return tokens * plan.placed_per_block // plan.remote.block_size
 
 
-# numpy's view of a tensor's elements, by element size (numpy lacks bfloat16 and fp8)
-_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``tensor``'s elements, as integers of its element size."""
-    return tensor.view(_SAME_SIZE[tensor.element_size()]).numpy()
-
-
 def copy_alone(target: torch.Tensor, source: torch.Tensor) -> None:
     """``target.copy_(source)`` (same shape and dtype) on the calling thread alone. Torch
     shares a large copy out over its intra-op threads; a mapped read's copy threads, and
@@ -329,7 +320,7 @@ def copy_alone(target: torch.Tensor, source: torch.Tensor) -> None:
     2 cores: 10 GB/s for two copy threads of 64 KiB runs through torch, 14 through numpy,
     which copies where it is called and releases the GIL meanwhile), with streaming stores
     where they apply (:func:`~kvxfer.transfer.converted.stream_copy.stream_copy`)."""
-    stream_copy(_as_numpy(target), _as_numpy(source))
+    stream_copy(as_numpy(target), as_numpy(source))
 
 
 def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
@@ -340,7 +331,7 @@ def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
     when mapping an offered buffer fails. The window is taken from ``mappings`` (mapped
     there once), or mapped for this read alone."""
     geo, dtype = plan.remote, groups[0][1].dtype
-    strides = _fixed_strides(geo.base, geo.block_stride)
+    strides = fixed_strides(geo.base, geo.block_stride)
     size = torch.empty((), dtype=dtype).element_size()
     if strides is None or geo.chunk_len % size:
         return None
@@ -362,20 +353,4 @@ def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
 def mappable(plan: StagedRead) -> bool:
     """Whether ``plan``'s chunks lie at fixed strides, as one mapping needs (kvxfer's own
     caches: one allocation per rank)."""
-    return _fixed_strides(plan.remote.base, plan.remote.block_stride) is not None
-
-
-def _fixed_strides(base: np.ndarray, block_stride: np.ndarray
-                   ) -> tuple[int, int, int, int] | None:
-    """(first chunk's address, layer stride, chunk stride, block stride) where every chunk
-    of ``base`` (``[layers, chunks]``) lies at fixed, non-negative strides and every block
-    stride is one; else None."""
-    first = int(base[0, 0])
-    layer = int(base[1, 0] - first) if base.shape[0] > 1 else 0
-    chunk = int(base[0, 1] - first) if base.shape[1] > 1 else 0
-    grid = first + np.arange(base.shape[0])[:, None] * layer \
-        + np.arange(base.shape[1])[None] * chunk
-    if min(layer, chunk) < 0 or not (base == grid).all() or \
-            not (block_stride == block_stride[0, 0]).all() or block_stride[0, 0] <= 0:
-        return None
-    return first, layer, chunk, int(block_stride[0, 0])
+    return fixed_strides(plan.remote.base, plan.remote.block_stride) is not None
