@@ -25,8 +25,8 @@
 #   KVXFER_TRANSFER_MODE    pull (default: the decode reads the prefill's KV) or push (the
 #                           decode reserves blocks first, the prefill writes each layer's KV
 #                           into them as it computes it; the proxy and the decodes run with
-#                           --kv-transfer-mode push). Push places bytes only: layout and TP
-#                           pairs that need a converted read are pull-only so far
+#                           --kv-transfer-mode push). Where a read would convert, the
+#                           prefill converts before it writes: every pair runs both ways
 #   MODEL                   a model name (smollm2-135m-instruct, the default; kvxfer-tiny,
 #                           seeded and fast; kvxfer-tiny-mla, the same with a latent (MLA)
 #                           cache on every rank), a .gguf file or a checkpoint directory; the

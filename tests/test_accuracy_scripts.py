@@ -110,6 +110,15 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
     pytest.param({**PUSH, "KVXFER_KV_CACHE_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "1",
                   "DECODER_TP_SIZE": "3"}, marks=pytest.mark.heavy,
                  id="push-smollm2-bhlnc-tp1-to-tp3"),
+    # pushes the prefill converts first: the converted read above, pushed; and a decode
+    # that keeps a block's heads together gathering them from two prefill ranks
+    pytest.param({**TINY, **PUSH, "KVXFER_KV_CACHE_LAYOUT": "LBNHC", "PREFILLER_TP_SIZE": "1",
+                  "DECODER_TP_SIZE": "2", "PREFILLER_BLOCK_SIZE": "16",
+                  "DECODER_BLOCK_SIZE": "32"}, marks=pytest.mark.heavy,
+                 id="push-tiny-lbnhc-tp1-to-tp2-block16-to-block32"),
+    pytest.param({**TINY, **PUSH, "KVXFER_KV_CACHE_LAYOUT": "LBNHC", "PREFILLER_TP_SIZE": "2",
+                  "DECODER_TP_SIZE": "1"}, marks=pytest.mark.heavy,
+                 id="push-tiny-lbnhc-tp2-to-tp1"),
     # the second prefill rank is only told to free; LBNHC needs no conversion for one head
     pytest.param({**TINY_MLA, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "LBNHC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"}, id="tiny-mla-tp2-to-tp1"),
@@ -148,6 +157,11 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
                   "DECODER_TP_SIZE": "1", "PREFILLER_BLOCK_SIZE": "16",
                   "DECODER_BLOCK_SIZE": "32"},
                  marks=pytest.mark.heavy, id="push-tiny-block16-to-block32-tp2-to-tp1"),
+    # converted by the prefill, from inside its larger blocks
+    pytest.param({**TINY, **PUSH, "KVXFER_KV_CACHE_LAYOUT": "BLHNC",
+                  "DECODER_KV_LAYOUT": "LBNHC", "PREFILLER_BLOCK_SIZE": "32",
+                  "DECODER_BLOCK_SIZE": "16"},
+                 marks=pytest.mark.heavy, id="push-tiny-converted-block32-to-block16"),
 ])
 def test_accuracy_script_with_a_warm_decode_prefix_cache(env: dict[str, str],
                                                          tmp_path: Path) -> None:

@@ -24,13 +24,18 @@ from tests.test_transfer import check_blocks, pattern, tokens_of
 
 KEY = "5ec7e7" * 8
 
-# layout pairs and TP pairs that byte copies place (a push refuses the others: pull converts)
+# layout pairs and TP pairs that byte copies place
 CASES = (
     [(lay.name, lay.name, 1, 1) for lay in KVCacheLayout]
     + [(lay, lay, p, d) for lay in ("LBHNC", "BLHNC", "BHLNC", "LHBNC")
        for p, d in ((1, 2), (2, 1), (2, 4))]
     + [("BLHNC", "LBHNC", 1, 1), ("BHLNC", "BLHNC", 2, 1), ("LBHNC", "BHLNC", 1, 2)]
 )
+# pairs the prefill converts (into a shadow, then byte copies): a head split of a
+# tokens-outside-heads prefill, heads and tokens ordered apart, and a decode that keeps a
+# block's heads together gathering them from two prefill ranks (a run per token)
+CONVERTED = [("LBNHC", "LBNHC", 1, 2), ("BLNHC", "LBHNC", 1, 1), ("LBHNC", "BLNHC", 2, 4),
+             ("LBNHC", "LBNHC", 2, 1), ("BHLNC", "BLNHC", 2, 1)]
 
 
 def wait_released(inst: LoopbackInstance, ids: set[str], timeout: float = 20.0
@@ -49,7 +54,7 @@ def leases(inst: LoopbackInstance) -> list[int]:
 
 # every case handed layer by layer, as an engine hands them; a few all at the seal
 @pytest.mark.parametrize(("prefill_layout", "decode_layout", "prefill_tp", "decode_tp", "groups"),
-                         [(*case, "each layer") for case in CASES] +
+                         [(*case, "each layer") for case in CASES + CONVERTED] +
                          [(*case, None) for case in CASES if case[0] in ("LBHNC", "BHLNC")
                           and case[2:] in ((1, 1), (2, 4))])
 def test_a_push_lands_byte_exact(prefill: PrefillProcess, prefill_layout: str,
@@ -445,21 +450,86 @@ def test_bench_push_times_push_and_pull_of_the_same_bytes_side_by_side() -> None
     assert bad.returncode != 0 and "LAYOUT:PREFILL_TP:DECODE_TP" in bad.stderr
 
 
-def test_a_pair_only_a_conversion_can_place_tells_the_decode_at_once(
-        prefill: PrefillProcess) -> None:
-    """Layouts whose heads byte copies cannot place (a head split of a tokens-outside-heads
-    prefill): the push writes nothing and tells every decode rank it gave up, so the
-    reservation ends "failed" now, not at its deadline."""
+def test_a_pair_nothing_can_place_tells_the_decode_at_once(prefill: PrefillProcess) -> None:
+    """Caches no push can place (block sizes neither of which divides the other): the push
+    writes nothing and tells every decode rank it gave up, so the reservation ends
+    "failed" now, not at its deadline."""
     pcfg = CacheConfig(layout="LBNHC", num_blocks=16)
-    dcfg = replace(pcfg, tp=2)
+    dcfg = replace(pcfg, tp=2, block_size=6)
     remote = prefill.create(pcfg)
     decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
     try:
-        reservation = decode.reserve("resv", [1, 2], 2 * pcfg.block_size, ttl=60)
-        prefill.push(remote["engine_id"], "lease", reservation, [5, 6])
+        reservation = decode.reserve("resv", [1, 2], 2 * dcfg.block_size, ttl=60)
+        prefill.push(remote["engine_id"], "lease", reservation, [5, 6, 7])
         assert wait_released(decode, {"resv"}, timeout=10) == {"resv": "failed"}
         assert prefill.wait_released(remote["engine_id"], {"lease"}) == {"lease": "failed"}
         assert untouched(decode)
     finally:
         decode.close()
         prefill.drop(remote["engine_id"])
+
+
+def test_a_converted_push_gives_its_shadows_back_for_the_next() -> None:
+    """A converted push WRITEs from shadows of the prefill rank's staging pool: each is
+    given back once the push ended, "done" or failed, and the next push reuses it (the
+    pool allocates nothing more)."""
+    pcfg = CacheConfig(layout="LBNHC", num_blocks=16, key=KEY)
+    dcfg = replace(pcfg, layout="LBHNC", tp=2)
+    writer = LoopbackInstance.create("prefill", pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    pool = writer.workers[0]._staging  # the rank's pool (the shadows' only owner)
+    try:
+        sizes = []
+        for n, ok in enumerate((True, True, False)):
+            blocks = [1, 2, 3] if ok else [8, 9, 10]
+            reservation = decode.reserve(f"resv-{n}", blocks, 3 * pcfg.block_size, ttl=30)
+            writer.push(f"lease-{n}", reservation, [5, 6, 7], groups=[range(0, 1)], seal=ok)
+            if not ok:  # given up once its first layer landed (its shadows were taken)
+                first = decode.caches[0]["model.layers.0.self_attn"]
+                deadline = time.monotonic() + 20
+                while (first[blocks[0]] == -1).all() and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                writer.give_up(f"lease-{n}")
+            outcome = "done" if ok else "failed"
+            assert wait_released(writer, {f"lease-{n}"}) == {f"lease-{n}": outcome}
+            assert wait_released(decode, {f"resv-{n}"}) == {f"resv-{n}": outcome}
+            sizes.append((pool.allocated, pool.free, pool.held))
+            if n == 1:  # two pushes landed in the same blocks, nothing else written
+                check_blocks(decode, pcfg, [1, 2, 3], [5, 6, 7])
+        assert sizes[0][0] > 0 and sizes == [sizes[0]] * 3, sizes  # reused, none held
+        assert sizes[0][1] == 2  # a shadow per decode rank, both back in the pool
+    finally:
+        decode.close()
+        writer.close()
+
+
+def test_a_converted_push_waits_for_shadows_a_push_ending_gives_back() -> None:
+    """With room in the staging pool for one push's shadows, a second converted push waits
+    (it writes nothing meanwhile), and goes on once the first ended and gave them back."""
+    from kvxfer.transfer.converted.staging_pool import CHUNK_BYTES
+
+    pcfg = CacheConfig(layout="LBNHC", num_blocks=16, key=KEY)
+    dcfg = replace(pcfg, layout="LBHNC", tp=2)
+    writer = LoopbackInstance.create("prefill", pcfg)
+    decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
+    writer.workers[0]._staging.limit = 2 * CHUNK_BYTES  # a shadow per decode rank, once
+    first_layer = decode.caches[0]["model.layers.0.self_attn"]
+    try:
+        first = decode.reserve("resv-a", [1, 2], 2 * pcfg.block_size, ttl=30)
+        writer.push("lease-a", first, [5, 6], groups=[range(0, 1)], seal=False)
+        deadline = time.monotonic() + 20
+        while (first_layer[1] == -1).all() and time.monotonic() < deadline:
+            time.sleep(0.002)  # push a holds its shadows: its first layer landed
+        second = decode.reserve("resv-b", [3, 4], 2 * pcfg.block_size, ttl=30)
+        writer.push("lease-b", second, [7, 8])
+        time.sleep(0.5)
+        assert (first_layer[3:5] == -1).all(), "push b wrote without a shadow"
+        assert wait_released(decode, {"resv-b"}, timeout=0.1) == {}
+        for worker in writer.workers:
+            worker.seal_push("lease-a")
+        assert wait_released(decode, {"resv-a", "resv-b"}) == {"resv-a": "done",
+                                                              "resv-b": "done"}
+        check_blocks(decode, pcfg, [1, 2, 3, 4], [5, 6, 7, 8])
+    finally:
+        decode.close()
+        writer.close()

@@ -120,22 +120,10 @@ class StagingPool:
         """Buffers for ``reads``, cut into parts; None while the buffers in use leave too
         little room."""
         needs = [len(read.remote_ids) * read.plan.bytes_per_block for read in reads]
-        if sum(buffer_size(n) for n in needs) > self.limit:
-            raise StagingTooSmall(
-                f"converting this read needs {sum(needs) >> 20} MiB of staging, more than "
-                f"the {self.limit >> 20} MiB limit; use layouts both sides can copy directly "
-                f"(see kvxfer plan)")
-        job = StagedJob()
-        try:
-            for need in needs:
-                staging = self._take(need)
-                if staging is None:
-                    self._free.extend(job.stagings)
-                    return None
-                job.stagings.append(staging)
-        except Exception:
-            self._free.extend(job.stagings)
-            raise
+        stagings = self.buffers(needs)
+        if stagings is None:
+            return None
+        job = StagedJob(stagings=stagings)
         for read, staging in zip(reads, job.stagings, strict=True):
             plan, local, remote = read.plan, read.local_ids, read.remote_ids
             for lpart, rpart in plan.parts(len(local), len(remote), PART_BYTES):
@@ -144,6 +132,37 @@ class StagingPool:
                 job.parts.append(Part(plan, staging, offset, local[lpart],
                                       rpart.stop - rpart.start, descs, read.placements))
         return job
+
+    def buffers(self, needs: Sequence[int]) -> list[Staging] | None:
+        """A registered buffer of at least each of ``needs`` bytes, all or none: None while
+        the buffers in use leave too little room; :class:`StagingTooSmall` when they never
+        could. Given back with :meth:`give`."""
+        if sum(buffer_size(n) for n in needs) > self.limit:
+            raise StagingTooSmall(
+                f"converting this transfer needs {sum(needs) >> 20} MiB of staging, more "
+                f"than the {self.limit >> 20} MiB limit; use layouts both sides can copy "
+                f"directly (see kvxfer plan)")
+        taken: list[Staging] = []
+        try:
+            for need in needs:
+                staging = self._take(need)
+                if staging is None:
+                    self._free.extend(taken)
+                    return None
+                taken.append(staging)
+        except Exception:
+            self._free.extend(taken)
+            raise
+        return taken
+
+    def give(self, stagings: Sequence[Staging], reuse: bool = True) -> None:
+        """Buffers of :meth:`buffers` back: to the pool, or (not ``reuse``: a transfer
+        given up may still touch them) deregistered and freed."""
+        for staging in stagings:
+            if reuse:
+                self._free.append(staging)
+            else:
+                self._release(staging)
 
     def _take(self, nbytes: int) -> Staging | None:
         fits = [s for s in self._free if s.buffer.numel() >= nbytes]
@@ -217,6 +236,16 @@ class StagingPool:
         buffers any more."""
         for staging in self._held.pop(engine_id, []):
             self._release(staging)
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of the buffers allocated: free, in use or held."""
+        return self._bytes
+
+    @property
+    def free(self) -> int:
+        """Buffers free for the next transfer."""
+        return len(self._free)
 
     @property
     def held(self) -> int:

@@ -64,6 +64,7 @@ import numpy as np
 
 from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.plan.pushes import check_layers
+from kvxfer.transfer.converted.staging_pool import Staging
 from kvxfer.transfer.handshakes import HandshakeFailed
 from kvxfer.transfer.leases import LeaseTable
 from kvxfer.transfer.local_rank import LocalRank
@@ -107,6 +108,9 @@ class _Push:
     last_rows: dict[int, RankDescriptors] = field(default_factory=dict)
     # per decode rank whose "done" is posted: what it was told (reported again, see _report)
     told: dict[int, ReadDone] = field(default_factory=dict)
+    # per decode rank converted into (ConvertedPush): the shadow its WRITEs read, taken
+    # from the rank's staging pool before the first, given back at the end
+    shadows: dict[int, Staging] | None = None
     failed: str | None = None  # why it failed: it waits for its WRITEs, then tells
     landed: dict[int, int] = field(default_factory=dict)  # per rank: WRITEs seen DONE, in
     # order (the first ones of ``inflight``: each step asks only about the others)
@@ -310,6 +314,8 @@ class Pusher:
                              "another request's now)")
         if not push.claimed:
             return  # nothing is written into a reservation the decode does not know claimed
+        if push.handed and not self._take_shadows(push, target):
+            return  # the staging pool is full: a push that ends gives some back, and wakes
         while push.handed:
             self._post(push, target, push.handed.pop(0))
         for rank in target.plans:
@@ -331,9 +337,25 @@ class Pusher:
                 all(_settled(ts) for ts in push.inflight.values()):
             self._end(push, "done")
 
+    def _take_shadows(self, push: _Push, target: Target) -> bool:
+        """Whether ``push`` holds a shadow for each decode rank it converts into (taken at
+        once, all or none; raises StagingTooSmall where they never fit)."""
+        if push.shadows is None:
+            count = len(push.reservation.block_ids)
+            needs = {rank: plan.shadow_bytes(count) for rank, plan in target.plans.items()}
+            needs = {rank: need for rank, need in needs.items() if need}
+            taken = self._local.staging.buffers(list(needs.values())) if needs else []
+            if taken is None:
+                return False
+            push.shadows = dict(zip(needs, taken, strict=True))
+        return True
+
     def _post(self, push: _Push, target: Target, layers: range) -> None:
+        shadows = push.shadows or {}
         for rank, plan in target.plans.items():
-            rows = plan.build(push.block_ids, push.reservation.block_ids, layers, push.offset)
+            shadow = shadows.get(rank)
+            rows = plan.build(push.block_ids, push.reservation.block_ids, layers, push.offset,
+                              None if shadow is None else shadow.buffer)
             if not len(rows):
                 continue
             push.inflight.setdefault(rank, []).append(self._write(push, target, rank, rows))
@@ -383,13 +405,7 @@ class Pusher:
         if not all(_settled(ts) for ts in push.inflight.values()) or \
                 self._targets.shaking(push.engine):
             return  # (a decode still handshaking is told once connected)
-        target = self._targets.get(push.engine)
-        for rank in target.writers if target is not None else ():
-            try:
-                self._tell(push, target, rank, ok=False)
-            except Exception as exc:  # the decode frees at its deadline then
-                log.info("telling decode %s rank %d of the failed push failed: %s",
-                         push.engine, rank, exc)
+        self._tell_gave_up(push, "failed")
         self._end(push, "failed")
 
     def _cut_off(self, push: _Push, reason: str) -> None:
@@ -399,18 +415,25 @@ class Pusher:
         if push.failed is None:
             log.warning("push of request %s into decode %s cut off: %s", push.lease_id,
                         push.engine, reason)
-        target = self._targets.get(push.engine)
-        for rank in target.writers if target is not None else ():
-            if _settled(push.inflight.get(rank, [])):
-                try:
-                    self._tell(push, target, rank, ok=False)
-                except Exception as exc:
-                    log.info("telling decode %s rank %d of the cut-off push failed: %s",
-                             push.engine, rank, exc)
+        self._tell_gave_up(push, "cut-off")
         parked = self._waiting.get(push.engine, [])
         if push in parked:
             parked.remove(push)
         self._end(push, "failed")
+
+    def _tell_gave_up(self, push: _Push, which: str) -> None:
+        """Tell each decode rank none of whose WRITEs may still land that the push gave
+        up (one that fails to hear it frees at its own deadline)."""
+        target = self._targets.get(push.engine)
+        if target is None:
+            return
+        for rank in target.writers:
+            if _settled(push.inflight.get(rank, [])):
+                try:
+                    self._tell(push, target, rank, ok=False)
+                except Exception as exc:
+                    log.info("telling decode %s rank %d of the %s push failed: %s",
+                             push.engine, rank, which, exc)
 
     def _end(self, push: _Push, reason: str) -> None:
         try:
@@ -418,8 +441,13 @@ class Pusher:
         except Exception as exc:  # best effort: the lease ends all the same
             log.warning("could not report the end of push %s to decode %s: %s",
                         push.lease_id, push.engine, exc)
+        settled = all(_settled(ts) for ts in push.inflight.values())
         for transfers in push.inflight.values():
             release_transfers(transfers, push.lease_id)
+        if push.shadows:  # reused unless a WRITE cut off may still read one
+            self._local.staging.give(list(push.shadows.values()), reuse=settled)
+            push.shadows = None
+            self._local.wake.set()  # a push waiting for room goes on
         if self._pushes.get(push.lease_id) is push:
             del self._pushes[push.lease_id]
         if not self._leases.end(push.lease_id, reason) and reason == "done":

@@ -3,9 +3,10 @@
 The push side's counterpart of :class:`~kvxfer.transfer.peers.Peers`, over the same
 :class:`~kvxfer.transfer.handshakes.Handshakes`: a pool thread fetches a decode's metadata
 from the side channel its reservation names and plans what this rank WRITEs into each
-decode rank (:func:`~kvxfer.plan.pushes.plan_pushes`); back on the worker's thread,
-:meth:`Targets.connect` loads the decode ranks' agents into this rank's agent and warms
-each connection. A decode that failed is dead for a moment
+decode rank (:func:`~kvxfer.plan.pushes.plan_pushes`, converting on this side where byte
+copies cannot place the heads: :class:`~kvxfer.plan.pushes.ConvertedPush`); back on the
+worker's thread, :meth:`Targets.connect` loads the decode ranks' agents into this rank's
+agent and warms each connection. A decode that failed is dead for a moment
 (:data:`~kvxfer.transfer.handshakes.DEAD_PEER_S`). :meth:`Targets.claim` claims one
 reservation for this prefill over the decode's side channel, on a pool thread of its own.
 """
@@ -18,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvxfer.plan.descriptors import IncompatibleLayoutError, SideGeometry
-from kvxfer.plan.pushes import PushPlan, plan_pushes, push_targets
+from kvxfer.plan.pushes import ConvertedPush, PushPlan, PushRefused, plan_pushes, push_targets
+from kvxfer.transfer.converted.stream_copy import stream_copy
 from kvxfer.transfer.handshakes import Handshakes, fetch_ranks
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
 from kvxfer.transfer.results import TransferError
@@ -36,7 +38,7 @@ class _Shaken:
     ``refused``: why byte copies cannot place its heads there (no plans then)."""
 
     metas: dict[int, AgentMetadata]
-    plans: list[PushPlan]
+    plans: list[PushPlan | ConvertedPush]
     writers: dict[int, int]
     refused: str | None = None
 
@@ -51,7 +53,7 @@ class Target:
     engine_id: str
     address: str
     tp_size: int
-    plans: dict[int, PushPlan] = field(default_factory=dict)
+    plans: dict[int, PushPlan | ConvertedPush] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)
     cuda: dict[int, bool] = field(default_factory=dict)
     writers: dict[int, int] = field(default_factory=dict)
@@ -160,10 +162,18 @@ class Targets:
                 raise IncompatibleLayoutError(
                     f"its reservation counts {reservation.block_size}-token blocks but the "
                     f"decode's cache has {', '.join(map(str, sizes))}-token blocks")
-            plans = plan_pushes(local.rank, local.geometry, geometries, **shape)
+            plans = plan_pushes(local.rank, local.geometry, geometries, **shape,
+                                converted=self._converted)
         except IncompatibleLayoutError as exc:  # the decode is told, then it fails
             return _Shaken(metas, [], writers, str(exc))
         return _Shaken(metas, plans, writers)
+
+    def _converted(self, push: PushPlan) -> ConvertedPush:
+        """``push``'s pair, converted on this side: from this rank's host cache only."""
+        if self._local.is_cuda:
+            raise PushRefused("this prefill's cache is in GPU memory, where a push does not "
+                              "convert; run the sidecars with --kv-transfer-mode pull")
+        return ConvertedPush.of(push, self._local.view_groups[0][1], stream_copy)
 
     # -- worker thread: NIXL ----------------------------------------------------------------
     def _connect(self, reservation: Reservation, shaken: _Shaken) -> Target:
