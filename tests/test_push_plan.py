@@ -30,6 +30,7 @@ from tests.test_descriptors import (
     block_sizes,
     execute,
     expect_compatible,
+    head_ranges,
     kernel_ratio,
     make_rank,
     make_views_like,
@@ -122,7 +123,7 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
             writers[push.target_rank] = push.writers
             need = push.shadow_bytes(len(decode_ids[cached:]))
             assert (need > 0) == converting
-            shadow = torch.zeros(need, dtype=torch.uint8)  # WRITEs from it: a "rank" too
+            shadow = torch.full((need,), 7, dtype=torch.uint8)  # a former push's bytes
             source = SimpleNamespace(buffers=[*prefill.buffers, shadow])
             for layers in groups:
                 rows = push.build(prefill_ids[skip:], decode_ids[cached:], layers, offset,
@@ -131,7 +132,7 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
                 write(source, decodes[push.target_rank], rows.local, rows.remote)
     for d, decode in decodes.items():
         if converting:  # whole shadow blocks were written: past the prefill's last token,
-            # the last block's tail holds nothing (the decode writes there as it generates)
+            # zeros (the decode writes there as it generates), not a former request's heads
             targets_ids = decode_ids[cached:]
             paired = min(len(targets_ids) * decode_bs, len(prefill_ids[skip:]) * prefill_bs
                          - offset)
@@ -139,6 +140,14 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
             kernel, row = decode.kernel_rows(targets_ids[tail // decode_bs], tail % decode_bs)
             for got, want in zip(make_views_like(decode, decode.buffers),
                                  make_views_like(decode, pulled[d]), strict=True):
+                written = [h for x in read_plan(d, s["local_tp"], s["remote_tp"], s["total"])
+                           for r, lo, n in head_ranges(decode_spec, prefill_spec,
+                                                       x.remote_head_offset,
+                                                       x.local_head_offset, x.count)
+                           for h in range(lo, lo + n)]
+                heads = torch.tensor(written)[None]
+                assert (got[kernel[:, None], heads, row[:, None]] == 0).all(), \
+                    "a converted push's tail is not zeros"
                 got[kernel, :, row] = want[kernel, :, row]
         for got, want in zip(decode.buffers, pulled[d], strict=True):
             assert torch.equal(got, want), f"decode rank {d} differs from what a pull reads"

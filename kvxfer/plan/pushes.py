@@ -248,6 +248,12 @@ class ConvertedPush:
         copy = None  # torch's, for the tensors
         if self.staged.kv_together(writer.kv_packing, geo.kv_packing):
             source, group, copy = as_numpy(source), as_numpy(group), self.copy or np.copyto
+        # whole shadow blocks are written: past the prefill's last token, zeros rather than
+        # what the buffer held before (another request's heads); the kernel block with the
+        # last token is zeroed whole first (a packing may keep a block's K apart from its V)
+        paired = min(len(targets) * geo.block_size,
+                     len(rows) * writer.kernel_block_size - skip)
+        views[max(paired, 0) // geo.kernel_block_size:, layers.start:layers.stop] = 0
         self.staged.place(source, range(self.source.shape[2]), rows, [(layers.start, group)],
                           slots, writer.kv_packing, geo.kv_packing, copy, skip)
         rows_out = self.direct.build(slots, targets, layers)
