@@ -169,8 +169,10 @@ class PDRouter:
                            failed: set[str]) -> Response:
         """Push mode, one try: a decode reserves blocks for the prompt, a prefill computes
         it and writes its KV into them, then the same decode answers. When the prefill
-        step fails in any way (the client leaving included), the reservation is released
-        at the decode; one the decode never used ends at its deadline there otherwise."""
+        step fails in any way (the client leaving included), or the decode refuses the
+        request (a draining decode's 503: the next try reserves elsewhere), the
+        reservation is released at the decode (it frees nothing a request used); one the
+        decode never used ends at its deadline there otherwise."""
         reserve = msgspec.json.encode(reserve_request(route, body))
         try:
             decode, answer = await self._with_failover(
@@ -198,11 +200,13 @@ class PDRouter:
                 stream = await self._open(decode, route, request_id, content)
                 return self._relay(route, request_id, decode, stream)
             return passthrough(await self._fetch(decode, "POST", route, request_id, content))
-        except Unreachable as exc:
-            raise UpstreamFailed(502, f"decode instance {decode.url} holding the reservation "
-                                 f"went away: {exc.reason}", "upstream_error", "decode",
-                                 decode.url) from exc
-        except UpstreamFailed as exc:
+        except (Unreachable, UpstreamFailed) as exc:  # nothing will use the reservation
+            self._in_background(self._release(decode, {RESERVATION_KEY: reservation},
+                                              request_id))
+            if isinstance(exc, Unreachable):  # gone, or draining (it refused the request)
+                raise UpstreamFailed(502, f"decode instance {decode.url} holding the "
+                                     f"reservation went away: {exc.reason}", "upstream_error",
+                                     "decode", decode.url) from exc
             failed.update((exc.url, prefill.url))
             raise
 

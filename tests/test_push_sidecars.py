@@ -11,7 +11,9 @@ sidecars end with every block free.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ from sidecars import (
 )
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HELD = "kvxfer_kv_reservations_held"
 MODEL = "kvxfer-tiny"
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0, "ignore_eos": True}
 SEEDED: dict[str, Any] = {"model": MODEL, "temperature": 1.0, "seed": 7, "ignore_eos": True,
@@ -288,5 +291,40 @@ def test_the_proxy_releases_the_reservation_of_a_prefill_that_did_not_answer(
                 prefill.send_signal(signal.SIGCONT)
             prefill.wait_for("every block free", idle)
             trio.decode.wait_for("every block free", idle)
+        finally:
+            proxy.stop()
+
+
+def test_the_proxy_releases_the_reservation_of_a_decode_that_refused_the_request(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The decode starts draining while the prefill computes: the prefill writes into the
+    reservation, and the decode refuses the request (503, draining; with --retries 0 the
+    client gets a 502 that says so). The proxy releases the reservation at once: the
+    decode holds none well before its quiet period ends (it would hold it until it exits;
+    a decode that refused a request and stays up, until the reservation's deadline)."""
+    body = {**GREEDY, "prompt": "A decode that began to drain", "max_tokens": 3}
+    with SidecarGroup(tmp_path_factory.mktemp("push-refused")) as group:
+        prefill, decode = group.start([Spec("prefill"), Spec("decode", extra=(
+            "--kv-transfer-mode", "push"))])
+        proxy = ProxyProcess(group.log_dir, [prefill], [decode], (
+            "--health-interval", "3600", "--kv-transfer-mode", "push", "--retries", "0"))
+        try:
+            start_proxies([proxy])
+            prefill.send_signal(signal.SIGSTOP)
+            with ThreadPoolExecutor(1) as pool:
+                try:
+                    answer = pool.submit(proxy.post, COMPLETIONS, body)
+                    decode.wait_for("the reservation", lambda h: h["reservations"] == 1)
+                    decode.send_signal(signal.SIGTERM)  # draining: refuses new requests
+                finally:
+                    prefill.send_signal(signal.SIGCONT)
+                refused = answer.result(timeout=60)
+            assert refused.status_code == 502 and "draining" in refused.text, refused.text
+            deadline = time.monotonic() + 3.0  # the decode exits 5 s after the refusal
+            while decode.metric(HELD) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert decode.metric(HELD) == 0, "the reservation is still held"
+            assert "released" in proxy.log_tail(100), proxy.log_tail(40)
+            prefill.wait_for("every block free", idle)
         finally:
             proxy.stop()
