@@ -506,13 +506,13 @@ def test_a_converted_push_gives_its_shadows_back_for_the_next() -> None:
 def test_a_converted_push_waits_for_shadows_a_push_ending_gives_back() -> None:
     """With room in the staging pool for one push's shadows, a second converted push waits
     (it writes nothing meanwhile), and goes on once the first ended and gave them back."""
-    from kvxfer.transfer.converted.staging_pool import CHUNK_BYTES
+    from kvxfer.transfer.pushes.pusher import SHADOW_GRANULE
 
     pcfg = CacheConfig(layout="LBNHC", num_blocks=16, key=KEY)
     dcfg = replace(pcfg, layout="LBHNC", tp=2)
     writer = LoopbackInstance.create("prefill", pcfg)
     decode = LoopbackInstance.create("decode", dcfg, fill="sentinel", listen=True)
-    writer.workers[0]._staging.limit = 2 * CHUNK_BYTES  # a shadow per decode rank, once
+    writer.workers[0]._staging.limit = 2 * SHADOW_GRANULE  # a shadow per decode rank, once
     first_layer = decode.caches[0]["model.layers.0.self_attn"]
     try:
         first = decode.reserve("resv-a", [1, 2], 2 * pcfg.block_size, ttl=30)
@@ -521,14 +521,20 @@ def test_a_converted_push_waits_for_shadows_a_push_ending_gives_back() -> None:
         while (first_layer[1] == -1).all() and time.monotonic() < deadline:
             time.sleep(0.002)  # push a holds its shadows: its first layer landed
         second = decode.reserve("resv-b", [3, 4], 2 * pcfg.block_size, ttl=30)
-        writer.push("lease-b", second, [7, 8])
+        # handed a layer, not sealed: nothing polls it, only push a's end wakes it
+        writer.push("lease-b", second, [7, 8], groups=[range(0, 1)], seal=False)
         time.sleep(0.5)
         assert (first_layer[3:5] == -1).all(), "push b wrote without a shadow"
-        assert wait_released(decode, {"resv-b"}, timeout=0.1) == {}
         for worker in writer.workers:
             worker.seal_push("lease-a")
-        assert wait_released(decode, {"resv-a", "resv-b"}) == {"resv-a": "done",
-                                                              "resv-b": "done"}
+        assert wait_released(decode, {"resv-a"}) == {"resv-a": "done"}
+        deadline = time.monotonic() + 5
+        while (first_layer[3] == -1).all() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert not (first_layer[3] == -1).all(), "push b's first layer did not go on"
+        for worker in writer.workers:
+            worker.seal_push("lease-b")
+        assert wait_released(decode, {"resv-b"}) == {"resv-b": "done"}
         check_blocks(decode, pcfg, [1, 2, 3, 4], [5, 6, 7, 8])
     finally:
         decode.close()

@@ -148,7 +148,8 @@ def test_pushes_write_exactly_what_the_reads_would_read(s: dict, cuts: list[int]
                 heads = torch.tensor(written)[None]
                 assert (got[kernel[:, None], heads, row[:, None]] == 0).all(), \
                     "a converted push's tail is not zeros"
-                got[kernel, :, row] = want[kernel, :, row]
+                got[kernel[:, None], heads, row[:, None]] = \
+                    want[kernel[:, None], heads, row[:, None]]  # other heads: compared
         for got, want in zip(decode.buffers, pulled[d], strict=True):
             assert torch.equal(got, want), f"decode rank {d} differs from what a pull reads"
         reads_from = {x.remote_rank for x in read_plan(d, s["local_tp"], s["remote_tp"],
@@ -217,11 +218,12 @@ def test_a_converted_push_repacks_k_and_v_as_a_converted_read_does(
                           converted=functools.partial(ConvertedPush.of,
                                                       cache=prefill.views[0]))
     assert isinstance(push, ConvertedPush)
-    shadow = torch.zeros(push.shadow_bytes(len(dids)), dtype=torch.uint8)
+    shadow = torch.full((push.shadow_bytes(len(dids)),), 7, dtype=torch.uint8)  # used
     for layers in (range(0, 1), range(1, 2)):
         rows = push.build(pids, dids, layers, 0, shadow)
         write(SimpleNamespace(buffers=[shadow]), decode, rows.local, rows.remote)
     count = min(len(dids) * sizes[1], len(pids) * sizes[0])  # tokens paired
+    end = len(dids) * sizes[1]  # past the paired tokens, the written blocks hold zeros
     for layer in range(2):
         want_k, want_v = (logical_blocks(x, ratios[0])[pids].transpose(0, 1).flatten(1, 2)
                           for x in kv_views(prefill.views[layer], prefill_packing))
@@ -231,3 +233,20 @@ def test_a_converted_push_repacks_k_and_v_as_a_converted_read_does(
                           (got_v[:, :count], want_v[:, :count])):
             assert torch.equal(got.contiguous().view(torch.int32),
                                want.contiguous().view(torch.int32))
+        for got in (got_k[:, count:end], got_v[:, count:end]):
+            assert (got.contiguous().view(torch.int32) == 0).all(), "a tail is not zeros"
+
+
+def test_a_converted_push_needs_its_cache_in_one_allocation() -> None:
+    """Where this rank's layers lie in allocations of their own, the chunks are at no fixed
+    strides: the pair is refused, naming pull mode, not converted from the wrong bytes."""
+    spec = {"total": 4, "block_size": 2, "head_size": 2, "dtype": torch.float32,
+            "groups": False, "pad": 0, "local_layout": KVCacheLayout.LBHNC,
+            "remote_layout": KVCacheLayout.LBNHC}
+    rng = np.random.default_rng(1)
+    decode = make_rank(spec_for(spec, 1), KVCacheLayout.LBHNC, 4, 2, False, rng)
+    prefill = make_rank(spec_for(spec, 1), KVCacheLayout.LBNHC, 4, 2, True, rng)
+    with pytest.raises(PushRefused, match=r"one allocation.*--kv-transfer-mode pull"):
+        plan_pushes(0, prefill.geometry, {0: decode.geometry}, writer_tp=1, target_tp=1,
+                    total_kv_heads=4,
+                    converted=functools.partial(ConvertedPush.of, cache=prefill.views[0]))

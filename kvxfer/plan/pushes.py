@@ -1,12 +1,12 @@
 """Push plans: which bytes one prefill rank WRITEs into which decode rank's blocks.
 
-Pure: numpy and the descriptor math, no I/O. A push moves exactly the bytes the decode's
-direct reads would move, the other way. So it is planned as those reads are: for each
-decode rank, the head slices it would read (:func:`~kvxfer.plan.topology.read_plan`) from
-this prefill rank are planned as that decode rank's read
-(:func:`~kvxfer.plan.descriptors.plan_peer_reads`, the decode as the local side), built
-for a request's blocks, then swapped: this rank's rows are a WRITE's sources, the decode
-rank's its targets. Nothing here knows which side posts.
+No I/O: numpy, the descriptor math, and (converted pushes) copies between host tensors.
+A push moves exactly the bytes the decode's direct reads would move, the other way. So
+it is planned as those reads are: for each decode rank, the head slices it would read
+(:func:`~kvxfer.plan.topology.read_plan`) from this prefill rank are planned as that
+decode rank's read (:func:`~kvxfer.plan.descriptors.plan_peer_reads`, the decode as the
+local side), built for a request's blocks, then swapped: this rank's rows are a WRITE's
+sources, the decode rank's its targets. Nothing here knows which side posts.
 
 A layer group (``range`` of layer indices) restricts both geometries to those layers, so
 that a push can WRITE each group while the engine computes the next; groups that
@@ -16,15 +16,17 @@ Where a read would need a conversion (layouts that order heads and tokens differ
 head split of a layout that keeps a block's heads together, two K/V packings, a packing
 cut by two kernel block sizes), byte copies cannot place the heads. A
 :class:`ConvertedPush` then converts on this side: it copies this rank's heads, as a
-converted read places them (:meth:`~kvxfer.plan.staging.StagedRead.place`, from this rank's
-own cache), into a *shadow*, a few blocks shaped as the decode rank's cache, and WRITEs
-those with byte copies; where the decode rank keeps a block's heads together (LBNHC,
-BLNHC) and gathers them from several prefill ranks, one rank's heads are a run per token
-there, and each (token, head) is a chunk (:func:`token_heads`).
+converted read places them (:meth:`~kvxfer.plan.staging.StagedRead.place`, from this
+rank's own cache), into a *shadow*, the request's blocks shaped as the decode rank's
+cache (its heads of every layer: what the WRITEs move), and WRITEs those with byte
+copies; where the decode rank keeps a block's heads together (LBNHC, BLNHC) and gathers
+them from several prefill ranks, one rank's heads are a run per token there, and each
+(token, head) is a chunk (:func:`token_heads`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,8 +44,17 @@ from kvxfer.plan.descriptors import (
     SideGeometry,
     plan_peer_reads,
 )
-from kvxfer.plan.staging import Copy, StagedRead, as_numpy, fixed_strides, plan_staged_read
+from kvxfer.plan.staging import (
+    StagedRead,
+    as_numpy,
+    chunk_view,
+    kernel_rows,
+    plan_staged_read,
+)
 from kvxfer.plan.topology import HeadSlice, read_plan
+
+# copies one piece of a conversion: (target, source) numpy arrays of one shape and dtype
+NumpyCopy = Callable[[npt.NDArray[Any], npt.NDArray[Any]], object]
 
 
 class PushRefused(IncompatibleLayoutError):
@@ -181,17 +192,17 @@ class ConvertedPush:
     direct: PushPlan
     staged: StagedRead
     source: torch.Tensor
-    copy: Copy | None = None  # copies a piece where K and V move together (numpy arrays)
+    copy: NumpyCopy | None = None  # copies a piece, as numpy arrays (default: numpy's)
 
     @classmethod
-    def of(cls, push: PushPlan, cache: torch.Tensor, copy: Copy | None = None
+    def of(cls, push: PushPlan, cache: torch.Tensor, copy: NumpyCopy | None = None
            ) -> ConvertedPush:
         """``push``'s pair converted, ``cache`` any view of this rank's cache (one
         allocation at fixed strides); :class:`PushRefused` names why not and the fix.
-        ``copy(target, source)`` copies each piece where every piece moves K and V
-        together (:meth:`~kvxfer.plan.staging.StagedRead.kv_together`): numpy arrays
-        then, whose slicing costs a fraction of torch's (default: numpy's copy); other
-        pieces are tensors, copied by torch."""
+        ``copy(target, source)`` copies each piece as numpy arrays (default: numpy's
+        copy); where every piece moves K and V together
+        (:meth:`~kvxfer.plan.staging.StagedRead.kv_together`) the pieces are cut from
+        numpy arrays, whose slicing costs a fraction of torch's."""
         shadow = shadow_geometry(push.target)
         staged = plan_staged_read(shadow, push.writer, push.writer_rank, push.slices)
         same = tuple(HeadSlice(s.remote_rank, s.local_head_offset, s.local_head_offset,
@@ -237,18 +248,20 @@ class ConvertedPush:
         geo, writer = self.staged.local, self.staged.remote
         layers = range(writer.num_layers) if layers is None else layers
         skip_rows, skip = divmod(writer_offset, writer.kernel_block_size)
-        rows = (np.asarray(writer_ids, dtype=np.int64)[:, None] * writer.kernel_ratio
-                + np.arange(writer.kernel_ratio, dtype=np.int64)).reshape(-1)[skip_rows:]
+        rows = kernel_rows(np.asarray(writer_ids, dtype=np.int64),
+                           writer.kernel_ratio)[skip_rows:]
         if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < self.source.shape[0]:
             raise ValueError(f"a prefill block id is outside this rank's {writer.num_blocks}")
         views = shadow_views(shadow, geo, len(targets), self.source.dtype)
         slots = np.arange(len(targets), dtype=np.int64)
         source: Any = self.source
         group: Any = views[:, layers.start:layers.stop]
-        copy = None  # torch's, for the tensors
-        if self.staged.kv_together(writer.kv_packing, geo.kv_packing):
-            source, group, copy = as_numpy(source), as_numpy(group), self.copy or np.copyto
-        # whole shadow blocks are written: past the prefill's last token, zeros rather than
+        copy: Any = self.copy or np.copyto
+        if self.staged.kv_together(writer.kv_packing, geo.kv_packing) and not skip:
+            source, group = as_numpy(source), as_numpy(group)
+        else:  # tensors: K and V apart (kv_views), each piece copied as numpy arrays
+            copy = functools.partial(_numpy_copy, copy)
+        # whole shadow blocks are written: past the prefill's last block, zeros rather than
         # what the buffer held before (another request's heads); the kernel block with the
         # last token is zeroed whole first (a packing may keep a block's K apart from its V)
         paired = min(len(targets) * geo.block_size,
@@ -260,6 +273,12 @@ class ConvertedPush:
         local = rows_out.local.copy()
         local[:, 0] += np.uint64(shadow.data_ptr())
         return RankDescriptors(rows_out.remote_rank, local, rows_out.remote)
+
+
+def _numpy_copy(copy: NumpyCopy, target: torch.Tensor, source: torch.Tensor) -> None:
+    """``copy`` of two tensors as numpy arrays (on this thread: not torch's intra-op
+    threads, which a forward pass uses)."""
+    copy(as_numpy(target), as_numpy(source))
 
 
 def shadow_geometry(target: SideGeometry) -> SideGeometry:
@@ -321,21 +340,12 @@ def shadow_views(shadow: torch.Tensor, geometry: SideGeometry, blocks: int,
 
 def own_chunks(geometry: SideGeometry, cache: torch.Tensor) -> torch.Tensor:
     """This rank's cache (``geometry``; ``cache``: a view of it) as ``[kernel blocks,
-    layers, chunks, chunk elements]``, what :meth:`StagedRead.place` reads from;
+    layers, chunks, chunk elements]`` (:func:`~kvxfer.plan.staging.chunk_view`);
     :class:`PushRefused` unless every chunk lies at fixed strides in ``cache``'s
     allocation."""
-    strides = fixed_strides(geometry.base, geometry.block_stride)
-    size, start = cache.element_size(), cache.untyped_storage().data_ptr()
-    layers, chunks = geometry.base.shape
-    if strides is not None and not any(x % size for x in (strides[0] - start, *strides[1:],
-                                                             geometry.chunk_len)):
-        first, layer, chunk, block = (x // size for x in (strides[0] - start, *strides[1:]))
-        try:
-            return cache.as_strided((geometry.num_blocks * geometry.kernel_ratio, layers,
-                                     chunks, geometry.chunk_len // size),
-                                    (block, layer, chunk, 1), first)
-        except RuntimeError:  # outside the allocation: the geometry is another memory's
-            pass
-    raise PushRefused("converting a push needs this prefill's cache in one allocation at "
-                      "fixed strides (kvxfer's engine allocates it so); run the sidecars "
-                      "with --kv-transfer-mode pull")
+    chunks = chunk_view(cache, geometry, cache.untyped_storage().data_ptr())
+    if chunks is None:
+        raise PushRefused("converting a push needs this prefill's cache in one allocation "
+                          "at fixed strides (kvxfer's engine allocates it so); run the "
+                          "sidecars with --kv-transfer-mode pull")
+    return chunks

@@ -134,9 +134,7 @@ class StagedRead:
         ``staging_addr``, slot ``(position, kernel block, layer, chunk)``; contiguous
         neighbours merged."""
         geo, chunks = self.remote, np.asarray(self.chunks, dtype=np.int64)
-        ratio = geo.kernel_ratio
-        kernel_ids = (np.asarray(remote_ids, dtype=np.int64)[:, None] * ratio
-                      + np.arange(ratio, dtype=np.int64)).reshape(-1)
+        kernel_ids = kernel_rows(remote_ids, geo.kernel_ratio)
         base = geo.base[:, chunks]            # [layers, chunks]
         stride = geo.block_stride[:, chunks]
         mem = geo.mem[:, chunks]
@@ -255,8 +253,7 @@ def token_segments(local_ids: np.ndarray, rows: np.ndarray, local: SideGeometry,
     tokens = min(len(local_ids) * local.block_size, len(rows) * kr - skip)
     if tokens <= 0:
         return []
-    kernel = (local_ids[:, None] * local.kernel_ratio
-              + np.arange(local.kernel_ratio, dtype=np.int64)).reshape(-1)
+    kernel = kernel_rows(local_ids, local.kernel_ratio)
     if kl == kr and not skip:
         ids, source = kernel[:tokens // kl], np.asarray(rows[:tokens // kl], dtype=np.int64)
         starts = np.flatnonzero(np.concatenate([[True], (np.diff(ids) != 1)
@@ -382,3 +379,29 @@ _SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of ``tensor``'s elements, as integers of its element size."""
     return tensor.view(_SAME_SIZE[tensor.element_size()]).numpy()
+
+
+def kernel_rows(block_ids: Sequence[int] | np.ndarray, kernel_ratio: int) -> np.ndarray:
+    """The kernel blocks of logical ``block_ids``, in order: block ``b`` is kernel blocks
+    ``b * kernel_ratio .. b * kernel_ratio + kernel_ratio - 1``."""
+    return (np.asarray(block_ids, dtype=np.int64)[:, None] * kernel_ratio
+            + np.arange(kernel_ratio, dtype=np.int64)).reshape(-1)
+
+
+def chunk_view(memory: torch.Tensor, geometry: SideGeometry, start: int) -> torch.Tensor | None:
+    """``geometry``'s chunks as ``[kernel blocks, layers, chunks, chunk elements]`` of
+    ``memory`` (a tensor of the cache's dtype whose storage's first byte lies at address
+    ``start`` of the geometry's process), what :meth:`StagedRead.place` reads from; None
+    unless every chunk lies at fixed strides inside that storage."""
+    strides = fixed_strides(geometry.base, geometry.block_stride)
+    size = memory.element_size()
+    if strides is None or strides[0] < start or \
+            any(x % size for x in (strides[0] - start, *strides[1:], geometry.chunk_len)):
+        return None
+    first, layer, chunk, block = (x // size for x in (strides[0] - start, *strides[1:]))
+    layers, chunks = geometry.base.shape
+    try:
+        return memory.as_strided((geometry.num_blocks * geometry.kernel_ratio, layers, chunks,
+                                  geometry.chunk_len // size), (block, layer, chunk, 1), first)
+    except RuntimeError:  # past the storage's end: the chunks lie elsewhere
+        return None

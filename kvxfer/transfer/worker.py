@@ -150,7 +150,8 @@ class TransferWorker:
         self._shares = shares if shares is not None else ProcessShares()
         self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
         self._agent = NixlAgent(f"{engine_id}-rank{rank}", nixl_backends)
-        self._staging = StagingPool(self._agent, f"r{rank}")  # converted reads land here
+        # converted reads land here; converted pushes take their shadows here
+        self._staging = StagingPool(self._agent, f"r{rank}")
         self._tally = Tally()
         self._leases = LeaseTable(hmac_key, self._tally)
         self._results = ReadResults()

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvxfer.plan.regions import MemoryRegion
-from kvxfer.plan.staging import StagedRead, as_numpy, fixed_strides
+from kvxfer.plan.staging import StagedRead, as_numpy, chunk_view, fixed_strides, kernel_rows
 from kvxfer.transfer.converted.fd_handover import HANDOVER, take
 from kvxfer.transfer.converted.host_reads import Canary, HostReadError, verify_canary
 from kvxfer.transfer.converted.stream_copy import stream_copy
@@ -277,8 +277,7 @@ class MappedRead:
         source, all_groups, copy = self._operands
 
         def run(local: slice, remote: slice, groups: Sequence[tuple[int, Any]]) -> None:
-            rows = (np.asarray(remote_ids[remote], dtype=np.int64)[:, None] * ratio
-                    + np.arange(ratio, dtype=np.int64)).reshape(-1)
+            rows = kernel_rows(remote_ids[remote], ratio)
             plan.place(source, range(source.shape[2]), rows, groups, local_ids[local],
                        plan.remote.kv_packing, plan.local.kv_packing, copy)
 
@@ -344,10 +343,8 @@ def map_prefill(plan: StagedRead, groups: Sequence[tuple[int, torch.Tensor]],
     if region is None or any(x % size for x in (base - region.addr, layer, chunk, block)):
         return None
     mapping = (mappings or Mappings()).window(offer, region, base, end)  # the plan's bytes
-    source = mapping.bytes.view(dtype).as_strided(
-        (kernels, geo.num_layers, chunks, geo.chunk_len // size),
-        (block // size, layer // size, chunk // size, 1), (base - mapping.start) // size)
-    return MappedRead(plan, groups, source, mapping)
+    source = chunk_view(mapping.bytes.view(dtype), geo, mapping.start)
+    return None if source is None else MappedRead(plan, groups, source, mapping)
 
 
 def mappable(plan: StagedRead) -> bool:

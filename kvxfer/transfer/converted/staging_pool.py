@@ -1,7 +1,9 @@
-"""The staging buffers converted reads land in, and the thread that places them.
+"""The staging buffers converted transfers use, and the thread that places reads.
 
-A decode rank's :class:`StagingPool` owns host buffers registered with its NIXL
-agent and one converter thread. A converted read (:mod:`kvxfer.plan.staging`) takes
+A rank's :class:`StagingPool` owns host buffers registered with its NIXL agent and one
+converter thread. A prefill rank's converted pushes take their shadows here
+(:meth:`StagingPool.buffers`, given back with :meth:`StagingPool.give`). A decode rank's
+converted read (:mod:`kvxfer.plan.staging`) takes
 one buffer per staged prefill rank, all or none (:meth:`StagingPool.take`), is cut
 into parts of about :data:`PART_BYTES`, and each part that landed is placed into
 the rank's views on the converter thread (:meth:`StagingPool.place_landed`) while
@@ -37,9 +39,9 @@ class StagingTooSmall(RuntimeError):
     """One read needs more staging than the pool may ever hold."""
 
 
-def buffer_size(nbytes: int) -> int:
-    """The size of the buffer allocated for ``nbytes``."""
-    return -(-nbytes // CHUNK_BYTES) * CHUNK_BYTES
+def buffer_size(nbytes: int, granule: int = CHUNK_BYTES) -> int:
+    """The size of the buffer allocated for ``nbytes``: whole ``granule``s."""
+    return -(-nbytes // granule) * granule
 
 
 @dataclass
@@ -133,19 +135,20 @@ class StagingPool:
                                       rpart.stop - rpart.start, descs, read.placements))
         return job
 
-    def buffers(self, needs: Sequence[int]) -> list[Staging] | None:
-        """A registered buffer of at least each of ``needs`` bytes, all or none: None while
-        the buffers in use leave too little room; :class:`StagingTooSmall` when they never
-        could. Given back with :meth:`give`."""
-        if sum(buffer_size(n) for n in needs) > self.limit:
+    def buffers(self, needs: Sequence[int], granule: int = CHUNK_BYTES
+                ) -> list[Staging] | None:
+        """A registered buffer of at least each of ``needs`` bytes (a new one: whole
+        ``granule``s), all or none: None while the buffers in use leave too little room;
+        :class:`StagingTooSmall` when they never could. Given back with :meth:`give`."""
+        if sum(buffer_size(n, granule) for n in needs) > self.limit:
             raise StagingTooSmall(
                 f"converting this transfer needs {sum(needs) >> 20} MiB of staging, more "
                 f"than the {self.limit >> 20} MiB limit; use layouts both sides can copy "
-                f"directly (see kvxfer plan)")
+                f"directly (see kvxfer plan), or pull mode, which converts in parts")
         taken: list[Staging] = []
         try:
             for need in needs:
-                staging = self._take(need)
+                staging = self._take(need, granule)
                 if staging is None:
                     self._free.extend(taken)
                     return None
@@ -155,22 +158,22 @@ class StagingPool:
             raise
         return taken
 
-    def give(self, stagings: Sequence[Staging], reuse: bool = True) -> None:
-        """Buffers of :meth:`buffers` back: to the pool, or (not ``reuse``: a transfer
-        given up may still touch them) deregistered and freed."""
-        for staging in stagings:
-            if reuse:
-                self._free.append(staging)
-            else:
-                self._release(staging)
+    def give(self, stagings: Sequence[Staging], held_for: str | None = None) -> None:
+        """Buffers of :meth:`buffers` back: to the pool, or, where a transfer given up
+        may still touch them, held until :meth:`drop_held` for ``held_for`` (the peer
+        engine whose connection would carry it)."""
+        if held_for is None:
+            self._free.extend(stagings)
+        else:
+            self._held.setdefault(held_for, []).extend(stagings)
 
-    def _take(self, nbytes: int) -> Staging | None:
+    def _take(self, nbytes: int, granule: int = CHUNK_BYTES) -> Staging | None:
         fits = [s for s in self._free if s.buffer.numel() >= nbytes]
         if fits:
             best = min(fits, key=lambda s: s.buffer.numel())
             self._free.remove(best)
             return best
-        size = buffer_size(nbytes)
+        size = buffer_size(nbytes, granule)
         while self._bytes + size > self.limit and self._free:
             self._release(self._free.pop())  # free ones too small: make room
         if self._bytes + size > self.limit:
@@ -233,7 +236,7 @@ class StagingPool:
 
     def drop_held(self, engine_id: str) -> None:
         """``engine_id``'s connection is gone: no cancelled READ writes into its held
-        buffers any more."""
+        buffers any more, no cancelled WRITE reads them."""
         for staging in self._held.pop(engine_id, []):
             self._release(staging)
 

@@ -89,6 +89,7 @@ LEASE_MARGIN_S = 1.0  # a push's lease outlives its reservation's deadline by th
 # notification was lost, and an unanswered one holds up the reports behind it.
 REPORT_TIMEOUT_S = 0.1
 REPORT_SENDERS = 4  # threads sending them (per rank, made as needed)
+SHADOW_GRANULE = 4 << 20  # a converted push's shadows are allocated in multiples of this
 
 
 @dataclass
@@ -344,7 +345,8 @@ class Pusher:
             count = len(push.reservation.block_ids)
             needs = {rank: plan.shadow_bytes(count) for rank, plan in target.plans.items()}
             needs = {rank: need for rank, need in needs.items() if need}
-            taken = self._local.staging.buffers(list(needs.values())) if needs else []
+            taken = self._local.staging.buffers(list(needs.values()), SHADOW_GRANULE) \
+                if needs else []
             if taken is None:
                 return False
             push.shadows = dict(zip(needs, taken, strict=True))
@@ -444,8 +446,9 @@ class Pusher:
         settled = all(_settled(ts) for ts in push.inflight.values())
         for transfers in push.inflight.values():
             release_transfers(transfers, push.lease_id)
-        if push.shadows:  # reused unless a WRITE cut off may still read one
-            self._local.staging.give(list(push.shadows.values()), reuse=settled)
+        if push.shadows:  # a WRITE cut off may still read one: held till the decode drops
+            self._local.staging.give(list(push.shadows.values()),
+                                     None if settled else push.engine)
             push.shadows = None
             self._local.wake.set()  # a push waiting for room goes on
         if self._pushes.get(push.lease_id) is push:

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 class _Shaken:
     """A decode's checked metadata and this rank's push plans, before NIXL connects;
     ``writers``: the decode ranks it writes into, each with its count of writers;
-    ``refused``: why byte copies cannot place its heads there (no plans then)."""
+    ``refused``: why neither byte copies nor a conversion can place its heads there (no
+    plans then)."""
 
     metas: dict[int, AgentMetadata]
     plans: list[PushPlan | ConvertedPush]
@@ -47,8 +48,9 @@ class _Shaken:
 class Target:
     """A handshaken decode engine as this prefill rank writes into it: a plan, an agent,
     a memory kind and a count of writers per decode rank it writes into (none: it holds
-    no head they read). ``refused``: why nothing can be pushed into it (its ranks are
-    connected all the same, to be told so)."""
+    no head they read). ``refused``: why nothing can be pushed into it, neither byte
+    copies nor a conversion placing the heads (its ranks are connected all the same, to
+    be told so)."""
 
     engine_id: str
     address: str
@@ -130,11 +132,13 @@ class Targets:
         self._shakes.mark_dead(engine_id, reason)
 
     def drop(self, engine_id: str) -> None:
-        """Worker thread: remove ``engine_id``'s agents."""
+        """Worker thread: remove ``engine_id``'s agents; shadows held for WRITEs into it
+        that were cut off are freed."""
         target = self._targets.pop(engine_id, None)
         if target is not None:
             for name in target.agents.values():
                 self._local.agent.drop_remote(name)
+        self._local.staging.drop_held(engine_id)
 
     def close(self) -> None:
         self._claims.shutdown(wait=False, cancel_futures=True)
