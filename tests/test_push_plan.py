@@ -174,16 +174,26 @@ def test_a_layer_group_is_a_run_inside_the_layers() -> None:
             layers_of(rank.geometry, bad)
 
 
-def test_a_pair_only_a_conversion_can_place_is_refused_with_the_fix() -> None:
+@pytest.mark.parametrize(("converting", "apart", "says"), [
+    (False, False, "--kv-transfer-mode pull"),
+    # where this rank's layers lie in allocations of their own, its chunks are at no
+    # fixed strides: refused, not converted from the wrong bytes
+    (True, True, r"one allocation.*--kv-transfer-mode pull")])
+def test_a_pair_only_a_conversion_can_place_is_refused_with_the_fix(
+        converting: bool, apart: bool, says: str) -> None:
+    """Without a conversion (plan_pushes alone), or with one that cannot read this rank's
+    cache, a pair byte copies cannot place is refused, naming pull mode."""
     spec = {"total": 4, "block_size": 2, "head_size": 2, "dtype": torch.float32,
             "groups": False, "pad": 0, "local_layout": KVCacheLayout.LBHNC,
             "remote_layout": KVCacheLayout.LBNHC}
     rng = np.random.default_rng(1)
     decode = make_rank(spec_for(spec, 1), KVCacheLayout.LBHNC, 4, 2, False, rng)
-    prefill = make_rank(spec_for(spec, 1), KVCacheLayout.LBNHC, 4, 2, False, rng)
-    with pytest.raises(PushRefused, match="--kv-transfer-mode pull"):
+    prefill = make_rank(spec_for(spec, 1), KVCacheLayout.LBNHC, 4, 2, apart, rng)
+    converted = functools.partial(ConvertedPush.of, cache=prefill.views[0]) \
+        if converting else None
+    with pytest.raises(PushRefused, match=says):
         plan_pushes(0, prefill.geometry, {0: decode.geometry}, writer_tp=1, target_tp=1,
-                    total_kv_heads=4)
+                    total_kv_heads=4, converted=converted)
 
 
 @pytest.mark.parametrize(("prefill_packing", "decode_packing", "decode_layout", "ratios",
@@ -236,17 +246,3 @@ def test_a_converted_push_repacks_k_and_v_as_a_converted_read_does(
         for got in (got_k[:, count:end], got_v[:, count:end]):
             assert (got.contiguous().view(torch.int32) == 0).all(), "a tail is not zeros"
 
-
-def test_a_converted_push_needs_its_cache_in_one_allocation() -> None:
-    """Where this rank's layers lie in allocations of their own, the chunks are at no fixed
-    strides: the pair is refused, naming pull mode, not converted from the wrong bytes."""
-    spec = {"total": 4, "block_size": 2, "head_size": 2, "dtype": torch.float32,
-            "groups": False, "pad": 0, "local_layout": KVCacheLayout.LBHNC,
-            "remote_layout": KVCacheLayout.LBNHC}
-    rng = np.random.default_rng(1)
-    decode = make_rank(spec_for(spec, 1), KVCacheLayout.LBHNC, 4, 2, False, rng)
-    prefill = make_rank(spec_for(spec, 1), KVCacheLayout.LBNHC, 4, 2, True, rng)
-    with pytest.raises(PushRefused, match=r"one allocation.*--kv-transfer-mode pull"):
-        plan_pushes(0, prefill.geometry, {0: decode.geometry}, writer_tp=1, target_tp=1,
-                    total_kv_heads=4,
-                    converted=functools.partial(ConvertedPush.of, cache=prefill.views[0]))
