@@ -47,6 +47,12 @@ ceiling).
 A lost notification: as its lease ends, the push sends what it told each decode rank once
 more, over the decode's side channel (:meth:`Pusher._report`), to every rank all of whose
 WRITEs completed; the decode counts whichever copy comes first.
+
+A decode rank whose heads byte copies cannot place
+(:class:`~kvxfer.plan.pushes.ConvertedPush`) is written from a shadow: before its first
+WRITE the push takes one per such rank from the rank's staging pool, all or none, and
+while the pool has no room it waits, writing nothing; it gives them back as it ends (one
+a cut-off WRITE may still read is held until that decode's connection is dropped).
 """
 
 from __future__ import annotations
