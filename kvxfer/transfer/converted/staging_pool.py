@@ -36,7 +36,7 @@ PART_BYTES = 16 << 20  # a converted read is READ and placed in parts of about t
 
 
 class StagingTooSmall(RuntimeError):
-    """One read needs more staging than the pool may ever hold."""
+    """One transfer needs more staging than the pool may ever hold."""
 
 
 def buffer_size(nbytes: int, granule: int = CHUNK_BYTES) -> int:
@@ -252,7 +252,7 @@ class StagingPool:
 
     @property
     def held(self) -> int:
-        """Buffers held for failed reads."""
+        """Buffers held for failed reads and cut-off pushes."""
         return sum(len(v) for v in self._held.values())
 
     def close(self) -> None:
