@@ -211,8 +211,7 @@ def test_a_converted_push_repacks_k_and_v_as_a_converted_read_does(
     into its shadow, and every K and V element of the request's tokens lands where a
     converted read puts it."""
     from kvxfer.plan.layout import CacheSpec
-    from kvxfer.plan.packing import kv_views
-    from tests.test_staging import logical_blocks
+    from tests.test_staging import token_kv
 
     rng = np.random.default_rng(3)
     prefill = make_rank(CacheSpec(sizes[0], 2, 3, torch.float32), KVCacheLayout.LBHNC, 24, 2,
@@ -235,14 +234,9 @@ def test_a_converted_push_repacks_k_and_v_as_a_converted_read_does(
     count = min(len(dids) * sizes[1], len(pids) * sizes[0])  # tokens paired
     end = len(dids) * sizes[1]  # past the paired tokens, the written blocks hold zeros
     for layer in range(2):
-        want_k, want_v = (logical_blocks(x, ratios[0])[pids].transpose(0, 1).flatten(1, 2)
-                          for x in kv_views(prefill.views[layer], prefill_packing))
-        got_k, got_v = (logical_blocks(x, ratios[1])[dids].transpose(0, 1).flatten(1, 2)
-                        for x in kv_views(decode.views[layer], decode_packing))
-        for got, want in ((got_k[:, :count], want_k[:, :count]),
-                          (got_v[:, :count], want_v[:, :count])):
-            assert torch.equal(got.contiguous().view(torch.int32),
-                               want.contiguous().view(torch.int32))
-        for got in (got_k[:, count:end], got_v[:, count:end]):
-            assert (got.contiguous().view(torch.int32) == 0).all(), "a tail is not zeros"
+        for got, want in zip(token_kv(decode.views[layer], ratios[1], dids, decode_packing),
+                             token_kv(prefill.views[layer], ratios[0], pids, prefill_packing),
+                             strict=True):
+            assert torch.equal(got[:, :count], want[:, :count])
+            assert (got[:, count:end] == 0).all(), "a tail is not zeros"
 

@@ -232,7 +232,6 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
     packing at two kernel block sizes (``ratios``: prefill's, decode's) or two block sizes
     (``sizes``: prefill's, decode's; the request's tokens in order on both sides)."""
     from kvxfer.plan.layout import CacheSpec, KVCacheLayout
-    from kvxfer.plan.packing import kv_views
 
     rng = np.random.default_rng(2)
     remote = make_rank(CacheSpec(sizes[0], 2, 3, torch.float32), KVCacheLayout.LBHNC, 6 * 4,
@@ -258,15 +257,21 @@ def test_the_conversion_repacks_k_and_v_when_the_sides_pack_them_differently(
                  local_packing, len(rids))
     count = min(len(lids) * sizes[1], len(rids) * sizes[0])  # tokens paired
     for layer in range(2):
-        want_k, want_v = (logical_blocks(x, ratios[0])[rids].transpose(0, 1).flatten(1, 2)
-                          for x in kv_views(remote.views[layer], remote_packing))
-        got_k, got_v = (logical_blocks(x, ratios[1])[lids].transpose(0, 1).flatten(1, 2)
-                        for x in kv_views(local.views[layer], local_packing))
-        for got, want in ((got_k[:, :count], want_k[:, :count]),
-                          (got_v[:, :count], want_v[:, :count])):
-            # random bytes include NaNs: compare the bits
-            assert torch.equal(got.contiguous().view(torch.int32),
-                               want.contiguous().view(torch.int32))
+        for got, want in zip(token_kv(local.views[layer], ratios[1], lids, local_packing),
+                             token_kv(remote.views[layer], ratios[0], rids, remote_packing),
+                             strict=True):
+            assert torch.equal(got[:, :count], want[:, :count])
+
+
+def token_kv(view: torch.Tensor, ratio: int, ids: np.ndarray, packing: str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of logical blocks ``ids`` of a kernel-block view packed as ``packing``,
+    ``[H, tokens, X]`` each in token order, as int32 bits (random bytes include NaNs)."""
+    from kvxfer.plan.packing import kv_views
+
+    k, v = (logical_blocks(x, ratio)[ids].transpose(0, 1).flatten(1, 2).contiguous()
+            .view(torch.int32) for x in kv_views(view, packing))
+    return k, v
 
 
 def head_split_read(rng: np.random.Generator) -> tuple[StagedRead, Rank]:
