@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -111,3 +112,24 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
         assert time.monotonic() < deadline, (f"{server.name} still holds KV blocks "
                                              f"(usage {usage}) or requests ({running})")
         time.sleep(0.5)
+
+
+CACHE_MEMFD = "/memfd:kvxfer-kv-cache"  # the name kvxfer's shared caches show in maps
+
+
+def cache_mappings(server: VllmServer) -> list[str]:
+    """The permissions (``rw-s``, ``r--s``) of every mapping of a kvxfer shared cache in
+    ``server``'s processes (its process group: API server, engine core, workers): its own
+    cache, allocated shared, is writable; a peer's, mapped to be copied from, read-only."""
+    assert server.process is not None
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:  # pgrp: the 3rd field after "(comm)"
+                if int(stat.read().rsplit(")", 1)[1].split()[2]) != server.process.pid:
+                    continue
+            with open(f"/proc/{pid}/maps") as maps:
+                found += [line.split()[1] for line in maps if CACHE_MEMFD in line]
+        except (FileNotFoundError, ProcessLookupError):  # the process ended meanwhile
+            continue
+    return found

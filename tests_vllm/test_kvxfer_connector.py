@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import (
+    cache_mappings,
     completion,
     metric,
     proxy_for,
@@ -57,6 +58,21 @@ def test_prompts_match_one_instance(kvxfer_pair: tuple[VllmServer, VllmServer], 
     assert metric(decode.url, "vllm:kvxfer_xfer_time_seconds_count") == reads + 1
     assert metric(decode.url, "vllm:kvxfer_bytes_transferred_sum") - moved == \
         math.ceil(tokens / 128) * BLOCK_BYTES
+
+
+def test_the_decode_copies_out_of_the_prefill_cache_mapped(
+        kvxfer_pair: tuple[VllmServer, VllmServer], proxy: str) -> None:
+    """vLLM allocated each instance's cache inside KvxferConnector's allocation context, in
+    shared memory: the decode maps the prefill's and copies a request out of it, one copy
+    (a NIXL READ of vLLM's cache would take a descriptor per layer)."""
+    pre, decode = kvxfer_pair
+    descriptors = metric(decode.url, "vllm:kvxfer_num_descriptors_sum")
+    reads = metric(decode.url, "vllm:kvxfer_num_descriptors_count")
+    completion(proxy, {"prompt": prompt_ids(100, 31), "max_tokens": 2, "temperature": 0})
+    assert metric(decode.url, "vllm:kvxfer_num_descriptors_count") == reads + 1
+    assert metric(decode.url, "vllm:kvxfer_num_descriptors_sum") == descriptors + 1
+    assert "rw-s" in cache_mappings(pre)  # its own cache, allocated shared
+    assert "r--s" in cache_mappings(decode)  # the prefill's, mapped here
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])

@@ -49,6 +49,7 @@ from kvxfer.net.hosts import unreachable_advertised
 from kvxfer.net.kv_key import load_kv_key
 from kvxfer.plan.layout import CacheSpec
 from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
+from kvxfer.vllm.allocation import SharedCacheAllocation
 from kvxfer.vllm.cache_shapes import cache_spec
 from kvxfer.vllm.plan import StepPlan
 from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
@@ -210,6 +211,15 @@ class KvxferConnector(KVConnectorBase_V1):
                 vllm_config.parallel_config.tensor_parallel_size, _key(self._settings))
 
     # -- worker side --------------------------------------------------------------------------
+    def get_mem_pool_context(self) -> SharedCacheAllocation | None:
+        """vLLM allocates the CPU cache in shared memory (:mod:`kvxfer.vllm.allocation`), so
+        that a decode on this host copies from it mapped; host_reads false keeps vLLM's."""
+        from vllm.platforms import current_platform
+
+        if not self._settings.host_reads or not current_platform.is_cpu():
+            return None
+        return SharedCacheAllocation()
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self._vllm_config.model_config
         first = next(iter(kv_caches.values()))

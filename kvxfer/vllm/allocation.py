@@ -1,0 +1,62 @@
+"""vLLM's KV cache allocated in memory a decode on this host can map.
+
+vLLM 0.32 allocates a worker's whole KV cache as one buffer, ``torch.zeros(n,
+dtype=torch.int8, device=...)`` in ``vllm.v1.worker.utils.allocate_kv_cache``, and runs that
+allocation inside the context its KV connector returns from ``get_mem_pool_context`` (the
+hook vLLM gives connectors with memory pools of their own). KvxferConnector's context,
+:class:`SharedCacheAllocation`, makes that one buffer a shared one
+(:func:`~kvxfer.transfer.converted.mapped_reads.shared_zeros`), as ``kvxfer serve``
+allocates a prefill's cache. A decode on this host then copies a request out of the
+prefill's cache mapped into it (:mod:`kvxfer.transfer.converted.mapped_reads`) where it
+would otherwise post a NIXL READ that the kernel copies (UCX's cma), as NixlConnector's
+does. Nothing else changes: every other call, dtype and device passes through, and the
+buffer is zeroed on the spot, so its pages are in memory from the start, as vLLM's own
+``torch.zeros`` leaves them.
+
+No vLLM import here: the main test tier checks the context without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvxfer.transfer.converted.mapped_reads import shared_zeros
+
+
+def cache_buffer_bytes(func: Callable[..., Any], args: Sequence[Any],
+                       kwargs: Mapping[str, Any]) -> int | None:
+    """The size of the buffer ``func(*args, **kwargs)`` allocates when it is vLLM's cache
+    allocation on the CPU (``torch.zeros(n, dtype=torch.int8)``), else None."""
+    if func is not torch.zeros or len(args) != 1 or not isinstance(args[0], int):
+        return None
+    if kwargs.get("dtype") is not torch.int8 or set(kwargs) - {"dtype", "device"}:
+        return None
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return None
+    return args[0]
+
+
+class SharedCacheAllocation(TorchFunctionMode):
+    """While active, vLLM's CPU cache allocation (:func:`cache_buffer_bytes`) returns a
+    shared buffer; ``shared`` lists the sizes it made so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared: list[int] = []
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any,
+                           args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        nbytes = cache_buffer_bytes(func, args, kwargs)
+        if nbytes is None:
+            return func(*args, **kwargs)
+        buffer = shared_zeros(nbytes).view(torch.int8)
+        buffer.zero_()  # in memory now, as torch.zeros's pages are: no fault in a forward
+        self.shared.append(nbytes)
+        return buffer
