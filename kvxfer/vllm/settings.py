@@ -10,11 +10,11 @@ Every key is optional::
      "kv_read_timeout": 10, "handshake_timeout": 5,
      "read_wait": 0.05,                 # a step waits this long for a claim or READ in flight
      "read_lanes": 1,                   # copy threads of a decode's READ (host memory)
-     "host_reads": true,                # converted reads from a prefill on this host are
-                                        # copied straight into place
-                                        # (kvxfer.transfer.converted.host_reads,
-                                        # kvxfer.transfer.converted.mapped_reads from a kvxfer
-                                        # sidecar)
+     "host_reads": true,                # a prefill on this host is copied from, not READ:
+                                        # from its mapped cache (this instance's own is
+                                        # allocated shared for its readers:
+                                        # kvxfer.vllm.allocation), or converted reads by
+                                        # kvxfer.transfer.converted.host_reads
      "kv_key_file": null,               # the shared KV key: signs side channel and tickets
      "model_id": null,                  # what peers must share (default: the served name)
      "ceiling_probe": false}            # benchmarks only: see CEILING_KEY
