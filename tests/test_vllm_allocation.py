@@ -52,7 +52,7 @@ def test_the_cache_buffer_is_in_memory_from_the_start() -> None:
     with SharedCacheAllocation():
         buffer = torch.zeros(64 * mmap.PAGESIZE, dtype=torch.int8)
     resident, pages = resident_pages(buffer)
-    assert resident == pages == 64
+    assert resident == pages >= 64
 
 
 def test_only_the_cache_allocation_is_shared() -> None:

@@ -72,7 +72,8 @@ def test_the_decode_copies_out_of_the_prefill_cache_mapped(
     assert metric(decode.url, "vllm:kvxfer_num_descriptors_count") == reads + 1
     assert metric(decode.url, "vllm:kvxfer_num_descriptors_sum") == descriptors + 1
     assert "rw-s" in cache_mappings(pre)  # its own cache, allocated shared
-    assert "r--s" in cache_mappings(decode)  # the prefill's, mapped here
+    assert "rw-s" in cache_mappings(decode)  # so is the decode's
+    assert "r--s" in cache_mappings(decode)  # and the prefill's is mapped here
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])

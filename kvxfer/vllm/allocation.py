@@ -43,7 +43,8 @@ def cache_buffer_bytes(func: Callable[..., Any], args: Sequence[Any],
 
 class SharedCacheAllocation(TorchFunctionMode):
     """While active, vLLM's CPU cache allocation (:func:`cache_buffer_bytes`) returns a
-    shared buffer; ``shared`` lists the sizes it made so."""
+    buffer from :func:`shared_zeros` (plain memory where this system has no memfd);
+    ``shared`` lists the sizes it allocated so."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -10,8 +10,9 @@ Every key is optional::
      "kv_read_timeout": 10, "handshake_timeout": 5,
      "read_wait": 0.05,                 # a step waits this long for a claim or READ in flight
      "read_lanes": 1,                   # copy threads of a decode's READ (host memory)
-     "host_reads": true,                # a prefill on this host is copied from, not READ:
-                                        # from its mapped cache (this instance's own is
+     "host_reads": true,                # a prefill on this host may be copied from, not
+                                        # READ (the probe at connect chooses): from its
+                                        # mapped cache (this instance's own is
                                         # allocated shared for its readers:
                                         # kvxfer.vllm.allocation), or converted reads by
                                         # kvxfer.transfer.converted.host_reads
