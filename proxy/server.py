@@ -20,6 +20,11 @@ log = logging.getLogger(__name__)
 
 # After SIGINT/SIGTERM, open requests (streams included) get this long to finish.
 GRACEFUL_SHUTDOWN_S = 10
+# How long an idle client connection stays open. uvicorn's default, 5 s, is exactly how
+# long httpx (and so the openai client) reuses an idle connection: a request sent as both
+# timers ran out met a closing socket ("Server disconnected without sending a response",
+# seen in CI). Well above any client's expiry, as a kvxfer sidecar keeps its own.
+KEEP_ALIVE_S = 75
 
 
 class ServerOptions(TypedDict):
@@ -95,7 +100,8 @@ def serve(config: ProxyConfig) -> int:
     server = _Server(uvicorn.Config(
         create_app(config), log_level=config.log_level,
         access_log=config.access_log, lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **options), url)
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
+        **options), url)
     received: list[int] = []
 
     def note(signum: int, frame: FrameType | None) -> None:
