@@ -229,7 +229,9 @@ def test_bench_transfer_puts_a_block_size_mismatch_next_to_its_native_case() -> 
     assert mismatched[1]["descriptors"] == 4 * 2
     for row in mismatched:
         assert row["vs_native"] == round(row["native_ms_median"] / row["ms_median"], 2)
-        assert row["vs_large_read"] > 0
+        # measured beside it; the ratio is rounded to 0.01, so a row slowed 200-fold in
+        # this one-repeat tiny case reads 0.0 (it did once in CI)
+        assert row["large_read_gb_per_s"] > 0 and row["vs_large_read"] >= 0
     assert set(result["worst_vs_native"]) == {"block sizes, mapped", "block sizes, staged"}
 
 
