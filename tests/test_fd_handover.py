@@ -37,7 +37,7 @@ from kvxfer.transfer.converted.fd_handover import (
     take,
 )
 from kvxfer.transfer.converted.host_reads import HostReadError, copy_vectors
-from kvxfer.transfer.converted.mapped_reads import _Mapping
+from kvxfer.transfer.converted.mapped_reads import CACHE_MEMFD_NAME, _Mapping
 from kvxfer.wire.metadata import HostReads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +142,7 @@ def test_a_prefill_process_leaves_no_descriptor_of_its_cache_in_its_fd_table(
         child: Prefill) -> None:
     pid = child.process.pid
     with open(f"/proc/{pid}/maps") as maps:
-        assert "/memfd:kvxfer-kv-cache" in maps.read()  # its cache is a shared buffer
+        assert f"/memfd:{CACHE_MEMFD_NAME}" in maps.read()  # its cache is a shared buffer
     assert cache_memfds(pid) == []
     check_maps(child.offer)  # handing it over leaves none behind either
     assert cache_memfds(pid) == []
@@ -156,7 +156,7 @@ def test_a_prefill_sidecar_leaves_no_descriptor_of_its_cache_in_its_fd_table() -
         pid = process.process.pid
         assert pid is not None
         with open(f"/proc/{pid}/maps") as maps:
-            assert "/memfd:kvxfer-kv-cache" in maps.read()
+            assert f"/memfd:{CACHE_MEMFD_NAME}" in maps.read()
         assert cache_memfds(pid) == []
     finally:
         process.close()

@@ -25,6 +25,7 @@ from kvxfer.plan.topology import read_plan
 from kvxfer.transfer.converted.fd_handover import HANDOVER, take
 from kvxfer.transfer.converted.host_reads import Canary, HostReadError
 from kvxfer.transfer.converted.mapped_reads import (
+    CACHE_MEMFD_NAME,
     _Mapping,
     map_prefill,
     shared_offer,
@@ -42,7 +43,7 @@ def cache_memfds(pid: int | str = "self") -> list[str]:
             target = os.readlink(f"/proc/{pid}/fd/{entry}")
         except FileNotFoundError:  # closed meanwhile (the listing's own descriptor)
             continue
-        if target.startswith("/memfd:kvxfer-kv-cache"):
+        if target.startswith(f"/memfd:{CACHE_MEMFD_NAME}"):
             found.append(f"{entry} -> {target}")
     return found
 

@@ -16,6 +16,7 @@ import httpx
 from sidecars import Launched
 
 from kvxfer.bench.vllm import SERVED_NAME, VllmServer
+from kvxfer.transfer.converted.mapped_reads import CACHE_MEMFD_NAME
 
 TIMEOUT = httpx.Timeout(120.0)
 
@@ -114,7 +115,7 @@ def wait_idle(server: VllmServer, timeout: float = 30.0) -> None:
         time.sleep(0.5)
 
 
-CACHE_MEMFD = "/memfd:kvxfer-kv-cache"  # the name kvxfer's shared caches show in maps
+CACHE_MEMFD = f"/memfd:{CACHE_MEMFD_NAME}"  # how kvxfer's shared caches show in maps
 
 
 def cache_mappings(server: VllmServer) -> list[str]:

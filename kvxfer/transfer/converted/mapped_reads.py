@@ -60,6 +60,8 @@ from kvxfer.wire.metadata import HostReads, SharedRegion
 
 log = logging.getLogger(__name__)
 
+# A shared cache buffer's memfd name: ``/memfd:<name>`` in /proc/<pid>/maps and fd links
+CACHE_MEMFD_NAME = "kvxfer-kv-cache"
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 # No write and no writable shared mapping after the prefill's own (Linux 5.1; Python has
 # no name for it before 3.13): whoever is handed the memfd later can read it at most.
@@ -102,7 +104,7 @@ def shared_zeros(nbytes: int) -> torch.Tensor:
     handover keeps it in flight until the memory is freed. Plain memory where this system
     has no memfd."""
     try:
-        fd = os.memfd_create("kvxfer-kv-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(CACHE_MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):
         return torch.zeros(nbytes, dtype=torch.uint8)
     try:
