@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUFF_PATHS = ("kvxfer", "proxy", "tests", "tests_vllm", "dev.py", "setup.py")
 MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/topology.py",
               "kvxfer/plan/descriptors.py", "kvxfer/plan/pairing.py", "kvxfer/wire/tickets.py",
-              "kvxfer/wire/lease_book.py", "kvxfer/net/kv_key.py", "kvxfer/vllm/settings.py",
+              "kvxfer/wire/lease_book.py", "kvxfer/net/kv_key.py", "kvxfer/net/interfaces.py",
+              "kvxfer/vllm/settings.py",
               "kvxfer/vllm/scheduler.py", "kvxfer/vllm/plan.py", "kvxfer/vllm/allocation.py",
               "kvxfer/plan/staging.py",
               "kvxfer/plan/packing.py", "kvxfer/plan/pushes.py", "kvxfer/wire/reservations.py",

@@ -133,6 +133,18 @@ class _Interrupted(BaseException):
     """SIGINT/SIGTERM while the sidecar was still starting."""
 
 
+def _keep_ucx_on_the_side_channel(advertised: str) -> None:
+    """An instance peers dial (a prefill; a decode taking pushes) keeps UCX on the
+    interfaces of the address they dial, before its agents exist: a connection over an
+    interface removed later would hang its READs (:mod:`kvxfer.net.interfaces`)."""
+    from kvxfer.net.interfaces import UCX_DEVICES_ENV, keep_ucx_on
+
+    devices = keep_ucx_on(advertised)
+    if devices is not None:
+        log.info("kvxfer serve: UCX network devices %s, which hold %s (set %s to choose)",
+                 devices, advertised, UCX_DEVICES_ENV)
+
+
 def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> None:
     """Run a sidecar until SIGINT/SIGTERM; ``ready(line)`` once it accepts requests.
 
@@ -150,6 +162,8 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
     try:
         for sig in previous:
             signal.signal(sig, interrupt)
+        if settings.role == "prefill" or settings.kv_transfer_mode == "push":
+            _keep_ucx_on_the_side_channel(settings.side_channel_advertised())
         side = Sidecar(settings)
         log.info("kvxfer serve: %s", side.describe(port))
         if settings.kv_key is None and settings.role != "both":

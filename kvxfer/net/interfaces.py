@@ -1,0 +1,72 @@
+"""This machine's network interfaces: which hold an address, and keeping UCX on them.
+
+UCX puts every interface it finds when a NIXL agent is made into the agent's worker
+address, and peers may wire their connection (and the TCP lane that carries a READ's
+"done" notification) over any of them. On a host where interfaces come and go (container
+and namespace veths), a connection made over one that is then removed hangs without an
+error: the bytes of a READ on one host still move (cma), but its notification, and so the
+READ, never completes, and the read fails only at ``--kv-read-timeout``. A new
+handshake cannot help either: the prefill's worker address still names the lost
+interface. :func:`keep_ucx_on` keeps UCX's network transports on the interfaces of the
+address peers reach this instance at, which lives as long as the instance does.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+
+from kvxfer.net.hosts import bare_host
+
+log = logging.getLogger(__name__)
+
+UCX_DEVICES_ENV = "UCX_NET_DEVICES"
+
+
+def _addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses ``host`` (a name or a literal) resolves to (empty: it does not)."""
+    try:
+        infos = socket.getaddrinfo(bare_host(host), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+
+
+def interfaces_holding(host: str) -> tuple[str, ...]:
+    """The names of this machine's interfaces that hold an address ``host`` resolves to,
+    sorted (empty: none does, e.g. an address NAT maps here, or ``host`` does not
+    resolve)."""
+    import psutil
+
+    wanted = _addresses(host)
+    found = set()
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                held = ipaddress.ip_address(addr.address.split("%")[0])
+            except ValueError:
+                continue
+            if held in wanted:
+                found.add(name)
+    return tuple(sorted(found))
+
+
+def keep_ucx_on(host: str) -> str | None:
+    """Keep the UCX network transports of the NIXL agents this process makes from now on
+    to the interfaces holding ``host``, the address peers reach this instance at (see
+    the module docstring): sets ``UCX_NET_DEVICES`` and returns its value. None, and
+    nothing set, when the variable is set already (the operator's choice stands) or no
+    interface here holds ``host`` (then UCX keeps every interface)."""
+    if os.environ.get(UCX_DEVICES_ENV):
+        return None
+    names = interfaces_holding(host)
+    if not names:
+        log.info("no interface of this machine holds %s: UCX may use every interface (set "
+                 "%s to choose)", host, UCX_DEVICES_ENV)
+        return None
+    os.environ[UCX_DEVICES_ENV] = ",".join(names)
+    return os.environ[UCX_DEVICES_ENV]
