@@ -151,7 +151,7 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     # push: the decode reserves only the blocks past its cached prefix; with the prefill's
     # blocks larger, the WRITEs start inside one of them
     pytest.param({**TINY, **PUSH, "PREFILLER_BLOCK_SIZE": "32", "DECODER_BLOCK_SIZE": "16"},
-                 id="push-tiny-block32-to-block16"),
+                 marks=pytest.mark.heavy, id="push-tiny-block32-to-block16"),
     pytest.param({**TINY, **PUSH, "KVXFER_KV_CACHE_LAYOUT": "BLHNC",
                   "DECODER_KV_LAYOUT": "BHLNC", "PREFILLER_TP_SIZE": "2",
                   "DECODER_TP_SIZE": "1", "PREFILLER_BLOCK_SIZE": "16",
