@@ -32,7 +32,7 @@ BODY = {"prompt": "A prompt read over NIXL after an interface went away. " * 12,
 @pytest.fixture
 def veth() -> Iterator[str]:
     """A veth pair with an address on this host's side, removed by the test (or at the
-    end); yields the address."""
+    end); yields the name of the side holding the address."""
     reason = why_not()
     if reason is not None:
         pytest.skip(reason)
