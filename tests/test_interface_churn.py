@@ -13,7 +13,9 @@ Needs root and ``ip`` (skipped elsewhere, saying which).
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +84,23 @@ def test_ucx_is_kept_on_the_interface_holding_the_address(
     assert UCX_DEVICES_ENV not in os.environ  # UCX keeps every interface then
     assert keep_ucx_on("127.0.0.1") == "lo"
     assert os.environ[UCX_DEVICES_ENV] == "lo"
+
+
+def test_an_address_off_loopback_leaves_the_choice_to_the_operator(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX_NET_DEVICES names RDMA devices by HCA port too: naming the interface of a
+    routable address alone would turn RDMA off, so kvxfer leaves it unset there."""
+    import psutil
+
+    monkeypatch.delenv(UCX_DEVICES_ENV, raising=False)
+    held = [(name, a.address) for name, addrs in psutil.net_if_addrs().items()
+            for a in addrs if a.family == socket.AF_INET
+            and not ipaddress.ip_address(a.address).is_loopback]
+    assert held, "this test needs an interface with an address off loopback"
+    name, address = held[0]
+    assert interfaces_holding(address) == (name,)
+    assert keep_ucx_on(address) is None
+    assert UCX_DEVICES_ENV not in os.environ
 
 
 def test_the_operators_ucx_devices_stand(monkeypatch: pytest.MonkeyPatch) -> None:

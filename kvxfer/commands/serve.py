@@ -62,9 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"decodes are told, and what /health reports; 'auto' is the "
                              f"address this host's name resolves to (default "
                              f"${ADVERTISE_HOST_ENV}, else the bind host; required when the "
-                             f"prefill's side channel binds a wildcard). A prefill keeps UCX "
-                             f"on the interfaces holding its side channel's address "
-                             f"(UCX_NET_DEVICES, unless set)")
+                             f"prefill's side channel binds a wildcard). A prefill reached "
+                             f"on loopback keeps UCX on lo (UCX_NET_DEVICES, unless set)")
     parser.add_argument("--side-channel-port", type=int, default=0,
                         help="prefill: handshake listener port (default 0: a free port)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")

@@ -8,7 +8,11 @@ error: the bytes of a READ on one host still move (cma), but its notification, a
 READ, never completes, and the read fails only at ``--kv-read-timeout``. A new
 handshake cannot help either: the prefill's worker address still names the lost
 interface. :func:`keep_ucx_on` keeps UCX's network transports on the interfaces of the
-address peers reach this instance at, which lives as long as the instance does.
+address peers reach this instance at, which lives as long as the instance does, when that
+address is loopback (every peer on this machine). Elsewhere the operator chooses:
+``UCX_NET_DEVICES`` also names the RDMA devices UCX may use (by HCA port, ``mlx5_0:1``,
+not by the interface holding the address), so naming that interface alone would turn
+RDMA off.
 """
 
 from __future__ import annotations
@@ -57,16 +61,20 @@ def interfaces_holding(host: str) -> tuple[str, ...]:
 
 def keep_ucx_on(host: str) -> str | None:
     """Keep the UCX network transports of the NIXL agents this process makes from now on
-    to the interfaces holding ``host``, the address peers reach this instance at (see
-    the module docstring): sets ``UCX_NET_DEVICES`` and returns its value. None, and
-    nothing set, when the variable is set already (the operator's choice stands) or no
-    interface here holds ``host`` (then UCX keeps every interface)."""
+    to the interfaces holding ``host``, the address peers reach this instance at, when it
+    is loopback (see the module docstring): sets ``UCX_NET_DEVICES`` and returns its
+    value. None, and nothing set, when the variable is set already (the operator's choice
+    stands), ``host`` is not loopback (or does not resolve), or no interface here holds it
+    (then UCX keeps every interface)."""
     if os.environ.get(UCX_DEVICES_ENV):
+        return None
+    addresses = _addresses(host)
+    if not addresses or not all(address.is_loopback for address in addresses):
+        log.info("UCX may use every interface for %s (set %s on a host whose interfaces "
+                 "come and go, RDMA devices included)", host, UCX_DEVICES_ENV)
         return None
     names = interfaces_holding(host)
     if not names:
-        log.info("no interface of this machine holds %s: UCX may use every interface (set "
-                 "%s to choose)", host, UCX_DEVICES_ENV)
         return None
     os.environ[UCX_DEVICES_ENV] = ",".join(names)
     return os.environ[UCX_DEVICES_ENV]

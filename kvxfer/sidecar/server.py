@@ -134,9 +134,9 @@ class _Interrupted(BaseException):
 
 
 def _keep_ucx_on_the_side_channel(advertised: str) -> None:
-    """An instance peers dial (a prefill; a decode taking pushes) keeps UCX on the
-    interfaces of the address they dial, before its agents exist: a connection over an
-    interface removed later would hang its READs (:mod:`kvxfer.net.interfaces`)."""
+    """An instance peers dial (a prefill; a decode taking pushes) at a loopback address
+    keeps UCX on ``lo``, before its agents exist: a connection over an interface removed
+    later would hang its READs (:mod:`kvxfer.net.interfaces`)."""
     from kvxfer.net.interfaces import UCX_DEVICES_ENV, keep_ucx_on
 
     devices = keep_ucx_on(advertised)
