@@ -92,6 +92,15 @@ def advertised_host(bind_host: str, advertise_host: str | None, what: str) -> st
     return bare_host(bind_host)
 
 
+def resolved(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses ``host`` (a literal or a name) resolves to (empty: it does not)."""
+    try:
+        infos = socket.getaddrinfo(bare_host(host), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+
+
 def _is_loopback(host: str) -> bool | None:
     """Whether ``host`` (a literal or a name) is loopback only; None: it does not resolve."""
     host = bare_host(host)
@@ -101,11 +110,8 @@ def _is_loopback(host: str) -> bool | None:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         pass
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return None
-    return all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
+    addresses = resolved(host)
+    return all(address.is_loopback for address in addresses) if addresses else None
 
 
 def unreachable_advertised(bind_host: str, advertised: str, what: str) -> str | None:

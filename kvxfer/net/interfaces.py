@@ -22,29 +22,24 @@ import logging
 import os
 import socket
 
-from kvxfer.net.hosts import bare_host
+from kvxfer.net.hosts import resolved
 
 log = logging.getLogger(__name__)
 
 UCX_DEVICES_ENV = "UCX_NET_DEVICES"
-
-
-def _addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """The addresses ``host`` (a name or a literal) resolves to (empty: it does not)."""
-    try:
-        infos = socket.getaddrinfo(bare_host(host), None, type=socket.SOCK_STREAM)
-    except OSError:
-        return set()
-    return {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def interfaces_holding(host: str) -> tuple[str, ...]:
     """The names of this machine's interfaces that hold an address ``host`` resolves to,
     sorted (empty: none does, e.g. an address NAT maps here, or ``host`` does not
     resolve)."""
+    return _holding(resolved(host))
+
+
+def _holding(wanted: set[Address]) -> tuple[str, ...]:
     import psutil
 
-    wanted = _addresses(host)
     found = set()
     for name, addrs in psutil.net_if_addrs().items():
         for addr in addrs:
@@ -68,12 +63,12 @@ def keep_ucx_on(host: str) -> str | None:
     (then UCX keeps every interface)."""
     if os.environ.get(UCX_DEVICES_ENV):
         return None
-    addresses = _addresses(host)
+    addresses = resolved(host)  # once: a name's lookup may be slow
     if not addresses or not all(address.is_loopback for address in addresses):
         log.info("UCX may use every interface for %s (set %s on a host whose interfaces "
                  "come and go, RDMA devices included)", host, UCX_DEVICES_ENV)
         return None
-    names = interfaces_holding(host)
+    names = _holding(addresses)
     if not names:
         return None
     os.environ[UCX_DEVICES_ENV] = ",".join(names)
