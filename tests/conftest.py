@@ -47,7 +47,7 @@ def make() -> Iterator[Callable[..., KVConnector]]:
 
     def build(role: str, **kw: Any) -> KVConnector:
         from kvxfer.engine import LLMEngine, tiny_config
-        from kvxfer.sidecar.metrics import SidecarMetrics
+        from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 
         engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
         metrics = SidecarMetrics(role=role, engine_id=f"{role}-test", model="tiny",

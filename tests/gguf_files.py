@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
-from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.model_config import ModelConfig
 
 # HF name -> llama.cpp name, written out independently of kvxfer.engine.gguf.
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",

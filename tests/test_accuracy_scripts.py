@@ -125,7 +125,7 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
 ])
 def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
     if env.get("MODEL") == GGUF_FILE:
-        from kvxfer.engine.models import MODELS
+        from kvxfer.engine.model_names import MODELS
 
         packaged = MODELS["smollm2-135m-instruct"].gguf
         assert packaged is not None

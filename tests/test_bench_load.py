@@ -21,7 +21,7 @@ from sidecars import ROOT
 
 from kvxfer.bench import load
 from kvxfer.bench.proxy import Cell
-from kvxfer.bench.serve import BenchError
+from kvxfer.bench.serving import BenchError
 
 COMMAND = [sys.executable, "-m", "kvxfer.cli", "bench", "load"]
 SMALL = ["--requests", "40", "--concurrency", "4", "--rounds", "1", "--warmup", "4"]

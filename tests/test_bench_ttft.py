@@ -14,7 +14,7 @@ import pytest
 from sidecars import ROOT
 
 from kvxfer.bench import ttft
-from kvxfer.bench.serve import BenchError
+from kvxfer.bench.serving import BenchError
 
 METRICS = ("ttft_ms", "tt2t_ms", "itl_ms")
 

@@ -1,6 +1,6 @@
 """``Claimers`` (:mod:`kvxfer.sidecar.claimers`) against real side channels: a push-mode
 decode learns where each prefill that claimed a reservation answers, and asks there,
-with a real ``HandshakeClient``, whether that prefill still runs.
+with a real ``SideChannelClient``, whether that prefill still runs.
 
 The prefill is a loopback instance (real workers and listener in this process); the
 claim goes over a real ZMQ connection to a decode's real listener."""
@@ -14,7 +14,7 @@ import pytest
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
 from kvxfer.sidecar.claimers import Claimers
-from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.client import SideChannelClient
 
 CFG = CacheConfig(num_blocks=8)
 PROBE_S = 0.2  # probes this often here (a sidecar: PROBE_EVERY_S), so that waits are short
@@ -31,7 +31,7 @@ def prefill() -> Iterator[LoopbackInstance]:
 
 @pytest.fixture
 def claimers() -> Iterator[Claimers]:
-    made = Claimers(HandshakeClient("decode-probing", CFG.compat(), CFG.hmac_key), PROBE_S)
+    made = Claimers(SideChannelClient("decode-probing", CFG.compat(), CFG.hmac_key), PROBE_S)
     try:
         yield made
     finally:
@@ -70,13 +70,13 @@ def test_a_claimer_whose_side_channel_refuses_is_gone_since_the_probe_saw_it(
 
 def test_another_engine_answering_at_the_claimers_side_channel_means_it_restarted(
         prefill: LoopbackInstance, claimers: Claimers) -> None:
-    from kvxfer.transfer.side_channel.listener import HandshakeListener
+    from kvxfer.transfer.side_channel.listener import SideChannelListener
 
     port = prefill.port
     claimers.heard(prefill.engine_id, ("127.0.0.1", port))
     time.sleep(1.0)  # seen there as itself
     prefill.close()
-    restarted = HandshakeListener("127.0.0.1", port, engine_id="restarted-prefill",
+    restarted = SideChannelListener("127.0.0.1", port, engine_id="restarted-prefill",
                                   compat=CFG.compat(), metadata=list).start()
     try:
         gone = settle(claimers, prefill.engine_id)
@@ -114,11 +114,11 @@ def test_a_decode_listener_hands_over_where_a_granted_claimer_answers(
     """The claim names the claimer's side channel: the decode's listener hands it to
     ``on_claimer`` once the claim is granted, never for a refused one."""
     from kvxfer.transfer.leases import ReservationAnswers
-    from kvxfer.transfer.side_channel.listener import HandshakeListener
+    from kvxfer.transfer.side_channel.listener import SideChannelListener
 
     decode = LoopbackInstance.create("decode", CFG)
     heard: list[tuple[str, tuple[str, int]]] = []
-    listener = HandshakeListener(
+    listener = SideChannelListener(
         "127.0.0.1", 0, engine_id=decode.engine_id, compat=CFG.compat(),
         metadata=lambda: [w.metadata() for w in decode.workers],
         on_renew=ReservationAnswers(decode.workers, 30.0).on_renew,
@@ -126,8 +126,8 @@ def test_a_decode_listener_hands_over_where_a_granted_claimer_answers(
     try:
         for worker in decode.workers:
             worker.hold("resv", [1], readers=None, ttl=30)
-        with HandshakeClient("writer", CFG.compat(), CFG.hmac_key) as writer, \
-                HandshakeClient("late-writer", CFG.compat(), CFG.hmac_key) as late:
+        with SideChannelClient("writer", CFG.compat(), CFG.hmac_key) as writer, \
+                SideChannelClient("late-writer", CFG.compat(), CFG.hmac_key) as late:
             assert writer.renew("127.0.0.1", listener.port, "resv", claim=True,
                                 side_channel=("10.0.0.7", 4321)).found
             assert not late.renew("127.0.0.1", listener.port, "resv", claim=True,
@@ -141,17 +141,17 @@ def test_a_decode_listener_hands_over_where_a_granted_claimer_answers(
 
 
 def test_a_claimed_reservation_outlives_its_deadline_and_is_not_polled_for_past_it() -> None:
-    """A claim keeps a reservation's lease up to the stale ceiling; past the deadline it
+    """A claim keeps a reservation's lease up to the stale limit; past the deadline it
     was held with, the worker no longer polls fast for it (``awaited``): its writer's
     word may be minutes away."""
     from kvxfer.transfer.leases import LeaseTable
-    from kvxfer.transfer.results import STALE_CEILING_S, Tally
+    from kvxfer.transfer.results import STALE_LIMIT_S, Tally
 
     table = LeaseTable(None, Tally())
     table.hold("resv", [1], None, ttl=0.2)
     table.hold("other", [2], None, ttl=0.2)
     assert table.awaited() == 2
-    assert table.renew("resv", STALE_CEILING_S, "writer", claim=True) > STALE_CEILING_S - 1
+    assert table.renew("resv", STALE_LIMIT_S, "writer", claim=True) > STALE_LIMIT_S - 1
     time.sleep(0.3)
     table.expire()
     assert [r.request_id for r in table.take_released()] == ["other"]

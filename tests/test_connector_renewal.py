@@ -23,10 +23,10 @@ from test_release import compat_of_another_model
 
 from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
 from kvxfer.sidecar.connector import KVConnector
-from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.transfer.results import PollResult, ReadStats
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.listener import SideChannelListener
 from kvxfer.wire.messages import RenewRefused
 from kvxfer.wire.params import RemoteParams
 
@@ -46,7 +46,7 @@ class Prefill:
         self.claims: list[str] = []
         self.releases: list[str] = []
         self.handshakes = 0
-        self.listener = HandshakeListener(
+        self.listener = SideChannelListener(
             HOST, engine_id="prefill-renew", compat=compat_of_another_model(),
             metadata=self._metadata, on_release=self._on_release,
             on_renew=self._on_renew).start()
@@ -183,7 +183,7 @@ def test_the_prefill_grants_one_claim_and_renews_only_for_its_claimer(
     params = prefill_connector.hold("r", [0, 1], len(PROMPT))
     port, lease = params["remote_port"], params["remote_request_id"]
     compat = compat_of_another_model()
-    with HandshakeClient("decode-a", compat) as a, HandshakeClient("decode-b", compat) as b:
+    with SideChannelClient("decode-a", compat) as a, SideChannelClient("decode-b", compat) as b:
         unclaimed = a.renew(HOST, port, lease)
         assert not unclaimed.found and "before it was claimed" in unclaimed.reason
         claimed = a.renew(HOST, port, lease, claim=True)
@@ -201,7 +201,7 @@ def test_no_renewal_past_the_maximum_lease_age(prefill_connector: KVConnector) -
     held_at = time.monotonic()
     params = prefill_connector.hold("r", [0, 1], len(PROMPT))
     port, lease = params["remote_port"], params["remote_request_id"]
-    with HandshakeClient("decode-a", compat_of_another_model()) as a:
+    with SideChannelClient("decode-a", compat_of_another_model()) as a:
         ack = a.renew(HOST, port, lease, claim=True)
         while ack.found:
             assert ack.expires_in <= held_at + 3 * TTL - time.monotonic() + 0.05

@@ -16,10 +16,10 @@ import pytest
 
 from kvxfer.transfer.leases import LeaseAnswers, LeaseTable
 from kvxfer.transfer.results import Tally
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.errors import PeerRefused
-from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.transfer.side_channel.release_sender import DONE_RESENDS_S, ReleaseSender
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.failures import PeerRefused
+from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.transfer.side_channel.sender import DONE_RESENDS_S, SideChannelSender
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.messages import DoneReport, ReleaseOutcome
 from kvxfer.wire.notification import ReadDone
@@ -127,20 +127,20 @@ def test_a_report_is_validated() -> None:
 # -- over real sockets ------------------------------------------------------------------------
 
 @pytest.fixture
-def prefill() -> Iterator[tuple[HandshakeListener, list[Rank]]]:
+def prefill() -> Iterator[tuple[SideChannelListener, list[Rank]]]:
     ranks = [Rank(0), Rank(1)]
     answers = LeaseAnswers(ranks, ttl=10.0, max_age=40.0)
-    with HandshakeListener(HOST, engine_id="prefill-r", compat=COMPAT, metadata=lambda: [],
+    with SideChannelListener(HOST, engine_id="prefill-r", compat=COMPAT, metadata=lambda: [],
                            hmac_key=KEY, on_release=answers.on_release,
                            on_renew=answers.on_renew, on_done=answers.on_done) as listener:
         yield listener, ranks
 
 
 def test_a_report_is_acknowledged_with_whether_the_lease_was_held(
-        prefill: tuple[HandshakeListener, list[Rank]]) -> None:
+        prefill: tuple[SideChannelListener, list[Rank]]) -> None:
     listener, ranks = prefill
     ranks[0].table.hold("L", [3], readers=1, ttl=60)
-    with HandshakeClient("decode-a", COMPAT, KEY) as client:
+    with SideChannelClient("decode-a", COMPAT, KEY) as client:
         assert client.report_done(HOST, listener.port, DoneReport(0, done("L")))
         assert not ranks[0].table.holds("L")
         assert not client.report_done(HOST, listener.port, DoneReport(0, done("L"))), \
@@ -149,19 +149,19 @@ def test_a_report_is_acknowledged_with_whether_the_lease_was_held(
             client.report_done(HOST, listener.port, DoneReport(5, done("L")))
 
 
-def test_an_unsigned_report_ends_no_lease(prefill: tuple[HandshakeListener, list[Rank]]) -> None:
+def test_an_unsigned_report_ends_no_lease(prefill: tuple[SideChannelListener, list[Rank]]) -> None:
     listener, ranks = prefill
     ranks[0].table.hold("L", [3], readers=1, ttl=60)
-    with HandshakeClient("decode-a", COMPAT, None) as client, \
+    with SideChannelClient("decode-a", COMPAT, None) as client, \
             pytest.raises(PeerRefused, match="authentication failed"):
         client.report_done(HOST, listener.port, DoneReport(0, done("L")))
     assert ranks[0].table.holds("L")
 
 
 def test_a_listener_without_leases_refuses_reports() -> None:
-    with HandshakeListener(HOST, engine_id="no-leases", compat=COMPAT,
+    with SideChannelListener(HOST, engine_id="no-leases", compat=COMPAT,
                            metadata=lambda: []) as listener, \
-            HandshakeClient("decode-a", COMPAT) as client, \
+            SideChannelClient("decode-a", COMPAT) as client, \
             pytest.raises(PeerRefused, match="holds no leases"):
         client.report_done(HOST, listener.port, DoneReport(0, done("L")))
 
@@ -172,7 +172,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_for_answer(sender: ReleaseSender, timeout: float = 5.0) -> None:
+def _wait_for_answer(sender: SideChannelSender, timeout: float = 5.0) -> None:
     """The listener ends the lease before its answer reaches the sender: wait for that."""
     deadline = time.monotonic() + timeout
     while not (sender.sent or sender.failed) and time.monotonic() < deadline:
@@ -186,12 +186,12 @@ def test_an_unanswered_report_is_resent_until_the_prefill_answers() -> None:
     rank = Rank(0)
     rank.table.hold("L", [3], readers=1, ttl=60)
     answers = LeaseAnswers([rank], ttl=10.0, max_age=40.0)
-    sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+    sender = SideChannelSender(SideChannelClient("decode-a", COMPAT))
     try:
         assert sender.submit_done(HOST, port, DoneReport(0, done("L")))
         time.sleep(DONE_RESENDS_S[0] / 2)  # the first attempt found nobody
         assert rank.table.holds("L")
-        with HandshakeListener(HOST, port, engine_id="late", compat=COMPAT,
+        with SideChannelListener(HOST, port, engine_id="late", compat=COMPAT,
                                metadata=lambda: [], on_done=answers.on_done):
             deadline = time.monotonic() + sum(DONE_RESENDS_S)
             while rank.table.holds("L") and time.monotonic() < deadline:
@@ -210,9 +210,9 @@ def test_a_refused_report_is_not_resent() -> None:
         calls.append(report)
         raise ValueError("not served here")
 
-    with HandshakeListener(HOST, engine_id="refuses", compat=COMPAT, metadata=lambda: [],
+    with SideChannelListener(HOST, engine_id="refuses", compat=COMPAT, metadata=lambda: [],
                            on_done=refuse) as listener:
-        sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+        sender = SideChannelSender(SideChannelClient("decode-a", COMPAT))
         try:
             sender.submit_done(HOST, listener.port, DoneReport(0, done("L")))
             deadline = time.monotonic() + 5
@@ -233,9 +233,9 @@ def test_a_release_ends_the_lease_as_its_outcome_says() -> None:
     for rank in ranks:
         rank.table.hold("hit", [3], readers=1, ttl=60)
         rank.table.hold("refused", [4], readers=1, ttl=60)
-    with HandshakeListener(HOST, engine_id="prefill-r", compat=COMPAT, metadata=lambda: [],
+    with SideChannelListener(HOST, engine_id="prefill-r", compat=COMPAT, metadata=lambda: [],
                            hmac_key=KEY, on_release=answers.on_release) as listener, \
-            HandshakeClient("decode-a", COMPAT, KEY) as client:
+            SideChannelClient("decode-a", COMPAT, KEY) as client:
         assert client.release(HOST, listener.port, "hit", "its prefix cache holds it",
                               outcome=ReleaseOutcome.CACHED)
         assert client.release(HOST, listener.port, "refused", "the request was refused")
@@ -284,9 +284,9 @@ def test_a_report_lost_again_and_again_is_resent_until_it_ends_the_lease(
     rank = Rank(0)
     rank.table.hold("L", [3], readers=1, ttl=60)
     answers = LeaseAnswers([rank], ttl=10.0, max_age=40.0)
-    with HandshakeListener(HOST, engine_id="lossy", compat=COMPAT, metadata=lambda: [],
+    with SideChannelListener(HOST, engine_id="lossy", compat=COMPAT, metadata=lambda: [],
                            on_done=answers.on_done) as listener:
-        sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+        sender = SideChannelSender(SideChannelClient("decode-a", COMPAT))
         try:
             assert sender.submit_done(HOST, listener.port, DoneReport(0, done("L")),
                                       expires_in=60.0)
@@ -302,7 +302,7 @@ def test_a_report_lost_again_and_again_is_resent_until_it_ends_the_lease(
 
 def test_an_unanswered_report_is_given_up_when_its_lease_would_have_ended() -> None:
     port = free_port()  # nothing listens there
-    sender = ReleaseSender(HandshakeClient("decode-a", COMPAT))
+    sender = SideChannelSender(SideChannelClient("decode-a", COMPAT))
     try:
         assert sender.submit_done(HOST, port, DoneReport(0, done("L")), expires_in=0.4)
         deadline = time.monotonic() + 10

@@ -71,7 +71,7 @@ def test_invalid_settings_fail_with_one_line_and_exit_2() -> None:
 
 def test_a_gguf_path_answers_like_the_model_name() -> None:
     """The SmolLM2 GGUF by path and by name: the same greedy chat answer, real text."""
-    from kvxfer.engine.models import MODELS
+    from kvxfer.engine.model_names import MODELS
 
     packaged = MODELS["smollm2-135m-instruct"].gguf
     assert packaged is not None

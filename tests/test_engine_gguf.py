@@ -28,7 +28,7 @@ from kvxfer.cli import main as cli_main
 from kvxfer.engine import LLMEngine, SamplingParams, init_weights, save_checkpoint, tiny_config
 from kvxfer.engine import model_cache as cache
 from kvxfer.engine.gguf import GGUFError, load_gguf, unpermute_rotary_rows
-from kvxfer.engine.models import MODELS, ModelNotFound, PackagedGGUF, load_model
+from kvxfer.engine.model_names import MODELS, ModelNotFound, PackagedGGUF, load_model
 
 CONFIG = tiny_config()
 SEED = 5

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvxfer.engine.model_cache import gguf_checkpoint
-from kvxfer.engine.models import MODELS
+from kvxfer.engine.model_names import MODELS
 from kvxfer.engine.tokenizer import HFTokenizer, load_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>",

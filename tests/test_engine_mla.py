@@ -41,7 +41,7 @@ from kvxfer.engine import (
     tiny_config,
     tiny_mla_config,
 )
-from kvxfer.engine.models import load_model, model_config
+from kvxfer.engine.model_names import load_model, model_config
 
 MLA = tiny_mla_config()
 

@@ -16,8 +16,8 @@ from kvxfer.engine import (
     SamplingParams,
     tiny_config,
 )
-from kvxfer.engine.model import check_tp, valid_tp_sizes
 from kvxfer.engine.sampler import sample, top_p_filter
+from kvxfer.engine.transformer import check_tp, valid_tp_sizes
 
 # -- block allocator --
 

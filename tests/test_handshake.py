@@ -27,22 +27,13 @@ import zmq
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
 from kvxfer.plan.regions import plan_regions
 from kvxfer.transfer.side_channel import listener as listener_module
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerRefused, PeerUnreachable
-from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.failures import PeerRefused, PeerUnreachable, SideChannelTimeout
+from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.transfer.side_channel.sender import SideChannelSender
 from kvxfer.transfer.side_channel.sockets import MAX_REQUEST_BYTES
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import ANONYMOUS_HASH, decode_envelope, decode_payload, encode_message
-from kvxfer.wire.errors import (
-    BadMagic,
-    BadSignature,
-    ErrorCode,
-    HandshakeError,
-    HashMismatch,
-    MalformedMessage,
-    VersionMismatch,
-)
 from kvxfer.wire.messages import (
     ErrorReply,
     MetadataRequest,
@@ -52,6 +43,15 @@ from kvxfer.wire.messages import (
     RenewRefused,
 )
 from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.protocol_errors import (
+    BadMagic,
+    BadSignature,
+    ErrorCode,
+    HashMismatch,
+    MalformedMessage,
+    SideChannelError,
+    VersionMismatch,
+)
 from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION, MAGIC
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,26 +96,26 @@ def requesters() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def listener(requesters: list[str]) -> Iterator[HandshakeListener]:
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+def listener(requesters: list[str]) -> Iterator[SideChannelListener]:
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            on_request=requesters.append) as served:
         yield served
 
 
 @pytest.fixture(scope="module")
-def keyed_listener() -> Iterator[HandshakeListener]:
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+def keyed_listener() -> Iterator[SideChannelListener]:
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=KEY) as served:
         yield served
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[HandshakeClient]:
-    with HandshakeClient("decode-b", COMPAT) as made:
+def client() -> Iterator[SideChannelClient]:
+    with SideChannelClient("decode-b", COMPAT) as made:
         yield made
 
 
-def good_fetch(client: HandshakeClient, listener: HandshakeListener) -> None:
+def good_fetch(client: SideChannelClient, listener: SideChannelListener) -> None:
     """The listener still serves: a normal fetch returns exactly what it serves."""
     answer = client.fetch(HOST, listener.port, (1, 0), timeout=ANSWER_S, retries=0)
     assert answer == MetadataResponse(ENGINE, 2, (RANKS[1], RANKS[0]))
@@ -168,8 +168,8 @@ def forged(**changes: Any) -> bytes:
 
 # -- the good path --------------------------------------------------------------------------
 
-def test_fetch_returns_the_requested_ranks_in_order(client: HandshakeClient,
-                                                    listener: HandshakeListener,
+def test_fetch_returns_the_requested_ranks_in_order(client: SideChannelClient,
+                                                    listener: SideChannelListener,
                                                     requesters: list[str]) -> None:
     assert listener.address == f"tcp://{HOST}:{listener.port}" and listener.port > 0
     assert client.fetch(HOST, listener.port, [1]).ranks == (RANKS[1],)
@@ -179,15 +179,15 @@ def test_fetch_returns_the_requested_ranks_in_order(client: HandshakeClient,
 
 
 def test_a_req_socket_is_answered_too(ctx: zmq.Context[Any],
-                                      listener: HandshakeListener) -> None:
+                                      listener: SideChannelListener) -> None:
     reply = exchange(ctx, listener.address, [request()], kind=zmq.REQ)
     assert reply is not None
     envelope = decode_envelope(reply[0], expected_hash=compat_hash(COMPAT), peer="listener")
     assert decode_payload(envelope, MetadataResponse).ranks == (RANKS[0],)
 
 
-def test_signed_fetch(keyed_listener: HandshakeListener) -> None:
-    with HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
+def test_signed_fetch(keyed_listener: SideChannelListener) -> None:
+    with SideChannelClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
         answer = keyed.fetch(HOST, keyed_listener.port, [0, 1])
     assert answer.ranks == tuple(RANKS)
 
@@ -218,8 +218,8 @@ BAD_REQUESTS: dict[str, tuple[list[bytes], ErrorCode, str]] = {
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_request_is_refused_and_listener_keeps_serving(
-        case: str, ctx: zmq.Context[Any], client: HandshakeClient,
-        listener: HandshakeListener, caplog: pytest.LogCaptureFixture) -> None:
+        case: str, ctx: zmq.Context[Any], client: SideChannelClient,
+        listener: SideChannelListener, caplog: pytest.LogCaptureFixture) -> None:
     frames, code, named = BAD_REQUESTS[case]
     with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.side_channel.listener"):
         reply = refusal(exchange(ctx, listener.address, frames))
@@ -232,7 +232,7 @@ def test_bad_request_is_refused_and_listener_keeps_serving(
 
 @pytest.mark.parametrize("case", ["unsigned", "wrong-key"])
 def test_bad_signature_is_refused(case: str, ctx: zmq.Context[Any],
-                                  keyed_listener: HandshakeListener) -> None:
+                                  keyed_listener: SideChannelListener) -> None:
     raw = request(hmac_key=None if case == "unsigned" else b"guess")
     answer = exchange(ctx, keyed_listener.address, [raw])
     assert answer is not None
@@ -244,12 +244,12 @@ def test_bad_signature_is_refused(case: str, ctx: zmq.Context[Any],
     assert reply.code is ErrorCode.BAD_SIGNATURE
     assert reply.message == "authentication failed", "nothing else is told"
     assert RANKS[0].agent_blob not in answer[0], "no NIXL metadata without the key"
-    with HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
+    with SideChannelClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
         assert keyed.fetch(HOST, keyed_listener.port, [0]).ranks == (RANKS[0],)
 
 
 def test_a_replayed_signed_request_is_refused(ctx: zmq.Context[Any],
-                                              keyed_listener: HandshakeListener) -> None:
+                                              keyed_listener: SideChannelListener) -> None:
     raw = request(hmac_key=KEY)
     first = exchange(ctx, keyed_listener.address, [raw])
     assert first is not None and RANKS[0].agent_blob in first[0]
@@ -261,13 +261,13 @@ def test_a_replayed_signed_request_is_refused(ctx: zmq.Context[Any],
 
 
 def test_oversized_message_drops_the_peer_and_listener_keeps_serving(
-        ctx: zmq.Context[Any], client: HandshakeClient, listener: HandshakeListener) -> None:
+        ctx: zmq.Context[Any], client: SideChannelClient, listener: SideChannelListener) -> None:
     huge = MAGIC + b"\x00" * (MAX_REQUEST_BYTES + 1)
     assert exchange(ctx, listener.address, [huge], timeout=0.5) is None
     good_fetch(client, listener)
 
 
-def test_unreachable_metadata_is_refused_as_unavailable(client: HandshakeClient) -> None:
+def test_unreachable_metadata_is_refused_as_unavailable(client: SideChannelClient) -> None:
     broken = {"now": True}
 
     def metadata() -> list[AgentMetadata]:
@@ -275,7 +275,7 @@ def test_unreachable_metadata_is_refused_as_unavailable(client: HandshakeClient)
             raise RuntimeError("NIXL agent not created yet")
         return RANKS
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=metadata) as served:
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=metadata) as served:
         with pytest.raises(PeerRefused) as info:
             client.fetch(HOST, served.port, [0], timeout=ANSWER_S)
         assert info.value.code is ErrorCode.UNAVAILABLE
@@ -285,20 +285,20 @@ def test_unreachable_metadata_is_refused_as_unavailable(client: HandshakeClient)
         good_fetch(client, served)
 
 
-def test_inconsistent_local_metadata_is_refused(client: HandshakeClient) -> None:
+def test_inconsistent_local_metadata_is_refused(client: SideChannelClient) -> None:
     mixed = [RANKS[0], rank_metadata(engine_id="prefill-z")[1]]
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT,
                            metadata=lambda: mixed) as served, \
             pytest.raises(PeerRefused, match="belongs to engine 'prefill-z'") as info:
         client.fetch(HOST, served.port, [0, 1], timeout=ANSWER_S)
     assert info.value.code is ErrorCode.UNAVAILABLE
 
 
-def test_unencodable_local_metadata_is_refused(client: HandshakeClient,
+def test_unencodable_local_metadata_is_refused(client: SideChannelClient,
                                                requesters: list[str]) -> None:
     """msgspec does not type-check at construction, so a numpy int can reach the encoder."""
     odd = [msgspec.structs.replace(RANKS[0], device_id=np.int64(0))]
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: odd,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: odd,
                            on_request=requesters.append) as served:
         before = len(requesters)
         with pytest.raises(PeerRefused, match=r"numpy\.int64") as info:
@@ -309,11 +309,11 @@ def test_unencodable_local_metadata_is_refused(client: HandshakeClient,
 
 
 def test_failing_on_request_callback_does_not_stop_the_listener(
-        client: HandshakeClient, caplog: pytest.LogCaptureFixture) -> None:
+        client: SideChannelClient, caplog: pytest.LogCaptureFixture) -> None:
     def on_request(engine_id: str) -> None:
         raise RuntimeError(f"cannot progress for {engine_id}")
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            on_request=on_request) as served, \
             caplog.at_level(logging.ERROR, logger="kvxfer.transfer.side_channel.listener"):
         good_fetch(client, served)
@@ -324,16 +324,16 @@ def test_failing_on_request_callback_does_not_stop_the_listener(
 # -- the client's errors --------------------------------------------------------------------
 
 def test_client_with_another_model_gets_a_hash_mismatch_naming_fields(
-        listener: HandshakeListener) -> None:
+        listener: SideChannelListener) -> None:
     other = msgspec.structs.replace(COMPAT, dtype="float16")
-    with HandshakeClient("decode-b", other) as mismatched, pytest.raises(HashMismatch) as info:
+    with SideChannelClient("decode-b", other) as mismatched, pytest.raises(HashMismatch) as info:
         mismatched.fetch(HOST, listener.port, [0], timeout=ANSWER_S)
     assert listener.address in str(info.value)
     assert "dtype: peer 'bfloat16', here 'float16'" in str(info.value)
 
 
-def test_client_refused_for_an_unknown_rank(client: HandshakeClient,
-                                            listener: HandshakeListener) -> None:
+def test_client_refused_for_an_unknown_rank(client: SideChannelClient,
+                                            listener: SideChannelListener) -> None:
     with pytest.raises(PeerRefused) as info:
         client.fetch(HOST, listener.port, [3], timeout=ANSWER_S)
     assert info.value.code is ErrorCode.UNKNOWN_RANK
@@ -343,21 +343,21 @@ def test_client_refused_for_an_unknown_rank(client: HandshakeClient,
 
 
 def test_unsigned_client_is_refused_by_a_keyed_listener(
-        client: HandshakeClient, keyed_listener: HandshakeListener) -> None:
+        client: SideChannelClient, keyed_listener: SideChannelListener) -> None:
     with pytest.raises(PeerRefused, match="authentication failed") as info:
         client.fetch(HOST, keyed_listener.port, [0], timeout=ANSWER_S)
     assert info.value.code is ErrorCode.BAD_SIGNATURE
 
 
-def test_client_with_the_wrong_key_rejects_the_reply(keyed_listener: HandshakeListener) -> None:
-    with HandshakeClient("decode-b", COMPAT, hmac_key=b"guess") as wrong, \
+def test_client_with_the_wrong_key_rejects_the_reply(keyed_listener: SideChannelListener) -> None:
+    with SideChannelClient("decode-b", COMPAT, hmac_key=b"guess") as wrong, \
             pytest.raises(BadSignature, match="does not verify") as info:
         wrong.fetch(HOST, keyed_listener.port, [0], timeout=ANSWER_S)
     assert keyed_listener.address in str(info.value)
 
 
-def test_keyed_client_rejects_an_unsigned_listener(listener: HandshakeListener) -> None:
-    with HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed, \
+def test_keyed_client_rejects_an_unsigned_listener(listener: SideChannelListener) -> None:
+    with SideChannelClient("decode-b", COMPAT, hmac_key=KEY) as keyed, \
             pytest.raises(BadSignature, match="unsigned message") as info:
         keyed.fetch(HOST, listener.port, [0], timeout=ANSWER_S)
     assert listener.address in str(info.value)
@@ -421,7 +421,7 @@ def _forged_response(**changes: Any) -> list[bytes]:
     return [MAGIC + msgspec.msgpack.encode(fields)]
 
 
-BAD_REPLIES: dict[str, tuple[list[bytes], type[HandshakeError], str]] = {
+BAD_REPLIES: dict[str, tuple[list[bytes], type[SideChannelError], str]] = {
     "missing-rank": (_response(RANKS[0]), MalformedMessage,
                      "holds ranks [0] but ranks [0, 1] were requested"),
     "two-frames": (_response(*RANKS) * 2, MalformedMessage, "2 frames, expected 1"),
@@ -437,23 +437,23 @@ BAD_REPLIES: dict[str, tuple[list[bytes], type[HandshakeError], str]] = {
 
 @pytest.mark.parametrize("case", list(BAD_REPLIES))
 def test_bad_reply_raises_naming_the_peer_and_is_not_retried(
-        case: str, client: HandshakeClient, scripted: Callable[..., ScriptedPeer]) -> None:
+        case: str, client: SideChannelClient, scripted: Callable[..., ScriptedPeer]) -> None:
     frames, error, named = BAD_REPLIES[case]
     peer = scripted(lambda _: frames)
     with pytest.raises(error) as info:
         client.fetch(HOST, peer.port, [0, 1], timeout=ANSWER_S, retries=2)
     assert f"tcp://{HOST}:{peer.port}" in str(info.value) and named in str(info.value)
-    assert isinstance(info.value, HandshakeError)
+    assert isinstance(info.value, SideChannelError)
     assert peer.received == 1, "a protocol error is deterministic, so it is not retried"
 
 
 @pytest.mark.parametrize("retries", [0, 2])
 def test_silent_peer_times_out_after_each_attempt(
-        retries: int, client: HandshakeClient, scripted: Callable[..., ScriptedPeer]) -> None:
+        retries: int, client: SideChannelClient, scripted: Callable[..., ScriptedPeer]) -> None:
     peer = scripted(None)
     timeout = 0.2
     started = time.monotonic()
-    with pytest.raises(HandshakeTimeout) as info:
+    with pytest.raises(SideChannelTimeout) as info:
         client.fetch(HOST, peer.port, [0], timeout=timeout, retries=retries)
     elapsed = time.monotonic() - started
     assert str(info.value) == (f"no answer from tcp://{HOST}:{peer.port} within 0.2 s on any "
@@ -465,7 +465,7 @@ def test_silent_peer_times_out_after_each_attempt(
     assert elapsed < (retries + 1) * timeout + 5.0, "hang guard: each attempt has a deadline"
 
 
-def test_nothing_listening_fails_at_once_naming_the_address(client: HandshakeClient) -> None:
+def test_nothing_listening_fails_at_once_naming_the_address(client: SideChannelClient) -> None:
     with socket.socket() as probe:  # a port that was free a moment ago
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
@@ -478,8 +478,8 @@ def test_nothing_listening_fails_at_once_naming_the_address(client: HandshakeCli
     assert info.value.peer == f"tcp://{HOST}:{port}"
 
 
-def test_fetch_accepts_numpy_ranks(client: HandshakeClient,
-                                   listener: HandshakeListener) -> None:
+def test_fetch_accepts_numpy_ranks(client: SideChannelClient,
+                                   listener: SideChannelListener) -> None:
     answer = client.fetch(HOST, listener.port, np.array([1, 0]), timeout=ANSWER_S)
     assert [m.tp_rank for m in answer.ranks] == [1, 0]
 
@@ -495,21 +495,21 @@ def test_fetch_accepts_numpy_ranks(client: HandshakeClient,
     ({"retries": -1}, "retries must not be negative, got -1"),
 ])
 def test_fetch_arguments_are_validated(kwargs: dict[str, Any], named: str,
-                                       client: HandshakeClient) -> None:
+                                       client: SideChannelClient) -> None:
     args: dict[str, Any] = {"host": HOST, "port": 5555, "ranks": [0], **kwargs}
     with pytest.raises((ValueError, TypeError)) as info:
         client.fetch(**args)
     assert named in str(info.value)
 
 
-def test_invalid_host_is_reported_with_the_address(client: HandshakeClient) -> None:
+def test_invalid_host_is_reported_with_the_address(client: SideChannelClient) -> None:
     with pytest.raises(PeerUnreachable) as info:
         client.fetch("no such host", 5555, [0], timeout=0.2, retries=0)
     assert str(info.value).startswith("cannot connect to tcp://no such host:5555: ")
 
 
 def test_closed_client_refuses_to_fetch() -> None:
-    made = HandshakeClient("decode-b", COMPAT)
+    made = SideChannelClient("decode-b", COMPAT)
     made.close()
     made.close()
     with pytest.raises(RuntimeError, match="closed"):
@@ -519,7 +519,7 @@ def test_closed_client_refuses_to_fetch() -> None:
 # -- lifecycle ------------------------------------------------------------------------------
 
 def test_close_while_idle_is_prompt_and_frees_the_port() -> None:
-    served = HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS)
+    served = SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS)
     served.start()
     time.sleep(0.1)  # let the thread settle into its poll
     started = time.monotonic()
@@ -527,7 +527,7 @@ def test_close_while_idle_is_prompt_and_frees_the_port() -> None:
     took = time.monotonic() - started
     served.close()  # idempotent
     assert took < 2.0, f"close() took {took:.3f} s; the serving thread polls every 50 ms"
-    again = HandshakeListener(HOST, served.port, engine_id=ENGINE, compat=COMPAT,
+    again = SideChannelListener(HOST, served.port, engine_id=ENGINE, compat=COMPAT,
                               metadata=lambda: RANKS)
     again.close()
     with pytest.raises(RuntimeError, match=re.escape(f"{served.address} is closed")):
@@ -535,7 +535,7 @@ def test_close_while_idle_is_prompt_and_frees_the_port() -> None:
 
 
 def test_close_gives_up_on_a_stuck_thread_and_says_so(
-        client: HandshakeClient, monkeypatch: pytest.MonkeyPatch,
+        client: SideChannelClient, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """metadata() must not block; if it does, close() returns instead of hanging."""
     entered, release = threading.Event(), threading.Event()
@@ -546,8 +546,8 @@ def test_close_gives_up_on_a_stuck_thread_and_says_so(
         return RANKS
 
     monkeypatch.setattr(listener_module, "JOIN_TIMEOUT_S", 0.1)
-    served = HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=stuck).start()
-    with pytest.raises(HandshakeTimeout):
+    served = SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=stuck).start()
+    with pytest.raises(SideChannelTimeout):
         client.fetch(HOST, served.port, [0], timeout=0.1, retries=0)
     assert entered.wait(ANSWER_S)
     with caplog.at_level(logging.ERROR, logger="kvxfer.transfer.side_channel.listener"):
@@ -561,12 +561,12 @@ def test_close_gives_up_on_a_stuck_thread_and_says_so(
 
 
 def test_close_without_start() -> None:
-    HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS).close()
+    SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS).close()
 
 
-def test_binding_a_taken_port_names_the_address(listener: HandshakeListener) -> None:
+def test_binding_a_taken_port_names_the_address(listener: SideChannelListener) -> None:
     with pytest.raises(OSError, match=re.escape(f"cannot bind tcp://{HOST}:{listener.port}")):
-        HandshakeListener(HOST, listener.port, engine_id=ENGINE, compat=COMPAT,
+        SideChannelListener(HOST, listener.port, engine_id=ENGINE, compat=COMPAT,
                           metadata=lambda: RANKS)
 
 
@@ -581,18 +581,18 @@ def releases() -> list[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def release_listener(releases: list[tuple[str, str, str]]) -> Iterator[HandshakeListener]:
+def release_listener(releases: list[tuple[str, str, str]]) -> Iterator[SideChannelListener]:
     def on_release(lease_id: str, requester: str, reason: str, _outcome: str) -> bool:
         releases.append((lease_id, requester, reason))
         return lease_id == HELD
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=None, on_release=on_release) as served:
         yield served
 
 
 def test_release_calls_back_once_and_the_listener_keeps_serving(
-        client: HandshakeClient, release_listener: HandshakeListener,
+        client: SideChannelClient, release_listener: SideChannelListener,
         releases: list[tuple[str, str, str]]) -> None:
     before = len(releases)
     assert client.release(HOST, release_listener.port, HELD, "refused: max_tokens") is True
@@ -602,10 +602,10 @@ def test_release_calls_back_once_and_the_listener_keeps_serving(
     good_fetch(client, release_listener)
 
 
-def test_a_release_from_another_model_is_served(release_listener: HandshakeListener,
+def test_a_release_from_another_model_is_served(release_listener: SideChannelListener,
                                                 releases: list[tuple[str, str, str]]) -> None:
     other = msgspec.structs.replace(COMPAT, num_layers=32)
-    with HandshakeClient("decode-other", other) as mismatched:
+    with SideChannelClient("decode-other", other) as mismatched:
         with pytest.raises(HashMismatch):  # its handshake is refused...
             mismatched.fetch(HOST, release_listener.port, [0], timeout=ANSWER_S)
         # ...but it can still release what it will not read
@@ -613,8 +613,8 @@ def test_a_release_from_another_model_is_served(release_listener: HandshakeListe
     assert releases[-1] == (HELD, "decode-other", "handshake refused")
 
 
-def test_a_long_reason_is_truncated(client: HandshakeClient,
-                                    release_listener: HandshakeListener,
+def test_a_long_reason_is_truncated(client: SideChannelClient,
+                                    release_listener: SideChannelListener,
                                     releases: list[tuple[str, str, str]]) -> None:
     client.release(HOST, release_listener.port, HELD, "x" * 5000)
     assert releases[-1][2] == "x" * 1024
@@ -622,8 +622,8 @@ def test_a_long_reason_is_truncated(client: HandshakeClient,
 
 @pytest.mark.parametrize("case", ["wrong-version", "garbage", "wrong-kind-payload"])
 def test_a_bad_release_is_refused_without_a_callback(
-        case: str, ctx: zmq.Context[Any], client: HandshakeClient,
-        release_listener: HandshakeListener, releases: list[tuple[str, str, str]]) -> None:
+        case: str, ctx: zmq.Context[Any], client: SideChannelClient,
+        release_listener: SideChannelListener, releases: list[tuple[str, str, str]]) -> None:
     release = request(ReleaseLease(HELD, "decode-b", "x"))
     frames, code, named = {
         "wrong-version": ([MAGIC + msgspec.msgpack.encode(
@@ -649,9 +649,9 @@ def test_a_badly_signed_release_is_refused(key: bytes | None, ctx: zmq.Context[A
         calls.append(lease_id)
         return True
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=KEY, on_release=on_release) as served:
-        with HandshakeClient("decode-b", COMPAT, hmac_key=key) as unsigned, \
+        with SideChannelClient("decode-b", COMPAT, hmac_key=key) as unsigned, \
                 pytest.raises((PeerRefused, BadSignature)) as info:
             unsigned.release(HOST, served.port, HELD, "x", timeout=ANSWER_S)
         if key is None:
@@ -662,13 +662,13 @@ def test_a_badly_signed_release_is_refused(key: bytes | None, ctx: zmq.Context[A
         else:  # the listener refuses, and the reply's signature does not verify for it
             assert served.address in str(info.value) and "does not verify" in str(info.value)
         assert calls == []
-        with HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
+        with SideChannelClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
             assert keyed.release(HOST, served.port, HELD, "x", timeout=ANSWER_S) is True
         assert calls == [HELD]
 
 
-def test_a_listener_without_leases_refuses_releases(client: HandshakeClient,
-                                                    listener: HandshakeListener) -> None:
+def test_a_listener_without_leases_refuses_releases(client: SideChannelClient,
+                                                    listener: SideChannelListener) -> None:
     with pytest.raises(PeerRefused) as info:
         client.release(HOST, listener.port, HELD, "x", timeout=ANSWER_S)
     assert info.value.code is ErrorCode.UNAVAILABLE
@@ -676,11 +676,11 @@ def test_a_listener_without_leases_refuses_releases(client: HandshakeClient,
     good_fetch(client, listener)
 
 
-def test_a_failing_on_release_is_answered_as_unavailable(client: HandshakeClient) -> None:
+def test_a_failing_on_release_is_answered_as_unavailable(client: SideChannelClient) -> None:
     def on_release(lease_id: str, _requester: str, _reason: str, _outcome: str) -> bool:
         raise RuntimeError(f"queue closed for {lease_id}")
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            on_release=on_release) as served:
         with pytest.raises(PeerRefused, match=f"queue closed for {HELD}") as info:
             client.release(HOST, served.port, HELD, "x", timeout=ANSWER_S)
@@ -688,10 +688,10 @@ def test_a_failing_on_release_is_answered_as_unavailable(client: HandshakeClient
         good_fetch(client, served)
 
 
-def test_release_client_errors_name_the_peer(client: HandshakeClient,
+def test_release_client_errors_name_the_peer(client: SideChannelClient,
                                              scripted: Callable[..., ScriptedPeer]) -> None:
     silent = scripted(None)
-    with pytest.raises(HandshakeTimeout) as info:
+    with pytest.raises(SideChannelTimeout) as info:
         client.release(HOST, silent.port, HELD, "x", timeout=0.2)
     assert str(info.value) == (f"no answer from tcp://{HOST}:{silent.port} to the release of "
                                f"lease '{HELD}' within 0.2 s")
@@ -715,9 +715,9 @@ def test_release_client_errors_name_the_peer(client: HandshakeClient,
         client.release(HOST, silent.port, "", "x")
 
 
-def test_release_sender_sends_in_the_background_and_drains_on_close(
-        release_listener: HandshakeListener, releases: list[tuple[str, str, str]]) -> None:
-    sender = ReleaseSender(HandshakeClient("decode-s", COMPAT))
+def test_side_channel_sender_sends_in_the_background_and_drains_on_close(
+        release_listener: SideChannelListener, releases: list[tuple[str, str, str]]) -> None:
+    sender = SideChannelSender(SideChannelClient("decode-s", COMPAT))
     before = len(releases)
     try:
         assert sender.submit(HOST, release_listener.port, HELD, "one")
@@ -730,12 +730,12 @@ def test_release_sender_sends_in_the_background_and_drains_on_close(
     sender.close()  # idempotent
 
 
-def test_release_sender_survives_failures_and_bounds_its_queue_and_close(
+def test_side_channel_sender_survives_failures_and_bounds_its_queue_and_close(
         scripted: Callable[..., ScriptedPeer]) -> None:
     """A silent prefill: each send times out; extra releases are dropped, not queued
     without bound, and close() gives up on what is left after drain_s."""
     silent = scripted(None)
-    sender = ReleaseSender(HandshakeClient("decode-s", COMPAT), timeout=0.2, max_queued=2,
+    sender = SideChannelSender(SideChannelClient("decode-s", COMPAT), timeout=0.2, max_queued=2,
                            drain_s=0.3)
     try:
         accepted = [sender.submit(HOST, silent.port, f"req-{i}@{i}", "x") for i in range(6)]
@@ -755,7 +755,7 @@ def test_release_sender_survives_failures_and_bounds_its_queue_and_close(
 def serve_until_stdin_closes() -> None:
     """Child side: serve RANKS; print the port and RANKS (their addresses are this
     process's), stop when the parent closes stdin."""
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT,
                            metadata=lambda: RANKS) as served:
         print(served.port, msgspec.msgpack.encode(tuple(RANKS)).hex(), flush=True)
         sys.stdin.read()
@@ -786,7 +786,7 @@ def remote() -> Iterator[tuple[int, tuple[AgentMetadata, ...]]]:
 
 
 def test_listener_in_another_process(remote: tuple[int, tuple[AgentMetadata, ...]],
-                                     ctx: zmq.Context[Any], client: HandshakeClient) -> None:
+                                     ctx: zmq.Context[Any], client: SideChannelClient) -> None:
     port, served = remote
     answer = client.fetch(HOST, port, [0, 1], timeout=ANSWER_S)
     assert answer == MetadataResponse(ENGINE, 2, served)
@@ -811,9 +811,9 @@ def test_a_renewal_is_answered_with_the_ttl(held: bool) -> None:
             raise RenewRefused("another decode claimed it first")
         return 0.5
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=KEY, on_renew=on_renew) as served, \
-            HandshakeClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
+            SideChannelClient("decode-b", COMPAT, hmac_key=KEY) as keyed:
         ack = keyed.renew(HOST, served.port, HELD, timeout=ANSWER_S, claim=True)
         renewal = keyed.renew(HOST, served.port, HELD, timeout=ANSWER_S)
     assert (ack.lease_id, ack.found, ack.expires_in) == (HELD, held, 0.5 if held else 0.0)
@@ -829,9 +829,9 @@ def test_an_unauthenticated_renewal_is_refused() -> None:
         calls.append(lease_id)
         return 0.5
 
-    with HandshakeListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
+    with SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=lambda: RANKS,
                            hmac_key=KEY, on_renew=on_renew) as served, \
-            HandshakeClient("decode-b", COMPAT) as unsigned, \
+            SideChannelClient("decode-b", COMPAT) as unsigned, \
             pytest.raises(PeerRefused, match="authentication failed"):
         unsigned.renew(HOST, served.port, HELD, timeout=ANSWER_S)
     assert calls == []

@@ -132,13 +132,13 @@ def test_an_idle_heartbeat_thread_sends_at_once_when_a_channel_is_watched(
     heartbeat to a newly watched channel is still answered within the slack (the watch
     wakes the thread), and close() stops both threads at once (it wakes their polls)."""
     import kvxfer.transfer.side_channel.heartbeats as heartbeats_module
-    from kvxfer.transfer.side_channel.listener import HandshakeListener
+    from kvxfer.transfer.side_channel.listener import SideChannelListener
     from kvxfer.wire.compat import CompatInfo
 
     monkeypatch.setattr(heartbeats_module, "IDLE_WAIT_S", 60.0)
     compat = CompatInfo(model="m", dtype="float32", cache_dtype="float32", head_size=8,
                         total_kv_heads=2, num_layers=1)
-    listener = HandshakeListener("127.0.0.1", engine_id="P", compat=compat,
+    listener = SideChannelListener("127.0.0.1", engine_id="P", compat=compat,
                                  metadata=lambda: []).start()
     live = Liveness(TIMEOUT_S)
     beats = Heartbeats(live, "D", compat)

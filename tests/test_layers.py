@@ -37,18 +37,18 @@ WRONG_IMPORTS = [
     ("kvxfer/plan/layout.py", "kvxfer.wire.envelope", "layers"),
     ("kvxfer/plan/regions.py", "kvxfer.engine.sampler", "layers"),
     ("kvxfer/wire/tickets.py", "kvxfer.transfer.nixl_agent", "layers"),
-    ("kvxfer/transfer/threads.py", "kvxfer.sidecar.metrics", "layers"),
+    ("kvxfer/transfer/threads.py", "kvxfer.sidecar.sidecar_metrics", "layers"),
     ("kvxfer/engine/sampler.py", "kvxfer.transfer.threads", "layers"),
-    ("kvxfer/sidecar/metrics.py", "kvxfer.vllm.settings", "layers"),
+    ("kvxfer/sidecar/sidecar_metrics.py", "kvxfer.vllm.extra_config", "layers"),
     ("kvxfer/net/hosts.py", "kvxfer.plan.topology", "layers"),
     ("kvxfer/harness/netns.py", "kvxfer.commands.plan", "layers"),
     ("proxy/errors.py", "kvxfer.transfer.threads", "the proxy shares only kvxfer.net"),
-    ("kvxfer/sidecar/metrics.py", "proxy.errors", "only the top reaches the proxy"),
+    ("kvxfer/sidecar/sidecar_metrics.py", "proxy.errors", "only the top reaches the proxy"),
     ("kvxfer/engine/sampler.py", "kvxfer.engine.scheduler", "no import circle"),
     ("kvxfer/plan/layout.py", "vllm", "the pure layers and the engine import neither"),
     ("kvxfer/wire/tickets.py", "zmq", "the pure layers and the engine import neither"),
     ("kvxfer/transfer/threads.py", "zmq", "ZMQ only in transfer/side_channel"),
-    ("kvxfer/sidecar/metrics.py", "vllm", "ZMQ only in transfer/side_channel"),
+    ("kvxfer/sidecar/sidecar_metrics.py", "vllm", "ZMQ only in transfer/side_channel"),
 ]
 
 

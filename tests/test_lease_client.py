@@ -31,7 +31,7 @@ READ_TIMEOUT = 1.0
 
 @dataclass
 class Sender:
-    """Records releases and renewals (``ReleaseSender``'s queueing API); ``accept``
+    """Records releases and renewals (``SideChannelSender``'s queueing API); ``accept``
     False refuses to queue, as a full or closed sender does."""
 
     accept: bool = True

@@ -32,8 +32,8 @@ from kvxfer.plan.regions import RegionPlan
 from kvxfer.plan.topology import notify_plan, read_plan, readers_per_remote_rank
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import decode_envelope, encode_message
-from kvxfer.wire.errors import HashMismatch
 from kvxfer.wire.messages import MetadataRequest
+from kvxfer.wire.protocol_errors import HashMismatch
 
 # DeepSeek-V3's latent: kv_lora_rank 512 + 64 RoPE dims; small ones below.
 LATENT = 512 + 64

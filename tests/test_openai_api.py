@@ -11,7 +11,7 @@ import pytest
 from kvxfer.engine import ByteTokenizer
 from kvxfer.engine.sequence import RequestOutput
 from kvxfer.sidecar.openai_api.answers import Choice, TokenText, completion_body, usage
-from kvxfer.sidecar.openai_api.errors import OpenAIError
+from kvxfer.sidecar.openai_api.error_body import OpenAIError
 from kvxfer.sidecar.openai_api.prepared import ModelInfo, Prepared, choice_seed
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest
 from kvxfer.sidecar.openai_api.validation import MAX_N, prepare_chat, prepare_completion

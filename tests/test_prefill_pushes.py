@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvxfer.engine import LLMEngine, SamplingParams
-from kvxfer.engine.config import tiny_config
+from kvxfer.engine.model_config import tiny_config
 from kvxfer.sidecar.prefill_pushes import PrefillPushes
 from kvxfer.wire.reservations import Reservation
 

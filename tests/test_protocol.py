@@ -19,17 +19,6 @@ from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
 from kvxfer.plan.regions import RegionPlan, plan_regions
 from kvxfer.wire.compat import CompatInfo, compat_diff, compat_hash
 from kvxfer.wire.envelope import ANONYMOUS_HASH, decode_envelope, decode_payload, encode_message
-from kvxfer.wire.errors import (
-    BadMagic,
-    BadSignature,
-    ErrorCode,
-    FieldDiff,
-    HandshakeError,
-    HashMismatch,
-    MalformedMessage,
-    ProtocolError,
-    VersionMismatch,
-)
 from kvxfer.wire.messages import (
     HASH_FREE_KINDS,
     MAX_LEASE_ID_CHARS,
@@ -48,6 +37,17 @@ from kvxfer.wire.messages import (
 )
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
+from kvxfer.wire.protocol_errors import (
+    BadMagic,
+    BadSignature,
+    ErrorCode,
+    FieldDiff,
+    HashMismatch,
+    MalformedMessage,
+    ProtocolError,
+    SideChannelError,
+    VersionMismatch,
+)
 from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION, MAGIC
 
 PEER = "tcp://10.0.0.7:5600"
@@ -520,7 +520,7 @@ def test_every_truncation_raises_a_protocol_error() -> None:
 
 
 def test_protocol_errors_are_handshake_errors() -> None:
-    assert issubclass(ProtocolError, HandshakeError)
+    assert issubclass(ProtocolError, SideChannelError)
     for error in (BadMagic, VersionMismatch, HashMismatch, BadSignature, MalformedMessage):
         assert issubclass(error, ProtocolError)
 

@@ -164,7 +164,7 @@ def test_a_reservation_another_engine_claimed_first_is_never_written(
     (its lease ends "failed") with no byte of its blocks changed, and the "gave up" the
     prefill then sends ends nothing there (it is not the claimer). The decode is
     connected already (a first push landed), so only the claim keeps the WRITEs back."""
-    from kvxfer.transfer.side_channel.client import HandshakeClient
+    from kvxfer.transfer.side_channel.client import SideChannelClient
 
     cfg = CacheConfig(num_blocks=16, key=KEY)
     remote = prefill.create(cfg)
@@ -174,7 +174,7 @@ def test_a_reservation_another_engine_claimed_first_is_never_written(
         prefill.push(remote["engine_id"], "lease-1", first, [5, 6])
         assert wait_released(decode, {"first"}) == {"first": "done"}
         taken = decode.reserve("resv", [3, 4], 2 * cfg.block_size, ttl=5, grace=0.5)
-        with HandshakeClient("first-claimer", cfg.compat(), cfg.hmac_key) as other:
+        with SideChannelClient("first-claimer", cfg.compat(), cfg.hmac_key) as other:
             assert other.renew("127.0.0.1", decode.port, "resv", claim=True).found
         prefill.push(remote["engine_id"], "lease-2", taken, [7, 8])
         assert prefill.wait_released(remote["engine_id"], {"lease-1", "lease-2"}) == {
@@ -209,7 +209,7 @@ def test_a_reservation_a_prefill_claimed_outlives_its_deadline_and_names_its_cla
     some layers, before its "done". Only a writer can say that its WRITEs ended (over TCP,
     a cut link delivers what it held back once it is back), so the claimed reservation
     is not ended by its deadline: it names its claimer, which the decode's sidecar asks
-    whether it still runs (``Claimers``), and holds up to the stale ceiling."""
+    whether it still runs (``Claimers``), and holds up to the stale limit."""
     cfg = CacheConfig(num_blocks=16, num_layers=3)
     proc = PrefillProcess()
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)

@@ -69,7 +69,7 @@ def test_tp2_is_refused_with_the_sizes_that_fit(capsys: pytest.CaptureFixture[st
 def test_model_config_reads_the_config_without_the_weights(tp1: LLMEngine) -> None:
     """What launchers (demo, bench serve) use to pick TP sizes before starting anything."""
     from kvxfer.engine import tiny_config
-    from kvxfer.engine.models import MODELS, ModelNotFound, model_config
+    from kvxfer.engine.model_names import MODELS, ModelNotFound, model_config
 
     packaged = MODELS[MODEL].gguf
     assert packaged is not None

@@ -33,12 +33,12 @@ from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, prefill_body
 
 from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import AbortOutcome, KVConnector
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.listener import SideChannelListener
 from kvxfer.wire.compat import CompatInfo
-from kvxfer.wire.errors import HandshakeError
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.params import RemoteParams
+from kvxfer.wire.protocol_errors import SideChannelError
 from proxy.contract import decode_request, parse_prefill_answer
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -152,7 +152,7 @@ def test_a_normal_read_ends_its_lease_as_done_only(rig: dict[str, Sidecar]) -> N
     assert grew(before, lease_counts(prefill)) == {"done": 1, "abandoned": 0, "expired": 0}
     # Releasing the ended lease afterwards is answered "not held" and changes nothing.
     params = first.json()["kv_transfer_params"]
-    with HandshakeClient("decode-late", compat_of_another_model()) as client:
+    with SideChannelClient("decode-late", compat_of_another_model()) as client:
         assert client.release(params["remote_host"], params["remote_port"],
                               params["remote_request_id"], "late") is False
     settle(prefill)
@@ -184,7 +184,7 @@ def test_a_release_of_a_lease_not_held_changes_nothing(rig: dict[str, Sidecar]) 
     lease_id = params["remote_request_id"]
     strangers = ["no-such-lease", lease_id[:-1], f"{lease_id}@1", f"x{lease_id}",
                  lease_id.upper() if lease_id.upper() != lease_id else f"{lease_id}x"]
-    with HandshakeClient("decode-stranger", compat_of_another_model()) as client:
+    with SideChannelClient("decode-stranger", compat_of_another_model()) as client:
         for stranger in strangers:
             assert client.release(HOST, params["remote_port"], stranger, "wrong id") is False, \
                 stranger
@@ -202,18 +202,18 @@ def test_a_kept_connection_serves_every_later_call(rig: dict[str, Sidecar]) -> N
     that side channel, and never keeps one that went unanswered (a late reply could be
     taken for the next call's)."""
     port = rig["prefill"].health()["side_channel_port"]
-    with HandshakeClient("decode-kept", compat_of_another_model(),
+    with SideChannelClient("decode-kept", compat_of_another_model(),
                          keep_connections=True) as client, socket.socket() as mute:
         for attempt in range(3):
             assert client.release(HOST, port, f"no-such-lease-{attempt}", "kept") is False
             assert client.connections == 1
         mute.bind((HOST, 0))
         mute.listen()  # accepts TCP, never speaks ZMTP: no answer
-        with pytest.raises(HandshakeError, match="no answer"):
+        with pytest.raises(SideChannelError, match="no answer"):
             client.release(HOST, mute.getsockname()[1], "lease", "mute", timeout=0.3)
         assert client.connections == 1
         assert client.release(HOST, port, "no-such-lease", "kept") is False
-    with HandshakeClient("decode-fresh", compat_of_another_model()) as plain:
+    with SideChannelClient("decode-fresh", compat_of_another_model()) as plain:
         assert plain.release(HOST, port, "no-such-lease", "fresh") is False
         assert plain.connections == 0
 
@@ -239,7 +239,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str]] = []
         self.reports: list[DoneReport] = []
-        self.listener = HandshakeListener(
+        self.listener = SideChannelListener(
             HOST, engine_id="prefill-recorder", compat=compat_of_another_model(),
             metadata=lambda: [], on_release=self._on_release,
             on_renew=lambda _lease, _requester, _claim: 60.0,  # claims granted
@@ -336,7 +336,7 @@ def test_a_dead_prefill_does_not_hold_up_the_connector(
                         time.time() + 60)
     releaser = connector.releaser
     assert releaser is not None
-    with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.side_channel.release_sender"):
+    with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.side_channel.sender"):
         with pytest.raises(ValueError, match="exceeds"):
             connector.add_remote("gone", prompt(100), SamplingParams(max_tokens=100), dead)
         for _ in range(500):

@@ -31,10 +31,10 @@ from test_release import Recorder, prompt
 from kvxfer.engine import SamplingParams
 from kvxfer.sidecar.connector import KVConnector, compat_info
 from kvxfer.sidecar.connector_events import AbortOutcome
-from kvxfer.sidecar.metrics import HANDSHAKE_FAILURE_REASONS
+from kvxfer.sidecar.sidecar_metrics import HANDSHAKE_FAILURE_REASONS
 from kvxfer.transfer.nixl_agent import NixlAgent
-from kvxfer.transfer.side_channel.errors import FAILURE_REASONS
-from kvxfer.transfer.side_channel.listener import HandshakeListener
+from kvxfer.transfer.side_channel.failures import FAILURE_REASONS
+from kvxfer.transfer.side_channel.listener import SideChannelListener
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.params import RemoteParams
 
@@ -113,7 +113,7 @@ def test_a_read_exports_its_peers_path_rate_and_share_of_the_ceiling(
     path is a label of the prefill peer's bytes, seconds, achieved rate, ceiling (the
     rate its probe reached at connect) and the share of it achieved."""
     from kvxfer.engine import LLMEngine, tiny_config
-    from kvxfer.sidecar.metrics import SidecarMetrics
+    from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
     from kvxfer.transfer.converted.mapped_reads import shared_zeros
 
     if path == "mapped":
@@ -169,7 +169,7 @@ def test_a_failed_handshake_is_counted_by_reason(make: Make, reason: str) -> Non
             closers.append(Recorder().listener)
             port = closers[-1].port
         elif reason == "auth":  # this model, but the listener holds a key the decode lacks
-            closers.append(HandshakeListener(HOST, engine_id="prefill-keyed",
+            closers.append(SideChannelListener(HOST, engine_id="prefill-keyed",
                                              compat=compat_info(decode.engine),
                                              metadata=lambda: [], hmac_key=KEY).start())
             port = closers[-1].port

@@ -25,13 +25,13 @@ import pytest
 import zmq
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.errors import PeerRefused
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.failures import PeerRefused
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
-from kvxfer.wire.errors import AUTH_FAILED, BadSignature, ErrorCode
 from kvxfer.wire.messages import ErrorReply, MetadataRequest, MetadataResponse, RenewAck, RenewLease
 from kvxfer.wire.notification import ReadDone, encode_notif
+from kvxfer.wire.protocol_errors import AUTH_FAILED, BadSignature, ErrorCode
 from kvxfer.wire.tickets import LeaseClaims, sign_ticket
 from proxy.contract import decode_request, parse_prefill_answer
 
@@ -235,7 +235,7 @@ def test_a_lease_another_decode_claimed_is_not_read(rig: dict[str, Sidecar],
     prompt = "a prompt whose lease another decode claimed first"
     params = lease(prefill, prompt)
     port, lease_id = params["remote_port"], params["remote_request_id"]
-    with HandshakeClient("decode-first0000000", STRANGER, hmac_key=key) as first:
+    with SideChannelClient("decode-first0000000", STRANGER, hmac_key=key) as first:
         assert first.renew(HOST, port, lease_id, claim=True).found
         refused(decode(dec, prompt, params), "another decode claimed it first")
         still_held(prefill, params)
@@ -274,7 +274,7 @@ def test_under_recompute_a_lease_that_cannot_be_read_is_recomputed_and_a_forged_
             "lease_ticket is missing")
     claimed = lease(prefill, prompt)
     port, lease_id = claimed["remote_port"], claimed["remote_request_id"]
-    with HandshakeClient("decode-first0000000", STRANGER, hmac_key=key) as first:
+    with SideChannelClient("decode-first0000000", STRANGER, hmac_key=key) as first:
         assert first.renew(HOST, port, lease_id, claim=True).found
         assert same(decode(rec, prompt, claimed), reference(prefill, prompt))
         still_held(prefill, claimed)
@@ -327,7 +327,7 @@ def test_an_unauthenticated_metadata_request_gets_nothing_usable(
 
 def test_a_wrong_key_handshake_is_refused(rig: dict[str, Sidecar]) -> None:
     port = rig["prefill"].health()["side_channel_port"]
-    with HandshakeClient("attacker", STRANGER, hmac_key=b"guess" * 8) as attacker, \
+    with SideChannelClient("attacker", STRANGER, hmac_key=b"guess" * 8) as attacker, \
             pytest.raises(BadSignature):  # refused, and the refusal is not signed for us
         attacker.fetch(HOST, port, [0], timeout=5.0, retries=0)
 
@@ -339,7 +339,7 @@ def test_a_forged_release_is_refused_and_the_victim_answer_is_unchanged(
     prompt = f"a victim whose lease someone releases ({attacker_key is None})"
     want = reference(prefill, prompt)
     victim = lease(prefill, prompt)
-    with HandshakeClient("attacker", STRANGER, hmac_key=attacker_key) as attacker, \
+    with SideChannelClient("attacker", STRANGER, hmac_key=attacker_key) as attacker, \
             pytest.raises((PeerRefused, BadSignature)) as info:
         attacker.release(HOST, victim["remote_port"], victim["remote_request_id"], "forged")
     if isinstance(info.value, PeerRefused):

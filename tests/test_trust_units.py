@@ -15,11 +15,11 @@ from kvxfer.net.kv_key import MIN_KEY_BYTES, KvKeyError, key_file_from, load_kv_
 from kvxfer.wire import replay
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import decode_envelope, encode_message
-from kvxfer.wire.errors import BadSignature
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
 from kvxfer.wire.messages import MetadataRequest
 from kvxfer.wire.notification import ReadDone, decode_notif, encode_notif
 from kvxfer.wire.params import RemoteParams
+from kvxfer.wire.protocol_errors import BadSignature
 from kvxfer.wire.replay import ReplayedMessage, ReplayGuard
 from kvxfer.wire.tickets import TICKET_PREFIX, LeaseClaims, TicketError, sign_ticket, verify_ticket
 from kvxfer.wire.version import MAGIC

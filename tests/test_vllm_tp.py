@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
-from kvxfer.vllm.plan import Load, StepPlan
-from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
-from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.vllm.transfers import StepResult, WorkerSide
+from kvxfer.vllm.extra_config import ConnectorSettings
+from kvxfer.vllm.scheduler_side import BlockRef, SchedulerSide
+from kvxfer.vllm.step_plan import Load, StepPlan
+from kvxfer.vllm.worker_side import StepResult, WorkerSide
 from kvxfer.wire.compat import CompatInfo
 
 BLOCK, HEADS, HEAD, BLOCKS, LAYERS = 16, 2, 8, 8, 3

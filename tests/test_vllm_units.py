@@ -16,11 +16,11 @@ import msgspec
 import pytest
 from test_handshake import ANSWER_S, COMPAT, HOST, RANKS
 
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
-from kvxfer.vllm.settings import ConnectorSettings, SettingsError
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.vllm.extra_config import ConnectorSettings, SettingsError
+from kvxfer.vllm.scheduler_side import BlockRef, SchedulerSide
+from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, TicketError, verify_ticket
 from proxy.contract import parse_prefill_answer
 from proxy.errors import ProxyError
@@ -54,7 +54,7 @@ GOOD: dict[str, Any] = {
     "side_channel_host": "0.0.0.0", "side_channel_port": 5600, "advertise_host": "10.0.0.2",
     "lease_ttl": 30, "lease_max_age": 600.5, "kv_read_timeout": 2.5, "handshake_timeout": 1,
     "read_wait": 0.2, "read_lanes": 4, "host_reads": False,
-    "kv_key_file": "/etc/kvxfer/kv.key", "model_id": "llama-3-8b", "ceiling_probe": True}
+    "kv_key_file": "/etc/kvxfer/kv.key", "model_id": "llama-3-8b", "span_probe": True}
 SECONDS = ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout", "read_wait")
 
 
@@ -64,7 +64,7 @@ def test_settings_defaults() -> None:
         side_channel_host="127.0.0.1", side_channel_port=0, advertise_host=None,
         lease_ttl=120.0, lease_max_age=None, kv_read_timeout=10.0, handshake_timeout=5.0,
         read_wait=0.05, read_lanes=1, host_reads=True, kv_key_file=None, model_id=None,
-        ceiling_probe=False)
+        span_probe=False)
     assert settings.max_age == 480.0
     assert settings.host_for_peers == "127.0.0.1"
 
@@ -105,7 +105,7 @@ def test_settings_edge_values(extra: dict[str, Any], max_age: float) -> None:
     ("side_channel_host", None),  # not optional
     *[("side_channel_port", bad) for bad in (-1, 65536, "5600", 5600.0, True, None)],
     *[("read_lanes", bad) for bad in (0, -2, 1.5, "2", True, None)],
-    *[(key, bad) for key in ("host_reads", "ceiling_probe") for bad in (0, 1, "true", None)],
+    *[(key, bad) for key in ("host_reads", "span_probe") for bad in (0, 1, "true", None)],
     *[(key, bad) for key in SECONDS
       for bad in (-1, -0.5, math.inf, -math.inf, math.nan, "10", [1], True, False)],
     *[(key, 0) for key in SECONDS if key != "read_wait"],
@@ -416,10 +416,10 @@ def test_a_non_number_expiry_is_a_bad_gateway_naming_the_field(field: str, value
 # -- a peer whose K/V packing differs is answered: the decode converts -----------------------
 
 @pytest.fixture
-def listener(request: pytest.FixtureRequest) -> Iterator[HandshakeListener]:
+def listener(request: pytest.FixtureRequest) -> Iterator[SideChannelListener]:
     compat = msgspec.structs.replace(COMPAT, kv_packing=request.param)
     ranks = [msgspec.structs.replace(r, kv_packing=request.param) for r in RANKS]
-    with HandshakeListener(HOST, engine_id="prefill-a", compat=compat,
+    with SideChannelListener(HOST, engine_id="prefill-a", compat=compat,
                            metadata=lambda: ranks) as served:
         yield served
 
@@ -428,10 +428,10 @@ def listener(request: pytest.FixtureRequest) -> Iterator[HandshakeListener]:
                          [("token", "vllm-cpu-vec"), ("vllm-cpu-vec", "token")],
                          indirect=["listener"])
 def test_a_peer_of_another_kv_packing_answers_with_its_packing(
-        listener: HandshakeListener, here: str) -> None:
+        listener: SideChannelListener, here: str) -> None:
     peer = "vllm-cpu-vec" if here == "token" else "token"
     compat = msgspec.structs.replace(COMPAT, kv_packing=here)
-    with HandshakeClient("decode-b", compat) as client:
+    with SideChannelClient("decode-b", compat) as client:
         answer = client.fetch(HOST, listener.port, [0], timeout=ANSWER_S, retries=0)
     assert [meta.kv_packing for meta in answer.ranks] == [peer]
 

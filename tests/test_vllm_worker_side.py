@@ -1,4 +1,4 @@
-"""``WorkerSide`` (:mod:`kvxfer.vllm.transfers`) without vLLM: vLLM's steps mapped onto the
+"""``WorkerSide`` (:mod:`kvxfer.vllm.worker_side`) without vLLM: vLLM's steps mapped onto the
 shared lease client and lease answers, with a real worker, real listeners and senders.
 
 Decode: each load is claimed at a prefill stand-in (a real side-channel listener of
@@ -20,11 +20,11 @@ import torch
 from test_release import compat_of_another_model
 
 from kvxfer.plan.layout import CacheSpec
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.vllm.transfers import StepResult, WorkerSide
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.vllm.extra_config import ConnectorSettings
+from kvxfer.vllm.step_plan import Hold, Load, StepPlan
+from kvxfer.vllm.worker_side import StepResult, WorkerSide
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.messages import RenewRefused
 
@@ -44,7 +44,7 @@ class Prefill:
         self.claims: list[str] = []
         self.releases: list[tuple[str, str]] = []
         self.handshakes = 0
-        self.listener = HandshakeListener(
+        self.listener = SideChannelListener(
             HOST, engine_id="prefill-stand-in", compat=compat_of_another_model(),
             metadata=self._metadata, on_release=self._on_release,
             on_renew=self._on_renew).start()
@@ -155,9 +155,9 @@ def test_a_load_with_nothing_to_read_only_releases_the_lease(
     assert prefill.claims == [] and side.poll([]) == StepResult()
 
 
-def test_a_ceiling_probe_is_refused_unless_the_decode_allows_it(
+def test_a_span_probe_is_refused_unless_the_decode_allows_it(
         side: WorkerSide, prefill: Prefill) -> None:
-    side.apply(StepPlan(loads=[load(prefill, "lease-probe", kvxfer_ceiling=True)]))
+    side.apply(StepPlan(loads=[load(prefill, "lease-probe", kvxfer_span_probe=True)]))
     result = side.poll([])
     assert (result.recving, result.error_blocks, result.failures) == ({"r"}, {3, 4}, 1)
     assert prefill.wait_for_releases(1) == [("lease-probe",
@@ -181,7 +181,7 @@ def test_the_prefill_grants_one_claimer_and_ends_the_lease_on_its_release(
     side.after_forward()
     assert side.worker.holds_lease("lease-held")
     compat = compat_of_another_model()
-    with HandshakeClient("decode-a", compat) as a, HandshakeClient("decode-b", compat) as b:
+    with SideChannelClient("decode-a", compat) as a, SideChannelClient("decode-b", compat) as b:
         claimed = a.renew(HOST, side.port, "lease-held", claim=True)
         assert claimed.found and 0 < claimed.expires_in <= TTL + 1e-6
         second = b.renew(HOST, side.port, "lease-held", claim=True)

@@ -41,9 +41,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 
 from kvxfer.plan.regions import plan_regions
 from kvxfer.vllm.cache_shapes import cache_spec
-from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.vllm.transfers import WorkerSide
+from kvxfer.vllm.extra_config import ConnectorSettings
+from kvxfer.vllm.step_plan import Hold, Load, StepPlan
+from kvxfer.vllm.worker_side import WorkerSide
 from kvxfer.wire.compat import CompatInfo
 
 BACKENDS = (

@@ -32,7 +32,7 @@ class Served(Protocol):
 def smollm2_id() -> str:
     """kvxfer's reference-engine id (config and weights fingerprint) of SmolLM2: what a
     vLLM instance must call the model (``model_id``) to be a sidecar's compatible peer."""
-    from kvxfer.engine.models import load_model
+    from kvxfer.engine.model_names import load_model
     from kvxfer.engine.weights import fingerprint
 
     loaded = load_model("smollm2-135m-instruct")

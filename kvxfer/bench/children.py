@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvxfer.bench.proxy import wait_healthy
-from kvxfer.bench.serve import BenchError, _wait_ready
+from kvxfer.bench.serving import BenchError, _wait_ready
 
 STOP_TIMEOUT_S = 20.0
 

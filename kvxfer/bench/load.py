@@ -41,7 +41,7 @@ from typing import Any
 
 from kvxfer.bench.children import Child, add_output_arguments, started
 from kvxfer.bench.proxy import KEEPALIVE_S, Call, Cell, free_port, run_cell, send
-from kvxfer.bench.serve import BenchError, check_context, run_checked
+from kvxfer.bench.serving import BenchError, check_context, run_checked
 from kvxfer.bench.ttft import KEY_VARIABLES, lengths, percentile
 
 HELP = "requests/s and time to first byte through the proxy under load, source trees side by side"

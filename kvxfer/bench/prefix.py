@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
-from kvxfer.bench.serve import BenchError, _metrics, _post, launched, role_cpu, run_checked
+from kvxfer.bench.serving import BenchError, _metrics, _post, launched, role_cpu, run_checked
 
 HELP = "time to first token and KV bytes moved for a shared system prompt, prefix cache " \
        "off vs on, in one run"

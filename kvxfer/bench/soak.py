@@ -46,7 +46,7 @@ from kvxfer.bench.children import (
     started,
 )
 from kvxfer.bench.proxy import free_port, percentile_ms
-from kvxfer.bench.serve import BenchError
+from kvxfer.bench.serving import BenchError
 from kvxfer.harness.network import UCX_ENV, Network, why_not
 from kvxfer.transfer.faults import ENV as LOSS_ENV
 

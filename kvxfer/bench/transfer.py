@@ -150,9 +150,9 @@ def _large_read_seconds(host: str, port: int, cfg: Any, nbytes: int, repeats: in
 
     from kvxfer.plan.regions import MemoryRegion
     from kvxfer.transfer.nixl_agent import NixlAgent
-    from kvxfer.transfer.side_channel.client import HandshakeClient
+    from kvxfer.transfer.side_channel.client import SideChannelClient
 
-    client = HandshakeClient("bench-ceiling", cfg.compat())
+    client = SideChannelClient("bench-ceiling", cfg.compat())
     meta = client.fetch(host, port, [0]).ranks[0]
     client.close()
     mem = meta.plan.memory[0]

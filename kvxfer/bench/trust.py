@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from kvxfer.bench.serve import BenchError, _post, _prompt, launched, role_cpu
+from kvxfer.bench.serving import BenchError, _post, _prompt, launched, role_cpu
 
 HELP = "decode time to first token with the kv key (signing) on vs off, in one run"
 

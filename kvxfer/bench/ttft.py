@@ -49,7 +49,7 @@ from typing import Any
 
 from kvxfer.bench.children import Child, add_output_arguments, started
 from kvxfer.bench.proxy import free_port
-from kvxfer.bench.serve import (
+from kvxfer.bench.serving import (
     BenchError,
     _metrics,
     _prompt,

@@ -18,7 +18,7 @@ sends the same prompts to both pairs: the prefill computes the prompt
   decode: a probe request whose decode READs the same number of bytes as one READ of
   whole memory spans from the prefill's cache into the decode's (vLLM 0.32 keeps every
   layer in one allocation: one descriptor), over whatever blocks lie there
-  (``ceiling_probe``, :mod:`kvxfer.plan.ceiling`).
+  (``span_probe``, :mod:`kvxfer.plan.span_probe`).
 
 Target per case: KvxferConnector's transfer at least 0.8x the ceiling's speed and
 no slower than NixlConnector's, its decode TTFT no slower than NixlConnector's. The
@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.bench.affinity import Strayed, rebind, strayed_threads
-from kvxfer.vllm.settings import CEILING_KEY
+from kvxfer.vllm.extra_config import SPAN_PROBE_KEY
 
 HELP = "vLLM's NixlConnector vs KvxferConnector: transfer time, bytes, descriptors, TTFT"
 
@@ -109,7 +109,7 @@ def default_vllm_python() -> str | None:
 def model_directory(model: str = "smollm2-135m-instruct") -> Path:
     """The checkpoint directory vLLM serves: kvxfer's conversion of the named GGUF."""
     from kvxfer.engine.model_cache import gguf_checkpoint
-    from kvxfer.engine.models import MODELS
+    from kvxfer.engine.model_names import MODELS
 
     named = MODELS[model]
     assert named.gguf is not None, f"{model} has no checkpoint vLLM can load"
@@ -379,8 +379,8 @@ def select_cases(spec: str | None, prompt_tokens: list[int]) -> tuple[list[int],
 def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, salt: int,
                  decode_tokens: int, ceiling: bool = False) -> dict[str, Any]:
     """Medians over ``repeats`` of one case; with ``ceiling`` (a KvxferConnector pair
-    whose decode allows probes) each repeat also runs a ceiling probe on a prompt of its
-    own of the same length (``ceiling_ms``, ``ceiling_descriptors``), before the request
+    whose decode allows probes) each repeat also runs a span probe on a prompt of its
+    own of the same length (``ceiling_ms``, ``span_descriptors``), before the request
     in every other repeat and after it in the rest, so that drift favours neither."""
     rows: list[dict[str, float]] = []
     runs_adjacent = []
@@ -388,7 +388,7 @@ def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, sa
         prompt = prompt_ids(case.tokens, salt + rep)
         params = prefill(prefill_url, prompt)
         runs_adjacent.append(adjacent(params["remote_block_ids"]))
-        probe = _ceiling_probe(prefill_url, decode_url, case, salt + rep + 500) \
+        probe = _span_probe(prefill_url, decode_url, case, salt + rep + 500) \
             if ceiling and rep % 2 else {}
         before = transfer_counters(decode_url)
         ttft, _ = timed_decode(decode_url, prompt, params, decode_tokens)
@@ -397,9 +397,9 @@ def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, sa
                "bytes": delta["bytes_transferred"],
                "descriptors": delta["num_descriptors"], "ttft_ms": 1e3 * ttft}
         if ceiling and not rep % 2:
-            probe = _ceiling_probe(prefill_url, decode_url, case, salt + rep + 500)
+            probe = _span_probe(prefill_url, decode_url, case, salt + rep + 500)
         if probe and probe["bytes"] != row["bytes"]:
-            raise RuntimeError(f"{case.name}: the ceiling probe moved {probe['bytes']:.0f} "
+            raise RuntimeError(f"{case.name}: the span probe moved {probe['bytes']:.0f} "
                                f"bytes, the read {row['bytes']:.0f}")
         row.update({k: v for k, v in probe.items() if k != "bytes"})
         rows.append(row)
@@ -408,17 +408,17 @@ def measure_case(prefill_url: str, decode_url: str, case: Case, repeats: int, sa
     return out
 
 
-def _ceiling_probe(prefill_url: str, decode_url: str, case: Case, salt: int
-                   ) -> dict[str, float]:
-    """One ceiling probe: a prompt of the case's length prefilled, then decoded with
-    ``kvxfer_ceiling`` (its KV read as one READ of whole memory spans)."""
+def _span_probe(prefill_url: str, decode_url: str, case: Case, salt: int) -> dict[str, float]:
+    """One span probe (it measures the ceiling): a prompt of the case's length prefilled,
+    then decoded with ``kvxfer_span_probe`` (its KV read as one READ of whole memory
+    spans)."""
     prompt = prompt_ids(case.tokens, salt)
-    params = {**prefill(prefill_url, prompt), CEILING_KEY: True}
+    params = {**prefill(prefill_url, prompt), SPAN_PROBE_KEY: True}
     before = transfer_counters(decode_url)
     timed_decode(decode_url, prompt, params, 1)
     delta = settle_counters(decode_url, before)
     return {"ceiling_ms": 1e3 * delta["xfer_time_seconds"], "bytes": delta["bytes_transferred"],
-            "ceiling_descriptors": delta["num_descriptors"]}
+            "span_descriptors": delta["num_descriptors"]}
 
 
 def cycle_cache(url: str, salt: int, requests: int) -> None:
@@ -438,7 +438,7 @@ def run_connector(connector: str, args: argparse.Namespace, log_dir: Path,
     core it was bound to (:func:`~kvxfer.bench.affinity.strayed_threads`)."""
     results: dict[str, dict[str, Any]] = {}
     ceiling = connector == "kvxfer"  # probes need KvxferConnector's decode
-    extra = {"read_lanes": args.read_lanes, "ceiling_probe": True} if ceiling else None
+    extra = {"read_lanes": args.read_lanes, "span_probe": True} if ceiling else None
     with vllm_pair(connector, args.vllm_python, log_dir, extra=extra, pin=True) as (pre, dec):
         params = prefill(pre.url, prompt_ids(64, 999_999))  # warm-up: the handshake
         timed_decode(dec.url, prompt_ids(64, 999_999), params, 2)
@@ -571,7 +571,7 @@ def _table(report: dict[str, Any]) -> str:
                          f"{row['prefill_blocks_adjacent']!s:>19}")
         ours = report["connectors"]["kvxfer"][case]
         lines.append(f"{case:<26}{'ceiling':<10}{ours['ceiling_ms']:>12.2f}"
-                     f"{ours['bytes'] / 1e6:>8.1f}{ours['ceiling_descriptors']:>7.0f}")
+                     f"{ours['bytes'] / 1e6:>8.1f}{ours['span_descriptors']:>7.0f}")
         lines.append(f"{'':<26}{'ratio':<10}{ratio['transfer_ms_nixl_over_kvxfer']:>11.2f}x"
                      f"{'':>15}{ratio['ttft_ms_nixl_over_kvxfer']:>8.2f}x   {ratio['target']}")
     lines.append("ratio: NixlConnector / KvxferConnector (above 1: KvxferConnector is faster); "

@@ -273,7 +273,7 @@ def _send(client: Any, proxy_url: str, ask: Ask, max_tokens: int
 
 def _decode_tp(model: str) -> int:
     """The smallest TP size above 1 that splits ``model``'s KV heads (1 if none does)."""
-    from kvxfer.engine.models import model_config
+    from kvxfer.engine.model_names import model_config
 
     heads = model_config(model).num_key_value_heads
     return next((tp for tp in range(2, heads + 1) if heads % tp == 0), 1)

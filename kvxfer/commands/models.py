@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvxfer.engine.model_cache import cache_dir
-    from kvxfer.engine.models import model_statuses
+    from kvxfer.engine.model_names import model_statuses
 
     statuses = model_statuses()
     if args.json:

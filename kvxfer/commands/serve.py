@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     except KvKeyError as exc:
         return _fail(str(exc))
     # torch: after the quick checks
-    from kvxfer.sidecar.server import PortInUse, serve
+    from kvxfer.sidecar.http_app import PortInUse, serve
     from kvxfer.sidecar.settings import Settings
 
     settings = Settings(

@@ -3,9 +3,9 @@ in any kvxfer layout, with in-process tensor parallelism (see ``engine.py``)."""
 
 from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from kvxfer.engine.config import ConfigError, ModelConfig, tiny_config, tiny_mla_config
 from kvxfer.engine.engine import LLMEngine, layer_name
-from kvxfer.engine.models import TINY_MODEL
+from kvxfer.engine.model_config import ConfigError, ModelConfig, tiny_config, tiny_mla_config
+from kvxfer.engine.model_names import TINY_MODEL
 from kvxfer.engine.sampler import Logprob, SamplingParams
 from kvxfer.engine.sequence import RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from kvxfer.engine.config import ConfigError, ModelConfig
+from kvxfer.engine.model_config import ConfigError, ModelConfig
 from kvxfer.engine.weights import WeightsError, check_tensor_shapes
 
 CONFIG_FILE = "config.json"

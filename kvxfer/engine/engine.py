@@ -50,14 +50,14 @@ from typing import Any
 import torch
 
 from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
-from kvxfer.engine.config import ModelConfig
-from kvxfer.engine.model import Segment, Transformer, check_tp
-from kvxfer.engine.models import TINY_MODEL, load_model
+from kvxfer.engine.model_config import ModelConfig
+from kvxfer.engine.model_names import TINY_MODEL, load_model
 from kvxfer.engine.prefix_cache import PrefixCache
 from kvxfer.engine.sampler import Logprob, SamplingParams, make_generator, sample, skip_draw
 from kvxfer.engine.scheduler import Scheduler
 from kvxfer.engine.sequence import Request, RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
+from kvxfer.engine.transformer import Segment, Transformer, check_tp
 from kvxfer.engine.weights import fingerprint, init_weights
 from kvxfer.plan.layout import (
     HEADS_OUTSIDE_TOKENS,

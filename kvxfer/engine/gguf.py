@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvxfer.engine.checkpoint import CheckpointError
-from kvxfer.engine.config import ConfigError, ModelConfig
+from kvxfer.engine.model_config import ConfigError, ModelConfig
 from kvxfer.engine.weights import parameter_shapes
 
 GGUF_MAGIC = b"GGUF"

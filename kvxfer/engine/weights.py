@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.model_config import ModelConfig
 
 
 class WeightsError(ValueError):

@@ -131,7 +131,7 @@ class LoopbackInstance:
         from kvxfer.transfer.converted.mapped_reads import shared_zeros
         from kvxfer.transfer.converted.process_shares import ProcessShares
         from kvxfer.transfer.leases import ReservationAnswers
-        from kvxfer.transfer.side_channel.listener import HandshakeListener
+        from kvxfer.transfer.side_channel.listener import SideChannelListener
         from kvxfer.transfer.worker import TransferWorker
 
         engine_id = engine_id or f"{role}-{uuid.uuid4().hex[:10]}"
@@ -163,7 +163,7 @@ class LoopbackInstance:
             inst.raws.append(raw)
         if listen or (listen is None and role == "prefill"):  # a decode's answers claims
             claims = ReservationAnswers(inst.workers, 60.0) if role == "decode" else None
-            inst.listener = HandshakeListener(
+            inst.listener = SideChannelListener(
                 host, 0, engine_id=engine_id, compat=cfg.compat(), hmac_key=cfg.hmac_key,
                 metadata=lambda: [w.metadata() for w in inst.workers],
                 on_request=lambda _peer: [w.peer_connecting() for w in inst.workers],

@@ -26,7 +26,7 @@ from kvxfer.sidecar.openai_api.answers import (
     sse,
     usage_chunk,
 )
-from kvxfer.sidecar.openai_api.errors import OpenAIError, error_body
+from kvxfer.sidecar.openai_api.error_body import OpenAIError, error_body
 from kvxfer.sidecar.openai_api.prepared import Prepared
 
 if TYPE_CHECKING:

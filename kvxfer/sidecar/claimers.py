@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvxfer.transfer.side_channel.client import HandshakeClient
+    from kvxfer.transfer.side_channel.client import SideChannelClient
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Claimers:
     """See the module docstring; ``client`` is used by the pool thread alone; a claimer is
     probed at most every ``probe_every`` seconds."""
 
-    def __init__(self, client: HandshakeClient, probe_every: float = PROBE_EVERY_S) -> None:
+    def __init__(self, client: SideChannelClient, probe_every: float = PROBE_EVERY_S) -> None:
         self._client, self._probe_every = client, probe_every
         self._lock = threading.Lock()
         self._claimers: OrderedDict[str, _Claimer] = OrderedDict()

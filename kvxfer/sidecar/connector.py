@@ -57,8 +57,8 @@ from kvxfer.sidecar.claimers import Claimers
 from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
 from kvxfer.sidecar.kv_loads import KVLoads
 from kvxfer.sidecar.kv_pushes import KVPushes
-from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.sidecar.prefill_pushes import PrefillPushes
+from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import LeaseBook
 from kvxfer.wire.messages import ReleaseOutcome
@@ -70,8 +70,8 @@ if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
     from kvxfer.transfer.leases import LeaseAnswers
     from kvxfer.transfer.liveness import Liveness
     from kvxfer.transfer.side_channel.heartbeats import Heartbeats
-    from kvxfer.transfer.side_channel.listener import HandshakeListener
-    from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+    from kvxfer.transfer.side_channel.listener import SideChannelListener
+    from kvxfer.transfer.side_channel.sender import SideChannelSender
     from kvxfer.transfer.worker import TransferWorker
     from kvxfer.wire.params import RemoteParams
 
@@ -163,7 +163,7 @@ class KVConnector:
         # already read at once); only decode ranks read, a prefill's lanes would idle.
         self.read_lanes = max(1, read_lanes // engine.tp) if role == "decode" else 1
         self.workers: list[TransferWorker] = []
-        self.listener: HandshakeListener | None = None
+        self.listener: SideChannelListener | None = None
         self.answers: LeaseAnswers | None = None  # prefill: the listener's lease answers
         self.loads: KVLoads | None = None  # decode: requests whose KV is read
         self.pushes: KVPushes | None = None  # decode, push mode: reservations written into
@@ -221,7 +221,7 @@ class KVConnector:
 
     def _start_listener(self, port: int) -> None:
         from kvxfer.transfer.leases import LeaseAnswers, ReservationAnswers
-        from kvxfer.transfer.side_channel.listener import HandshakeListener
+        from kvxfer.transfer.side_channel.listener import SideChannelListener
 
         def connecting(_requester: str) -> None:
             for worker in self.workers:
@@ -236,7 +236,7 @@ class KVConnector:
             self.answers, answers["on_release"] = leases, leases.on_release
         else:
             answers["on_claimer"] = lambda *seen: self.pushes and self.pushes.claimers.heard(*seen)
-        self.listener = HandshakeListener(
+        self.listener = SideChannelListener(
             self.side_channel_host, port, engine_id=self.engine_id,
             compat=compat_info(self.engine),
             metadata=lambda: [w.metadata() for w in self.workers], hmac_key=self._key,
@@ -245,12 +245,12 @@ class KVConnector:
 
     def _start_loads(self, mode: str) -> None:
         from kvxfer.transfer.lease_client import LeaseClient
-        from kvxfer.transfer.side_channel.client import HandshakeClient
-        from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+        from kvxfer.transfer.side_channel.client import SideChannelClient
+        from kvxfer.transfer.side_channel.sender import SideChannelSender
 
         compat = compat_info(self.engine)
-        def sender() -> ReleaseSender:  # its thread alone uses its client: connections kept
-            return ReleaseSender(HandshakeClient(self.engine_id, compat, self._key,
+        def sender() -> SideChannelSender:  # its thread alone uses its client: connections kept
+            return SideChannelSender(SideChannelClient(self.engine_id, compat, self._key,
                                                  keep_connections=True))
 
         releaser = sender()
@@ -264,7 +264,7 @@ class KVConnector:
         self.loads = KVLoads(self.engine, self.workers, self.metrics, leases,
                              failure_policy=self.failure_policy)
         if mode == "push" and self.listener is not None:
-            claimers = Claimers(HandshakeClient(self.engine_id, compat, self._key))
+            claimers = Claimers(SideChannelClient(self.engine_id, compat, self._key))
             self.pushes = KVPushes(self.engine, self.workers, self.metrics, claimers,
                                    engine_id=self.engine_id, host=self.advertise_host,
                                    port=self.listener.port, key=self._key, ttl=self.lease_ttl,
@@ -276,7 +276,7 @@ class KVConnector:
         return None if self.listener is None else self.listener.port
 
     @property
-    def releaser(self) -> ReleaseSender | None:
+    def releaser(self) -> SideChannelSender | None:
         """Decode: the sender of side-channel releases (None in other roles, or closed)."""
         return None if self.loads is None else self.loads.leases.releaser
 

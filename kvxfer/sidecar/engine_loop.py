@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvxfer.sidecar.connector import AbortOutcome, ConnectorEvents, KVConnector
 from kvxfer.sidecar.kv_loads import first_logprob
-from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.wire.messages import ReleaseOutcome
 from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.reservations import PushedParams

@@ -26,12 +26,12 @@ from kvxfer.net.api_key import authenticated
 from kvxfer.net.hosts import DRAINING_HEADER
 from kvxfer.sidecar.answer import Answer, ClientGone, error_response, json_response
 from kvxfer.sidecar.engine_loop import EngineStopped, Sibling, Sink, Submission
-from kvxfer.sidecar.metrics import CONTENT_TYPE
-from kvxfer.sidecar.openai_api.errors import OpenAIError
+from kvxfer.sidecar.openai_api.error_body import OpenAIError
 from kvxfer.sidecar.openai_api.kv_params import check_samples_fit, unread_lease
 from kvxfer.sidecar.openai_api.prepared import Prepared
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest, decode_body
 from kvxfer.sidecar.openai_api.validation import prepare_chat, prepare_completion
+from kvxfer.sidecar.sidecar_metrics import CONTENT_TYPE
 from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.reservations import RESERVATION_KEY, parse_reservation
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 from kvxfer.net.hosts import bare_host
 from kvxfer.sidecar.connector import KVConnector, new_engine_id
 from kvxfer.sidecar.engine_loop import EngineLoop
-from kvxfer.sidecar.metrics import SidecarMetrics
 from kvxfer.sidecar.openai_api.answers import TokenText
 from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.settings import Settings
+from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.transfer.converted.mapped_reads import shared_zeros
 
 if TYPE_CHECKING:

@@ -49,7 +49,7 @@ Who calls what:
   another member drops only that one.
 * Every rank's read that ended, read or failed, sends its "done" reports over the
   prefill's side channel (:meth:`LeaseClient.report_done`: acknowledged and resent, from
-  the :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender` thread, never from
+  the :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender` thread, never from
   the loop), next to its NIXL notifications: the lease ends when every reader was counted
   either way, so a lost notification costs no TTL.
 * A request that ends without the prefill being told by any reader sends the prefill a
@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
-from kvxfer.sidecar.metrics import SidecarMetrics
+from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
 from kvxfer.wire.lease_book import HeldLease, LeaseExpired
 from kvxfer.wire.messages import ReleaseOutcome

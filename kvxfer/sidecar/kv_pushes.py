@@ -36,12 +36,12 @@ loop's thread. Who calls what:
   earlier once that prefill is shown gone (:class:`~kvxfer.sidecar.claimers.Claimers`: its
   "done" will never come), is *overdue* (the side channel's
   :class:`~kvxfer.transfer.leases.ReservationAnswers`: a claim keeps the lease up to
-  :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the deadline): its writer has not
+  :data:`~kvxfer.transfer.results.STALE_LIMIT_S` past the deadline): its writer has not
   said that its WRITEs ended, and over TCP a cut link's bytes land once it is back. Its
   request, if one came, is recomputed or failed at once in fresh blocks
   (``set_aside_blocks``); the reserved blocks stay *quarantined*
   (:attr:`KVPushes.quarantined_blocks`) until every rank's lease ended (the writers' late
-  ``ok=False``, or the ceiling), or the grace after the claimer was shown gone
+  ``ok=False``, or the stale limit), or the grace after the claimer was shown gone
   (:class:`~kvxfer.sidecar.claimers.Claimers`).
 * :meth:`KVPushes.abort`: a request whose reservation is still being written into is
   aborted only once its lease ended on every rank (a WRITE may land until then).
@@ -66,7 +66,7 @@ from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, Logprob, SamplingParams
-    from kvxfer.sidecar.metrics import SidecarMetrics
+    from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
     from kvxfer.transfer.results import Released
     from kvxfer.transfer.worker import TransferWorker
 
@@ -344,7 +344,7 @@ class KVPushes:
     def _overdue(self, reservation_id: str, reserved: _Reserved, why: str) -> None:
         """A writer claimed ``reserved`` and has not said its WRITEs ended (``why``: past
         its deadline and the grace, or the writer is gone): its blocks leave every use
-        until it does (or the ceiling, or the grace after the writer was shown gone); its
+        until it does (or the stale limit, or the grace after the writer was shown gone); its
         request goes on without them."""
         request_id = reserved.request_id
         if request_id is None:

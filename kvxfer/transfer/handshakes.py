@@ -27,10 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 from kvxfer.transfer.results import Tally, TransferError
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.errors import failure_reason
-from kvxfer.wire.errors import HandshakeError
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.failures import failure_reason
 from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.protocol_errors import SideChannelError
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Handshakes(Generic[T]):
         """Pool thread: ``job``, its failure as a counted :class:`HandshakeFailed`."""
         try:
             return job()
-        except HandshakeError as exc:
+        except SideChannelError as exc:
             failed = HandshakeFailed(str(exc), failure_reason(exc))
         except (TransferError, ValueError) as exc:  # answered, but not a peer we can use
             failed = HandshakeFailed(str(exc), "mismatch")
@@ -131,7 +131,7 @@ class Handshakes(Generic[T]):
         raise failed
 
 
-def fetch_ranks(client: HandshakeClient, host: str, ports: Mapping[int, Sequence[int]], *,
+def fetch_ranks(client: SideChannelClient, host: str, ports: Mapping[int, Sequence[int]], *,
                 engine_id: str, tp_size: int, timeout: float, retries: int,
                 backends: Sequence[str], roles: tuple[str, str],
                 named_by: str = "kv_transfer_params say") -> dict[int, AgentMetadata]:

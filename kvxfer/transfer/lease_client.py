@@ -2,7 +2,7 @@
 
 One per decode: the sidecar's :class:`~kvxfer.sidecar.kv_loads.KVLoads` (all its
 ranks read a lease once) and the vLLM worker's
-:class:`~kvxfer.vllm.transfers.WorkerSide` use the same object; each keeps its own
+:class:`~kvxfer.vllm.worker_side.WorkerSide` use the same object; each keeps its own
 bookkeeping of requests and only asks this one about their leases.
 
 Threading: every method is called from the owner's thread (the sidecar's engine loop,
@@ -19,7 +19,7 @@ The life of a lease on the decode side:
   ValueError: no expiry) means the lease is neither read nor released (the params may
   be another request's).
 * :meth:`claim` asks the prefill for the lease (``RenewLease(claim=True)``) from the
-  renewer's :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender` thread;
+  renewer's :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender` thread;
   :meth:`renew_due` sends the claims not sent yet and the renewals due (under half the TTL left),
   one at a time per lease.
 * :meth:`take_answers` applies the prefill's answers (:class:`LeaseAnswer`): granted
@@ -60,7 +60,7 @@ from kvxfer.wire.lease_book import HeldLease, LeaseBook
 from kvxfer.wire.messages import ReleaseOutcome
 
 if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
-    from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+    from kvxfer.transfer.side_channel.sender import SideChannelSender
     from kvxfer.wire.messages import DoneReport, RenewAck
     from kvxfer.wire.params import RemoteParams
 
@@ -109,7 +109,7 @@ class LeaseAnswer:
     @classmethod
     def of(cls, lease_id: str, ack: RenewAck | None, sent_at: float, why: str, *,
            claim: bool) -> LeaseAnswer:
-        """From :meth:`ReleaseSender.submit_renew`'s ``done(ack, sent_at, why)``."""
+        """From :meth:`SideChannelSender.submit_renew`'s ``done(ack, sent_at, why)``."""
         if ack is None:
             return cls(lease_id, claim, Answer.UNANSWERED, sent_at, why=why)
         if not ack.found:
@@ -168,16 +168,16 @@ class LeaseClient:
     lease left (or up to the renewal point, see :meth:`HeldLease.readable_for`).
     """
 
-    def __init__(self, book: LeaseBook, releaser: ReleaseSender,
-                 renewer: ReleaseSender | None = None, *, read_timeout: float) -> None:
+    def __init__(self, book: LeaseBook, releaser: SideChannelSender,
+                 renewer: SideChannelSender | None = None, *, read_timeout: float) -> None:
         self.book, self.read_timeout = book, read_timeout
-        self._releaser: ReleaseSender | None = releaser
-        self._renewer: ReleaseSender | None = renewer or releaser
+        self._releaser: SideChannelSender | None = releaser
+        self._renewer: SideChannelSender | None = renewer or releaser
         self._answers: queue.SimpleQueue[tuple[HeldLease, LeaseAnswer]] = queue.SimpleQueue()
         self._answered = threading.Event()  # an answer is queued
 
     @property
-    def releaser(self) -> ReleaseSender | None:
+    def releaser(self) -> SideChannelSender | None:
         """The sender of releases; None once closed."""
         return self._releaser
 

@@ -24,9 +24,9 @@ ended: the last :data:`ENDED_REMEMBERED` ended leases are remembered for that.
 ``LeaseAnswers``: a prefill's side-channel answers about its leases, over its rank
 tables. One per prefill instance: the sidecar's
 :class:`~kvxfer.sidecar.connector.KVConnector` (over all its TP ranks) and the vLLM
-worker's :class:`~kvxfer.vllm.transfers.WorkerSide` (its one rank) hand
+worker's :class:`~kvxfer.vllm.worker_side.WorkerSide` (its one rank) hand
 :meth:`LeaseAnswers.on_release` and :meth:`LeaseAnswers.on_renew` to their
-:class:`~kvxfer.transfer.side_channel.listener.HandshakeListener`:
+:class:`~kvxfer.transfer.side_channel.listener.SideChannelListener`:
 
 * the listener's thread calls :meth:`~LeaseAnswers.on_release` for a decode's
   ``ReleaseLease``: it is ignored from another engine than the lease's claimer;
@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvxfer.transfer.faults import LOSS, MessageLoss
-from kvxfer.transfer.results import STALE_CEILING_S, Released, Tally
-from kvxfer.wire.errors import BadSignature, ProtocolError
+from kvxfer.transfer.results import STALE_LIMIT_S, Released, Tally
 from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewRefused
 from kvxfer.wire.notification import ReadDone, decode_notif
+from kvxfer.wire.protocol_errors import BadSignature, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -362,12 +362,12 @@ class ReservationAnswers(LeaseAnswers):
     """A push-mode decode's side-channel answers over its ``ranks``, whose reservations
     are leases: a prefill claims one before its first WRITE (:meth:`on_renew` with
     ``claim``; the first engine only, and before the deadline it was held with), which
-    keeps it held up to :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the
+    keeps it held up to :data:`~kvxfer.transfer.results.STALE_LIMIT_S` past the
     reservation's deadline (``reservation_ttl`` after it was made), unless its writers end
     it ("done", or ``ok=False`` once their WRITEs ended). Nothing renews a reservation."""
 
     def __init__(self, ranks: Sequence[RankLeases], reservation_ttl: float) -> None:
-        span = reservation_ttl + STALE_CEILING_S
+        span = reservation_ttl + STALE_LIMIT_S
         super().__init__(ranks, ttl=span, max_age=span)
 
     def on_renew(self, lease_id: str, requester: str, claim: bool) -> float:

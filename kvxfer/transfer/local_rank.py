@@ -42,7 +42,7 @@ def memory_kind(memory: Sequence[MemoryRegion], whose: str) -> bool:
 class Deadlines:
     """How long a decode rank waits: a handshake up to ``1 + handshake_retries`` attempts
     of ``handshake_timeout`` seconds
-    (:meth:`~kvxfer.transfer.side_channel.client.HandshakeClient.fetch`), a read
+    (:meth:`~kvxfer.transfer.side_channel.client.SideChannelClient.fetch`), a read
     ``read_timeout`` seconds once posted (or waiting for staging before it is), or, with
     ``liveness``, less: a read in flight from a prefill whose side channel has left a
     heartbeat unanswered for ``liveness.timeout`` seconds fails then. The worker's

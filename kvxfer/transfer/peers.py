@@ -5,7 +5,7 @@ Who calls what, on which thread:
 * the reads (:class:`~kvxfer.transfer.reads.reader.Reader`, on the worker's thread) ask
   for a peer by engine id (:meth:`Peers.get`); for an engine not known yet they start a
   handshake (:meth:`Peers.shake`). A pool thread fetches and checks the prefill's
-  metadata over the side channel (:class:`~kvxfer.transfer.side_channel.client.HandshakeClient`)
+  metadata over the side channel (:class:`~kvxfer.transfer.side_channel.client.SideChannelClient`)
   and plans this rank's reads of it (:func:`~kvxfer.plan.staging.plan_reads`) and each
   prefill rank's candidate paths (:func:`~kvxfer.transfer.routes.candidates`: copies on
   this host where it offers them, NIXL): no NIXL call there. Back on the worker's thread,
@@ -43,7 +43,7 @@ from kvxfer.transfer.handshakes import DEAD_PEER_S, HandshakeFailed, Handshakes,
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
 from kvxfer.transfer.results import PathTraffic, TransferError
 from kvxfer.transfer.routes import Route, candidates, choose
-from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone, encode_notif
@@ -127,7 +127,7 @@ class Peers:
     heads this rank reads from which prefill rank; ``host_reads`` whether a prefill on
     this host may be copied from (mapped, host-read) instead of read over NIXL."""
 
-    def __init__(self, local: LocalRank, client: HandshakeClient, *, total_kv_heads: int,
+    def __init__(self, local: LocalRank, client: SideChannelClient, *, total_kv_heads: int,
                  host_reads: bool) -> None:
         self._local, self._client = local, client
         self.total_kv_heads = total_kv_heads

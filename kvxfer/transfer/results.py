@@ -19,7 +19,7 @@ from kvxfer.wire.messages import DoneReport
 # how long a transfer given up in flight (a READ, or a WRITE) is waited for at most:
 # longer than Linux keeps retransmitting on a connection whose peer stopped answering
 # (tcp_retries2 = 15: about 15.4 minutes), after which nothing of it can land
-STALE_CEILING_S = 20 * 60.0
+STALE_LIMIT_S = 20 * 60.0
 
 Span = tuple[float, float]
 """A READ as NIXL timed it: (posted, seen done), in seconds of the monotonic clock."""
@@ -135,7 +135,8 @@ class PathTraffic:
 @dataclass
 class WorkerCounts:
     """Events since the last :meth:`TransferWorker.take_counts`, by reason (the labels of
-    the sidecar's metrics, :mod:`kvxfer.sidecar.metrics`), one per handshake or notification."""
+    the sidecar's metrics, :mod:`kvxfer.sidecar.sidecar_metrics`), one per handshake or
+    notification."""
 
     # decode: a handshake (after its retries) or the NIXL connection after it failed:
     # handshake.failure_reason's words, "mismatch" for a peer this rank cannot read, "connect"

@@ -26,10 +26,10 @@ Contract (who calls what, when):
   failed read notifies the prefill ranks (``ok=False``) when a NIXL connection
   exists. Every read that ended with a known peer comes with its "done" reports
   (``PollResult.reports``), which the caller sends over the side channel
-  (``ReleaseSender.submit_done``): they end the lease where a notification was lost
+  (``SideChannelSender.submit_done``): they end the lease where a notification was lost
   or none went out. A read whose peer was never known, or was dropped, is listed in
   ``PollResult.unnotified``: the caller releases the lease over the side channel
-  (``HandshakeClient.release``).
+  (``SideChannelClient.release``).
 * Prefill side, per request: ``hold(request_id, block_ids, readers, ttl)``
   leases the blocks until every expected decode reader has notified "done", the
   caller ends it (``end_lease``, e.g. on a side-channel release) or the lease
@@ -110,8 +110,8 @@ from kvxfer.transfer.pushes.targets import Targets
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.reader import Reader
 from kvxfer.transfer.results import PollResult, ReadResults, Released, Tally, WorkerCounts
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.sender import SideChannelSender
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone
@@ -148,7 +148,7 @@ class TransferWorker:
         self.host_reads = host_reads
         self._key = hmac_key  # signs and verifies "done" notifications
         self._shares = shares if shares is not None else ProcessShares()
-        self._client = HandshakeClient(engine_id, compat, hmac_key=hmac_key)
+        self._client = SideChannelClient(engine_id, compat, hmac_key=hmac_key)
         self._agent = NixlAgent(f"{engine_id}-rank{rank}", nixl_backends)
         # converted reads land here; converted pushes take their shadows here
         self._staging = StagingPool(self._agent, f"r{rank}")
@@ -232,7 +232,7 @@ class TransferWorker:
         self._pusher = Pusher(local, Targets(local, self._client,
                                              total_kv_heads=self.total_kv_heads),
                               self._leases, local.geometry.num_layers,
-                              lambda: ReleaseSender(HandshakeClient(  # its thread's alone
+                              lambda: SideChannelSender(SideChannelClient(  # its thread's alone
                                   self.engine_id, self.compat, hmac_key=self._key,
                                   keep_connections=True), timeout=REPORT_TIMEOUT_S))
         self._plan = plan
@@ -276,13 +276,13 @@ class TransferWorker:
 
     # -- decode side --------------------------------------------------------------------
     def start_read(self, request_id: str, remote_params: Mapping[str, Any] | RemoteParams,
-                   local_block_ids: Sequence[int], *, ceiling: bool = False) -> None:
+                   local_block_ids: Sequence[int], *, span_probe: bool = False) -> None:
         """Queue a read of ``remote_params.remote_block_ids`` into ``local_block_ids``.
 
         Both lists count logical blocks (each side's ``spec.block_size``), whatever
-        kernel block size either side's views have. ``ceiling``: a benchmark's probe, the
+        kernel block size either side's views have. ``span_probe``: a benchmark's probe, the
         same number of bytes as one READ of whole memory spans from the request's first
-        block on each side, over whatever blocks follow (:mod:`kvxfer.plan.ceiling`).
+        block on each side, over whatever blocks follow (:mod:`kvxfer.plan.span_probe`).
 
         Malformed params raise ValueError here; everything that needs the peer
         (handshake, geometry, block-id ranges) is reported through ``poll()``.
@@ -292,7 +292,7 @@ class TransferWorker:
         self._require_plan()
         assert self._reads is not None
         ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-        self._reads.submit(Read(request_id, remote, ids, time.monotonic(), ceiling=ceiling))
+        self._reads.submit(Read(request_id, remote, ids, time.monotonic(), span_probe=span_probe))
 
     def poll(self) -> PollResult:
         """Reads finished or failed since the last call (thread-safe)."""

@@ -3,7 +3,7 @@ imports vLLM; ``import kvxfer`` never does).
 
 ``"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.vllm"``
 loads it; see :mod:`kvxfer.vllm.connector` for what it supports and
-:mod:`kvxfer.vllm.settings` for its ``kv_connector_extra_config`` keys.
+:mod:`kvxfer.vllm.extra_config` for its ``kv_connector_extra_config`` keys.
 """
 
 from __future__ import annotations

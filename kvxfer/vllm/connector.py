@@ -7,9 +7,9 @@ Load it with::
                            "kv_role": "kv_both", "kv_buffer_device": "cpu",
                            "kv_connector_extra_config": {...}}'
 
-(keys of ``kv_connector_extra_config``: :mod:`kvxfer.vllm.settings`). This class
-only adapts vLLM's hooks: the scheduler side is :class:`~kvxfer.vllm.scheduler.
-SchedulerSide`, the worker side :class:`~kvxfer.vllm.transfers.WorkerSide`, and
+(keys of ``kv_connector_extra_config``: :mod:`kvxfer.vllm.extra_config`). This class
+only adapts vLLM's hooks: the scheduler side is :class:`~kvxfer.vllm.scheduler_side.
+SchedulerSide`, the worker side :class:`~kvxfer.vllm.worker_side.WorkerSide`, and
 those call kvxfer's own regions, descriptors, handshake, worker and leases.
 
 Pull mode with asynchronous loads, as vLLM's NixlConnector: the decode reads
@@ -51,10 +51,10 @@ from kvxfer.plan.layout import CacheSpec
 from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
 from kvxfer.vllm.allocation import SharedCacheAllocation
 from kvxfer.vllm.cache_shapes import cache_spec
-from kvxfer.vllm.plan import StepPlan
-from kvxfer.vllm.scheduler import BlockRef, SchedulerSide
-from kvxfer.vllm.settings import ConnectorSettings
-from kvxfer.vllm.transfers import StepResult, WorkerSide
+from kvxfer.vllm.extra_config import ConnectorSettings
+from kvxfer.vllm.scheduler_side import BlockRef, SchedulerSide
+from kvxfer.vllm.step_plan import StepPlan
+from kvxfer.vllm.worker_side import StepResult, WorkerSide
 from kvxfer.wire.compat import CompatInfo
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Every envelope carries the sender's compatibility hash (:func:`compat_hash`), and
 usually its :class:`CompatInfo` too, so that a receiver with another hash can say
-which fields differ (:func:`compat_diff`, :class:`~kvxfer.wire.errors.HashMismatch`).
+which fields differ (:func:`compat_diff`, :class:`~kvxfer.wire.protocol_errors.HashMismatch`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hashlib
 import msgspec
 
 from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
-from kvxfer.wire.errors import FieldDiff, require
+from kvxfer.wire.protocol_errors import FieldDiff, require
 from kvxfer.wire.version import KVXFER_PROTOCOL_VERSION
 
 

@@ -33,9 +33,9 @@ import msgspec
 
 from kvxfer.wire import version
 from kvxfer.wire.compat import CompatInfo, compat_diff, compat_hash
-from kvxfer.wire.errors import BadSignature, HashMismatch, MalformedMessage
 from kvxfer.wire.framing import ENCODER, UNKNOWN_PEER, check_version, decode_strict, sign
 from kvxfer.wire.messages import HASH_FREE_KINDS, KIND_OF, Message, MessageKind, MessageT
+from kvxfer.wire.protocol_errors import BadSignature, HashMismatch, MalformedMessage
 from kvxfer.wire.replay import NONCE_BYTES, ReplayGuard
 from kvxfer.wire.version import MAGIC
 

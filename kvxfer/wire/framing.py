@@ -3,7 +3,7 @@ first, strict msgpack decoding, HMAC-SHA256 signatures.
 
 Decoding starts here: :func:`check_version` checks the magic, then the protocol version
 (decoding only that field, so that a peer speaking another version gets
-:class:`~kvxfer.wire.errors.VersionMismatch` whatever else its frame holds), before
+:class:`~kvxfer.wire.protocol_errors.VersionMismatch` whatever else its frame holds), before
 anything else is looked at.
 """
 
@@ -16,7 +16,7 @@ from typing import TypeVar
 import msgspec
 
 from kvxfer.wire import version
-from kvxfer.wire.errors import BadMagic, MalformedMessage, VersionMismatch
+from kvxfer.wire.protocol_errors import BadMagic, MalformedMessage, VersionMismatch
 from kvxfer.wire.version import MAGIC
 
 T = TypeVar("T")
@@ -46,7 +46,7 @@ def sign(key: bytes, data: bytes) -> bytes:
 def decode_strict(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str,
                   peer: str) -> T:
     """``data`` decoded by ``decoder``; anything that does not decode into its type raises
-    :class:`~kvxfer.wire.errors.MalformedMessage` naming ``what`` and ``peer``."""
+    :class:`~kvxfer.wire.protocol_errors.MalformedMessage` naming ``what`` and ``peer``."""
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -22,9 +22,9 @@ from typing import Annotated, TypeVar
 import msgspec
 from msgspec import Meta
 
-from kvxfer.wire.errors import ErrorCode, MalformedMessage, require
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone
+from kvxfer.wire.protocol_errors import ErrorCode, MalformedMessage, require
 
 
 class MessageKind(str, enum.Enum):
@@ -214,7 +214,7 @@ class DoneReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     that arrives second changes nothing. The answer is a :class:`ReleaseAck` whose
     ``found`` says whether the lease was still held as the report arrived; a decode
     resends a report that got no answer (see
-    :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`).
+    :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`).
 
     Push mode sends it the other way: a prefill rank that WRITEs into a reservation reports
     its "done" to the decode rank holding it (``prefill_rank`` then names that rank: the

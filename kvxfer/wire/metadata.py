@@ -11,7 +11,7 @@ import msgspec
 
 from kvxfer.plan.packing import TOKEN_PACKING
 from kvxfer.plan.regions import RegionPlan
-from kvxfer.wire.errors import require
+from kvxfer.wire.protocol_errors import require
 
 
 class SharedRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,8 +13,8 @@ import hmac
 import msgspec
 
 from kvxfer.wire import version
-from kvxfer.wire.errors import BadSignature, require
 from kvxfer.wire.framing import ENCODER, UNKNOWN_PEER, check_version, decode_strict, sign
+from kvxfer.wire.protocol_errors import BadSignature, require
 from kvxfer.wire.version import MAGIC
 
 

@@ -3,7 +3,7 @@
 With a shared key every envelope is signed (:mod:`kvxfer.wire.envelope`) and also
 carries a timestamp and a random nonce; a receiver refuses stale or repeated ones
 (:class:`ReplayGuard`) as :class:`ReplayedMessage`, a
-:class:`~kvxfer.wire.errors.BadSignature`.
+:class:`~kvxfer.wire.protocol_errors.BadSignature`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvxfer.wire.errors import BadSignature, ProtocolError
+from kvxfer.wire.protocol_errors import BadSignature, ProtocolError
 
 MAX_MESSAGE_AGE_S = 30.0
 """A signed message whose timestamp is further than this from the receiver's clock

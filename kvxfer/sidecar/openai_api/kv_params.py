@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from kvxfer.sidecar.openai_api.errors import bad_request
+from kvxfer.sidecar.openai_api.error_body import bad_request
 from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.openai_api.request_bodies import CommonFields, is_int
 from kvxfer.wire.reservations import RESERVATION_ID_KEY, RESERVATION_KEY

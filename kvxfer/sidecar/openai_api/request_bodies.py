@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from kvxfer.sidecar.openai_api.errors import bad_request
+from kvxfer.sidecar.openai_api.error_body import bad_request
 
 
 class StreamOptions(msgspec.Struct):

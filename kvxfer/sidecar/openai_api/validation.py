@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvxfer.sidecar.openai_api.errors import OpenAIError, bad_request
+from kvxfer.sidecar.openai_api.error_body import OpenAIError, bad_request
 from kvxfer.sidecar.openai_api.kv_params import kv_intent
 from kvxfer.sidecar.openai_api.prepared import SEED_LIMIT, ModelInfo, Prepared
 from kvxfer.sidecar.openai_api.request_bodies import (

@@ -39,10 +39,10 @@ deadline a push still unfinished fails the same way. Its WRITEs may stay in flig
 after (over TCP, a cut link: the bytes still in this host's kernel land once the link is
 back), and the decode keeps the claimed blocks out of use until it is told ``ok=False``.
 Such a push is not polled fast: each step of the worker asks its WRITEs whether they
-ended. At :data:`~kvxfer.transfer.results.STALE_CEILING_S` past the deadline, or when
+ended. At :data:`~kvxfer.transfer.results.STALE_LIMIT_S` past the deadline, or when
 the worker closes, a push still waiting is cut off: its WRITEs are released, and the
 decode ranks they were writing into are told nothing (the decode frees at its own
-ceiling).
+stale limit).
 
 A lost notification: as its lease ends, the push sends what it told each decode rank once
 more, over the decode's side channel (:meth:`Pusher._report`), to every rank all of whose
@@ -77,8 +77,8 @@ from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.nixl_agent import in_flight
 from kvxfer.transfer.pushes.targets import Target, Targets
 from kvxfer.transfer.reads.path import release_transfers
-from kvxfer.transfer.results import STALE_CEILING_S, TransferError
-from kvxfer.transfer.side_channel.release_sender import DONE_RESEND_FOR_S, ReleaseSender
+from kvxfer.transfer.results import STALE_LIMIT_S, TransferError
+from kvxfer.transfer.side_channel.sender import DONE_RESEND_FOR_S, SideChannelSender
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation, ReservationError
@@ -146,11 +146,11 @@ class Pusher:
     ends its lease there)."""
 
     def __init__(self, local: LocalRank, targets: Targets, leases: LeaseTable,
-                 num_layers: int, new_sender: Callable[[], ReleaseSender]) -> None:
+                 num_layers: int, new_sender: Callable[[], SideChannelSender]) -> None:
         self._local, self._targets, self._leases = local, targets, leases
         self._num_layers = num_layers
         self._new_sender = new_sender  # side-channel "done" reports, each from its own thread
-        self._senders: dict[int, ReleaseSender] = {}  # made on first use (see _reports)
+        self._senders: dict[int, SideChannelSender] = {}  # made on first use (see _reports)
         self._closed = False
         self._pushes: dict[str, _Push] = {}
         self._waiting: dict[str, list[_Push]] = {}  # by decode engine: parked on a handshake
@@ -201,8 +201,8 @@ class Pusher:
             command()
         now = time.time()
         for push in list(self._pushes.values()):
-            if now >= push.reservation.expires_at + STALE_CEILING_S:
-                self._cut_off(push, f"its WRITEs were still in flight {STALE_CEILING_S:g} s "
+            if now >= push.reservation.expires_at + STALE_LIMIT_S:
+                self._cut_off(push, f"its WRITEs were still in flight {STALE_LIMIT_S:g} s "
                                     f"after the reservation's deadline")
                 continue
             if now >= push.reservation.expires_at and push.failed is None:
@@ -417,7 +417,7 @@ class Pusher:
         self._end(push, "failed")
 
     def _cut_off(self, push: _Push, reason: str) -> None:
-        """The ceiling past the reservation's deadline passed (or the worker closes):
+        """The stale limit past the reservation's deadline passed (or the worker closes):
         release what is in flight; tell only the decode ranks none of whose WRITEs may
         still land."""
         if push.failed is None:
@@ -482,7 +482,7 @@ class Pusher:
                 self._reports(reservation.reservation_id).submit_done(
                     reservation.host, reservation.port, DoneReport(rank, note), left)
 
-    def _reports(self, reservation_id: str) -> ReleaseSender:
+    def _reports(self, reservation_id: str) -> SideChannelSender:
         """The sender of a reservation's reports, one of :data:`REPORT_SENDERS`: each waits
         for an answer before its next attempt, and an unanswered one holds up the rest."""
         index = zlib.crc32(reservation_id.encode()) % REPORT_SENDERS

@@ -24,7 +24,7 @@ from kvxfer.transfer.converted.stream_copy import stream_copy
 from kvxfer.transfer.handshakes import Handshakes, fetch_ranks
 from kvxfer.transfer.local_rank import LocalRank, memory_kind
 from kvxfer.transfer.results import TransferError
-from kvxfer.transfer.side_channel.client import HandshakeClient
+from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.reservations import Reservation
 
@@ -66,7 +66,7 @@ class Targets:
     """See the module docstring. ``total_kv_heads`` and both instances' TP sizes say which
     heads this rank writes into which decode rank."""
 
-    def __init__(self, local: LocalRank, client: HandshakeClient, *,
+    def __init__(self, local: LocalRank, client: SideChannelClient, *,
                  total_kv_heads: int) -> None:
         self._local, self._client = local, client
         self.total_kv_heads = total_kv_heads

@@ -38,8 +38,8 @@ class Read:
     posted: float | None = None  # when its paths were posted (after any staging wait)
     paths: list[ReadPath] = field(default_factory=list)
     # a benchmark's probe: the same bytes as one READ of whole memory spans from the
-    # request's first block on each side, over whatever blocks follow (kvxfer.plan.ceiling)
-    ceiling: bool = False
+    # request's first block on each side, over whatever blocks follow (kvxfer.plan.span_probe)
+    span_probe: bool = False
 
     @property
     def engine(self) -> str:

@@ -38,7 +38,7 @@ the reader keeps them (:class:`~kvxfer.transfer.reads.path.Stale`) and their pee
 (:meth:`Peers.hold`), reports the failure at once as *quarantined* when they land in the
 read's blocks (the caller keeps those blocks from every other use), and reports the read
 *settled* once every one of them ended, or after
-:data:`~kvxfer.transfer.results.STALE_CEILING_S`.
+:data:`~kvxfer.transfer.results.STALE_LIMIT_S`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import queue
 import time
 from dataclasses import dataclass
 
-from kvxfer.plan.ceiling import ceiling_descriptors
 from kvxfer.plan.descriptors import PeerReadPlan, build_requests_descriptors
+from kvxfer.plan.span_probe import span_descriptors
 from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.host_reads import HostRead
 from kvxfer.transfer.converted.mapped_reads import MappedRead
@@ -57,11 +57,11 @@ from kvxfer.transfer.local_rank import LocalRank
 from kvxfer.transfer.peers import HandshakeFailed, Peer, Peers
 from kvxfer.transfer.reads.direct import DirectPath
 from kvxfer.transfer.reads.host import HostPath, MappedPath
-from kvxfer.transfer.reads.lanes import LanesPath
+from kvxfer.transfer.reads.over_lanes import LanesPath
 from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Stale, Waiting
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.staged import StagedPath
-from kvxfer.transfer.results import STALE_CEILING_S, PathTraffic, ReadResults, TransferError
+from kvxfer.transfer.results import STALE_LIMIT_S, PathTraffic, ReadResults, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class Reader:
         held = None
         if stales:
             held = _Held(read.request_id, read.engine, stales,
-                         time.monotonic() + STALE_CEILING_S)
+                         time.monotonic() + STALE_LIMIT_S)
             self.held.append(held)
             self._peers.hold(read.engine)
         quarantined = held is not None and held.blocks
@@ -297,7 +297,7 @@ class Reader:
             self._peers.forget_dead(read.engine, failure.peer_gone)
 
     def _settle(self) -> None:
-        """Release the held reads whose READs all ended (or that reached the ceiling)."""
+        """Release the held reads whose READs all ended (or that reached the stale limit)."""
         now = time.monotonic()
         for held in list(self.held):
             if now < held.until and not all(stale.settled() for stale in held.stales):
@@ -305,7 +305,7 @@ class Reader:
             if now >= held.until:
                 log.warning("read for request %s: READs given up %.0f s ago still did not "
                             "end; nothing of them can land any more, releasing them",
-                            held.request_id, STALE_CEILING_S)
+                            held.request_id, STALE_LIMIT_S)
             else:
                 log.info("read for request %s: the READs given up in flight ended",
                          held.request_id)
@@ -336,8 +336,8 @@ def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
                    f"do not say remote_block_size, so the ids were counted at this "
                    f"decode's {plan.local.block_size}"))
     local_ids, remote_ids = read.local_block_ids, remote.remote_block_ids
-    if read.ceiling:  # each rank's bytes as whole spans from where the request starts
-        return [_ceiling_path(local, peer, read)]
+    if read.span_probe:  # each rank's bytes as whole spans from where the request starts
+        return [_span_probe_path(local, peer, read)]
     routes = [peer.routes[plan.remote_rank] for plan in peer.plans]
     direct = [r.plan for r in routes if r.path == "nixl" and isinstance(r.plan, PeerReadPlan)]
     descs = build_requests_descriptors(direct, local_ids, remote_ids) if direct else []
@@ -364,16 +364,16 @@ def paths_for(local: LocalRank, peer: Peer, read: Read) -> list[ReadPath]:
     return paths
 
 
-def _ceiling_path(local: LocalRank, peer: Peer, read: Read) -> DirectPath:
-    """A benchmark's ceiling probe: the same bytes as the direct READs, as one READ of
-    whole memory spans per prefill rank (:mod:`kvxfer.plan.ceiling`), whatever the routes."""
+def _span_probe_path(local: LocalRank, peer: Peer, read: Read) -> DirectPath:
+    """A benchmark's span probe: the same bytes as the direct READs, as one READ of
+    whole memory spans per prefill rank (:mod:`kvxfer.plan.span_probe`), whatever the routes."""
     direct = [p for p in peer.plans if isinstance(p, PeerReadPlan)]
     if len(direct) != len(peer.plans):
-        raise TransferError("a ceiling probe needs a peer read by direct READs only")
+        raise TransferError("a span probe needs a peer read by direct READs only")
     descs = build_requests_descriptors(direct, read.local_block_ids,
                                        read.remote.remote_block_ids)
     return DirectPath(local, peer, read, [
-        ceiling_descriptors(plan.local, plan.remote, rank.num_bytes, plan.remote_rank,
+        span_descriptors(plan.local, plan.remote, rank.num_bytes, plan.remote_rank,
                             local_start=int(rank.local[:, 0].min()),
                             remote_start=int(rank.remote[:, 0].min()))
         for plan, rank in zip(direct, descs, strict=True) if len(rank)])

@@ -1,4 +1,4 @@
-"""Decode side of the side channel: :class:`HandshakeClient` fetches a prefill's metadata
+"""Decode side of the side channel: :class:`SideChannelClient` fetches a prefill's metadata
 and sends one release, renewal or claim of its leases, each over a fresh DEALER socket."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TypeVar
 import zmq
 
 from kvxfer.net.hosts import endpoint
-from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerRefused, PeerUnreachable
+from kvxfer.transfer.side_channel.failures import PeerRefused, PeerUnreachable, SideChannelTimeout
 from kvxfer.transfer.side_channel.sockets import (
     MAX_RESPONSE_BYTES,
     PROBE_TIMEOUT_S,
@@ -22,7 +22,6 @@ from kvxfer.transfer.side_channel.sockets import (
 )
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
-from kvxfer.wire.errors import HandshakeError, MalformedMessage
 from kvxfer.wire.messages import (
     MAX_RELEASE_REASON_CHARS,
     DoneReport,
@@ -39,6 +38,7 @@ from kvxfer.wire.messages import (
     RenewLease,
     check_response,
 )
+from kvxfer.wire.protocol_errors import MalformedMessage, SideChannelError
 from kvxfer.wire.replay import ReplayGuard
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ PROBE_AFTER_S = 0.05          # a renewal unanswered this long: probe whether an
 RELEASE_TIMEOUT_S = 1.0       # one release attempt; a lost release only costs the lease TTL
 
 
-class HandshakeClient:
+class SideChannelClient:
     """Decode side: fetches a prefill instance's metadata. Cheap to call repeatedly.
 
     One ZMQ context per client; each :meth:`fetch` attempt opens and closes its
@@ -59,7 +59,7 @@ class HandshakeClient:
     answer per remote engine is the caller's job.
 
     With ``keep_connections`` (a client that one thread uses, as a
-    :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`'s), a call that
+    :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`'s), a call that
     was answered leaves its connection open for the next call to the same address, so
     a claim, renewal, release or "done" report costs its one exchange, not a TCP and
     ZMTP handshake first (nor, for a release, a TCP probe). A call that got no answer
@@ -92,7 +92,7 @@ class HandshakeClient:
         The response holds exactly the requested ranks, in request order.
         """
         if self._closed:
-            raise RuntimeError("HandshakeClient is closed")
+            raise RuntimeError("SideChannelClient is closed")
         if not timeout > 0:
             raise ValueError(f"handshake timeout must be positive, got {timeout!r}")
         if retries < 0:
@@ -121,7 +121,7 @@ class HandshakeClient:
         why = ("something accepts connections there but did not answer"
                if connect_error(host, port, min(timeout, PROBE_TIMEOUT_S)) is None
                else "nothing accepts connections there")
-        raise HandshakeTimeout(f"no answer from {address} within {timeout:g} s on any of "
+        raise SideChannelTimeout(f"no answer from {address} within {timeout:g} s on any of "
                                f"{retries + 1} attempts ({why})", peer=address,
                                expected=f"an answer within {timeout:g} s", found=why)
 
@@ -135,7 +135,7 @@ class HandshakeClient:
         lease runs until its TTL, so it is not worth retrying). ``reason`` is
         truncated to MAX_RELEASE_REASON_CHARS. The reply's compatibility hash is
         not checked: the prefill may serve another model. Raises a
-        :class:`HandshakeError` naming the peer address on any failure
+        :class:`SideChannelError` naming the peer address on any failure
         (:class:`PeerRefused` for an :class:`ErrorReply`).
         """
         message = ReleaseLease(lease_id, self.engine_id, reason[:MAX_RELEASE_REASON_CHARS],
@@ -159,7 +159,7 @@ class HandshakeClient:
         (``probe_first``) or with one when no answer comes at once; its ReleaseAck's
         ``found``."""
         if self._closed:
-            raise RuntimeError("HandshakeClient is closed")
+            raise RuntimeError("SideChannelClient is closed")
         if not timeout > 0:
             raise ValueError(f"{what} timeout must be positive, got {timeout!r}")
         if not 0 < port < 65536:
@@ -175,7 +175,7 @@ class HandshakeClient:
         frames = self._exchange(host, address, request, timeout,
                                 probe_port=None if probe_first else port)
         if frames is None:
-            raise HandshakeTimeout(f"no answer from {address} to the {what} of lease "
+            raise SideChannelTimeout(f"no answer from {address} to the {what} of lease "
                                    f"{lease_id!r} within {timeout:g} s", peer=address,
                                    expected=f"an answer within {timeout:g} s",
                                    found="no answer")
@@ -190,18 +190,18 @@ class HandshakeClient:
 
         One attempt of at most ``timeout`` seconds; the ack says whether the lease was
         still held (and claimed by this engine) and for how long it now lasts. Raises
-        a :class:`HandshakeError` naming the peer address on any failure; without an
+        a :class:`SideChannelError` naming the peer address on any failure; without an
         answer within :data:`PROBE_AFTER_S`, a refused TCP connect is reported at once
         (:class:`PeerUnreachable`), so a dead prefill costs no full timeout.
         """
         if self._closed:
-            raise RuntimeError("HandshakeClient is closed")
+            raise RuntimeError("SideChannelClient is closed")
         address = endpoint(host, port)
         request = encode_message(RenewLease(lease_id, self.engine_id, claim, *side_channel),
                                  compat=self.compat, hmac_key=self._key)
         frames = self._exchange(host, address, request, timeout, probe_port=port)
         if frames is None:
-            raise HandshakeTimeout(f"no answer from {address} to the renewal of lease "
+            raise SideChannelTimeout(f"no answer from {address} to the renewal of lease "
                                    f"{lease_id!r} within {timeout:g} s", peer=address)
         return self._parse_ack(frames, address, lease_id, RenewAck, "renewal")
 
@@ -211,13 +211,13 @@ class HandshakeClient:
         seconds; raises as :meth:`renew` does (:class:`PeerUnreachable` at once when the
         TCP connect fails other than by timing out)."""
         if self._closed:
-            raise RuntimeError("HandshakeClient is closed")
+            raise RuntimeError("SideChannelClient is closed")
         address = endpoint(host, port)
         request = encode_message(Heartbeat(self.engine_id, 0), compat=self.compat,
                                  hmac_key=self._key)
         frames = self._exchange(host, address, request, timeout, probe_port=port)
         if frames is None:
-            raise HandshakeTimeout(f"no answer from {address} to a heartbeat within "
+            raise SideChannelTimeout(f"no answer from {address} to a heartbeat within "
                                    f"{timeout:g} s", peer=address)
         return self._parse_reply(frames, address, HeartbeatAck, "a heartbeat").engine_id
 
@@ -229,7 +229,7 @@ class HandshakeClient:
                 sock.close(linger=0)
             self._ctx.term()
 
-    def __enter__(self) -> HandshakeClient:
+    def __enter__(self) -> SideChannelClient:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -255,7 +255,7 @@ class HandshakeClient:
                     sock.connect(address)
                 sock.send(request, zmq.NOBLOCK)  # queued until the connection is up
             except zmq.ZMQError as exc:
-                raise HandshakeError(f"cannot send a handshake request to {address}: {exc}",
+                raise SideChannelError(f"cannot send a handshake request to {address}: {exc}",
                                      peer=address) from exc
             wait_ms = max(1, round(timeout * 1000))
             if probe_port is not None and wait_ms > PROBE_AFTER_S * 1000:

@@ -8,7 +8,7 @@ while the channel is watched (and for :data:`~kvxfer.transfer.liveness.LINGER_S`
 The thread never waits on one peer: it sends each due :class:`~kvxfer.wire.messages.
 Heartbeat` without blocking and polls every connection at once, so a silent peer delays
 neither another peer's heartbeats nor any claim, renewal, release or report (those go
-through :class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`). An answer
+through :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`). An answer
 counts only when it verifies (with the shared key, as a fresh message, the hash of a
 compatible peer) and echoes a heartbeat still unanswered on that connection; anything
 else is logged and changes nothing.
@@ -27,8 +27,8 @@ from kvxfer.transfer.liveness import Channel, Liveness
 from kvxfer.transfer.side_channel.sockets import IDLE_WAIT_S, JOIN_TIMEOUT_S, Wakeup, new_socket
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
-from kvxfer.wire.errors import HandshakeError
 from kvxfer.wire.messages import Heartbeat, HeartbeatAck
+from kvxfer.wire.protocol_errors import SideChannelError
 from kvxfer.wire.replay import ReplayGuard
 
 log = logging.getLogger(__name__)
@@ -134,11 +134,11 @@ class Heartbeats:
                 return
             try:
                 if len(frames) != 1:
-                    raise HandshakeError(f"{len(frames)} frames, expected 1", peer=address)
+                    raise SideChannelError(f"{len(frames)} frames, expected 1", peer=address)
                 envelope = decode_envelope(frames[0], expected_hash=self._hash, peer=address,
                                            hmac_key=self._key, replay=self._replay)
                 ack = decode_payload(envelope, HeartbeatAck, peer=address)
-            except HandshakeError as exc:  # a refusal, garbage, another key: no answer
+            except SideChannelError as exc:  # a refusal, garbage, another key: no answer
                 log.warning("the answer of %s to a heartbeat does not count: %s", address, exc)
                 continue
             if self.liveness.answered(channel, ack.seq):

@@ -1,4 +1,4 @@
-"""Prefill side of the side channel: :class:`HandshakeListener` serves every local TP
+"""Prefill side of the side channel: :class:`SideChannelListener` serves every local TP
 rank's metadata, hands releases, renewals and "done" reports of its leases to its owner,
 and answers heartbeats."""
 
@@ -21,14 +21,6 @@ from kvxfer.transfer.side_channel.sockets import (
 )
 from kvxfer.wire.compat import CompatInfo, compat_hash
 from kvxfer.wire.envelope import decode_envelope, decode_payload, encode_message
-from kvxfer.wire.errors import (
-    AUTH_FAILED,
-    BadSignature,
-    ErrorCode,
-    HashMismatch,
-    MalformedMessage,
-    ProtocolError,
-)
 from kvxfer.wire.messages import (
     MAX_RELEASE_REASON_CHARS,
     DoneReport,
@@ -46,6 +38,14 @@ from kvxfer.wire.messages import (
     RenewRefused,
 )
 from kvxfer.wire.metadata import AgentMetadata
+from kvxfer.wire.protocol_errors import (
+    AUTH_FAILED,
+    BadSignature,
+    ErrorCode,
+    HashMismatch,
+    MalformedMessage,
+    ProtocolError,
+)
 from kvxfer.wire.replay import ReplayGuard
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 64                # requests served per wake-up, so close() stays prompt under load
 
 
-class HandshakeListener:
+class SideChannelListener:
     """Prefill side: serves every local TP rank's metadata on one ROUTER socket.
 
     The socket is bound in the constructor (``port=0`` picks a free port; see
@@ -129,7 +129,7 @@ class HandshakeListener:
     def address(self) -> str:
         return endpoint(self.host, self._port)
 
-    def start(self) -> HandshakeListener:
+    def start(self) -> SideChannelListener:
         """Start serving on a daemon thread (idempotent)."""
         if self._closed:
             raise RuntimeError(f"handshake listener at {self.address} is closed")
@@ -160,7 +160,7 @@ class HandshakeListener:
         self._wakeup.close()
         self._ctx.term()
 
-    def __enter__(self) -> HandshakeListener:
+    def __enter__(self) -> SideChannelListener:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

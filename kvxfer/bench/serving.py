@@ -154,7 +154,7 @@ def check_context(model: str, lengths: list[int], max_tokens: int, extra: int = 
     """:class:`BenchError` where the longest of ``lengths`` plus ``extra`` prompt tokens and
     ``max_tokens`` output tokens is past ``model``'s context (read without its weights)."""
     from kvxfer.engine.checkpoint import CheckpointError
-    from kvxfer.engine.models import model_config
+    from kvxfer.engine.model_names import model_config
 
     try:
         context = model_config(model).max_position_embeddings
@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _not_applicable(model: str, tp: int) -> str | None:
     """Why ``model`` cannot run at TP ``tp`` (None when it can), without loading weights."""
-    from kvxfer.engine.model import check_tp
-    from kvxfer.engine.models import model_config
+    from kvxfer.engine.model_names import model_config
+    from kvxfer.engine.transformer import check_tp
 
     try:
         check_tp(model_config(model), tp)

@@ -3,7 +3,7 @@
 Pure: numpy, no I/O.
 
 A request's READ is as fast as one copy of its bytes only when its descriptors are few
-and long. :func:`ceiling_descriptors` gives what a READ of the same number of bytes would
+and long. :func:`span_descriptors` gives what a READ of the same number of bytes would
 be with no layout at all: each side's registered memory as spans (one per memory entry,
 in address order, from its first block to the end of its last), read from a given
 address on each side (the request's first byte there, so that the probe touches memory
@@ -34,7 +34,7 @@ def memory_spans(side: SideGeometry) -> list[tuple[int, int, int]]:
     return sorted(spans)
 
 
-def ceiling_descriptors(local: SideGeometry, remote: SideGeometry, num_bytes: int,
+def span_descriptors(local: SideGeometry, remote: SideGeometry, num_bytes: int,
                         remote_rank: int = 0, *, local_start: int | None = None,
                         remote_start: int | None = None) -> RankDescriptors:
     """``num_bytes`` of ``remote``'s memory into ``local``'s, from ``remote_start`` and

@@ -1,4 +1,4 @@
-""":class:`ReleaseSender` sends releases, renewals, claims and "done" reports from one
+""":class:`SideChannelSender` sends releases, renewals, claims and "done" reports from one
 background thread, so that no caller waits on a peer (a decode's to its prefills; in push
 mode, a prefill's "done" reports to the decodes it wrote into)."""
 
@@ -15,20 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvxfer.net.hosts import endpoint
-from kvxfer.transfer.side_channel.client import RELEASE_TIMEOUT_S, HandshakeClient
-from kvxfer.transfer.side_channel.errors import HandshakeTimeout, PeerUnreachable
+from kvxfer.transfer.side_channel.client import RELEASE_TIMEOUT_S, SideChannelClient
+from kvxfer.transfer.side_channel.failures import PeerUnreachable, SideChannelTimeout
 from kvxfer.transfer.side_channel.sockets import (
     JOIN_TIMEOUT_S,
     POLL_INTERVAL_S,
     PROBE_TIMEOUT_S,
 )
-from kvxfer.wire.errors import HandshakeError
 from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewAck
+from kvxfer.wire.protocol_errors import SideChannelError
 
 log = logging.getLogger(__name__)
 
 RELEASE_QUEUE = 1024          # releases waiting to be sent; more are dropped (and logged)
-RELEASE_DRAIN_S = 1.0         # how long ReleaseSender.close() keeps sending what is queued
+RELEASE_DRAIN_S = 1.0         # how long SideChannelSender.close() keeps sending what is queued
 # Pauses before each resend of an unanswered report, the last one repeated until the
 # report's lease would have ended anyway (its expiry, or DONE_RESEND_FOR_S without one): a
 # report lost several times in a row must still end its lease long before the TTL.
@@ -63,8 +63,8 @@ class _Report:
     sent: int = 0
 
 
-class ReleaseSender:
-    """Sends releases (:meth:`HandshakeClient.release`) from one daemon thread.
+class SideChannelSender:
+    """Sends releases (:meth:`SideChannelClient.release`) from one daemon thread.
 
     :meth:`submit` only queues (thread-safe, never blocks), so the engine-loop
     thread and HTTP handlers can call it. Releases are best effort: at most
@@ -82,7 +82,7 @@ class ReleaseSender:
 
     _STOP = object()
 
-    def __init__(self, client: HandshakeClient, *, timeout: float = RELEASE_TIMEOUT_S,
+    def __init__(self, client: SideChannelClient, *, timeout: float = RELEASE_TIMEOUT_S,
                  max_queued: int = RELEASE_QUEUE, drain_s: float = RELEASE_DRAIN_S) -> None:
         self._client, self._timeout, self._drain_s = client, timeout, drain_s
         self._queue: queue.Queue[object] = queue.Queue(max_queued)
@@ -103,7 +103,7 @@ class ReleaseSender:
     def submit_renew(self, host: str, port: int, lease_id: str,
                      done: Callable[[RenewAck | None, float, str], None], *,
                      claim: bool = False) -> bool:
-        """Queue one renewal or claim (:meth:`HandshakeClient.renew`); ``done(ack,
+        """Queue one renewal or claim (:meth:`SideChannelClient.renew`); ``done(ack,
         sent_at, why)`` is called on the sender's thread with the ack (None on failure),
         the monotonic time it was sent and, unless renewed, why not. False (and no call)
         when closed or the queue is full."""
@@ -113,7 +113,7 @@ class ReleaseSender:
     def submit_done(self, host: str, port: int, report: DoneReport,
                     expires_in: float | None = None) -> bool:
         """Queue one reader's "done" report for the prefill rank at ``host:port``
-        (:meth:`HandshakeClient.report_done`), resent while unanswered for the
+        (:meth:`SideChannelClient.report_done`), resent while unanswered for the
         ``expires_in`` seconds its lease has left (None: :data:`DONE_RESEND_FOR_S`);
         False (logged) when closed or full."""
         until = time.monotonic() + (DONE_RESEND_FOR_S if expires_in is None
@@ -195,7 +195,7 @@ class ReleaseSender:
             found = self._client.report_done(host, port, queued.report,
                                              timeout=min(self._timeout, DONE_TIMEOUT_S))
         except Exception as exc:  # the thread must survive anything
-            unanswered = isinstance(exc, (HandshakeTimeout, PeerUnreachable))
+            unanswered = isinstance(exc, (SideChannelTimeout, PeerUnreachable))
             due = time.monotonic() + DONE_RESENDS_S[min(queued.sent, len(DONE_RESENDS_S) - 1)]
             if unanswered and due < queued.until and not self._closed:
                 retry = (host, port, done.request_id, replace(queued, sent=queued.sent + 1))
@@ -240,7 +240,7 @@ class ReleaseSender:
         try:
             found = self._client.release(host, port, lease_id, reason, timeout=self._timeout,
                                          outcome=release.outcome)
-        except (HandshakeError, ValueError, RuntimeError) as exc:
+        except (SideChannelError, ValueError, RuntimeError) as exc:
             self.failed += 1
             log.warning("could not release lease %s: %s (the prefill frees it at lease "
                         "expiry)", lease_id, exc)

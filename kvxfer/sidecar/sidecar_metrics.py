@@ -32,7 +32,7 @@ TRANSFER_DESCRIPTORS_BUCKETS = tuple(float(4**k) for k in range(10))  # 1 .. 262
 # alerts see them before the first event.
 LEASE_END_REASONS = ("done", "failed", "abandoned", "cached", "answered", "expired")
 TRANSFER_OUTCOMES = ("ok", "failed", "aborted")
-# kvxfer.transfer.side_channel.errors.FAILURE_REASONS, and "connect": NIXL could not connect
+# kvxfer.transfer.side_channel.failures.FAILURE_REASONS, and "connect": NIXL could not connect
 # after it
 HANDSHAKE_FAILURE_REASONS = ("timeout", "unreachable", "refused", "mismatch", "auth",
                              "malformed", "connect", "error")

@@ -1,4 +1,4 @@
-"""What goes wrong talking to a peer: :class:`HandshakeError` and the protocol's errors.
+"""What goes wrong talking to a peer: :class:`SideChannelError` and the protocol's errors.
 
 Every decoding failure raises a :class:`ProtocolError` subclass whose message names the
 peer and what was expected and found, so a receiver can log it, answer with an
@@ -38,7 +38,7 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-class HandshakeError(Exception):
+class SideChannelError(Exception):
     """Talking to a peer over a kvxfer side channel failed.
 
     ``peer`` names the other side (an address such as ``tcp://host:port``, or a
@@ -54,7 +54,7 @@ class HandshakeError(Exception):
         self.found = found
 
 
-class ProtocolError(HandshakeError):
+class ProtocolError(SideChannelError):
     """Bytes from a peer broke the wire protocol; ``code`` is what a listener answers."""
 
     code: ClassVar[ErrorCode] = ErrorCode.MALFORMED

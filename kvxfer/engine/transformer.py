@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvxfer.engine.attention import latent_attention, paged_attention
-from kvxfer.engine.config import ModelConfig
+from kvxfer.engine.model_config import ModelConfig
 from kvxfer.engine.weights import WeightsError, check_tensor_shapes
 from kvxfer.plan.packing import TOKEN_PACKING
 from kvxfer.plan.topology import rank_heads

@@ -1,4 +1,4 @@
-"""The ceiling probe of ``kvxfer bench vllm`` through two real ``WorkerSide`` ranks (real
+"""The span probe of ``kvxfer bench vllm`` through two real ``WorkerSide`` ranks (real
 NIXL agents, listeners and leases, no vLLM): a decode that allows probes reads a lease's
 bytes as one READ of whole memory spans, from the lease's first block on the prefill into
 the load's first block on the decode, across whatever blocks follow; the same lease read
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
-from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.settings import CEILING_KEY, ConnectorSettings
-from kvxfer.vllm.transfers import StepResult, WorkerSide
+from kvxfer.vllm.extra_config import SPAN_PROBE_KEY, ConnectorSettings
+from kvxfer.vllm.step_plan import Hold, Load, StepPlan
+from kvxfer.vllm.worker_side import StepResult, WorkerSide
 from kvxfer.wire.compat import CompatInfo
 
 HOST = "127.0.0.1"
@@ -35,7 +35,7 @@ class Rank:
                                      generator=torch.Generator().manual_seed(fill),
                                      dtype=torch.int32).to(torch.uint8).view(self.raw.dtype))
         settings = ConnectorSettings(lease_ttl=30.0, kv_read_timeout=10.0, read_wait=0.01,
-                                     host_reads=False, ceiling_probe=probes)
+                                     host_reads=False, span_probe=probes)
         self.side = WorkerSide(settings, name, COMPAT, rank=0, tp_size=1,
                                total_kv_heads=SPEC.num_kv_heads)
         self.side.register({f"layer.{i}": v for i, v in enumerate(views)}, SPEC, BLOCKS)
@@ -83,7 +83,7 @@ def test_a_probe_moves_the_reads_bytes_as_one_descriptor_from_its_first_blocks(
     assert normal.reads[0].descriptors == LAYERS  # each layer's run of three blocks
 
     before, source = decode.bytes(), prefill.bytes()
-    probe = read(prefill, decode, "lease-probe", (5, 6, 7), (4, 5, 6), **{CEILING_KEY: True})
+    probe = read(prefill, decode, "lease-probe", (5, 6, 7), (4, 5, 6), **{SPAN_PROBE_KEY: True})
     assert probe.failures == 0 and probe.error_blocks == set()
     (stats,) = probe.reads
     assert (stats.num_bytes, stats.descriptors) == (3 * LAYERS * page, 1)

@@ -1,28 +1,28 @@
 """How talking to a peer over the side channel fails, beyond the protocol's own errors
-(:mod:`kvxfer.wire.errors`), and :func:`failure_reason`, the one word metrics count."""
+(:mod:`kvxfer.wire.protocol_errors`), and :func:`failure_reason`, the one word metrics count."""
 
 from __future__ import annotations
 
-from kvxfer.wire.errors import (
+from kvxfer.wire.messages import ErrorReply
+from kvxfer.wire.protocol_errors import (
     BadSignature,
     ErrorCode,
-    HandshakeError,
     HashMismatch,
     ProtocolError,
+    SideChannelError,
     VersionMismatch,
 )
-from kvxfer.wire.messages import ErrorReply
 
 
-class HandshakeTimeout(HandshakeError):
+class SideChannelTimeout(SideChannelError):
     """No answer from the peer within the deadline on any attempt."""
 
 
-class PeerUnreachable(HandshakeError):
+class PeerUnreachable(SideChannelError):
     """Nothing listens at the peer's address (the TCP connect was refused)."""
 
 
-class PeerRefused(HandshakeError):
+class PeerRefused(SideChannelError):
     """The peer answered with an :class:`ErrorReply`; ``code`` says why."""
 
     def __init__(self, reply: ErrorReply, *, peer: str, what: str = "the handshake") -> None:
@@ -39,12 +39,12 @@ FAILURE_REASONS = ("timeout", "unreachable", "refused", "mismatch", "auth", "mal
 _MISMATCH_CODES = (ErrorCode.HASH_MISMATCH, ErrorCode.VERSION_MISMATCH)
 
 
-def failure_reason(exc: HandshakeError) -> str:
+def failure_reason(exc: SideChannelError) -> str:
     """Why talking to a peer failed, in one word of :data:`FAILURE_REASONS`: no answer
     (timeout), nothing listening (unreachable), another model or protocol on either side
     (mismatch), a key that differs (auth), bytes that broke the protocol (malformed), an
     error reply for anything else (refused), or a local error sending (error)."""
-    if isinstance(exc, HandshakeTimeout):
+    if isinstance(exc, SideChannelTimeout):
         return "timeout"
     if isinstance(exc, PeerUnreachable):
         return "unreachable"

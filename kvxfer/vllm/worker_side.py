@@ -2,17 +2,17 @@
 
 Lives in vLLM's worker process, next to the KV cache. It owns the rank's
 :class:`~kvxfer.transfer.worker.TransferWorker` (regions, descriptors, READs, leases,
-notifications), the :class:`~kvxfer.transfer.side_channel.listener.HandshakeListener` that serves
+notifications), the :class:`~kvxfer.transfer.side_channel.listener.SideChannelListener` that serves
 the rank's metadata and answers lease claims, renewals and releases
 (:class:`~kvxfer.transfer.leases.LeaseAnswers`), and the decode's
 :class:`~kvxfer.transfer.lease_client.LeaseClient` (claims and releases, from one
-:class:`~kvxfer.transfer.side_channel.release_sender.ReleaseSender`): the same objects a kvxfer
+:class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`): the same objects a kvxfer
 sidecar uses. Nothing of the transfer or the leases is done here: this class only maps vLLM's
 steps onto those parts.
 
 Who calls what (vLLM's model-runner thread, once per step, in this order):
 
-* :meth:`apply` with the step's :class:`~kvxfer.vllm.plan.StepPlan`, before the
+* :meth:`apply` with the step's :class:`~kvxfer.vllm.step_plan.StepPlan`, before the
   forward: decode loads are checked (params, lease, ticket: a bad one fails at
   once) and claimed at their prefill; leases vLLM dropped end now.
 * :meth:`after_forward`: the prefill holds the leases whose blocks the forward
@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING
 from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
 from kvxfer.transfer.leases import LeaseAnswers
 from kvxfer.transfer.results import PollResult, ReadStats
-from kvxfer.transfer.side_channel.client import HandshakeClient
-from kvxfer.transfer.side_channel.listener import HandshakeListener
-from kvxfer.transfer.side_channel.release_sender import ReleaseSender
+from kvxfer.transfer.side_channel.client import SideChannelClient
+from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.transfer.side_channel.sender import SideChannelSender
 from kvxfer.transfer.worker import TransferWorker
-from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.settings import CEILING_KEY, ConnectorSettings
+from kvxfer.vllm.extra_config import SPAN_PROBE_KEY, ConnectorSettings
+from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
 from kvxfer.wire.params import RemoteParams
@@ -77,7 +77,7 @@ class _Load:
     remote: RemoteParams  # the blocks to read (a local prefix hit skips the first ones)
     lease: HeldLease
     reading: bool = False
-    ceiling: bool = False  # a benchmark's ceiling probe (ConnectorSettings.ceiling_probe)
+    span_probe: bool = False  # a benchmark's span probe (ConnectorSettings.span_probe)
 
 
 class WorkerSide:
@@ -92,12 +92,12 @@ class WorkerSide:
                                      read_timeout=settings.kv_read_timeout, hmac_key=key,
                                      read_lanes=settings.read_lanes,
                                      host_reads=settings.host_reads)
-        self.listener: HandshakeListener | None = None
+        self.listener: SideChannelListener | None = None
         # every rank claims as the engine: a lease is read by one decode, all its ranks
-        sender = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key,
+        sender = SideChannelSender(SideChannelClient(engine_id, compat, hmac_key=key,
                                                keep_connections=True))
         try:  # its own thread: a claim must not wait behind reports to a frozen prefill
-            renewer = ReleaseSender(HandshakeClient(engine_id, compat, hmac_key=key,
+            renewer = SideChannelSender(SideChannelClient(engine_id, compat, hmac_key=key,
                                                     keep_connections=True))
         except BaseException:
             sender.close()
@@ -127,7 +127,7 @@ class WorkerSide:
         self.worker.register_kv_caches(caches, spec, num_blocks)
         self.block_size = spec.block_size
         base = self.settings.side_channel_port  # rank r listens on base + r (0: any port)
-        self.listener = HandshakeListener(
+        self.listener = SideChannelListener(
             self.settings.side_channel_host, base + self.worker.rank if base else 0,
             engine_id=self.engine_id, compat=self.compat,
             metadata=lambda: [self.worker.metadata()], hmac_key=self._key,
@@ -198,11 +198,11 @@ class WorkerSide:
             self._fail(load, f"lease {full.remote_request_id} of prefill "
                              f"{full.remote_engine_id} refused: {exc}")
             return
-        ceiling = load.params.get(CEILING_KEY) is True
-        if ceiling and not self.settings.ceiling_probe:
-            self._fail(load, f"kv_transfer_params.{CEILING_KEY} asks for a benchmark's "
-                             f"ceiling probe, which this decode does not allow "
-                             f"(kv_connector_extra_config.ceiling_probe)")
+        span_probe = load.params.get(SPAN_PROBE_KEY) is True
+        if span_probe and not self.settings.span_probe:
+            self._fail(load, f"kv_transfer_params.{SPAN_PROBE_KEY} asks for a benchmark's "
+                             f"span probe, which this decode does not allow "
+                             f"(kv_connector_extra_config.span_probe)")
             self.leases.release(full, "the decode could not use the lease")
             return
         # the tokens this load covers, which the prefill's blocks (of its own size) hold
@@ -215,7 +215,7 @@ class WorkerSide:
             self._fail(load, f"prefill {full.remote_engine_id} at {full.address}: {exc}")
             self.leases.release(full, "the decode could not use the lease")
             return
-        self._loads[load.request_id] = _Load(load, remote, lease, ceiling=ceiling)
+        self._loads[load.request_id] = _Load(load, remote, lease, span_probe=span_probe)
         if not self.leases.claim(remote, lease):
             del self._loads[load.request_id]
             self._fail(load, "too many claims queued at this decode")
@@ -244,7 +244,7 @@ class WorkerSide:
     def _start_read(self, request_id: str, item: _Load) -> None:
         try:
             self.worker.start_read(request_id, item.remote, item.load.local_block_ids,
-                                   ceiling=item.ceiling)
+                                   span_probe=item.span_probe)
             item.reading = True
         except (ValueError, RuntimeError) as exc:
             del self._loads[request_id]

@@ -18,7 +18,7 @@ Every key is optional::
                                         # kvxfer.transfer.converted.host_reads
      "kv_key_file": null,               # the shared KV key: signs side channel and tickets
      "model_id": null,                  # what peers must share (default: the served name)
-     "ceiling_probe": false}            # benchmarks only: see CEILING_KEY
+     "span_probe": false}            # benchmarks only: see SPAN_PROBE_KEY
 
 A bad value raises :class:`SettingsError` naming the key, at vLLM's start-up.
 """
@@ -30,11 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-# A decode load whose kv_transfer_params carry ``"kvxfer_ceiling": true`` is a benchmark's
-# probe: the same bytes as one READ of whole memory spans (kvxfer.plan.ceiling), from the
+# A decode load whose kv_transfer_params carry ``"kvxfer_span_probe": true`` is a benchmark's
+# probe: the same bytes as one READ of whole memory spans (kvxfer.plan.span_probe), from the
 # load's first block on over whatever blocks follow, other requests' included. Only a
-# decode started with ``ceiling_probe: true`` takes it; any other fails it as a bad load.
-CEILING_KEY = "kvxfer_ceiling"
+# decode started with ``span_probe: true`` takes it; any other fails it as a bad load.
+SPAN_PROBE_KEY = "kvxfer_span_probe"
 
 
 class SettingsError(ValueError):
@@ -61,7 +61,7 @@ class ConnectorSettings:
     host_reads: bool = True
     kv_key_file: str | None = None
     model_id: str | None = None
-    ceiling_probe: bool = False  # benchmarks only (CEILING_KEY)
+    span_probe: bool = False  # benchmarks only (SPAN_PROBE_KEY)
 
     @property
     def max_age(self) -> float:
@@ -94,7 +94,7 @@ class ConnectorSettings:
         if values.get("read_lanes", 1) < 1:
             raise SettingsError(f"kv_connector_extra_config.read_lanes must be at least 1, got "
                                 f"{values['read_lanes']}")
-        for name in ("host_reads", "ceiling_probe"):
+        for name in ("host_reads", "span_probe"):
             if not isinstance(values.get(name, False), bool):
                 raise SettingsError(f"kv_connector_extra_config.{name} must be true or "
                                     f"false, got {values[name]!r}")

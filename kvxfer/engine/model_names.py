@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint
-from kvxfer.engine.config import ModelConfig, tiny_config, tiny_mla_config
 from kvxfer.engine.model_cache import entry_path, gguf_checkpoint
+from kvxfer.engine.model_config import ModelConfig, tiny_config, tiny_mla_config
 from kvxfer.engine.tokenizer import Tokenizer, load_tokenizer
 
 

@@ -8,7 +8,7 @@ Prefill (a request whose ``kv_transfer_params`` say ``do_remote_decode``):
 
 * :meth:`after_alloc` notes the request; it is computed like any other.
 * :meth:`build_plan`, in the step whose forward computes the prompt's last token,
-  adds a :class:`~kvxfer.vllm.plan.Hold`: a fresh lease id (128 random bits) over
+  adds a :class:`~kvxfer.vllm.step_plan.Hold`: a fresh lease id (128 random bits) over
   the prompt's blocks, with its expiry. The worker holds the lease right after
   that forward, so the lease exists before anyone can learn its id.
 * :meth:`finished` (vLLM's ``request_finished``, after that step) returns
@@ -22,7 +22,7 @@ Decode (``do_remote_prefill``):
 
 * :meth:`matched_tokens` claims the prompt's tokens beyond the local prefix-cache
   hit, loaded asynchronously (vLLM parks the request until the load ends).
-* :meth:`after_alloc` turns the allocation into a :class:`~kvxfer.vllm.plan.Load`:
+* :meth:`after_alloc` turns the allocation into a :class:`~kvxfer.vllm.step_plan.Load`:
   the unhashed (not prefix-cached) blocks are read, from the remote block at the
   same position. Once per request: the params are marked handled.
 * :meth:`finished` of a request that never got to its load (aborted while
@@ -40,8 +40,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.vllm.plan import Hold, Load, StepPlan
-from kvxfer.vllm.settings import ConnectorSettings
+from kvxfer.vllm.extra_config import ConnectorSettings
+from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
 
