@@ -3,9 +3,11 @@
 Tests marked ``cuda`` run wherever ``torch.cuda.is_available()`` is true and are
 skipped only where it is false.
 
-Fixtures of the in-process connector tests: ``connector``, a decode connector over an
-8-block kvxfer-tiny engine (128 tokens), policy fail; ``make``, ``make(role, **kw)``
-builds connectors like it (closed after the test); ``recorder``, a handshake listener
+Fixtures of the in-process role tests: ``connector``, a decode's roles over an 8-block
+kvxfer-tiny engine (128 tokens), policy fail; ``make``, ``make(role, **config)`` builds
+:class:`~kvxfer.sidecar.roles.composition.Roles` like it from
+:class:`~kvxfer.transfer.transfer_config.TransferConfig` fields (closed after the test);
+``recorder``, a side-channel listener
 that records the releases it gets (``test_release.Recorder``). Transfer tests share
 ``prefill``, one prefill OS process per module (:class:`kvxfer.harness.loopback.PrefillProcess`).
 """
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvxfer.sidecar.connector import KVConnector
+from kvxfer.sidecar.roles.composition import Roles
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,27 +44,31 @@ def _collect_cycles_after_each_module() -> Iterator[None]:
 
 
 @pytest.fixture
-def make() -> Iterator[Callable[..., KVConnector]]:
-    made: list[KVConnector] = []
+def make() -> Iterator[Callable[..., Roles]]:
+    made: list[Roles] = []
 
-    def build(role: str, **kw: Any) -> KVConnector:
+    def build(role: str, **config: Any) -> Roles:
         from kvxfer.engine import LLMEngine, tiny_config
+        from kvxfer.sidecar.roles.composition import new_engine_id
         from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
+        from kvxfer.transfer.transfer_config import TransferConfig
 
         engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
-        metrics = SidecarMetrics(role=role, engine_id=f"{role}-test", model="tiny",
+        engine_id = new_engine_id(role)
+        metrics = SidecarMetrics(role=role, engine_id=engine_id, model="tiny",
                                  layout=engine.layout.name, tp=1)
-        made.append(KVConnector(engine, role, metrics, **kw))
+        made.append(Roles.start(engine, role, metrics, TransferConfig(**config), engine_id,
+                                "127.0.0.1"))
         return made[-1]
 
     yield build
-    for connector in made:
-        connector.close()
+    for roles in made:
+        roles.close()
 
 
 @pytest.fixture
-def connector(make: Callable[..., KVConnector]) -> KVConnector:
-    return make("decode", failure_policy="fail")
+def connector(make: Callable[..., Roles]) -> Roles:
+    return make("decode", kv_load_failure_policy="fail")
 
 
 @pytest.fixture

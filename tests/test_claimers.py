@@ -1,4 +1,4 @@
-"""``Claimers`` (:mod:`kvxfer.sidecar.claimers`) against real side channels: a push-mode
+"""``Claimers`` (:mod:`kvxfer.sidecar.roles.claimers`) against real side channels: a push-mode
 decode learns where each prefill that claimed a reservation answers, and asks there,
 with a real ``SideChannelClient``, whether that prefill still runs.
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
-from kvxfer.sidecar.claimers import Claimers
+from kvxfer.sidecar.roles.claimers import Claimers
 from kvxfer.transfer.side_channel.client import SideChannelClient
 
 CFG = CacheConfig(num_blocks=8)

@@ -1,28 +1,44 @@
-"""A decode reader's "done" over the side channel (``DoneReport``): counted as its NIXL
-notification would be, acknowledged, and resent while unanswered.
+"""A decode reader's "done" over the side channel (``DoneReport``): sent by the reader for
+each prefill rank at the port serving it, counted as its NIXL notification would be,
+acknowledged, and resent while unanswered for as long as its lease may be held.
 
 The prefill's lease table is the real one (pure, no NIXL); the listener, client and
-sender are real ZMQ sockets on 127.0.0.1. Real NIXL reads whose notifications are lost
-are in ``test_vllm_tp`` (rank by rank) and ``test_transfer``.
+sender are real ZMQ sockets on 127.0.0.1; the reader's unit has stand-ins for its rank,
+peer and the instance's ``Reports``. Real NIXL reads whose notifications are lost are in
+``test_vllm_tp`` (rank by rank), ``test_pull_decode_faults`` and ``test_transfer``.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
 from kvxfer.transfer.leases import LeaseAnswers, LeaseTable
-from kvxfer.transfer.results import Tally
+from kvxfer.transfer.local_rank import Deadlines
+from kvxfer.transfer.reads.path import LANDED, Progress, ReadPath
+from kvxfer.transfer.reads.read import Read
+from kvxfer.transfer.reads.reader import Reader
+from kvxfer.transfer.results import ReadResults, Tally
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.failures import PeerRefused
 from kvxfer.transfer.side_channel.listener import SideChannelListener
-from kvxfer.transfer.side_channel.sender import DONE_RESENDS_S, SideChannelSender
+from kvxfer.transfer.side_channel.reports import Reports
+from kvxfer.transfer.side_channel.sender import (
+    DONE_RESEND_FOR_S,
+    DONE_RESENDS_S,
+    SideChannelSender,
+)
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.messages import DoneReport, ReleaseOutcome
 from kvxfer.wire.notification import ReadDone
+from kvxfer.wire.params import RemoteParams
 
 HOST = "127.0.0.1"
 COMPAT = CompatInfo(model="done-reports", dtype="float32", cache_dtype="float32",
@@ -311,3 +327,109 @@ def test_an_unanswered_report_is_given_up_when_its_lease_would_have_ended() -> N
         assert sender.failed == 1 and sender.sent == 0
     finally:
         sender.close()
+
+
+# -- who sends them: the decode's reader, through the instance's reports -------------------
+
+class Landed(ReadPath):
+    """A read path whose bytes are all in place (its READ carried no notification)."""
+
+    def post(self) -> None:
+        pass
+
+    def progress(self) -> Progress:
+        return LANDED
+
+    def finish(self) -> None:
+        pass
+
+    def abandon(self, reason: str) -> None:
+        pass
+
+
+class Queued:
+    """The instance's ``Reports`` as the reader sees it: records each "done" queued."""
+
+    def __init__(self) -> None:
+        self.done_calls: list[tuple[str, int, DoneReport, float]] = []
+
+    def done(self, host: str, port: int, report: DoneReport, lease_ends: float) -> bool:
+        self.done_calls.append((host, port, report, lease_ends))
+        return True
+
+
+def finished_read(remote: RemoteParams, lease_ends: float) -> tuple[Queued, Any]:
+    """A read of ``remote``'s lease from every prefill rank finished by one decode rank's
+    reader: the reports it queued, and what it told its caller."""
+    local = SimpleNamespace(rank=0, engine_id="decode-a", deadlines=Deadlines(1.0, 0, 30.0),
+                            wake=threading.Event(), tally=Tally())
+    ranks = range(remote.tp_size)
+    peer = SimpleNamespace(
+        agents=dict.fromkeys(ranks, b"agent"), engine_id=remote.remote_engine_id,
+        tell=lambda *_a, **_k: True,
+        reports=lambda _local, lease, ok: tuple(DoneReport(rank, done(lease, ok=ok))
+                                                for rank in ranks))
+    peers = SimpleNamespace(get=lambda _engine: peer, dead=lambda _engine: None,
+                            drop_forgotten=lambda: None, finished=lambda: [],
+                            forget_dead=lambda *_a: None)
+    queued, results = Queued(), ReadResults()
+    reader = Reader(local, peers, results, queued)  # type: ignore[arg-type]
+    now = time.monotonic()
+    reader.inflight.append(Read("r", remote, np.array([5]), started=now, posted=now,
+                                paths=[Landed(list(ranks))], lease_ends=lease_ends))
+    reader.step()
+    return queued, results.take()
+
+
+def ranks_apart() -> RemoteParams:
+    """A TP 2 prefill whose ranks listen apart (a vLLM instance: a process per rank)."""
+    return RemoteParams("prefill-x", HOST, 5600, (0, 1), "lease-1", 2, 20, time.time() + 60.0,
+                        remote_rank_ports=(5600, 5611))
+
+
+def test_each_done_report_goes_to_the_port_serving_its_prefill_rank() -> None:
+    """Ranks listening apart: rank 1's report goes to rank 1's port only; one port for
+    every rank: both go there. Nothing is released."""
+    ends = time.monotonic() + 42.0
+    queued, result = finished_read(ranks_apart(), ends)
+    assert result.finished == ["r"] and not result.unnotified
+    assert [(port, report.prefill_rank) for _, port, report, _ in queued.done_calls] == \
+        [(5600, 0), (5611, 1)]
+    assert all(report.done.ok and report.done.request_id == "lease-1"
+               for *_, report, _ in queued.done_calls)
+    # resent while unanswered for as long as the lease may be held (the read's lease end)
+    assert [lease_ends for *_, lease_ends in queued.done_calls] == [ends, ends]
+    one_port = RemoteParams("prefill-x", HOST, 5600, (0, 1), "lease-1", 2, 20,
+                            time.time() + 60.0)
+    queued, _ = finished_read(one_port, ends)
+    assert [(port, report.prefill_rank) for _, port, report, _ in queued.done_calls] == \
+        [(5600, 0), (5600, 1)]
+
+
+class Submitted:
+    """A sender that records each "done" submitted and its resend window."""
+
+    def __init__(self) -> None:
+        self.windows: list[float | None] = []
+
+    def submit_done(self, host: str, port: int, report: DoneReport,
+                    expires_in: float | None = None) -> bool:
+        self.windows.append(expires_in)
+        return True
+
+
+def test_a_report_is_resent_while_its_lease_may_be_held_and_not_queued_once_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reports = Reports("decode-a", COMPAT, None)
+    sender = Submitted()
+    monkeypatch.setattr(reports, "_sender", lambda _lease: sender)  # the lease's sender
+    report = DoneReport(0, done("L"))
+    assert reports.done(HOST, 5600, report, time.monotonic() + 42.0)
+    assert reports.done(HOST, 5600, report, time.monotonic() + 1.0)
+    long, short = sender.windows
+    assert long is not None and 41.0 < long <= 42.0, "as long as the lease's deadline says"
+    assert short == DONE_RESEND_FOR_S, "and at least this long"
+    closed = Reports("decode-a", COMPAT, None)
+    closed.close()
+    assert not closed.done(HOST, 5600, report, time.monotonic() + 42.0), \
+        "a report not queued is said"

@@ -191,9 +191,9 @@ def test_streaming_never_emits_half_a_character() -> None:
     assert request.text == "é€😀"
 
 
-def test_hold_blocks_keeps_them_until_release(prompts: list[list[int]]) -> None:
+def test_a_held_request_keeps_its_blocks_until_release(prompts: list[list[int]]) -> None:
     engine = make_engine()
-    engine.add_request("p", prompts[1], SamplingParams(max_tokens=1), hold_blocks=True)
+    engine.add_held_request("p", prompts[1], SamplingParams(max_tokens=1))
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "length"
     assert len(out.block_ids) == -(-len(prompts[1]) // 4)
@@ -206,10 +206,10 @@ def test_hold_blocks_keeps_them_until_release(prompts: list[list[int]]) -> None:
         engine.release("p")
 
 
-def test_remote_kv_parks_the_request_with_blocks_for_the_prompt(
+def test_a_request_awaiting_kv_parks_with_blocks_for_the_prompt(
         prompts: list[list[int]]) -> None:
     engine = make_engine()
-    engine.add_request("d", prompts[1], GREEDY, remote_kv=True)
+    engine.add_awaiting_kv("d", prompts[1], GREEDY)
     assert len(engine.block_ids("d")) == -(-len(prompts[1]) // 4)
     assert not engine.has_work() and engine.step() == []
     with pytest.raises(ValueError, match="request 'd' is waiting_for_kv, not held"):
@@ -218,7 +218,7 @@ def test_remote_kv_parks_the_request_with_blocks_for_the_prompt(
 
 def test_failed_load_without_recompute_ends_in_error(prompts: list[list[int]]) -> None:
     engine = make_engine()
-    engine.add_request("d", prompts[1], GREEDY, remote_kv=True)
+    engine.add_awaiting_kv("d", prompts[1], GREEDY)
     engine.finish_kv_load("d", ok=False, recompute=False, reason="READ timed out from peer-7")
     assert engine.num_used_blocks == 0
     (out,) = engine.step()
@@ -241,8 +241,9 @@ def test_finish_kv_load_needs_a_parked_request(prompts: list[list[int]]) -> None
 def test_abort_in_any_state_frees_blocks(state: RequestState, prompts: list[list[int]]) -> None:
     engine = make_engine()
     held = state is RequestState.HELD
-    engine.add_request("a", prompts[1], SamplingParams(max_tokens=1 if held else 8),
-                       remote_kv=state is RequestState.WAITING_FOR_KV, hold_blocks=held)
+    add = engine.add_awaiting_kv if state is RequestState.WAITING_FOR_KV else \
+        engine.add_held_request if held else engine.add_request
+    add("a", prompts[1], SamplingParams(max_tokens=1 if held else 8))
     if state in (RequestState.RUNNING, RequestState.HELD):
         engine.step()
     assert engine._requests["a"].state is state
@@ -282,9 +283,9 @@ def test_a_failed_forward_fails_its_requests_not_the_engine(prompts: list[list[i
 def test_invalid_requests_raise_before_allocating(prompt: list[int], params: SamplingParams,
                                                    message: str) -> None:
     engine = make_engine()
-    for remote_kv in (False, True):
+    for add in (engine.add_request, engine.add_awaiting_kv):
         with pytest.raises(ValueError, match=message):
-            engine.add_request("r", prompt, params, remote_kv=remote_kv)
+            add("r", prompt, params)
     assert engine.num_used_blocks == 0 and not engine.has_work()
 
 
@@ -298,18 +299,15 @@ def test_request_limits_and_duplicates() -> None:
         engine.add_request("r", [1, 2], GREEDY)
     with pytest.raises(ValueError, match="request id must be a non-empty string, got ''"):
         engine.add_request("", [1, 2], GREEDY)
-    with pytest.raises(ValueError,
-                       match=r"hold_blocks .* and remote_kv or first .* exclude each other"):
-        engine.add_request("both", [1, 2], GREEDY, hold_blocks=True, remote_kv=True)
 
 
-def test_remote_kv_without_free_blocks_raises_and_allocates_nothing() -> None:
+def test_a_request_awaiting_kv_without_free_blocks_raises_and_allocates_nothing() -> None:
     engine = make_engine(num_blocks=4)  # 16 tokens
-    engine.add_request("a", [1] * 9, SamplingParams(max_tokens=1), remote_kv=True)  # 3 blocks
+    engine.add_awaiting_kv("a", [1] * 9, SamplingParams(max_tokens=1))  # 3 blocks
     with pytest.raises(NoFreeBlocks, match="asked for 2 KV cache blocks but only 1 are free"):
-        engine.add_request("b", [1] * 5, SamplingParams(max_tokens=1), remote_kv=True)
+        engine.add_awaiting_kv("b", [1] * 5, SamplingParams(max_tokens=1))
     assert engine.num_used_blocks == 3
-    engine.add_request("b", [1] * 4, SamplingParams(max_tokens=1), remote_kv=True)
+    engine.add_awaiting_kv("b", [1] * 4, SamplingParams(max_tokens=1))
 
 
 def test_engine_construction_errors() -> None:

@@ -167,7 +167,7 @@ def test_decode_from_a_copied_latent_cache_matches_the_plain_run(
     poison(decode)
     held = prefill_and_hold(prefill, prompts)
     for i, prompt in enumerate(prompts):
-        decode.add_request(f"d{i}", prompt, PARAMS, remote_kv=True)
+        decode.add_awaiting_kv(f"d{i}", prompt, PARAMS)
         copy_prompt_kv(prefill, held[f"p{i}"].block_ids, decode, decode.block_ids(f"d{i}"),
                        len(prompt) - 1)
         decode.finish_kv_load(f"d{i}", ok=True)
@@ -180,7 +180,7 @@ def test_decode_attends_over_the_cached_latents(prompts: list[list[int]]) -> Non
     """Negative control: without the copy, the poisoned latents come through."""
     decode = mla_engine(2, "BLHNC")
     poison(decode)
-    decode.add_request("d", prompts[0], PARAMS, remote_kv=True)
+    decode.add_awaiting_kv("d", prompts[0], PARAMS)
     decode.finish_kv_load("d", ok=True)
     assert math.isnan(run_to_end(decode, {"d"})["d"].logprobs[0].logprob)
 
@@ -219,7 +219,7 @@ def test_an_mla_model_has_no_kv_packing_but_its_latent() -> None:
 def test_a_sidecars_compat_info_says_its_cache_is_a_latent() -> None:
     """What a peer checks at the handshake: the latent's size as the head, the rank set;
     a K/V model's info keeps its head size and rank 0."""
-    from kvxfer.sidecar.connector import compat_info
+    from kvxfer.sidecar.roles.composition import compat_info
 
     mla = compat_info(LLMEngine(MLA, init_weights(MLA, seed=0), num_blocks=8))
     assert (mla.kv_lora_rank, mla.head_size, mla.total_kv_heads) == (

@@ -212,8 +212,7 @@ def poison_blocks(engine: LLMEngine, block_ids: list[int]) -> None:
 
 def prefill_and_hold(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, RequestOutput]:
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, logprobs=3),
-                           hold_blocks=True)
+        engine.add_held_request(f"p{i}", prompt, SamplingParams(max_tokens=1, logprobs=3))
     return run_to_end(engine, {f"p{i}" for i in range(len(prompts))})
 
 
@@ -237,7 +236,7 @@ def test_disaggregated_run_matches_plain_run(prefill_tp: int, prefill_layout: st
         assert first.token_ids == reference[i].token_ids[:1]
         assert first.block_ids == prefill.block_ids(f"p{i}")
         assert len(first.block_ids) == -(-len(prompt) // BLOCK_SIZE)
-        decode.add_request(f"d{i}", prompt, PARAMS, remote_kv=True)
+        decode.add_awaiting_kv(f"d{i}", prompt, PARAMS)
         copy_prompt_kv(prefill, first.block_ids, decode, decode.block_ids(f"d{i}"),
                        len(prompt) - 1)
         decode.finish_kv_load(f"d{i}", ok=True)
@@ -252,7 +251,7 @@ def test_decode_without_the_copied_kv_reads_poison(prompts: list[list[int]]) -> 
     # The negative control of the test above: skip the copy and the NaNs come through.
     decode = make_engine(2, "BLHNC")
     poison(decode)
-    decode.add_request("d", prompts[0], PARAMS, remote_kv=True)
+    decode.add_awaiting_kv("d", prompts[0], PARAMS)
     decode.finish_kv_load("d", ok=True)
     out = run_to_end(decode, {"d"})["d"]
     assert math.isnan(out.logprobs[0].logprob)
@@ -263,7 +262,7 @@ def test_failed_load_recomputes_the_prompt_in_the_same_blocks(
     decode = make_engine(2, "BHLNC")
     poison(decode)
     for i, prompt in enumerate(prompts):
-        decode.add_request(f"d{i}", prompt, PARAMS, remote_kv=True)
+        decode.add_awaiting_kv(f"d{i}", prompt, PARAMS)
     blocks = {i: decode.block_ids(f"d{i}") for i in range(len(prompts))}
     for i in range(len(prompts)):
         decode.finish_kv_load(f"d{i}", ok=False, recompute=True, reason="peer vanished")
@@ -280,7 +279,7 @@ def test_a_quarantined_load_recomputes_in_fresh_blocks_and_keeps_the_old_ones_as
     decode = make_engine(2, "BHLNC")
     poison(decode)
     for i, prompt in enumerate(prompts):
-        decode.add_request(f"d{i}", prompt, PARAMS, remote_kv=True)
+        decode.add_awaiting_kv(f"d{i}", prompt, PARAMS)
     aside = {i: decode.set_aside_blocks(f"d{i}") for i in range(len(prompts))}
     used = decode.num_used_blocks
     for i in range(len(prompts)):
@@ -308,7 +307,7 @@ def test_cuda_engine_matches_cpu_and_takes_kv_from_a_cpu_prefill(
     prefill = make_engine(1, "LBHNC")
     held = prefill_and_hold(prefill, prompts)
     for i, prompt in enumerate(prompts):
-        on_gpu.add_request(f"d{i}", prompt, PARAMS, remote_kv=True)
+        on_gpu.add_awaiting_kv(f"d{i}", prompt, PARAMS)
         copy_prompt_kv(prefill, held[f"p{i}"].block_ids, on_gpu, on_gpu.block_ids(f"d{i}"),
                        len(prompt) - 1)
         on_gpu.finish_kv_load(f"d{i}", ok=True)

@@ -11,7 +11,7 @@ from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
 from kvxfer.engine.attention import gather_kv, write_kv
 from kvxfer.engine.tokenizer import ByteTokenizer
 from kvxfer.plan.packing import kv_views
-from kvxfer.sidecar.connector import compat_info
+from kvxfer.sidecar.roles.composition import compat_info
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
 PROMPTS = ["the decode side pulls the prefill's blocks", "x", "K transposed, then V"]

@@ -45,7 +45,7 @@ def drain(engine: LLMEngine) -> dict[str, RequestOutput]:
 
 def load_like_a_read(prefill: LLMEngine, decode: LLMEngine, source: str) -> None:
     """What a decode's READ does: the prompt's KV into the parked request's blocks."""
-    prefill.add_request("p", PROMPT, SamplingParams(max_tokens=1), hold_blocks=True)
+    prefill.add_held_request("p", PROMPT, SamplingParams(max_tokens=1))
     drain(prefill)
     src = torch.tensor(prefill.block_ids("p"))
     dst = torch.tensor(decode.block_ids(source))
@@ -72,7 +72,7 @@ def test_siblings_start_from_the_loaded_kv_in_every_layout(layout: str, tp: int)
     params = [GREEDY, GREEDY, with_seed(SEEDED, 11), with_seed(SEEDED, 12)]
     ids = [f"d{k}" for k in range(len(params))]
     for request_id, p in zip(ids, params, strict=True):
-        decode.add_request(request_id, PROMPT, p, remote_kv=True)
+        decode.add_awaiting_kv(request_id, PROMPT, p)
     forwarded: list[int] = []
     forward = decode.model.forward
 
@@ -98,8 +98,8 @@ def test_siblings_start_from_the_loaded_kv_in_every_layout(layout: str, tp: int)
 def test_siblings_without_the_copy_would_answer_otherwise() -> None:
     """The copy is what makes a sibling right: from its own (empty) blocks it differs."""
     prefill, decode = make_engine(), make_engine()
-    decode.add_request("a", PROMPT, GREEDY, remote_kv=True)
-    decode.add_request("b", PROMPT, GREEDY, remote_kv=True)
+    decode.add_awaiting_kv("a", PROMPT, GREEDY)
+    decode.add_awaiting_kv("b", PROMPT, GREEDY)
     load_like_a_read(prefill, decode, "a")
     decode.finish_kv_load("b", ok=True)  # claims a load that never happened
     got = drain(decode)
@@ -110,7 +110,7 @@ def test_siblings_without_the_copy_would_answer_otherwise() -> None:
 def test_an_aborted_sibling_frees_its_blocks_and_the_rest_go_on() -> None:
     prefill, decode = make_engine(), make_engine()
     for request_id in ("a", "b", "c"):
-        decode.add_request(request_id, PROMPT, GREEDY, remote_kv=True)
+        decode.add_awaiting_kv(request_id, PROMPT, GREEDY)
     assert decode.abort("b") is True
     load_like_a_read(prefill, decode, "a")
     decode.start_siblings("a", ["c"])
@@ -122,9 +122,9 @@ def test_an_aborted_sibling_frees_its_blocks_and_the_rest_go_on() -> None:
 
 def test_start_siblings_refuses_wrong_states_before_copying() -> None:
     prefill, decode = make_engine(), make_engine()
-    decode.add_request("a", PROMPT, GREEDY, remote_kv=True)
-    decode.add_request("b", PROMPT, GREEDY, remote_kv=True)
-    decode.add_request("other", PROMPT[:-1], GREEDY, remote_kv=True)
+    decode.add_awaiting_kv("a", PROMPT, GREEDY)
+    decode.add_awaiting_kv("b", PROMPT, GREEDY)
+    decode.add_awaiting_kv("other", PROMPT[:-1], GREEDY)
     with pytest.raises(ValueError, match="'a' is waiting_for_kv"):
         decode.start_siblings("a", ["b"])
     load_like_a_read(prefill, decode, "a")

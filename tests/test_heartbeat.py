@@ -222,7 +222,8 @@ def rig() -> Rig:
                             dead=lambda _engine: None, drop_forgotten=lambda: None,
                             finished=lambda: [], forget_dead=dead.__setitem__)
     results = ReadResults()
-    reader = Reader(local, peers, results)  # type: ignore[arg-type]
+    reports = SimpleNamespace(done=lambda *_a: True)  # the peer reports nothing here
+    reader = Reader(local, peers, results, reports)  # type: ignore[arg-type]
     path = Path()
     now = time.monotonic()
     remote = RemoteParams("P", CHANNEL[0], CHANNEL[1], (3,), "lease-1", 1, 16, time.time() + 60)

@@ -91,3 +91,14 @@ def test_no_class_outgrows_its_room() -> None:
                 if lines > MAX_CLASS_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.name}"] = lines
     assert not long, f"classes over {MAX_CLASS_LINES} lines (split them by noun): {long}"
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A module's name says what it is wherever it is met (an import, a log line, a
+    traceback): two rooms never hold modules of one name (``__init__`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in source_files():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, f"modules of one name in different rooms: {shared}"

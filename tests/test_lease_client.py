@@ -1,8 +1,10 @@
 """The decode's lease client (:mod:`kvxfer.transfer.lease_client`), one module alone.
 
-Its senders are stand-ins that record what would go on the side channel and let the
-test answer each claim or renewal as the prefill would (granted, refused, none);
-the real senders and listeners are covered by the connector and WorkerSide tests.
+Its renewer and the instance's reports (which send its releases) are stand-ins that
+record what would go on the side channel and let the test answer each claim or renewal
+as the prefill would (granted, refused, none); the real senders and listeners are
+covered by the pull decode's and WorkerSide's tests. A read's "done" reports are no
+longer the lease client's to send (the worker's reader sends them: test_done_reports).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from kvxfer.transfer.lease_client import (
     Readiness,
 )
 from kvxfer.wire.lease_book import HeldLease, LeaseBook, LeaseRefused
-from kvxfer.wire.messages import DoneReport, ReleaseOutcome, RenewAck
-from kvxfer.wire.notification import ReadDone
+from kvxfer.wire.messages import ReleaseOutcome, RenewAck
 from kvxfer.wire.params import RemoteParams
 
 Done = Callable[[RenewAck | None, float, str], None]
@@ -31,19 +32,18 @@ READ_TIMEOUT = 1.0
 
 @dataclass
 class Sender:
-    """Records releases and renewals (``SideChannelSender``'s queueing API); ``accept``
-    False refuses to queue, as a full or closed sender does."""
+    """Records renewals (``SideChannelSender``'s queueing API) and releases (the queueing
+    API of the instance's ``Reports``); ``accept`` False refuses to queue, as a full or
+    closed sender does. One stand-in may play both."""
 
     accept: bool = True
     releases: list[tuple[str, str]] = field(default_factory=list)
     renewals: list[tuple[str, bool, Done]] = field(default_factory=list)
-    reports: list[DoneReport] = field(default_factory=list)
-    expires_in: list[float | None] = field(default_factory=list)  # each report's resend window
     closed: int = 0
     ports: list[int] = field(default_factory=list)  # where each queued one goes
 
-    def submit(self, host: str, port: int, lease_id: str, reason: str,
-               outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
+    def release(self, host: str, port: int, lease_id: str, reason: str,
+                outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         if self.accept:
             self.releases.append((lease_id, reason))
             self.ports.append(port)
@@ -53,14 +53,6 @@ class Sender:
                      claim: bool = False) -> bool:
         if self.accept:
             self.renewals.append((lease_id, claim, done))
-            self.ports.append(port)
-        return self.accept
-
-    def submit_done(self, host: str, port: int, report: DoneReport,
-                    expires_in: float | None = None) -> bool:
-        if self.accept:
-            self.reports.append(report)
-            self.expires_in.append(expires_in)
             self.ports.append(port)
         return self.accept
 
@@ -79,8 +71,10 @@ def params(lease_id: str = "lease-1", expires_in: float = 60.0) -> RemoteParams:
 
 
 def client(sender: Sender, renewer: Sender | None = None) -> LeaseClient:
-    return LeaseClient(LeaseBook(None, max_age=600.0), sender, renewer,
-                       read_timeout=READ_TIMEOUT)
+    """A lease client releasing through ``sender`` and claiming and renewing through
+    ``renewer`` (``sender`` too when None)."""
+    return LeaseClient(LeaseBook(None, max_age=600.0), sender,  # type: ignore[arg-type]
+                       renewer or sender, read_timeout=READ_TIMEOUT)  # type: ignore[arg-type]
 
 
 def granted(seconds: float, lease_id: str = "lease-1") -> RenewAck:
@@ -207,26 +201,18 @@ def test_a_claim_that_could_not_be_queued_is_sent_by_renew_due() -> None:
     assert len(sender.renewals) == 1
 
 
-def test_claims_and_renewals_go_to_the_renewer_releases_to_the_releaser() -> None:
-    releaser, renewer = Sender(), Sender()
-    leases, remote = client(releaser, renewer), params()
+def test_claims_and_renewals_go_to_the_renewer_releases_to_the_reports() -> None:
+    reports, renewer = Sender(), Sender()
+    leases, remote = client(reports, renewer), params()
     leases.claim(remote, leases.check(remote))
     assert leases.release(remote, "not needed")
-    assert releaser.renewals == [] and len(renewer.renewals) == 1
-    assert releaser.releases == [("lease-1", "not needed")] and renewer.releases == []
-    assert leases.releaser is releaser
+    assert reports.renewals == [] and len(renewer.renewals) == 1
+    assert reports.releases == [("lease-1", "not needed")] and renewer.releases == []
     leases.close()
     leases.close()
-    assert (releaser.closed, renewer.closed) == (1, 1), "each closed once"
-    assert leases.releaser is None
+    assert (reports.closed, renewer.closed) == (0, 1), \
+        "the renewer closed once; the reports are the instance's to close"
     assert not leases.release(remote, "too late") and not leases.claim(remote, HeldLease(0, 1))
-
-
-def test_one_sender_serves_both_and_is_closed_once() -> None:
-    sender = Sender()
-    leases = client(sender)
-    leases.close()
-    assert sender.closed == 1
 
 
 def test_a_lease_needs_enough_left_for_a_read_and_ends_at_its_deadline() -> None:
@@ -273,29 +259,6 @@ def test_the_release_after_a_failed_read_says_why() -> None:
     leases.release_after_failed_read(remote, "rank 0 could not start its READ")
     assert [reason for _, reason in sender.releases] == [
         "the decode's KV read failed: rank 0 could not start its READ"]
-
-
-def done_report(prefill_rank: int, lease_id: str = "lease-1") -> DoneReport:
-    return DoneReport(prefill_rank, ReadDone(lease_id, "decode-a", 0, 1, True))
-
-
-def test_each_done_report_goes_to_the_port_serving_its_prefill_rank() -> None:
-    """Ranks listening apart: rank 1's report goes to rank 1's port only; one port for
-    every rank: both go there. Nothing is released."""
-    sender = Sender()
-    leases = client(sender)
-    lease = HeldLease(time.monotonic() + 42.0, 60.0)
-    assert leases.report_done(ranks_apart(), [done_report(0), done_report(1)], lease)
-    assert sender.ports == [5600, 5611] and sender.releases == []
-    assert [r.prefill_rank for r in sender.reports] == [0, 1]
-    # resent while unanswered for as long as the lease's deadline says it may be held
-    assert all(41.0 < left <= 42.0 for left in sender.expires_in)
-    sender.ports.clear()
-    assert leases.report_done(params(), [done_report(0)], lease)
-    assert sender.ports == [params().remote_port]
-    sender.accept = False
-    assert not leases.report_done(params(), [done_report(0)], lease), \
-        "a report not queued is said"
 
 
 def ranks_apart(lease_id: str = "lease-1") -> RemoteParams:

@@ -97,9 +97,11 @@ def test_bytes_of_a_transfer_given_up_never_land_in_another_request(
     host = ("--host", "0.0.0.0")
     push = ("--kv-transfer-mode", "push", "--lease-ttl", str(RESERVE_S),
             "--side-channel-host", network.address("lrdecode")) if mode == "push" else ()
-    with SidecarGroup(tmp_path, env=UCX_ENV) as group:
-        reference, prefill, decode = group.start([
-            Spec("both"),
+    # the single instance runs NIXL too (a both instance plays the prefill and the decode):
+    # not on the namespaces' UCX devices, which this namespace lacks
+    with SidecarGroup(tmp_path) as here, SidecarGroup(tmp_path, env=UCX_ENV) as group:
+        reference = here.start_one(Spec("both"))
+        prefill, decode = group.start([
             NsSpec("prefill", netns=network.ns("lrprefill"), extra=(
                 *host, "--side-channel-host", network.address("lrprefill"),
                 "--no-host-reads", "--lease-ttl", "3")),

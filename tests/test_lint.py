@@ -21,7 +21,6 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/transfer/converted/shared_staging.py", "kvxfer/transfer/threads.py",
               "kvxfer/transfer/converted/stream_copy.py",
               "kvxfer/transfer/leases.py", "kvxfer/transfer/lease_client.py",
-              "kvxfer/sidecar/connector_events.py",
               "kvxfer/wire/version.py", "kvxfer/wire/protocol_errors.py",
               "kvxfer/wire/replay.py", "kvxfer/wire/compat.py", "kvxfer/wire/metadata.py",
               "kvxfer/wire/messages.py", "kvxfer/wire/framing.py", "kvxfer/wire/envelope.py",
@@ -30,6 +29,8 @@ MYPY_FILES = ("kvxfer/plan/layout.py", "kvxfer/plan/regions.py", "kvxfer/plan/to
               "kvxfer/transfer/reads/path.py", "kvxfer/transfer/reads/read.py",
               "kvxfer/transfer/liveness.py",
               "kvxfer/transfer/converted/process_shares.py",
+              "kvxfer/transfer/transfer_config.py", "kvxfer/sidecar/request_kinds.py",
+              "kvxfer/sidecar/roles/role.py",
               "kvxfer/transfer/converted/fd_handover.py")
 
 

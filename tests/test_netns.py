@@ -109,10 +109,12 @@ def rig(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     log_dir = tmp_path_factory.mktemp("netns")
     proxy: Launched | None = None
     try:
-        with SidecarGroup(log_dir, env=UCX_ENV) as group:
+        # the single instance runs NIXL too (a both instance plays the prefill and the
+        # decode): not on the namespaces' UCX devices, which this namespace lacks
+        with SidecarGroup(log_dir) as here, SidecarGroup(log_dir, env=UCX_ENV) as group:
             host = ("--host", "0.0.0.0")
-            reference, *prefills, decode = group.start([
-                Spec("both"),
+            reference = here.start_one(Spec("both"))
+            *prefills, decode = group.start([
                 *(NsSpec("prefill", netns=network.ns(role), extra=(
                     *host, "--side-channel-host", network.address(role), NO_HOST_READS,
                     "--lease-ttl", str(LEASE_TTL_S))) for role in PREFILLS),
@@ -342,9 +344,10 @@ def test_real_model_across_namespaces(network: Network, tmp_path: Path) -> None:
     model = ("--model", REAL_MODEL, "--num-blocks", "64")
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 12, "temperature": 0, "logprobs": True}
-    with SidecarGroup(tmp_path, env=UCX_ENV) as group:
-        reference, prefill, decode = group.start([
-            Spec("both", extra=model),
+    # the single instance runs NIXL too: not on the namespaces' UCX devices (see rig)
+    with SidecarGroup(tmp_path) as here, SidecarGroup(tmp_path, env=UCX_ENV) as group:
+        reference = here.start_one(Spec("both", extra=model))
+        prefill, decode = group.start([
             NsSpec("prefill", netns=network.ns("prefill2"), extra=(
                 *host, *model, "--side-channel-host", network.address("prefill2"),
                 NO_HOST_READS)),

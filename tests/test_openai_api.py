@@ -15,6 +15,7 @@ from kvxfer.sidecar.openai_api.error_body import OpenAIError
 from kvxfer.sidecar.openai_api.prepared import ModelInfo, Prepared, choice_seed
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest
 from kvxfer.sidecar.openai_api.validation import MAX_N, prepare_chat, prepare_completion
+from kvxfer.sidecar.request_kinds import LeaseOut, PullIn
 
 TOKENIZER = ByteTokenizer()
 
@@ -67,7 +68,7 @@ def test_n_out_of_range_is_refused(n: int) -> None:
 
 def test_a_prefill_request_computes_the_prompt_once() -> None:
     hold = {"kv_transfer_params": {"do_remote_decode": True}}
-    assert completion("prefill", **hold).hold
+    assert isinstance(completion("prefill", **hold).kind, LeaseOut)
     refused(lambda: completion("prefill", n=2, **hold), "n", "n must be 1, got 2")
 
 
@@ -75,7 +76,7 @@ def test_a_decode_request_takes_n_when_its_samples_fit_the_cache() -> None:
     prompt = [65] * 40  # 3 blocks of 16
     kv = {"kv_transfer_params": decode_params(40)}
     prepared = completion("decode", num_blocks=9, prompt=prompt, n=3, **kv)
-    assert prepared.remote is not None and prepared.num_choices == 3
+    assert isinstance(prepared.kind, PullIn) and prepared.num_choices == 3
     refused(lambda: completion("decode", num_blocks=8, prompt=prompt, n=3, **kv), "n",
             "need 9 KV blocks at once, but this decode instance has 8")
 
@@ -86,7 +87,8 @@ def test_a_decode_counts_the_prefills_blocks_at_the_prefills_block_size() -> Non
         kv = {**decode_params(40), "remote_block_size": size,
               "remote_block_ids": list(range(blocks))}
         prepared = completion("decode", prompt=prompt, kv_transfer_params=kv)
-        assert prepared.remote is not None and len(prepared.remote.remote_block_ids) == blocks
+        kind = prepared.kind
+        assert isinstance(kind, PullIn) and len(kind.remote.remote_block_ids) == blocks
     wrong = {**decode_params(40), "remote_block_size": 32}  # 3 ids: 16-token blocks
     refused(lambda: completion("decode", prompt=prompt, kv_transfer_params=wrong),
             "kv_transfer_params", "has 3 ids but a 40-token prompt fills 2 blocks of 32 tokens")

@@ -34,7 +34,7 @@ def kv_rows(engine: LLMEngine, blocks: list[int], positions: range) -> list[torc
 
 def held(engine: LLMEngine, request_id: str, prompt: list[int]) -> list[int]:
     """Run ``prompt`` as a prefill (its blocks held afterwards); its block ids."""
-    engine.add_request(request_id, prompt, ONE, hold_blocks=True)
+    engine.add_held_request(request_id, prompt, ONE)
     while engine.has_work():
         engine.step()
     return engine.block_ids(request_id)
@@ -199,8 +199,8 @@ def test_the_last_prompt_token_is_always_computed() -> None:
 def test_a_parked_decode_shares_nothing_until_its_kv_is_final() -> None:
     engine = make_engine()
     prompt = list(range(1, 14))
-    engine.add_request("d", prompt, GREEDY, remote_kv=True)  # its READ has not ended
-    engine.add_request("e", prompt, GREEDY, remote_kv=True)
+    engine.add_awaiting_kv("d", prompt, GREEDY)  # its READ has not ended
+    engine.add_awaiting_kv("e", prompt, GREEDY)
     assert engine.num_cached_tokens("e") == 0
     assert not set(engine.block_ids("d")) & set(engine.block_ids("e"))
 
@@ -216,7 +216,7 @@ def test_a_decode_hit_ends_on_a_whole_prefill_block(shared: int, block_size: int
     engine = make_engine(block_size=block_size)
     prompt = list(range(1, 18))  # 17 tokens: the decode needs the KV of 16
     held(engine, "p", prompt[:shared] + [99] * (17 - shared))
-    engine.add_request("d", prompt, GREEDY, remote_kv=True, remote_block_size=remote_block_size)
+    engine.add_awaiting_kv("d", prompt, GREEDY, remote_block_size=remote_block_size)
     assert engine.num_cached_tokens("d") == cached
     # the blocks past the hit are fresh: nothing shared is written by the READ
     cache = engine.prefix_cache
@@ -225,15 +225,15 @@ def test_a_decode_hit_ends_on_a_whole_prefill_block(shared: int, block_size: int
     assert not any(cache.is_cached(b) for b in rest)
 
 
-def test_remote_kv_that_does_not_fit_takes_no_cached_block() -> None:
+def test_a_request_awaiting_kv_that_does_not_fit_takes_no_cached_block() -> None:
     engine = make_engine(num_blocks=6)
     prompt = list(range(1, 18))
     held(engine, "p", prompt)  # 5 blocks held, 4 of them cached
-    engine.add_request("x", [5], ONE, hold_blocks=True)
+    engine.add_held_request("x", [5], ONE)
     while engine.has_work():
         engine.step()  # the last free block
     with pytest.raises(NoFreeBlocks):
-        engine.add_request("d", [*prompt, 1, 2, 3, 4], GREEDY, remote_kv=True)
+        engine.add_awaiting_kv("d", [*prompt, 1, 2, 3, 4], GREEDY)
     cache = engine.prefix_cache
     assert cache is not None
     assert all(cache.holders(b) == 1 for b in engine.block_ids("p")[:4])
@@ -265,7 +265,7 @@ def recomputes_past_the_cache(engine: LLMEngine, prompt: list[int], blocks: list
 
 def test_a_failed_read_recomputes_past_the_cached_prefix_only() -> None:
     engine, prompt, blocks, before = warm_engine()
-    engine.add_request("d", prompt, GREEDY, remote_kv=True)
+    engine.add_awaiting_kv("d", prompt, GREEDY)
     assert engine.num_cached_tokens("d") == 16
     recomputes_past_the_cache(engine, prompt, blocks, before)
 
@@ -296,9 +296,8 @@ def test_a_pushed_request_adopts_its_cached_prefix_and_recomputes_only_past_it()
     hit, fresh = engine.reserve_blocks(prompt)
     assert hit == blocks[:4]
     with pytest.raises(ValueError, match="3 of its tokens cached"):
-        engine.add_request("x", prompt, GREEDY, remote_kv=True, blocks=hit + fresh,
-                           num_cached=3)
-    engine.add_request("d", prompt, GREEDY, remote_kv=True, blocks=hit + fresh, num_cached=16)
+        engine.add_awaiting_kv_in("x", prompt, GREEDY, hit + fresh, 3)
+    engine.add_awaiting_kv_in("d", prompt, GREEDY, hit + fresh, 16)
     assert engine.num_cached_tokens("d") == 16
     assert engine.set_aside_blocks("d") == fresh  # a late WRITE could land only there
     engine.free_blocks(fresh)
@@ -333,7 +332,7 @@ def test_siblings_copy_only_past_the_shared_prefix(monkeypatch: pytest.MonkeyPat
     engine.release("p")
     before = kv_rows(engine, blocks, range(16))
     for rid in ("d", "s1", "s2"):
-        engine.add_request(rid, prompt, GREEDY, remote_kv=True)
+        engine.add_awaiting_kv(rid, prompt, GREEDY)
     assert engine.block_ids("s1")[:4] == blocks[:4] == engine.block_ids("d")[:4]
     play_read(engine, "d", prompt, first=4)
     copies: list[tuple[list[list[int]], list[list[int]]]] = []

@@ -343,12 +343,12 @@ def test_only_a_rank_every_write_of_which_completed_gets_the_side_channel_copy()
 
     reported: list[int] = []
 
-    class Sender:
-        def submit_done(self, host: str, port: int, report: Any, expires_in: float) -> bool:
+    class Reports:  # the instance's, as the pusher queues its reports there
+        def done(self, host: str, port: int, report: Any, lease_ends: float) -> bool:
             reported.append(report.prefill_rank)
             return True
 
-    pusher = Pusher(None, None, None, 2, Sender)  # type: ignore[arg-type]  # reports only
+    pusher = Pusher(None, None, None, 2, Reports())  # type: ignore[arg-type]  # reports only
     reservation = Reservation("resv-x", "decode-x", "127.0.0.1", 5555, 4, (1,), 16, 16,
                               time.time() + 30)
     push = _Push("lease-x", reservation, np.array([0]), 0)

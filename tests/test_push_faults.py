@@ -36,7 +36,7 @@ from sidecars import (
 )
 
 from kvxfer.harness.network import UCX_ENV, Network, why_not
-from kvxfer.sidecar.claimers import PROBE_EVERY_S
+from kvxfer.sidecar.roles.claimers import PROBE_EVERY_S
 from kvxfer.wire.reservations import PUSH_GRACE_S
 
 COMPLETIONS = "/v1/completions"
@@ -235,12 +235,14 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Network, Sidecar, Sidecar, Sidecar]]
     reason = why_not()
     if reason is not None:
         pytest.skip(reason)
-    with Network(("prefill", "decode")) as network, \
+    # the single instance runs NIXL too (a both instance plays the prefill and the decode):
+    # not on the namespaces' UCX devices, which this namespace lacks
+    with Network(("prefill", "decode")) as network, SidecarGroup(tmp_path) as here, \
             SidecarGroup(tmp_path, env=UCX_ENV) as group:
         def on(role: str) -> tuple[str, ...]:
             return ("--host", "0.0.0.0", "--side-channel-host", network.address(role))
-        reference, prefill, decode = group.start([
-            Spec("both"),
+        reference = here.start_one(Spec("both"))
+        prefill, decode = group.start([
             NsSpec("prefill", netns=network.ns("prefill"),
                    extra=(*on("prefill"), "--no-host-reads")),
             NsSpec("decode", netns=network.ns("decode"), policy="recompute", extra=(

@@ -14,7 +14,7 @@ lease on every rank. Cases:
   release of the ended lease changes nothing;
 * a release naming a lease the prefill does not hold changes nothing.
 
-The connector's own paths (refused at admission, aborted while waiting for
+The pull decode's own paths (refused at admission, aborted while waiting for
 blocks, a refused handshake, shut down while waiting) run in this process
 against a real engine, real NIXL workers and a real listener that records
 what it is told.
@@ -25,14 +25,16 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, prefill_body
 
 from kvxfer.engine import SamplingParams
-from kvxfer.sidecar.connector import AbortOutcome, KVConnector
+from kvxfer.sidecar.request_kinds import PullIn, Sample, Submission
+from kvxfer.sidecar.roles.composition import Roles
+from kvxfer.sidecar.roles.role import AbortOutcome
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.listener import SideChannelListener
 from kvxfer.wire.compat import CompatInfo
@@ -229,7 +231,7 @@ def test_in_the_end_no_block_is_held_anywhere(rig: dict[str, Sidecar]) -> None:
         sidecar.wait_for("every block free", all_blocks_free, timeout=RELEASE_WITHIN_S)
 
 
-# -- the decode connector's own paths, in this process --------------------------------------
+# -- the pull decode's own paths, in this process -------------------------------------------
 
 class Recorder:
     """A real side-channel listener of another model (so every handshake is refused
@@ -269,41 +271,51 @@ def prompt(tokens: int) -> list[int]:
     return [(7 * i) % 200 + 1 for i in range(tokens)]
 
 
-def poll_until(connector: KVConnector, done: Callable[[], bool]) -> None:
+def pulled(request_id: str, tokens: list[int], params: SamplingParams, remote: RemoteParams,
+           samples: Sequence[tuple[str, SamplingParams]] = ()) -> Submission:
+    """A decode request that reads its KV from ``remote``'s lease (kind ``PullIn``), as the
+    HTTP layer submits it; ``samples``: (id, params) of its further samples, choices 1..."""
+    kind = PullIn(remote, tuple(Sample(sample_id, index, sample_params) for index,
+                                (sample_id, sample_params) in enumerate(samples, start=1)))
+    return Submission(request_id, 0, tokens, params, kind)
+
+
+def poll_until(connector: Roles, done: Callable[[], bool]) -> None:
     for _ in range(1000):
         connector.poll()
         if done():
             return
         time.sleep(0.005)
-    raise AssertionError("the connector did not get there within 5 s")
+    raise AssertionError("the roles did not get there within 5 s")
 
 
-def test_connector_releases_a_request_refused_at_admission(connector: KVConnector,
-                                                           recorder: Recorder) -> None:
+def test_the_decode_releases_a_request_refused_at_admission(connector: Roles,
+                                                            recorder: Recorder) -> None:
     """100 prompt tokens + 100 new ones do not fit 128 tokens of cache."""
     with pytest.raises(ValueError, match="exceeds the KV cache capacity"):
-        connector.add_remote("too-long", prompt(100), SamplingParams(max_tokens=100),
-                             recorder.params("lease-too-long@1", 100))
+        connector.admit(pulled("too-long", prompt(100), SamplingParams(max_tokens=100),
+                               recorder.params("lease-too-long@1", 100)))
     [(lease_id, requester, reason)] = recorder.wait_for(1)
-    assert (lease_id, requester) == ("lease-too-long@1", connector.engine_id)
+    assert (lease_id, requester) == ("lease-too-long@1", connector.ranks.engine_id)
     assert reason.startswith("the decode refused the request: ") and "exceeds" in reason
 
 
-def test_connector_releases_after_a_refused_handshake(connector: KVConnector,
-                                                      recorder: Recorder) -> None:
-    connector.add_remote("refused", prompt(20), PARAMS, recorder.params("lease-refused@1", 20))
-    poll_until(connector, lambda: connector.take_transfer_error("refused") is not None)
+def test_the_decode_releases_after_a_refused_handshake(connector: Roles,
+                                                       recorder: Recorder) -> None:
+    sub = pulled("refused", prompt(20), PARAMS, recorder.params("lease-refused@1", 20))
+    connector.admit(sub)
+    poll_until(connector, lambda: connector.transfer_error("refused", sub.kind) is not None)
     [(lease_id, _, reason)] = recorder.wait_for(1)
     assert lease_id == "lease-refused@1"
     assert reason.startswith("the decode's KV read failed: prefill prefill-recorder")
     assert "is not compatible" in reason
 
 
-def test_connector_releases_a_request_aborted_while_waiting_for_blocks(
-        connector: KVConnector, recorder: Recorder) -> None:
+def test_the_decode_releases_a_request_aborted_while_waiting_for_blocks(
+        connector: Roles, recorder: Recorder) -> None:
     engine = connector.engine
-    engine.add_request("filler", prompt(100), PARAMS, remote_kv=True)  # 7 of 8 blocks
-    connector.add_remote("waiting", prompt(40), PARAMS, recorder.params("lease-waiting@1", 40))
+    engine.add_awaiting_kv("filler", prompt(100), PARAMS)  # 7 of 8 blocks
+    connector.admit(pulled("waiting", prompt(40), PARAMS, recorder.params("lease-waiting@1", 40)))
     poll_until(connector, lambda: not connector.busy)  # claimed
     assert connector.waiting and not connector.busy, "it waits for blocks, nothing is read"
     assert connector.abort("waiting") is AbortOutcome.DROPPED
@@ -313,37 +325,42 @@ def test_connector_releases_a_request_aborted_while_waiting_for_blocks(
     engine.abort("filler")
 
 
-def test_connector_releases_what_still_waits_when_it_closes(connector: KVConnector,
-                                                            recorder: Recorder) -> None:
-    connector.engine.add_request("filler", prompt(100), PARAMS, remote_kv=True)
-    connector.add_remote("left", prompt(40), PARAMS, recorder.params("lease-left@1", 40))
-    releaser = connector.releaser
-    assert releaser is not None
+def test_the_decode_releases_what_still_waits_when_it_closes(connector: Roles,
+                                                             recorder: Recorder) -> None:
+    connector.engine.add_awaiting_kv("filler", prompt(100), PARAMS)
+    connector.admit(pulled("left", prompt(40), PARAMS, recorder.params("lease-left@1", 40)))
+    reports = connector.ranks.reports  # the instance's sender of releases
     connector.close()
-    assert not releaser._thread.is_alive(), "close() stops the sender thread"
+    senders = list(reports._senders.values())
+    assert senders and not any(sender._thread.is_alive() for sender in senders), \
+        "close() stops the sender threads"
     [(lease_id, _, reason)] = recorder.calls  # sent before close() returned
     assert lease_id == "lease-left@1" and "shut down" in reason
 
 
-def test_a_dead_prefill_does_not_hold_up_the_connector(
-        connector: KVConnector, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_dead_prefill_does_not_hold_up_the_decode(
+        connector: Roles, caplog: pytest.LogCaptureFixture) -> None:
     """A release to a side channel nobody listens on fails in the background, logged
-    with the lease and the address; the connector carries on."""
+    with the lease and the address; the decode carries on."""
     with socket.socket() as probe:  # a port that was free a moment ago
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
     dead = RemoteParams("prefill-gone", HOST, port, (0, 1), "lease-gone@1", 1, 20,
                         time.time() + 60)
-    releaser = connector.releaser
-    assert releaser is not None
+    reports = connector.ranks.reports  # the instance's sender of releases
+
+    def outcomes() -> tuple[int, int]:
+        senders = list(reports._senders.values())
+        return sum(s.failed for s in senders), sum(s.sent for s in senders)
+
     with caplog.at_level(logging.WARNING, logger="kvxfer.transfer.side_channel.sender"):
         with pytest.raises(ValueError, match="exceeds"):
-            connector.add_remote("gone", prompt(100), SamplingParams(max_tokens=100), dead)
+            connector.admit(pulled("gone", prompt(100), SamplingParams(max_tokens=100), dead))
         for _ in range(500):
-            if releaser.failed:
+            if outcomes()[0]:
                 break
             time.sleep(0.01)
-    assert (releaser.failed, releaser.sent) == (1, 0)
+    assert outcomes() == (1, 0)
     assert any(f"could not release lease lease-gone@1: cannot connect to tcp://{HOST}:{port}"
                in r.getMessage() for r in caplog.records), [r.getMessage()
                                                             for r in caplog.records]

@@ -341,7 +341,7 @@ def test_health_reports_role_engine_and_blocks(trio: dict[str, Sidecar]) -> None
         assert health["pid"] == sidecar.pid
         assert health["engine_id"].startswith(f"{role}-")
         assert health["num_blocks"] == 256 and health["layout"] == "LBHNC"
-        assert (health["side_channel_port"] is not None) == (role == "prefill")
+        assert (health["side_channel_port"] is not None) == (role in ("prefill", "both"))
 
 
 def test_metrics_count_requests_tokens_and_blocks(both: Sidecar) -> None:

@@ -680,7 +680,7 @@ def test_a_shared_staged_read_whose_share_fails_fails_every_member(
 def test_a_staged_read_that_ends_after_its_peer_was_dropped_is_reported_unnotified(
         prefill: PrefillProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """A staged READ carries no "done": when the prefill's connection was dropped before
-    the read ended, nobody was told, and the read says so (the connector then releases
+    the read ended, nobody was told, and the read says so (the decode then releases
     the lease over the side channel) instead of leaving the lease to expire."""
     import threading
 
@@ -691,6 +691,9 @@ def test_a_staged_read_that_ends_after_its_peer_was_dropped_is_reported_unnotifi
     decode = decode_instance(replace(cfg, layout="LBNHC"))
     try:
         worker = decode.workers[0]
+        reported: list[Any] = []  # the "done" reports the worker queues
+        monkeypatch.setattr(worker._reports, "done",
+                            lambda *args: reported.append(args) is None)
         placing, release = threading.Event(), threading.Event()
         convert = StagedRead.convert
 
@@ -714,7 +717,7 @@ def test_a_staged_read_that_ends_after_its_peer_was_dropped_is_reported_unnotifi
             time.sleep(0.01)
             result = worker.poll()
         assert result.finished == ["late"] and result.unnotified == {"late"}
-        assert not result.reports, "no peer: nobody to report to, the caller releases"
+        assert not reported, "no peer: nobody to report to, the caller releases"
     finally:
         decode.close()
 
@@ -842,7 +845,8 @@ def test_read_lanes_must_be_positive() -> None:
     from kvxfer.transfer.worker import TransferWorker
 
     with pytest.raises(ValueError, match="read_lanes must be at least 1, got 0"):
-        TransferWorker("e", 0, 1, CacheConfig().compat(), total_kv_heads=4, read_lanes=0)
+        TransferWorker("e", 0, 1, CacheConfig().compat(), CacheConfig().transfer(),
+                       total_kv_heads=4, read_lanes=0)
 
 
 def test_a_new_lease_wakes_an_idle_prefill_so_reads_do_not_wait_for_its_poll(

@@ -1,8 +1,9 @@
 """The transfer metrics a user of vLLM's NIXL connector expects, in this process.
 
-A prefill and a decode :class:`KVConnector` on kvxfer-tiny engines (real NIXL
-workers, a real side-channel listener, real notifications); each test drives one
-path and reads the metric from the connector's registry, as ``/metrics`` renders it:
+A prefill's and a decode's :class:`~kvxfer.sidecar.roles.composition.Roles` on
+kvxfer-tiny engines (real NIXL workers, a real side-channel listener, real
+notifications); each test drives one path and reads the metric from the instance's
+registry, as ``/metrics`` renders it:
 
 * a read's size in bytes and in descriptors (histograms, next to its duration);
 * failed handshakes, by reason (a listener of another model, one with a key, nothing
@@ -26,11 +27,12 @@ from typing import Any
 import pytest
 import zmq
 from sidecars import free_port
-from test_release import Recorder, prompt
+from test_release import Recorder, prompt, pulled
 
 from kvxfer.engine import SamplingParams
-from kvxfer.sidecar.connector import KVConnector, compat_info
-from kvxfer.sidecar.connector_events import AbortOutcome
+from kvxfer.sidecar.request_kinds import LeaseOut
+from kvxfer.sidecar.roles.composition import Roles, compat_info
+from kvxfer.sidecar.roles.role import AbortOutcome
 from kvxfer.sidecar.sidecar_metrics import HANDSHAKE_FAILURE_REASONS
 from kvxfer.transfer.nixl_agent import NixlAgent
 from kvxfer.transfer.side_channel.failures import FAILURE_REASONS
@@ -43,17 +45,17 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0.0)
 TOKENS = 40  # 3 blocks of 16
 KEY = b"k" * 32
 
-Make = Callable[..., KVConnector]
+Make = Callable[..., Roles]
 
 
-def value(connector: KVConnector, name: str, **labels: str) -> float:
-    """A sample of the connector's metrics; AssertionError when it is not exported."""
+def value(connector: Roles, name: str, **labels: str) -> float:
+    """A sample of the instance's metrics; AssertionError when it is not exported."""
     got = connector.metrics.registry.get_sample_value(name, labels)
     assert got is not None, f"{name}{labels} is not exported"
     return got
 
 
-def pump(*connectors: KVConnector, until: Callable[[], bool], timeout: float = 10.0) -> None:
+def pump(*connectors: Roles, until: Callable[[], bool], timeout: float = 10.0) -> None:
     """Poll ``connectors`` as their engine loops would until ``until()``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -65,31 +67,33 @@ def pump(*connectors: KVConnector, until: Callable[[], bool], timeout: float = 1
     raise AssertionError(f"not reached within {timeout} s")
 
 
-def held(prefill: KVConnector, request_id: str, tokens: int = TOKENS) -> dict[str, Any]:
-    """Prefill a prompt as the engine loop does (``hold_blocks``) and lease its blocks."""
+def held(prefill: Roles, request_id: str, tokens: int = TOKENS) -> dict[str, Any]:
+    """Prefill a prompt as the engine loop does (a request of kind ``LeaseOut``) and lease
+    its blocks: the answer's ``kv_transfer_params``."""
     engine = prefill.engine
-    engine.add_request(request_id, prompt(tokens), SamplingParams(max_tokens=1),
-                       hold_blocks=True)
+    engine.add_held_request(request_id, prompt(tokens), SamplingParams(max_tokens=1))
     while engine.has_work():
         for output in engine.step():
             if output.finished:
-                return prefill.hold(request_id, output.block_ids, tokens)
+                params = prefill.finished(output, LeaseOut())
+                assert params is not None
+                return params
     raise AssertionError("the prefill never finished")
 
 
-def read_directly(decode: KVConnector, params: dict[str, Any], request_id: str) -> None:
-    """READ ``params``' blocks with the decode's worker itself, bypassing the connector's
+def read_directly(decode: Roles, params: dict[str, Any], request_id: str) -> None:
+    """READ ``params``' blocks with the decode's worker itself, bypassing the decode's
     lease checks (which would refuse an ended lease before any READ)."""
     count = len(params["remote_block_ids"])
-    decode.workers[0].start_read(request_id, params, list(range(count)))
+    decode.ranks.workers[0].start_read(request_id, params, list(range(count)))
 
 
 # -- sizes of a read ------------------------------------------------------------------------
 
 def test_a_read_observes_its_bytes_and_descriptors(make: Make) -> None:
-    prefill, decode = make("prefill"), make("decode", failure_policy="fail")
+    prefill, decode = make("prefill"), make("decode", kv_load_failure_policy="fail")
     params = held(prefill, "p")
-    decode.add_remote("d", prompt(TOKENS), PARAMS, RemoteParams.parse(params))
+    decode.admit(pulled("d", prompt(TOKENS), PARAMS, RemoteParams.parse(params)))
     pump(prefill, decode, until=lambda: value(decode, "kvxfer_kv_transfers_total",
                                               outcome="ok") == 1)
     views = decode.engine.kv_caches[0].values()
@@ -113,21 +117,24 @@ def test_a_read_exports_its_peers_path_rate_and_share_of_the_ceiling(
     path is a label of the prefill peer's bytes, seconds, achieved rate, ceiling (the
     rate its probe reached at connect) and the share of it achieved."""
     from kvxfer.engine import LLMEngine, tiny_config
+    from kvxfer.sidecar.roles.composition import new_engine_id
     from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
     from kvxfer.transfer.converted.mapped_reads import shared_zeros
+    from kvxfer.transfer.transfer_config import TransferConfig
 
     if path == "mapped":
         engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8,
                            cache_zeros=shared_zeros)
-        metrics = SidecarMetrics(role="prefill", engine_id="prefill-test", model="tiny",
+        engine_id = new_engine_id("prefill")
+        metrics = SidecarMetrics(role="prefill", engine_id=engine_id, model="tiny",
                                  layout=engine.layout.name, tp=1)
-        prefill = KVConnector(engine, "prefill", metrics)
+        prefill = Roles.start(engine, "prefill", metrics, TransferConfig(), engine_id, HOST)
     else:
         prefill = make("prefill")
-    decode = make("decode", failure_policy="fail")
+    decode = make("decode", kv_load_failure_policy="fail")
     try:
         params = held(prefill, "p")
-        decode.add_remote("d", prompt(TOKENS), PARAMS, RemoteParams.parse(params))
+        decode.admit(pulled("d", prompt(TOKENS), PARAMS, RemoteParams.parse(params)))
         pump(prefill, decode, until=lambda: value(decode, "kvxfer_kv_transfers_total",
                                                   outcome="ok") == 1)
         peer = {"peer": params["remote_engine_id"], "path": path}
@@ -159,8 +166,8 @@ def silent_port(ctx: zmq.Context[zmq.Socket[bytes]]) -> tuple[int, Any]:
 
 @pytest.mark.parametrize("reason", ["mismatch", "auth", "unreachable", "timeout"])
 def test_a_failed_handshake_is_counted_by_reason(make: Make, reason: str) -> None:
-    decode = make("decode", failure_policy="fail")
-    worker = decode.workers[0]
+    decode = make("decode", kv_load_failure_policy="fail")
+    worker = decode.ranks.workers[0]
     worker.handshake_timeout, worker.handshake_retries = 0.2, 1  # the timeout case: ~0.5 s
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     closers: list[Any] = []
@@ -201,15 +208,15 @@ def test_a_done_the_decode_could_not_send_is_counted(make: Make,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A READ the decode gives up on after the handshake (block ids the prefill lacks)
     tells the prefill with an ``ok=False`` "done"; NIXL refuses to send it."""
-    prefill, decode = make("prefill"), make("decode", failure_policy="fail")
+    prefill, decode = make("prefill"), make("decode", kv_load_failure_policy="fail")
 
     def refuse(*_args: object) -> None:
         raise RuntimeError("the notification could not be sent")
 
-    monkeypatch.setattr(decode.workers[0]._agent, "send_notif", refuse)
+    monkeypatch.setattr(decode.ranks.workers[0]._agent, "send_notif", refuse)
     params = held(prefill, "p")
     bad = {**params, "remote_block_ids": [1000 + b for b in params["remote_block_ids"]]}
-    decode.add_remote("d", prompt(TOKENS), PARAMS, RemoteParams.parse(bad))
+    decode.admit(pulled("d", prompt(TOKENS), PARAMS, RemoteParams.parse(bad)))
     pump(prefill, decode, until=lambda: value(decode, "kvxfer_kv_transfers_total",
                                               outcome="failed") == 1)
     assert value(decode, "kvxfer_kv_notifications_failed_total", reason="unsent") == 1
@@ -222,11 +229,11 @@ def test_a_done_the_decode_could_not_send_is_counted(make: Make,
 def test_notifications_the_prefill_cannot_verify_are_counted(make: Make) -> None:
     """With a key, an unsigned or wrongly signed "done" and bytes that are no
     notification at all reach the prefill's agent; it ignores and counts each."""
-    prefill = make("prefill", hmac_key=KEY)
+    prefill = make("prefill", kv_key=KEY)
     params = held(prefill, "p")
     name = "kvxfer_kv_notifications_failed_total"
     with NixlAgent(f"stranger-{os.getpid()}") as agent:
-        target = agent.add_remote(prefill.workers[0].metadata().agent_blob)
+        target = agent.add_remote(prefill.ranks.workers[0].metadata().agent_blob)
         agent.connect(target)
         done = ReadDone(params["remote_request_id"], "decode-stranger", 0, 1, True)
         for key in (None, b"guess" * 8):
@@ -239,17 +246,17 @@ def test_notifications_the_prefill_cannot_verify_are_counted(make: Make) -> None
                     value(prefill, name, reason="malformed")) == (2, 1)
 
         pump(prefill, until=counted)
-    assert prefill.workers[0].holds_lease(params["remote_request_id"]), "no lease ended"
+    assert prefill.ranks.workers[0].holds_lease(params["remote_request_id"]), "no lease ended"
     assert value(prefill, "kvxfer_kv_notifications_late_total", reason="unknown") == 0
 
 
 # -- late notifications ---------------------------------------------------------------------
 
-def end_lease(prefill: KVConnector, params: dict[str, Any], how: str) -> None:
+def end_lease(prefill: Roles, params: dict[str, Any], how: str) -> None:
     """End the lease of ``params`` the way ``how`` says, before the READ whose "done"
     comes late."""
     if how == "abandoned":
-        prefill.workers[0].end_lease(params["remote_request_id"])
+        prefill.ranks.workers[0].end_lease(params["remote_request_id"])
     released = "kvxfer_kv_leases_released_total"
     pump(prefill, until=lambda: value(prefill, released, reason=how) == 1)
 
@@ -259,7 +266,7 @@ def end_lease(prefill: KVConnector, params: dict[str, Any], how: str) -> None:
 @pytest.mark.parametrize("how", ["abandoned", "expired", "unknown"])
 def test_a_done_for_a_lease_no_longer_held_counts_as_late(make: Make, how: str) -> None:
     prefill = make("prefill", lease_ttl=0.3 if how == "expired" else 60.0)
-    decode = make("decode", failure_policy="fail")
+    decode = make("decode", kv_load_failure_policy="fail")
     params = held(prefill, "p")
     if how == "unknown":  # a lease this prefill never handed out
         params = {**params, "remote_request_id": "never-held"}
@@ -292,6 +299,6 @@ def test_a_lease_whose_client_left_before_the_answer_ends_at_once(make: Make) ->
     assert prefill.abort("p") is AbortOutcome.LEASED
     pump(prefill, until=lambda: value(prefill, "kvxfer_kv_leases_released_total",
                                       reason="abandoned") == 1)
-    assert prefill.workers[0].num_leases == 0 and prefill.engine.num_free_blocks == \
+    assert prefill.ranks.workers[0].num_leases == 0 and prefill.engine.num_free_blocks == \
         prefill.engine.num_blocks
     assert prefill.abort("p") is AbortOutcome.NOT_MINE, "ended once"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
+from kvxfer.transfer.transfer_config import TransferConfig
 from kvxfer.vllm.extra_config import SPAN_PROBE_KEY, ConnectorSettings
 from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.vllm.worker_side import StepResult, WorkerSide
@@ -34,8 +35,9 @@ class Rank:
         self.raw.copy_(torch.randint(0, 256, (self.raw.numel(),),
                                      generator=torch.Generator().manual_seed(fill),
                                      dtype=torch.int32).to(torch.uint8).view(self.raw.dtype))
-        settings = ConnectorSettings(lease_ttl=30.0, kv_read_timeout=10.0, read_wait=0.01,
-                                     host_reads=False, span_probe=probes)
+        settings = ConnectorSettings(TransferConfig(lease_ttl=30.0, kv_read_timeout=10.0,
+                                                    host_reads=False),
+                                     read_wait=0.01, span_probe=probes)
         self.side = WorkerSide(settings, name, COMPAT, rank=0, tp_size=1,
                                total_kv_heads=SPEC.num_kv_heads)
         self.side.register({f"layer.{i}": v for i, v in enumerate(views)}, SPEC, BLOCKS)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
+from kvxfer.transfer.transfer_config import TransferConfig
 from kvxfer.vllm.extra_config import ConnectorSettings
 from kvxfer.vllm.scheduler_side import BlockRef, SchedulerSide
 from kvxfer.vllm.step_plan import Load, StepPlan
@@ -26,8 +27,9 @@ from kvxfer.vllm.worker_side import StepResult, WorkerSide
 from kvxfer.wire.compat import CompatInfo
 
 BLOCK, HEADS, HEAD, BLOCKS, LAYERS = 16, 2, 8, 8, 3
-SETTINGS = ConnectorSettings(lease_ttl=30.0, kv_read_timeout=10.0, handshake_timeout=2.0,
-                             read_wait=0.01, host_reads=False)
+SETTINGS = ConnectorSettings(TransferConfig(lease_ttl=30.0, kv_read_timeout=10.0,
+                                            handshake_timeout=2.0, host_reads=False),
+                             read_wait=0.01)
 COMPAT = CompatInfo(model="tiny-vllm-tp", dtype="float32", cache_dtype="float32",
                     head_size=HEAD, total_kv_heads=HEADS, num_layers=LAYERS)
 
@@ -80,7 +82,7 @@ def instances(request: pytest.FixtureRequest) -> Iterator[tuple[Instance, Instan
 def hand_out(prefill: Instance, blocks: list[int], tokens: int) -> dict[str, Any]:
     """The prefill's scheduler leases ``blocks`` for a prompt of ``tokens``: every rank
     holds the lease after the forward; the params it answers with."""
-    scheduler = SchedulerSide(SETTINGS, prefill.engine_id, BLOCK, prefill.tp)
+    scheduler = SchedulerSide(SETTINGS.transfer, prefill.engine_id, BLOCK, prefill.tp)
     scheduler.set_side_channel_ports({r: side.port for r, side in enumerate(prefill.ranks)})
     params: dict[str, Any] = {"do_remote_decode": True}
     scheduler.after_alloc("p", params, tokens, [BlockRef(b, False) for b in blocks], 0)
@@ -171,7 +173,7 @@ def two_free_ports() -> int:
 def test_with_a_fixed_side_channel_port_rank_r_listens_on_port_plus_r() -> None:
     for _ in range(5):  # another process may take the port between the probe and the bind
         base = two_free_ports()
-        settings = ConnectorSettings(side_channel_port=base, host_reads=False)
+        settings = ConnectorSettings(TransferConfig(side_channel_port=base, host_reads=False))
         spec = CacheSpec(BLOCK, 1, HEAD, torch.float32)
         side = WorkerSide(settings, "vllm-fixed-port", COMPAT, rank=1, tp_size=2,
                           total_kv_heads=HEADS)
@@ -186,7 +188,7 @@ def test_with_a_fixed_side_channel_port_rank_r_listens_on_port_plus_r() -> None:
         raise AssertionError("the probed port was taken five times over")
     try:
         assert side.port == base + 1
-        scheduler = SchedulerSide(settings, "vllm-fixed-port", BLOCK, 2)
+        scheduler = SchedulerSide(settings.transfer, "vllm-fixed-port", BLOCK, 2)
         assert scheduler.side_channel_ports == (base, base + 1), "known without a handshake"
     finally:
         side.close()

@@ -10,6 +10,7 @@ import re
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ from test_handshake import ANSWER_S, COMPAT, HOST, RANKS
 
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.transfer.transfer_config import TransferConfig
 from kvxfer.vllm.extra_config import ConnectorSettings, SettingsError
 from kvxfer.vllm.scheduler_side import BlockRef, SchedulerSide
 from kvxfer.vllm.step_plan import Hold, Load, StepPlan
@@ -50,40 +52,66 @@ def test_the_package_loads_the_connector_only_when_asked(monkeypatch: pytest.Mon
 
 # -- settings ---------------------------------------------------------------------------------
 
+KEY_FILE = "<a key file the test writes>"  # kv_key_file's good value (the file is read)
 GOOD: dict[str, Any] = {
     "side_channel_host": "0.0.0.0", "side_channel_port": 5600, "advertise_host": "10.0.0.2",
     "lease_ttl": 30, "lease_max_age": 600.5, "kv_read_timeout": 2.5, "handshake_timeout": 1,
     "read_wait": 0.2, "read_lanes": 4, "host_reads": False,
-    "kv_key_file": "/etc/kvxfer/kv.key", "model_id": "llama-3-8b", "span_probe": True}
+    "kv_key_file": KEY_FILE, "model_id": "llama-3-8b", "span_probe": True}
 SECONDS = ("lease_ttl", "lease_max_age", "kv_read_timeout", "handshake_timeout", "read_wait")
+OWN = ("read_wait", "model_id", "span_probe")  # KvxferConnector's keys; the rest: the config's
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> dict[str, Any]:
+    """GOOD, its ``kv_key_file`` a real key file (mode 600) holding ``KEY``."""
+    path = tmp_path / "kv.key"
+    path.write_bytes(KEY)
+    path.chmod(0o600)
+    return {**GOOD, "kv_key_file": str(path)}
+
+
+def setting(settings: ConnectorSettings, key: str) -> Any:
+    """What ``settings`` say for extra-config key ``key`` (the key file: the key it holds)."""
+    if key in OWN:
+        return getattr(settings, key)
+    return settings.transfer.kv_key if key == "kv_key_file" else getattr(settings.transfer, key)
+
+
+def given(extra: dict[str, Any], key: str) -> Any:
+    """What extra-config key ``key`` says (the key file: the key written there)."""
+    return KEY if key == "kv_key_file" else extra[key]
 
 
 def test_settings_defaults() -> None:
     settings = ConnectorSettings.from_extra_config(None)
     assert settings == ConnectorSettings.from_extra_config({}) == ConnectorSettings(
-        side_channel_host="127.0.0.1", side_channel_port=0, advertise_host=None,
-        lease_ttl=120.0, lease_max_age=None, kv_read_timeout=10.0, handshake_timeout=5.0,
-        read_wait=0.05, read_lanes=1, host_reads=True, kv_key_file=None, model_id=None,
-        span_probe=False)
-    assert settings.max_age == 480.0
-    assert settings.host_for_peers == "127.0.0.1"
+        TransferConfig(side_channel_host="127.0.0.1", side_channel_port=0, advertise_host=None,
+                       lease_ttl=120.0, lease_max_age=None, kv_read_timeout=10.0,
+                       handshake_timeout=None, read_lanes=None, host_reads=True, kv_key=None),
+        read_wait=0.05, model_id=None, span_probe=False)
+    # a handshake attempt of 5 s and one copy thread unless set, as before the unset values
+    assert settings.transfer.handshake_attempt_s == 5.0 and settings.lanes == 1
+    assert settings.transfer.max_age == 480.0
+    assert settings.transfer.advertised == "127.0.0.1"
 
 
-@pytest.mark.parametrize(("key", "value"), GOOD.items())
-def test_settings_accept_each_key(key: str, value: Any) -> None:
-    settings = ConnectorSettings.from_extra_config({key: value})
-    assert getattr(settings, key) == value
+@pytest.mark.parametrize("key", list(GOOD))
+def test_settings_accept_each_key(good: dict[str, Any], key: str) -> None:
+    settings = ConnectorSettings.from_extra_config({key: good[key]})
+    assert setting(settings, key) == given(good, key)
     if key in SECONDS:
-        assert type(getattr(settings, key)) is float
-    others = {name: getattr(settings, name) for name in GOOD if name != key}
-    assert others == {name: getattr(ConnectorSettings(), name) for name in GOOD if name != key}
+        assert type(setting(settings, key)) is float
+    others = {name: setting(settings, name) for name in GOOD if name != key}
+    assert others == {name: setting(ConnectorSettings(), name) for name in GOOD if name != key}
 
 
-def test_settings_accept_every_key_together() -> None:
-    settings = ConnectorSettings.from_extra_config(GOOD)
-    assert {name: getattr(settings, name) for name in GOOD} == GOOD
-    assert settings.max_age == 600.5
-    assert settings.host_for_peers == "10.0.0.2"
+def test_settings_accept_every_key_together(good: dict[str, Any]) -> None:
+    settings = ConnectorSettings.from_extra_config(good)
+    assert {name: setting(settings, name) for name in GOOD} == \
+        {name: given(good, name) for name in GOOD}
+    assert settings.transfer.max_age == 600.5
+    assert settings.transfer.advertised == "10.0.0.2"
 
 
 @pytest.mark.parametrize(("extra", "max_age"), [
@@ -94,25 +122,36 @@ def test_settings_accept_every_key_together() -> None:
 ])
 def test_settings_edge_values(extra: dict[str, Any], max_age: float) -> None:
     settings = ConnectorSettings.from_extra_config(extra)
-    assert settings.max_age == max_age
+    assert settings.transfer.max_age == max_age
     if "read_wait" in extra:
         assert settings.read_wait == 0.0
+
+
+def test_settings_take_null_as_the_default_of_an_optional_key() -> None:
+    """The config's optional fields: null is what leaving the key out says."""
+    extra = {"lease_max_age": None, "handshake_timeout": None, "read_lanes": None,
+             "advertise_host": None, "kv_key_file": None, "model_id": None}
+    assert ConnectorSettings.from_extra_config(extra) == ConnectorSettings()
+    settings = ConnectorSettings.from_extra_config(extra)
+    assert settings.transfer.handshake_attempt_s == 5.0 and settings.lanes == 1
 
 
 @pytest.mark.parametrize(("key", "value"), [
     *[(key, bad) for key in ("side_channel_host", "advertise_host", "kv_key_file", "model_id")
       for bad in ("", 5, ["h"])],
+    ("kv_key_file", "/no/such/key/file"),  # a path, but no key there
     ("side_channel_host", None),  # not optional
     *[("side_channel_port", bad) for bad in (-1, 65536, "5600", 5600.0, True, None)],
-    *[("read_lanes", bad) for bad in (0, -2, 1.5, "2", True, None)],
+    *[("read_lanes", bad) for bad in (0, -2, 1.5, "2", True)],
     *[(key, bad) for key in ("host_reads", "span_probe") for bad in (0, 1, "true", None)],
     *[(key, bad) for key in SECONDS
       for bad in (-1, -0.5, math.inf, -math.inf, math.nan, "10", [1], True, False)],
     *[(key, 0) for key in SECONDS if key != "read_wait"],
-    *[(key, None) for key in SECONDS if key != "lease_max_age"],  # only the max age is optional
+    # null means "the default" for the optional ones: the max age, one handshake attempt
+    *[(key, None) for key in SECONDS if key not in ("lease_max_age", "handshake_timeout")],
 ])
 def test_settings_refuse_bad_values_naming_the_key(key: str, value: Any) -> None:
-    with pytest.raises(SettingsError, match=re.escape(f"kv_connector_extra_config.{key} ")):
+    with pytest.raises(SettingsError, match=re.escape(f"kv_connector_extra_config.{key}: ")):
         ConnectorSettings.from_extra_config({key: value})
 
 
@@ -122,14 +161,26 @@ def test_settings_refuse_bad_values_naming_the_key(key: str, value: Any) -> None
 ])
 def test_settings_refuse_a_max_age_below_the_ttl(extra: dict[str, Any]) -> None:
     with pytest.raises(SettingsError, match=re.escape(
-            "kv_connector_extra_config.lease_max_age (") + r".* must be at least lease_ttl"):
+            "kv_connector_extra_config.lease_max_age: must be at least lease_ttl")):
         ConnectorSettings.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("kv_transfer_mode", "push", "KvxferConnector reads by pull only"),
+    ("kv_load_failure_policy", "fail", "set kv_load_failure_policy in --kv-transfer-config"),
+])
+def test_settings_refuse_what_the_connector_does_not_honour(key: str, value: str,
+                                                            why: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(
+            f"kv_connector_extra_config.{key}: ") + ".*" + re.escape(why)):
+        ConnectorSettings.from_extra_config({key: value})
 
 
 def test_settings_ignore_other_connectors_keys() -> None:
     extra = {"backends": ["UCX"], "enforce_handshake_compat": "yes", "lease_ttl": 7,
              "side_channel_prt": object()}
-    assert ConnectorSettings.from_extra_config(extra) == ConnectorSettings(lease_ttl=7.0)
+    assert ConnectorSettings.from_extra_config(extra) == ConnectorSettings(
+        TransferConfig(lease_ttl=7.0))
 
 
 # -- scheduler: helpers -----------------------------------------------------------------------
@@ -138,7 +189,7 @@ def scheduler(key: bytes | None = None, port: int | None = 7100, tp_size: int = 
               **extra: Any) -> SchedulerSide:
     settings = ConnectorSettings.from_extra_config(
         {"side_channel_host": "10.0.0.1", "lease_ttl": TTL, **extra})
-    side = SchedulerSide(settings, ENGINE, BLOCK, tp_size, key)
+    side = SchedulerSide(settings.transfer.with_changes(kv_key=key), ENGINE, BLOCK, tp_size)
     if port is not None:
         side.set_side_channel_ports({rank: port + rank for rank in range(tp_size)})
     return side
@@ -444,7 +495,7 @@ def test_huge_integer_seconds_are_refused() -> None:
 def test_a_prefill_computed_again_drops_its_earlier_lease() -> None:
     """vLLM may preempt a prefill after its Hold and compute it again: the first lease's
     blocks were freed, so it must end at once rather than at expiry."""
-    side = SchedulerSide(ConnectorSettings(), "engine-p", 16, 1)
+    side = SchedulerSide(TransferConfig(), "engine-p", 16, 1)
     side.after_alloc("r", {"do_remote_decode": True}, 20, [], 0)
     first = side.build_plan({"r": (0, 20)}, lambda _: [1, 2], now=100.0).holds[0]
     side.after_alloc("r", {"do_remote_decode": True}, 20, [], 0)

@@ -22,6 +22,7 @@ from test_release import compat_of_another_model
 from kvxfer.plan.layout import CacheSpec
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.listener import SideChannelListener
+from kvxfer.transfer.transfer_config import TransferConfig
 from kvxfer.vllm.extra_config import ConnectorSettings
 from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.vllm.worker_side import StepResult, WorkerSide
@@ -86,8 +87,9 @@ def prefill() -> Iterator[Prefill]:
 
 @pytest.fixture
 def side() -> Iterator[WorkerSide]:
-    settings = ConnectorSettings(lease_ttl=TTL, kv_read_timeout=2.0, handshake_timeout=1.0,
-                                 read_wait=0.01, host_reads=False)
+    settings = ConnectorSettings(TransferConfig(lease_ttl=TTL, kv_read_timeout=2.0,
+                                                handshake_timeout=1.0, host_reads=False),
+                                 read_wait=0.01)
     made = WorkerSide(settings, "vllm-test", COMPAT, rank=0, tp_size=1, total_kv_heads=HEADS)
     caches = {f"layer.{i}": torch.zeros(BLOCKS, HEADS, BLOCK, 2 * HEAD) for i in range(2)}
     made.register(caches, CacheSpec(BLOCK, HEADS, HEAD, torch.float32), BLOCKS)

@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 
 from kvxfer.plan.regions import plan_regions
+from kvxfer.transfer.transfer_config import TransferConfig
 from kvxfer.vllm.cache_shapes import cache_spec
 from kvxfer.vllm.extra_config import ConnectorSettings
 from kvxfer.vllm.step_plan import Hold, Load, StepPlan
@@ -83,8 +84,9 @@ def side(name: str, caches: dict[str, torch.Tensor], slots: int | None) -> Worke
     compat = CompatInfo(model="backend-shapes", dtype="float16", cache_dtype="float16",
                         head_size=spec.head_size, total_kv_heads=spec.num_kv_heads,
                         num_layers=LAYERS)
-    settings = ConnectorSettings(lease_ttl=30.0, kv_read_timeout=10.0, handshake_timeout=5.0,
-                                 read_wait=0.01, host_reads=False)
+    settings = ConnectorSettings(TransferConfig(lease_ttl=30.0, kv_read_timeout=10.0,
+                                                handshake_timeout=5.0, host_reads=False),
+                                 read_wait=0.01)
     made = WorkerSide(settings, name, compat, rank=0, tp_size=1,
                       total_kv_heads=spec.num_kv_heads)
     made.register(caches, spec, BLOCKS)

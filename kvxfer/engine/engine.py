@@ -3,7 +3,9 @@
 Who calls what:
 - the stepping thread (sidecar loop, or :meth:`LLMEngine.generate`) calls
   :meth:`step` repeatedly while :meth:`has_work`;
-- request handlers call :meth:`add_request` and :meth:`abort`;
+- request handlers call :meth:`add_request` (or, for one end of a transfer,
+  :meth:`add_held_request`, :meth:`add_awaiting_kv`, :meth:`add_awaiting_kv_in`) and
+  :meth:`abort`;
 - the transfer worker reads :attr:`kv_caches` / :meth:`cache_spec` to register
   memory, :meth:`block_ids` to address a request, :meth:`finish_kv_load` on the
   decode side when a READ ends (then :meth:`start_siblings` for the other samples
@@ -13,10 +15,10 @@ Who calls what:
 Every public method takes the engine lock; a step holds it for its whole forward,
 so no block can be freed or handed to another request while the forward writes it.
 
-Disaggregated flow: prefill engine ``add_request(..., hold_blocks=True)``; the
-request's final output carries ``block_ids`` and its blocks stay allocated
-(HELD) until ``release``. Decode engine ``add_request(..., remote_kv=True)``
-allocates blocks for the whole prompt and parks the request; once the KV it needs
+Disaggregated flow: prefill engine :meth:`add_held_request`; the request's final output
+carries ``block_ids`` and its blocks stay allocated (HELD) until ``release``. Decode
+engine :meth:`add_awaiting_kv` allocates blocks for the whole prompt and parks the
+request (:meth:`add_awaiting_kv_in`: in blocks reserved before, push mode); once the KV it needs
 is in those blocks, ``finish_kv_load(ok=True)`` runs it: it computes the last
 prompt token to sample the first output token (``prompt_len - 1`` tokens read), or,
 given the token the prefill sampled (``first``), continues from that token with the
@@ -29,7 +31,7 @@ Prefix caching (``enable_prefix_caching``, :mod:`kvxfer.engine.prefix_cache`):
 full blocks whose KV is final stay cached after their request ends and are
 shared by later requests whose tokens start the same way. A request starts from
 its longest cached prefix (``num_cached`` tokens, always short of its last token);
-a ``remote_kv`` request's prefix ends on a multiple of the prefill's block size
+an awaiting-KV request's prefix ends on a multiple of the prefill's block size
 too, so that the decode reads the rest, whole prefill blocks, into its own
 (:meth:`num_cached_tokens`). In push mode the prefix is found when the blocks are
 reserved (:meth:`reserve_blocks`), before the request and its first token come, so it
@@ -60,13 +62,12 @@ from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
 from kvxfer.engine.transformer import Segment, Transformer, check_tp
 from kvxfer.engine.weights import fingerprint, init_weights
 from kvxfer.plan.layout import (
-    HEADS_OUTSIDE_TOKENS,
     CacheSpec,
     KVCacheLayout,
     allocate_kv_cache,
     default_layout,
 )
-from kvxfer.plan.packing import PACKINGS, TOKEN_PACKING
+from kvxfer.plan.packing import TOKEN_PACKING, check_packing
 from kvxfer.plan.topology import rank_heads
 
 logger = logging.getLogger(__name__)
@@ -101,14 +102,7 @@ class LLMEngine:
         self.config, self.tp, self.model_name = config, tp, model_name
         self.dtype = parse_dtype(dtype)
         self.layout = default_layout(layout)
-        if kv_packing not in PACKINGS:
-            raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got "
-                             f"{kv_packing!r}")
-        if kv_packing != TOKEN_PACKING and not self.layout.heads_outside_tokens:
-            raise ValueError(f"kv_packing {kv_packing!r} keeps each head's K and V as tiles of "
-                             f"a block, which needs heads outside tokens; layout "
-                             f"{self.layout.name} has them inside (use "
-                             f"{', '.join(HEADS_OUTSIDE_TOKENS)})")
+        check_packing(kv_packing, self.layout)
         self.kv_packing = kv_packing
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         if self.tokenizer.vocab_size > config.vocab_size:
@@ -186,7 +180,7 @@ class LLMEngine:
     def reserve_blocks(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """Decode side, push mode: the blocks of a prompt's KV before its request comes,
         ``(cached, fresh)`` (:meth:`Scheduler.reserve`: the cached ones are never written);
-        a ``remote_kv`` request adopts both later (``blocks``, ``num_cached``), or
+        a request adopts both later (:meth:`add_awaiting_kv_in`), or
         :meth:`free_blocks` gives them back. NoFreeBlocks, and nothing held, when the
         fresh ones are not free."""
         with self._lock:
@@ -199,46 +193,57 @@ class LLMEngine:
             self.allocator.free(block_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, hold_blocks: bool = False, remote_kv: bool = False,
-                    remote_block_size: int | None = None, first: Logprob | None = None,
-                    blocks: Sequence[int] | None = None, num_cached: int = 0) -> None:
-        """Queue a request; see the module docstring for ``hold_blocks`` / ``remote_kv``.
+                    *, first: Logprob | None = None) -> None:
+        """Queue a request computed here. ``first``: its first output token, sampled
+        elsewhere and answered already (:meth:`first_output`). ValueError for invalid
+        input (a ``first`` that would end the request included: nothing is left to do)."""
+        self._queue(request_id, prompt_token_ids, params, first, hold=False)
 
-        ``blocks``: a ``remote_kv`` request's blocks, reserved before it came
-        (:meth:`reserve_blocks`: push mode), one per block of its prompt, those of the
-        first ``num_cached`` tokens from the prefix cache; it owns them from here.
-        ``remote_block_size``: the prefill's block size, to which a ``remote_kv``
-        request's cached prefix is aligned (default: this engine's). ``first``: the
-        request's first output token, sampled elsewhere and already answered (its
-        output, :meth:`first_output`, is not reported again). Raises ValueError for
-        invalid input (a ``first`` that would end the request included: there is
-        nothing left to compute) and NoFreeBlocks when a ``remote_kv`` request's blocks
-        are not free, before anything is allocated or queued.
-        """
+    def add_held_request(self, request_id: str, prompt_token_ids: list[int],
+                         params: SamplingParams) -> None:
+        """Prefill side: queue a request whose blocks stay held once it finished (HELD),
+        to be read or pushed, until :meth:`release`."""
+        self._queue(request_id, prompt_token_ids, params, None, hold=True)
+
+    def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               first: Logprob | None, *, hold: bool) -> None:
         with self._lock:
-            prompt = self._check_request(request_id, prompt_token_ids, params)
-            if hold_blocks and (remote_kv or first is not None):
-                raise ValueError(f"request {request_id!r}: hold_blocks (prefill role) and "
-                                 f"remote_kv or first (decode role) exclude each other")
-            if blocks is not None and not remote_kv:
-                raise ValueError(f"request {request_id!r}: reserved blocks are for a "
-                                 f"remote_kv request")
-            request = self._new_request(request_id, prompt, params, first)
-            request.hold_blocks = hold_blocks
-            if blocks is not None:
-                self.scheduler.adopt(request, blocks, num_cached)
-                request.state = RequestState.WAITING_FOR_KV
-            elif remote_kv:
-                if not self.scheduler.take_blocks(request, remote_block_size):
-                    raise NoFreeBlocks(self.scheduler.blocks_for(len(prompt)),
-                                       self.allocator.num_free)
-                request.state = RequestState.WAITING_FOR_KV
-            else:
-                self.scheduler.add(request)
+            request = self._new_request(request_id, prompt_token_ids, params, first)
+            request.hold_blocks = hold
+            self.scheduler.add(request)
             self._requests[request_id] = request
 
-    def _new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     first: Logprob | None) -> Request:
+    def add_awaiting_kv(self, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams, *, first: Logprob | None = None,
+                        remote_block_size: int | None = None) -> None:
+        """Decode side: take blocks for the whole prompt now and park the request until
+        its KV is in them (:meth:`finish_kv_load`); its cached prefix ends on a multiple of
+        ``remote_block_size`` (the prefill's; default this engine's). NoFreeBlocks, with
+        nothing allocated, when its blocks are not free."""
+        with self._lock:
+            request = self._new_request(request_id, prompt_token_ids, params, first)
+            if not self.scheduler.take_blocks(request, remote_block_size):
+                raise NoFreeBlocks(self.scheduler.blocks_for(len(request.prompt_token_ids)),
+                                   self.allocator.num_free)
+            request.state = RequestState.WAITING_FOR_KV
+            self._requests[request_id] = request
+
+    def add_awaiting_kv_in(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, blocks: Sequence[int], num_cached: int,
+                           *, first: Logprob | None = None) -> None:
+        """Decode side, push mode: park the request in ``blocks`` (:meth:`reserve_blocks`,
+        one per prompt block, those of its first ``num_cached`` tokens cached), which it
+        owns from here, until its KV was written into them (:meth:`finish_kv_load`)."""
+        with self._lock:
+            request = self._new_request(request_id, prompt_token_ids, params, first)
+            self.scheduler.adopt(request, blocks, num_cached)
+            request.state = RequestState.WAITING_FOR_KV
+            self._requests[request_id] = request
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, first: Logprob | None) -> Request:
+        """A checked request (caller holds the lock); ValueError when it is invalid."""
+        prompt = self._check_request(request_id, prompt_token_ids, params)
         request = Request(request_id, prompt, params,
                           detokenizer=self.tokenizer.detokenizer(prompt),
                           generator=make_generator(params))
@@ -291,14 +296,14 @@ class LLMEngine:
             return self._get(request_id).num_cached
 
     def kv_tokens_needed(self, request_id: str) -> int:
-        """How many leading prompt tokens' KV a ``remote_kv`` request needs to run: all but
+        """How many leading prompt tokens' KV an awaiting-KV request needs to run: all but
         the last (its logits sample the first token), all when it was given that token."""
         with self._lock:
             return _kv_needed(self._get(request_id))
 
     def finish_kv_load(self, request_id: str, ok: bool, *, recompute: bool = True,
                        reason: str = "") -> None:
-        """Decode side: the KV READ for a ``remote_kv`` request ended.
+        """Decode side: the KV READ for an awaiting-KV request ended.
 
         ``ok``: the KV of its first :meth:`kv_tokens_needed` tokens is in its blocks.
         Otherwise recompute the prompt past its cached prefix in the same blocks, or
@@ -334,7 +339,7 @@ class LLMEngine:
     def start_siblings(self, source_id: str, sibling_ids: Sequence[str]) -> None:
         """Decode side, ``n > 1``: start parked requests from ``source_id``'s loaded KV.
 
-        One READ fills the source's blocks; each sibling (parked with ``remote_kv``,
+        One READ fills the source's blocks; each sibling (parked awaiting KV,
         the same prompt, blocks of its own) gets a local copy of the blocks holding the
         source's ``num_computed`` tokens on every rank, and runs from there exactly as
         if its own READ had ended (``finish_kv_load(ok=True)``), except for the blocks of

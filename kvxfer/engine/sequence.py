@@ -5,7 +5,7 @@ Lifecycle::
     WAITING ──admit──▶ RUNNING ──finish──▶ FINISHED (blocks freed)
        ▲                  │  └──finish, hold_blocks──▶ HELD ──release──▶ (blocks freed)
        └────preempt───────┘
-    WAITING_FOR_KV ──finish_kv_load──▶ RUNNING   (remote_kv: blocks allocated up front)
+    WAITING_FOR_KV ──finish_kv_load──▶ RUNNING   (awaiting KV: blocks allocated up front)
 
 Invariant: the cache holds the KV of the first ``num_computed`` tokens of
 ``token_ids`` in the blocks ``block_ids`` (position ``p`` in block

@@ -83,6 +83,14 @@ class CacheConfig:
         """``read_lanes`` is per instance; its in-process TP ranks share them."""
         return max(1, self.read_lanes // self.tp)
 
+    def transfer(self) -> Any:
+        """The transfer config of this cache's instances (a READ may take 30 s here: the
+        tests run on a loaded machine)."""
+        from kvxfer.transfer.transfer_config import TransferConfig
+
+        return TransferConfig(host_reads=self.host_reads, kv_key=self.hmac_key,
+                              read_lanes=self.read_lanes, kv_read_timeout=30.0)
+
     def compat(self) -> Any:
         from kvxfer.wire.compat import CompatInfo
 
@@ -152,11 +160,10 @@ class LoopbackInstance:
                 elif fill == "sentinel":
                     view.fill_(-1)
             caches = {f"model.layers.{i}.self_attn": v for i, v in enumerate(views)}
-            worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(),
+            worker = TransferWorker(engine_id, rank, cfg.tp, cfg.compat(), cfg.transfer(),
                                     total_kv_heads=cfg.total_kv_heads,
                                     read_lanes=cfg.lanes_per_rank if role == "decode" else 1,
-                                    host_reads=cfg.host_reads, shares=shares,
-                                    hmac_key=cfg.hmac_key)
+                                    shares=shares)
             worker.register_kv_caches(caches, spec, cfg.num_blocks, layout)
             inst.workers.append(worker)
             inst.caches.append(caches)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kvxfer.plan.layout import HEADS_OUTSIDE_TOKENS, KVCacheLayout
+
 TOKEN_PACKING = "token"
 VLLM_CPU_PACKING_PREFIX = "vllm-cpu-"
 VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
@@ -25,6 +27,17 @@ VLLM_CPU_VEC_PACKING = "vllm-cpu-vec"
 PACKINGS = (TOKEN_PACKING, VLLM_CPU_VEC_PACKING)
 """The packings :func:`kv_views` takes apart: the reference engine keeps its cache in any
 of them, and a decode converts between any two (:mod:`kvxfer.plan.staging`)."""
+
+
+def check_packing(packing: str, layout: KVCacheLayout) -> None:
+    """ValueError unless a cache of ``layout`` can keep its heads' K and V in ``packing``
+    (any but ``token`` keeps them as tiles of a block: heads outside tokens)."""
+    if packing not in PACKINGS:
+        raise ValueError(f"kv_packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+    if packing != TOKEN_PACKING and not layout.heads_outside_tokens:
+        raise ValueError(f"kv_packing {packing!r} keeps each head's K and V as tiles of a "
+                         f"block, which needs heads outside tokens; layout {layout.name} has "
+                         f"them inside (use {', '.join(HEADS_OUTSIDE_TOKENS)})")
 
 
 def kv_views(cache: torch.Tensor, packing: str = TOKEN_PACKING

@@ -1,4 +1,4 @@
-"""``EngineLoop``: the one thread that owns a sidecar's engine and connector.
+"""``EngineLoop``: the one thread that owns a sidecar's engine and its roles.
 
 HTTP handlers (asyncio) never touch the engine: they :meth:`EngineLoop.submit`
 requests and :meth:`EngineLoop.abort` them, both of which queue a command and
@@ -6,8 +6,9 @@ wake the thread. The thread, in a loop:
 
 0. (on the caller's thread, in :meth:`EngineLoop.submit`) answers the first token of
    a decode request that brought the one its prefill sampled;
-1. runs queued commands (``add_request`` / connector admission, aborts);
-2. polls the connector (READ results, released leases, decode admissions);
+1. runs queued commands (a request to the role that admits its kind, aborts);
+2. polls the roles (:class:`~kvxfer.sidecar.roles.composition.Roles`: READ results,
+   released leases, decode admissions);
 3. steps the engine when it has work and hands each output to its request's
    :class:`Sink` (``loop.call_soon_threadsafe`` into an asyncio queue);
 4. publishes a snapshot (free blocks, leases, in-flight requests) that
@@ -20,8 +21,9 @@ wake the thread. The thread, in a loop:
 Request ids: :meth:`reserve_ids` hands out ids unique among the requests this
 loop tracks (queued, running, parked, leased); an id is reusable once its
 request is gone (finished and not leased, or aborted). Lease ids given to
-decode instances are unique per engine (see :meth:`KVConnector.hold`), so a
-request id can be reused as soon as its lease ended.
+decode instances are unique per engine (random, see
+:class:`~kvxfer.sidecar.roles.prefill.PrefillSide`), so a request id can be reused as
+soon as its lease ended.
 """
 
 from __future__ import annotations
@@ -35,19 +37,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvxfer.sidecar.connector import AbortOutcome, ConnectorEvents, KVConnector
-from kvxfer.sidecar.kv_loads import first_logprob
+from kvxfer.sidecar.request_kinds import PullIn, PushIn, Submission, first_logprob
+from kvxfer.sidecar.roles.role import AbortOutcome, Role, RoleEvents
 from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.wire.messages import ReleaseOutcome
-from kvxfer.wire.params import RemoteParams
-from kvxfer.wire.reservations import PushedParams
 
 if TYPE_CHECKING:
-    from kvxfer.engine import LLMEngine, RequestOutput, SamplingParams
-    from kvxfer.sidecar.kv_pushes import KVPushes
-    from kvxfer.wire.reservations import Reservation
+    from kvxfer.engine import LLMEngine, RequestOutput
+    from kvxfer.sidecar.request_kinds import Kind
+    from kvxfer.sidecar.roles.composition import Roles
 
 T = TypeVar("T")
+R = TypeVar("R", bound=Role)
 log = logging.getLogger(__name__)
 
 READ_POLL_S = 0.001      # READs in flight
@@ -105,56 +106,19 @@ class Sink:
             self.closed = True
 
 
-@dataclass(frozen=True)
-class Sibling:
-    """A further sample of a decode submission's prompt: its own id, choice index, params."""
-
-    request_id: str
-    index: int
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class Submission:
-    """One choice of an HTTP request, ready for the engine.
-
-    ``hold``: prefill path (``hold_blocks``), its blocks WRITten into a decode's
-    reservation when ``push`` names one; ``remote``: decode path (read the prompt's KV
-    from a prefill instance, or, push mode, wait for a prefill to write it into a
-    reservation). Neither: a plain request. ``siblings``
-    (decode path only): the other ``n - 1`` samples of the prompt, which start from
-    a copy of the KV this submission reads.
-    """
-
-    request_id: str
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    hold: bool = False
-    remote: RemoteParams | PushedParams | None = None
-    siblings: tuple[Sibling, ...] = ()
-    push: Reservation | None = None
-
-    def __post_init__(self) -> None:
-        if self.siblings and self.remote is None:
-            raise ValueError("siblings share a KV read: only a decode submission has them")
-
-
 @dataclass
 class _Tracked:
     sink: Sink
     index: int
-    hold: bool
-    siblings: tuple[str, ...] = ()  # ids the connector forgets along with this one
-    push: Reservation | None = None  # a held request's blocks are pushed into it
+    kind: Kind  # a further sample's is its request's (its transfer is that one's)
+    siblings: tuple[str, ...] = ()  # ids forgotten along with this one
 
 
 class EngineLoop:
     """See the module docstring. Start with :meth:`start`, stop with :meth:`stop`."""
 
-    def __init__(self, engine: LLMEngine, connector: KVConnector,
-                 metrics: SidecarMetrics) -> None:
-        self.engine, self.connector, self.metrics = engine, connector, metrics
+    def __init__(self, engine: LLMEngine, roles: Roles, metrics: SidecarMetrics) -> None:
+        self.engine, self.roles, self.metrics = engine, roles, metrics
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -235,18 +199,18 @@ class EngineLoop:
         the client has its first token as soon as the prefill sampled it, not after the
         claim, the READ and a step. True when that output ends the request (end-of-text,
         a stop string, ``max_tokens`` 1): nothing is read then, the lease is released."""
-        first = first_logprob(sub.remote)
-        if first is None or sub.remote is None:
+        if not isinstance(sub.kind, PullIn | PushIn):
+            return False
+        first = first_logprob(sub.kind.first_token)
+        if first is None:
             return False
         output = self.engine.first_output(sub.request_id, sub.prompt, sub.params, first)
         self._count(output)
         sink.push(Event(sub.index, output))
         if not output.finished:
             return False
-        if isinstance(sub.remote, RemoteParams):
-            self.connector.release_remote(sub.remote, f"the prefill's first token ended the "
-                                                      f"request ({output.finish_reason})",
-                                          ReleaseOutcome.ANSWERED)
+        self.roles.not_admitted(sub.kind, f"the prefill's first token ended the request "
+                                          f"({output.finish_reason})", ReleaseOutcome.ANSWERED)
         self._release_id(sub.request_id)
         return True
 
@@ -254,16 +218,16 @@ class EngineLoop:
         """The client left: abort these requests (a READ in flight finishes first)."""
         self._command("abort", list(request_ids))
 
-    def with_pushes(self, call: Callable[[KVPushes], T]) -> Future[T]:
-        """Push mode, decode: ``call`` on this decode's reservations
-        (:class:`~kvxfer.sidecar.kv_pushes.KVPushes`: reserve, release), run on the loop's
-        thread; the future has its result, or fails with its exception, a ValueError
-        (this decode takes no pushes) or EngineStopped."""
+    def on_role(self, kind: type[R], call: Callable[[R], T], missing: str) -> Future[T]:
+        """``call`` on this instance's role of type ``kind`` (e.g. a push decode's
+        reservations: reserve, release), run on the loop's thread; the future has its
+        result, or fails with its exception, a ValueError saying ``missing`` (no such
+        role here) or EngineStopped."""
         future: Future[T] = Future()
         with self._submit_lock:
             if self._closed or not self.running:
                 raise EngineStopped(self.error or "the engine loop is not running")
-            self._command("pushes", (call, future))
+            self._command("role", (kind, call, missing, future))
         return future
 
     def _command(self, kind: str, payload: Any) -> None:
@@ -276,7 +240,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._wake.clear()
                 self._run_commands()
-                self._connector_events(self.connector.poll())
+                self._role_events(self.roles.poll())
                 stepped = False
                 if self.engine.has_work():
                     outputs = self.engine.step()
@@ -307,23 +271,22 @@ class EngineLoop:
                 for sub in submissions:
                     self._track(sub, sink)
                     self._release_unadmitted(sub)
-            elif kind == "pushes":
-                payload[1].set_exception(EngineStopped(failure.message))
+            elif kind == "role":
+                payload[3].set_exception(EngineStopped(failure.message))
         self._fail_all(failure)
 
     def _release_unadmitted(self, sub: Submission) -> None:
-        """A decode submission that never reached the connector: its lease would wait
-        for its TTL, so tell the prefill now (the connector still sends at this point)."""
-        if isinstance(sub.remote, RemoteParams):
-            self.connector.release_remote(sub.remote, "the decode instance shut down before "
-                                                      "admitting the request")
+        """A submission that never reached its role: what it names (a lease that would
+        wait for its TTL) is let go now (the roles still send at this point)."""
+        self.roles.not_admitted(sub.kind, "the decode instance shut down before admitting "
+                                          "the request", ReleaseOutcome.ABANDONED)
 
     def _pause(self) -> float:
-        if self.connector.busy or self.connector.claiming:
+        if self.roles.busy or self.roles.claiming:
             return READ_POLL_S
         if self.engine.has_work():
             return BLOCKED_POLL_S
-        if self.connector.waiting:
+        if self.roles.waiting:
             return LEASE_POLL_S
         return IDLE_WAIT_S
 
@@ -337,50 +300,34 @@ class EngineLoop:
                 submissions, sink = payload
                 for submission in submissions:
                     self._add(submission, sink)
-            elif kind == "pushes":
-                self._pushes(*payload)
+            elif kind == "role":
+                self._on_role(*payload)
             else:
                 for request_id in payload:
                     self._abort(request_id)
 
-    def _pushes(self, call: Callable[[KVPushes], Any], future: Future[Any]) -> None:
-        pushes = self.connector.pushes
+    def _on_role(self, kind: type[Role], call: Callable[[Any], Any], missing: str,
+                 future: Future[Any]) -> None:
         try:
-            if pushes is None:
-                raise ValueError("this instance takes no pushes: start a decode with "
-                                 "--kv-transfer-mode push")
-            future.set_result(call(pushes))
+            role = self.roles.find(kind)
+            if role is None:
+                raise ValueError(missing)
+            future.set_result(call(role))
         except Exception as exc:  # answered to the caller, whatever it was
             future.set_exception(exc)
 
     def _track(self, sub: Submission, sink: Sink) -> None:
-        self._tracked[sub.request_id] = _Tracked(sink, sub.index, sub.hold,
-                                                 tuple(s.request_id for s in sub.siblings),
-                                                 sub.push)
-        for sibling in sub.siblings:
-            self._tracked[sibling.request_id] = _Tracked(sink, sibling.index, False)
+        samples = sub.samples
+        self._tracked[sub.request_id] = _Tracked(sink, sub.index, sub.kind,
+                                                 tuple(s.request_id for s in samples))
+        for sample in samples:
+            self._tracked[sample.request_id] = _Tracked(sink, sample.index, sub.kind)
 
     def _add(self, sub: Submission, sink: Sink) -> None:
         self._track(sub, sink)
-        group = [sub.request_id, *(s.request_id for s in sub.siblings)]
+        group = sub.ids
         try:
-            if sub.push is not None:
-                self.connector.pushing.check(sub.push)
-            if isinstance(sub.remote, PushedParams):
-                if self.connector.pushes is None:
-                    raise ValueError("kv_transfer_params.kv_reservation_id: this decode takes "
-                                     "no pushes (start it with --kv-transfer-mode push)")
-                self.connector.pushes.add(sub.request_id, sub.prompt, sub.params,
-                                          sub.remote.kv_reservation_id, first_logprob(sub.remote),
-                                          [(s.request_id, s.params) for s in sub.siblings])
-            elif sub.remote is not None:
-                self.connector.add_remote(sub.request_id, sub.prompt, sub.params, sub.remote,
-                                          [(s.request_id, s.params) for s in sub.siblings])
-            else:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params,
-                                        hold_blocks=sub.hold)
-                if sub.push is not None:
-                    self.connector.pushing.expect(sub.request_id, sub.push)
+            self.roles.admit(sub)
         except ValueError as exc:
             for request_id in group:
                 self._end(request_id, Failure(400, str(exc), "invalid_request_error"))
@@ -394,10 +341,10 @@ class EngineLoop:
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.get(request_id)
         if tracked is None:  # finished, but its client left before the answer reached it
-            self.connector.end_unanswered(request_id)
+            self.roles.abort(request_id)
             return
         tracked.sink.closed = True
-        outcome = self.connector.abort(request_id)
+        outcome = self.roles.abort(request_id)
         if outcome is AbortOutcome.DROPPED:
             for sibling in tracked.siblings:  # a waiting group is dropped whole
                 self._forget(sibling)
@@ -409,7 +356,7 @@ class EngineLoop:
         # DEFERRED (or aborted in the engine): its "abort" output ends it; LEASED: its lease
         # ended, and its release frees the blocks
 
-    def _connector_events(self, events: ConnectorEvents) -> None:
+    def _role_events(self, events: RoleEvents) -> None:
         if events.released:
             with self._ids_lock:
                 self._ids.difference_update(events.released)
@@ -436,36 +383,29 @@ class EngineLoop:
         self.metrics.generation_tokens.inc(len(output.new_token_ids))
 
     def _finish(self, output: RequestOutput, tracked: _Tracked) -> None:
+        """A request ended in the engine: its role says what its answer carries (a
+        prefill's lease params), or why it failed when its transfer did."""
         request_id = output.request_id
         del self._tracked[request_id]
+        params = None
+        try:
+            params = self.roles.finished(output, tracked.kind)
+        except Exception as exc:
+            log.exception("leasing the blocks of request %s failed", request_id)
+            if not self.roles.in_use(request_id):
+                self._release_id(request_id)
+            tracked.sink.push(Event(tracked.index, failure=Failure(
+                500, f"leasing the KV blocks of request {request_id} failed: {exc}",
+                "internal_error")))
+            return
         if output.finish_reason == "error":
-            if tracked.push is not None:
-                self.connector.pushing.give_up(request_id)
-            transfer = self.connector.take_transfer_error(request_id)
+            transfer = self.roles.transfer_error(request_id, tracked.kind)
             failure = Failure(502, transfer, "kv_transfer_error") if transfer is not None \
                 else Failure(500, output.error or "the request failed", "internal_error")
             self._release_id(request_id)
             tracked.sink.push(Event(tracked.index, failure=failure))
             return
-        params = None
-        if tracked.push is not None and output.finish_reason not in ("stop", "length"):
-            self.connector.pushing.give_up(request_id)
-        if tracked.hold and output.finish_reason in ("stop", "length"):
-            try:
-                # the first token, when it is the only one (a decode continues from it)
-                first = output.logprobs[0] if len(output.token_ids) == 1 \
-                    and len(output.logprobs) == 1 else None
-                params = self.connector.hold(request_id, output.block_ids,
-                                             output.num_prompt_tokens, first, tracked.push)
-            except Exception as exc:
-                log.exception("leasing the blocks of request %s failed", request_id)
-                if not self.connector.is_leased(request_id):
-                    self._release_id(request_id)
-                tracked.sink.push(Event(tracked.index, failure=Failure(
-                    500, f"leasing the KV blocks of request {request_id} failed: {exc}",
-                    "internal_error")))
-                return
-        else:
+        if params is None:
             self._release_id(request_id)
         tracked.sink.push(Event(tracked.index, output, kv_transfer_params=params))
 
@@ -490,7 +430,7 @@ class EngineLoop:
 
     def _publish(self) -> None:
         free, used = self.engine.num_free_blocks, self.engine.num_used_blocks
-        leases = self.connector.num_leases
+        gauges = self.roles.gauges()
         self.metrics.blocks_free.set(free)
         self.metrics.blocks_used.set(used)
         self.metrics.requests_in_flight.set(len(self._tracked))
@@ -499,12 +439,8 @@ class EngineLoop:
         self.metrics.prefix_cache_hits.inc(hits - self._prefix_counted[1])
         self.metrics.prefix_cache_blocks.set(cached)
         self._prefix_counted = (queries, hits)
-        reservations = len(self.connector.pushes or ())
-        quarantined = sum(part.quarantined_blocks for part in
-                          (self.connector.loads, self.connector.pushes) if part is not None)
-        self.metrics.reservations_held.set(reservations)
-        self.metrics.quarantined_blocks.set(quarantined)
+        self.metrics.reservations_held.set(gauges["reservations"])
+        self.metrics.quarantined_blocks.set(gauges["quarantined_blocks"])
         self._snapshot = {"free_blocks": free, "used_blocks": used,
-                          "num_blocks": self.engine.num_blocks, "leases": leases,
-                          "reservations": reservations, "quarantined_blocks": quarantined,
+                          "num_blocks": self.engine.num_blocks, **gauges,
                           "requests_in_flight": len(self._tracked)}

@@ -9,6 +9,7 @@ to the :class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,13 +26,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvxfer.net.api_key import authenticated
 from kvxfer.net.hosts import DRAINING_HEADER
 from kvxfer.sidecar.answer import Answer, ClientGone, error_response, json_response
-from kvxfer.sidecar.engine_loop import EngineStopped, Sibling, Sink, Submission
+from kvxfer.sidecar.engine_loop import EngineStopped, Sink
 from kvxfer.sidecar.openai_api.error_body import OpenAIError
 from kvxfer.sidecar.openai_api.kv_params import check_samples_fit, unread_lease
 from kvxfer.sidecar.openai_api.prepared import Prepared
 from kvxfer.sidecar.openai_api.request_bodies import ChatRequest, CompletionRequest, decode_body
 from kvxfer.sidecar.openai_api.validation import prepare_chat, prepare_completion
+from kvxfer.sidecar.request_kinds import PullIn, PushIn, Sample, Submission
+from kvxfer.sidecar.roles.prefill import PrefillSide
+from kvxfer.sidecar.roles.push_decode import PushDecode
 from kvxfer.sidecar.sidecar_metrics import CONTENT_TYPE
+from kvxfer.wire.messages import ReleaseOutcome
 from kvxfer.wire.params import RemoteParams
 from kvxfer.wire.reservations import RESERVATION_KEY, parse_reservation
 
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from kvxfer.sidecar.instance import Sidecar
 
 log = logging.getLogger(__name__)
+NO_PUSHES = "this instance takes no pushes: start a decode with --kv-transfer-mode push"
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 RELEASE, RESERVE = "/v1/kv/release", "/v1/kv/reserve"
@@ -160,10 +166,14 @@ class Handlers:
             kv = msgspec.json.decode(raw, type=_ReleaseBody).kv_transfer_params
             if RESERVATION_KEY in kv:  # a push decode's reservation
                 reservation = parse_reservation(kv[RESERVATION_KEY])
-                released = await asyncio.wrap_future(self.side.loop.with_pushes(
-                    lambda pushes: pushes.release(reservation, why)))
+                released = await asyncio.wrap_future(self.side.loop.on_role(
+                    PushDecode, lambda pushes: pushes.release(reservation, why), NO_PUSHES))
             else:
-                released = self.side.connector.release_handed_out(RemoteParams.parse(kv), why)
+                prefill = self.side.roles.find(PrefillSide)
+                if prefill is None:
+                    raise RuntimeError(f"a {self.side.settings.role} instance hands out no "
+                                       f"leases")
+                released = prefill.release_handed_out(RemoteParams.parse(kv), why)
         except EngineStopped as exc:
             return error_response(OpenAIError(503, str(exc), "service_unavailable"))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RecursionError) as exc:
@@ -199,7 +209,8 @@ class Handlers:
         check_samples_fit(prepared.n, len(prepared.prompts[0]), self.side.info)
         try:
             prompt, n = prepared.prompts[0], prepared.n
-            future = self.side.loop.with_pushes(lambda pushes: pushes.reserve(prompt, n))
+            future = self.side.loop.on_role(PushDecode, lambda pushes: pushes.reserve(prompt, n),
+                                            NO_PUSHES)
             reservation = await asyncio.wrap_future(future)
         except EngineStopped as exc:
             return error_response(OpenAIError(503, str(exc), "service_unavailable"))
@@ -240,8 +251,9 @@ class Handlers:
         except OpenAIError as exc:
             remote = unread_lease(raw, self.side.settings.role)
             if remote is not None:
-                self.side.connector.release_remote(
-                    remote, f"the decode refused the request ({exc.status}): {exc.message}")
+                self.side.roles.not_admitted(
+                    PullIn(remote), f"the decode refused the request ({exc.status}): "
+                                    f"{exc.message}", ReleaseOutcome.ABANDONED)
             raise
 
     async def _answer(self, request: Request, prepared: Prepared) -> Response:
@@ -255,9 +267,8 @@ class Handlers:
             loop.submit(submissions, sink)
         except EngineStopped as exc:
             loop.release_ids(ids)
-            if prepared.remote is not None:
-                self.side.connector.release_remote(prepared.remote,
-                                                   f"the decode is not serving: {exc}")
+            self.side.roles.not_admitted(prepared.kind, f"the decode is not serving: {exc}",
+                                         ReleaseOutcome.ABANDONED)
             return error_response(OpenAIError(503, str(exc), "service_unavailable"), headers)
         answer = Answer(self.side, prepared, ids, sink, base)
         try:
@@ -283,14 +294,14 @@ class _ReserveBody(msgspec.Struct, forbid_unknown_fields=True):
 
 def _submissions(prepared: Prepared, ids: list[str]) -> list[Submission]:
     """One submission per choice (``ids[k]`` is choice ``k``); a decode request's ``n``
-    samples are one submission whose siblings start from its single KV read."""
-    params = prepared.choice_params
-    if prepared.remote is not None:
-        siblings = tuple(Sibling(ids[k], k, params(k)) for k in range(1, len(ids)))
-        return [Submission(ids[0], 0, prepared.prompts[0], params(0), remote=prepared.remote,
-                           siblings=siblings)]
-    return [Submission(rid, k, prepared.prompts[k // prepared.n], params(k), hold=prepared.hold,
-                       push=prepared.push) for k, rid in enumerate(ids)]
+    samples are one submission whose further samples start from its single KV transfer."""
+    params, kind = prepared.choice_params, prepared.kind
+    if isinstance(kind, PullIn | PushIn):
+        samples = tuple(Sample(ids[k], k, params(k)) for k in range(1, len(ids)))
+        return [Submission(ids[0], 0, prepared.prompts[0], params(0),
+                           dataclasses.replace(kind, samples=samples))]
+    return [Submission(rid, k, prepared.prompts[k // prepared.n], params(k), kind)
+            for k, rid in enumerate(ids)]
 
 
 def _request_id(request: Request) -> str:

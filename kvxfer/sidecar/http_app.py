@@ -1,7 +1,7 @@
 """The sidecar's HTTP app: OpenAI-compatible completions over the engine loop.
 
 :func:`create_app` builds a FastAPI app around a
-:class:`~kvxfer.sidecar.instance.Sidecar` (engine, connector, engine loop, metrics);
+:class:`~kvxfer.sidecar.instance.Sidecar` (engine, roles, engine loop, metrics);
 :func:`serve` binds the HTTP port first (a port in use fails before the model loads),
 builds the sidecar and runs uvicorn until SIGINT/SIGTERM.
 
@@ -11,7 +11,7 @@ for whoever shows its params), ``GET /v1/models``, ``GET /health``, ``GET /metri
 Handlers never touch the engine: they validate (:mod:`kvxfer.sidecar.openai_api`), submit
 to the :class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events. A client that
 disconnects (streaming or not) aborts its requests; an abort during a KV read
-takes effect when the read ended (see :mod:`kvxfer.sidecar.kv_loads`).
+takes effect when the read ended (see :mod:`kvxfer.sidecar.roles.pull_decode`).
 
 Status codes: 400 bad input (OpenAI ``invalid_request_error``), 401 without
 the API key, 404 unknown model or route, 502 ``kv_transfer_error`` when a
@@ -36,8 +36,9 @@ read, or release anything.
 
 A decode request refused before it reaches the engine loop (bad body, 503)
 whose ``kv_transfer_params`` name a prefill lease releases that lease over the
-prefill's side channel (:meth:`KVConnector.release_remote`), the caller being
-authenticated; refusals after that point are the connector's to release.
+prefill's side channel (:meth:`Roles.not_admitted
+<kvxfer.sidecar.roles.composition.Roles.not_admitted>`), the caller being
+authenticated; refusals after that point are the roles' to release.
 """
 
 from __future__ import annotations
@@ -162,16 +163,16 @@ def serve(settings: Settings, ready: Callable[[str], None] | None = None) -> Non
     try:
         for sig in previous:
             signal.signal(sig, interrupt)
-        if settings.role == "prefill" or settings.kv_transfer_mode == "push":
+        if settings.serves_peers:
             _keep_ucx_on_the_side_channel(settings.side_channel_advertised())
         side = Sidecar(settings)
         log.info("kvxfer serve: %s", side.describe(port))
-        if settings.kv_key is None and settings.role != "both":
+        if settings.transfer.kv_key is None:
             log.warning("kvxfer serve: no --kv-key-file: the KV side channel, NIXL "
                         "notifications and lease tickets are unauthenticated; anyone who "
                         "reaches %s may read, free or overwrite leased KV. Use this only on "
                         "loopback or a network you trust completely",
-                        side.side_channel_advertised if settings.role == "prefill"
+                        side.side_channel_advertised if settings.serves_peers
                         else "this decode's HTTP port")
         if settings.api_key is None:
             log.warning("kvxfer serve: no --api-key: anyone who reaches %s:%d may use this "

@@ -1,5 +1,5 @@
-"""One sidecar instance: engine, connector (workers + listener), engine loop, metrics, and
-its drain (:class:`Sidecar`)."""
+"""One sidecar instance: engine, roles (over its ranks: workers, listener), engine loop,
+metrics, and its drain (:class:`Sidecar`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvxfer.net.hosts import bare_host
-from kvxfer.sidecar.connector import KVConnector, new_engine_id
 from kvxfer.sidecar.engine_loop import EngineLoop
 from kvxfer.sidecar.openai_api.answers import TokenText
 from kvxfer.sidecar.openai_api.prepared import ModelInfo
+from kvxfer.sidecar.roles.composition import Roles, new_engine_id
 from kvxfer.sidecar.settings import Settings
 from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
 from kvxfer.transfer.converted.mapped_reads import shared_zeros
@@ -28,7 +28,7 @@ DRAIN_QUIET_S = 5.0
 
 
 class Sidecar:
-    """One instance: engine, connector (workers + listener), engine loop and metrics.
+    """One instance: engine, roles (workers + listener), engine loop and metrics.
 
     Built in that order; :meth:`close` undoes it. The loop thread starts with
     :meth:`start` (the app's lifespan does it).
@@ -38,9 +38,10 @@ class Sidecar:
         from kvxfer.engine import LLMEngine
 
         self.settings = settings
+        transfer = settings.transfer
         # checked first: a wildcard side channel without --advertise-host fails fast
         self.side_channel_advertised = settings.side_channel_advertised() \
-            if settings.role == "prefill" else bare_host(settings.side_channel_host)
+            if settings.serves_peers else bare_host(transfer.side_channel_host)
         self.http_host = settings.http_advertised()
         self.draining_since: float | None = None  # monotonic time of the SIGTERM
         self.http_in_flight = 0  # completion requests being answered (streams included)
@@ -52,24 +53,16 @@ class Sidecar:
             enable_prefix_caching=settings.enable_prefix_caching,
             # a decode on this host may map a prefill's cache
             # (kvxfer.transfer.converted.mapped_reads)
-            cache_zeros=shared_zeros if settings.host_reads and settings.role == "prefill"
+            cache_zeros=shared_zeros if transfer.host_reads and settings.role != "decode"
             and settings.device == "cpu" else None)
         self.served_names = settings.served_model_names or (self.engine.model_name,)
         self.engine_id = new_engine_id(settings.role)
         self.metrics = SidecarMetrics(role=settings.role, engine_id=self.engine_id,
                                       model=self.served_names[0],
                                       layout=self.engine.layout.name, tp=self.engine.tp)
-        self.connector = KVConnector(
-            self.engine, settings.role, self.metrics, engine_id=self.engine_id,
-            hmac_key=settings.kv_key, side_channel_host=settings.side_channel_host,
-            side_channel_port=settings.side_channel_port,
-            advertise_host=self.side_channel_advertised, lease_ttl=settings.lease_ttl,
-            lease_max_age=settings.lease_max_age,
-            failure_policy=settings.kv_load_failure_policy, read_lanes=settings.read_lanes,
-            nixl_backends=settings.nixl_backends, kv_read_timeout=settings.kv_read_timeout,
-            kv_heartbeat_timeout=settings.kv_heartbeat_timeout, host_reads=settings.host_reads,
-            kv_transfer_mode=settings.kv_transfer_mode)
-        self.loop = EngineLoop(self.engine, self.connector, self.metrics)
+        self.roles = Roles.start(self.engine, settings.role, self.metrics, transfer,
+                                 self.engine_id, self.side_channel_advertised)
+        self.loop = EngineLoop(self.engine, self.roles, self.metrics)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,
                               self.engine.block_size, settings.role, self.engine.num_blocks)
@@ -79,9 +72,9 @@ class Sidecar:
         self.loop.start()
 
     def close(self) -> None:
-        """Stop the engine loop, then the listener and the workers (idempotent)."""
+        """Stop the engine loop, then the roles and their ranks (idempotent)."""
         self.loop.stop()
-        self.connector.close()
+        self.roles.close()
 
     @property
     def draining(self) -> bool:
@@ -115,11 +108,12 @@ class Sidecar:
 
     def describe(self, http_port: int) -> str:
         """The start-up line: role, model, layout, TP, ports, engine id."""
-        side = self.connector.side_channel_port
+        side = self.roles.side_channel_port
+        bound = self.settings.transfer.side_channel_host
         return (f"role={self.settings.role} model={self.served_names[0]} "
                 f"(id {self.engine.model_id}) layout={self.engine.layout.name} "
                 f"tp={self.engine.tp} http={self.settings.host}:{http_port} side_channel="
-                f"{f'{self.settings.side_channel_host}:{side}' if side else 'none'} "
+                f"{f'{bound}:{side}' if side else 'none'} "
                 f"advertised={self.side_channel_advertised} "
                 f"engine_id={self.engine_id}")
 
@@ -131,7 +125,7 @@ class Sidecar:
                 "max_model_len": self.engine.max_model_len,
                 "side_channel_host": self.side_channel_advertised,
                 "http_host": self.http_host,
-                "side_channel_port": self.connector.side_channel_port,
-                "kv_load_failure_policy": self.settings.kv_load_failure_policy,
+                "side_channel_port": self.roles.side_channel_port,
+                "kv_load_failure_policy": self.settings.transfer.kv_load_failure_policy,
                 "prefix_caching": self.settings.enable_prefix_caching,
                 **self.loop.snapshot()}

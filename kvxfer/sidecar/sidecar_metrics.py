@@ -2,8 +2,8 @@
 
 Who writes what: the HTTP middleware counts requests by route and status; the
 engine loop counts tokens and publishes KV block and lease gauges, and the
-engine's prefix cache totals, after every iteration; the connector records
-transfers, failures, recomputes, reads skipped and lease releases, and what its
+engine's prefix cache totals, after every iteration; the roles record
+transfers, failures, recomputes, reads skipped and lease releases, and what their
 workers counted (failed handshakes, failed and late "done" notifications, and each
 prefill peer's read path with what it moved and its ceiling:
 ``TransferWorker.take_counts``, :meth:`SidecarMetrics.count_path`). ``GET /metrics``

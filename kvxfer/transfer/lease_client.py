@@ -1,7 +1,7 @@
 """``LeaseClient``: a decode's claims, renewals and releases of the prefill leases it reads.
 
-One per decode: the sidecar's :class:`~kvxfer.sidecar.kv_loads.KVLoads` (all its
-ranks read a lease once) and the vLLM worker's
+One per decode: the sidecar's pull decode (all its ranks read a lease once) and the vLLM
+worker's
 :class:`~kvxfer.vllm.worker_side.WorkerSide` use the same object; each keeps its own
 bookkeeping of requests and only asks this one about their leases.
 
@@ -19,7 +19,8 @@ The life of a lease on the decode side:
   ValueError: no expiry) means the lease is neither read nor released (the params may
   be another request's).
 * :meth:`claim` asks the prefill for the lease (``RenewLease(claim=True)``) from the
-  renewer's :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender` thread;
+  renewer's thread (a :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`
+  of its own, so that a claim never waits behind messages to a dead prefill);
   :meth:`renew_due` sends the claims not sent yet and the renewals due (under half the TTL left),
   one at a time per lease.
 * :meth:`take_answers` applies the prefill's answers (:class:`LeaseAnswer`): granted
@@ -31,11 +32,9 @@ The life of a lease on the decode side:
   lease left for a READ bounded by ``read_timeout``); :meth:`check_unread` refuses one
   whose lease ended meanwhile, and :meth:`check_in_time` a finished READ that outlived
   its lease (the prefill may have reused the blocks while it ran): :class:`LeaseEnded`.
-* :meth:`release` tells the prefill a lease will not be read (best effort, from the
-  releaser's thread): the prefill frees its blocks before the TTL.
-* :meth:`report_done` sends a finished or failed read's "done" of each reader over the
-  side channel (acknowledged, resent while unanswered), next to its NIXL notification:
-  whichever arrives first counts, so a lost notification costs no TTL.
+* :meth:`release` tells the prefill a lease will not be read (best effort, through the
+  instance's :class:`~kvxfer.transfer.side_channel.reports.Reports`, which also sends the
+  reads' "done" reports): the prefill frees its blocks before the TTL.
 
 A prefill whose ranks listen apart (``remote_rank_ports``: a vLLM instance, a process
 per rank) holds the lease on each: a claim or renewal goes to every port and is granted
@@ -59,9 +58,10 @@ from typing import TYPE_CHECKING
 from kvxfer.wire.lease_book import HeldLease, LeaseBook
 from kvxfer.wire.messages import ReleaseOutcome
 
-if TYPE_CHECKING:  # the worker pulls in torch and NIXL, the sender ZMQ
+if TYPE_CHECKING:  # the senders import ZMQ
+    from kvxfer.transfer.side_channel.reports import Reports
     from kvxfer.transfer.side_channel.sender import SideChannelSender
-    from kvxfer.wire.messages import DoneReport, RenewAck
+    from kvxfer.wire.messages import RenewAck
     from kvxfer.wire.params import RemoteParams
 
 log = logging.getLogger(__name__)
@@ -159,27 +159,21 @@ class _Fanin:
 
 
 class LeaseClient:
-    """A decode's claims, renewals and releases (see the module docstring).
+    """A decode's claims, renewals and releases of the leases it reads.
 
-    ``releaser`` sends releases, ``renewer`` claims and renewals (the same sender
-    when None; a separate one keeps a claim from waiting behind releases to a dead
-    prefill). The client owns both and closes them in :meth:`close`.
-    ``read_timeout`` (s) bounds a READ: one starts only with that much of the
-    lease left (or up to the renewal point, see :meth:`HeldLease.readable_for`).
+    ``renewer`` sends claims and renewals (the client owns it and closes it in
+    :meth:`close`); ``reports``, the instance's, sends releases. ``read_timeout`` (s)
+    bounds a READ: one starts only with that much of the lease left (or up to the
+    renewal point, see :meth:`HeldLease.readable_for`).
     """
 
-    def __init__(self, book: LeaseBook, releaser: SideChannelSender,
-                 renewer: SideChannelSender | None = None, *, read_timeout: float) -> None:
+    def __init__(self, book: LeaseBook, reports: Reports, renewer: SideChannelSender, *,
+                 read_timeout: float) -> None:
         self.book, self.read_timeout = book, read_timeout
-        self._releaser: SideChannelSender | None = releaser
-        self._renewer: SideChannelSender | None = renewer or releaser
+        self._reports: Reports | None = reports
+        self._renewer: SideChannelSender | None = renewer
         self._answers: queue.SimpleQueue[tuple[HeldLease, LeaseAnswer]] = queue.SimpleQueue()
         self._answered = threading.Event()  # an answer is queued
-
-    @property
-    def releaser(self) -> SideChannelSender | None:
-        """The sender of releases; None once closed."""
-        return self._releaser
 
     def check(self, remote: RemoteParams) -> HeldLease:
         """The local check of ``remote``'s lease before anything is sent or read; it is
@@ -290,12 +284,12 @@ class LeaseClient:
     def release(self, remote: RemoteParams, reason: str,
                 outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
         """Any thread: tell the prefill that ``remote``'s lease will not be read (queued
-        for the releaser's thread; ``outcome``: why, as the prefill counts it); False
-        when not queued."""
-        releaser = self._releaser  # read once: close() may clear it from another thread
-        if releaser is None:
+        for a sender thread; ``outcome``: why, as the prefill counts it); False when not
+        queued."""
+        reports = self._reports  # read once: close() may clear it from another thread
+        if reports is None:
             return False
-        queued = [releaser.submit(remote.remote_host, port, remote.remote_request_id, reason,
+        queued = [reports.release(remote.remote_host, port, remote.remote_request_id, reason,
                                   outcome)
                   for port in remote.side_channels()]
         return all(queued)
@@ -317,27 +311,10 @@ class LeaseClient:
         """A READ failed and some prefill rank was never told by a NIXL notification."""
         return self.release(remote, f"the decode's KV read failed: {why}")
 
-    def report_done(self, remote: RemoteParams, reports: Iterable[DoneReport],
-                    lease: HeldLease) -> bool:
-        """Any thread: send a read's "done" ``reports`` (one per prefill rank it read, see
-        :class:`~kvxfer.transfer.results.PollResult`) to the side channel serving each
-        rank, acknowledged and resent while unanswered until ``lease`` would have ended
-        anyway (queued for the releaser's thread); False when not all were queued."""
-        releaser = self._releaser
-        if releaser is None:
-            return False
-        left = lease.deadline - time.monotonic()  # the claim's grant, renewals included
-        queued = [releaser.submit_done(remote.remote_host, port, report, left)
-                  for report in reports
-                  for port in remote.side_channels([report.prefill_rank])]
-        return all(queued)
-
     def close(self) -> None:
-        """Send the releases still queued (for about a second at most), then stop the
-        senders (idempotent); nothing is sent afterwards."""
-        releaser, renewer = self._releaser, self._renewer
-        self._releaser = self._renewer = None
-        if releaser is not None:
-            releaser.close()
-        if renewer is not None and renewer is not releaser:
+        """Stop the renewer (idempotent); nothing is sent afterwards (the instance closes
+        its reports, which sends the releases still queued)."""
+        renewer = self._renewer
+        self._reports = self._renewer = None
+        if renewer is not None:
             renewer.close()

@@ -2,7 +2,7 @@
 
 Who calls what (every method is thread-safe):
 
-* the caller (the connector, vLLM's worker side), per request: :meth:`hold` leases the
+* the caller (the prefill side, vLLM's worker side), per request: :meth:`hold` leases the
   blocks until every expected decode reader has notified "done", the caller ends it
   (:meth:`end`, e.g. on a side-channel release) or the lease expires;
   :meth:`take_released` returns the leases that ended and why ("done", "failed": a
@@ -22,11 +22,10 @@ A verified "done" for a lease that is not held counts as late, by how that lease
 ended: the last :data:`ENDED_REMEMBERED` ended leases are remembered for that.
 
 ``LeaseAnswers``: a prefill's side-channel answers about its leases, over its rank
-tables. One per prefill instance: the sidecar's
-:class:`~kvxfer.sidecar.connector.KVConnector` (over all its TP ranks) and the vLLM
-worker's :class:`~kvxfer.vllm.worker_side.WorkerSide` (its one rank) hand
-:meth:`LeaseAnswers.on_release` and :meth:`LeaseAnswers.on_renew` to their
-:class:`~kvxfer.transfer.side_channel.listener.SideChannelListener`:
+tables. One per prefill instance: the sidecar's prefill side (over all its TP ranks) and
+the vLLM worker's :class:`~kvxfer.vllm.worker_side.WorkerSide` (its one rank) have their
+:class:`~kvxfer.transfer.side_channel.listener.SideChannelListener` answer with it
+(:class:`~kvxfer.transfer.ranks.Ranks.serve`):
 
 * the listener's thread calls :meth:`~LeaseAnswers.on_release` for a decode's
   ``ReleaseLease``: it is ignored from another engine than the lease's claimer;
@@ -286,6 +285,8 @@ class LeaseAnswers:
     docstring). ``ttl`` (s): how long a claim or renewal extends a lease; ``max_age``
     (s): no lease is renewed past that long after it was held."""
 
+    releasable = True  # a decode may release a lease over the side channel
+
     def __init__(self, ranks: Sequence[RankLeases], *, ttl: float, max_age: float) -> None:
         self.ranks, self.ttl, self.max_age = ranks, ttl, max_age
         self._releases: queue.SimpleQueue[Release] = queue.SimpleQueue()
@@ -364,7 +365,10 @@ class ReservationAnswers(LeaseAnswers):
     ``claim``; the first engine only, and before the deadline it was held with), which
     keeps it held up to :data:`~kvxfer.transfer.results.STALE_LIMIT_S` past the
     reservation's deadline (``reservation_ttl`` after it was made), unless its writers end
-    it ("done", or ``ok=False`` once their WRITEs ended). Nothing renews a reservation."""
+    it ("done", or ``ok=False`` once their WRITEs ended). Nothing renews a reservation,
+    and only the caller holding one releases it (over HTTP, not the side channel)."""
+
+    releasable = False
 
     def __init__(self, ranks: Sequence[RankLeases], reservation_ttl: float) -> None:
         span = reservation_ttl + STALE_LIMIT_S
@@ -374,3 +378,9 @@ class ReservationAnswers(LeaseAnswers):
         if not claim:
             raise RenewRefused("a reservation is claimed by its writer, never renewed")
         return super().on_renew(lease_id, requester, claim)
+
+    def on_release(self, lease_id: str, requester: str, reason: str,
+                   outcome: ReleaseOutcome = ReleaseOutcome.ABANDONED) -> bool:
+        log.warning("engine %s released reservation %s over the side channel: ignored (its "
+                    "holder releases it over HTTP)", requester, lease_id)
+        return False

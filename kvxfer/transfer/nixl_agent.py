@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer.transfer.results import Span
+from kvxfer.transfer.transfer_config import DEFAULT_BACKENDS
 
 if TYPE_CHECKING:  # only for hints: importing regions pulls in torch (~2 s)
     from kvxfer.plan.regions import MemoryRegion
@@ -85,8 +86,6 @@ class NixlTransferError(RuntimeError):
         suffix = f": {detail}" if detail and detail != state else ""
         super().__init__(f"{action} with remote agent {remote!r} failed in state {state}{suffix}")
 
-
-DEFAULT_BACKENDS = ("UCX",)
 
 
 def import_nixl() -> ModuleType:
@@ -240,6 +239,16 @@ class Transfer:
     def __repr__(self) -> str:
         return (f"Transfer(op={self.op}, remote={self.remote!r}, bytes={self.num_bytes}, "
                 f"descriptors={self.num_descriptors}, state={self._state})")
+
+
+def release_transfers(transfers: list[Any], request_id: str) -> None:
+    """Free the posted transfers' handles, READs or WRITEs (aborting any still in flight)."""
+    for transfer in transfers:
+        try:
+            transfer.release()
+        except Exception as exc:
+            log.warning("releasing a transfer of %s failed: %s", request_id, exc)
+    transfers.clear()
 
 
 def in_flight(transfers: Sequence[Any]) -> list[Any]:

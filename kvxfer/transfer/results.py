@@ -14,8 +14,6 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvxfer.wire.messages import DoneReport
-
 # how long a transfer given up in flight (a READ, or a WRITE) is waited for at most:
 # longer than Linux keeps retransmitting on a connection whose peer stopped answering
 # (tcp_retries2 = 15: about 15.4 minutes), after which nothing of it can land
@@ -93,12 +91,10 @@ class ReadStats:
 class PollResult:
     """Reads that ended since the last :meth:`TransferWorker.poll`.
 
-    ``reports`` holds, per request that ended, the "done" of each prefill rank it read
-    from, for the caller to send over the side channel (:class:`DoneReport`: acknowledged
-    and resent, so that the lease ends even when a NIXL notification was lost or none
-    went out). ``unnotified`` holds the requests, failed or finished, whose prefill was
-    neither told nor can be (its connection was dropped before it was known): the
-    caller releases their leases over the side channel. ``quarantined`` holds the failed
+    ``unnotified`` holds the requests, failed or finished, whose prefill was neither told
+    nor can be (its connection was dropped before it was known): the caller releases their
+    leases over the side channel (the "done" reports of the others went out from the
+    worker, next to their NIXL notifications). ``quarantined`` holds the failed
     requests whose READs were given up while in flight: their bytes may still land in the
     request's blocks (see :class:`~kvxfer.transfer.reads.path.Stale`), so the caller keeps
     those blocks from any other use until the request is named in ``settled``.
@@ -108,7 +104,6 @@ class PollResult:
     failed: dict[str, str] = field(default_factory=dict)
     stats: dict[str, ReadStats] = field(default_factory=dict)
     unnotified: set[str] = field(default_factory=set)
-    reports: dict[str, tuple[DoneReport, ...]] = field(default_factory=dict)
     quarantined: set[str] = field(default_factory=set)
     settled: list[str] = field(default_factory=list)
 
@@ -169,21 +164,20 @@ class ReadResults:
         self._results = PollResult()
         self._ready = threading.Event()  # set when a read finished or failed
 
-    def finished(self, request_id: str, stats: ReadStats, unnotified: bool,
-                 reports: tuple[DoneReport, ...] = ()) -> None:
+    def finished(self, request_id: str, stats: ReadStats, unnotified: bool) -> None:
         with self._lock:
             self._results.finished.append(request_id)
             self._results.stats[request_id] = stats
-            self._end(request_id, unnotified, reports)
+            self._end(request_id, unnotified)
         self._ready.set()
 
     def failed(self, request_id: str, reason: str, unnotified: bool,
-               reports: tuple[DoneReport, ...] = (), quarantined: bool = False) -> None:
+               quarantined: bool = False) -> None:
         with self._lock:
             self._results.failed[request_id] = reason
             if quarantined:
                 self._results.quarantined.add(request_id)
-            self._end(request_id, unnotified, reports)
+            self._end(request_id, unnotified)
         self._ready.set()
 
     def settled(self, request_id: str) -> None:
@@ -192,11 +186,9 @@ class ReadResults:
             self._results.settled.append(request_id)
         self._ready.set()
 
-    def _end(self, request_id: str, unnotified: bool, reports: tuple[DoneReport, ...]) -> None:
+    def _end(self, request_id: str, unnotified: bool) -> None:
         if unnotified:
             self._results.unnotified.add(request_id)
-        if reports:
-            self._results.reports[request_id] = reports
 
     def take(self) -> PollResult:
         """Everything since the last call (any thread)."""

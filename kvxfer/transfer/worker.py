@@ -103,15 +103,16 @@ from kvxfer.transfer.lanes import Lanes
 from kvxfer.transfer.leases import LeaseTable
 from kvxfer.transfer.liveness import Liveness
 from kvxfer.transfer.local_rank import Deadlines, LocalRank, memory_kind
-from kvxfer.transfer.nixl_agent import DEFAULT_BACKENDS, NixlAgent
+from kvxfer.transfer.nixl_agent import NixlAgent
 from kvxfer.transfer.peers import Peers
-from kvxfer.transfer.pushes.pusher import REPORT_TIMEOUT_S, Pusher
+from kvxfer.transfer.pushes.pusher import Pusher
 from kvxfer.transfer.pushes.targets import Targets
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.reader import Reader
 from kvxfer.transfer.results import PollResult, ReadResults, Released, Tally, WorkerCounts
 from kvxfer.transfer.side_channel.client import SideChannelClient
-from kvxfer.transfer.side_channel.sender import SideChannelSender
+from kvxfer.transfer.side_channel.reports import Reports
+from kvxfer.transfer.transfer_config import HANDSHAKE_RETRIES, TransferConfig
 from kvxfer.wire.compat import CompatInfo
 from kvxfer.wire.metadata import AgentMetadata
 from kvxfer.wire.notification import ReadDone
@@ -129,31 +130,32 @@ CONNECT_WINDOW_S = 3.0   # fast progress after serving a handshake
 class TransferWorker:
     """See the module docstring for the contract."""
 
-    def __init__(self, engine_id: str, rank: int, tp_size: int, compat: CompatInfo, *,
-                 total_kv_heads: int, handshake_timeout: float = 5.0,
-                 handshake_retries: int = 2, read_timeout: float = 30.0,
-                 hmac_key: bytes | None = None, read_lanes: int = 1,
-                 nixl_backends: Sequence[str] = DEFAULT_BACKENDS,
-                 host_reads: bool = True, shares: ProcessShares | None = None,
+    def __init__(self, engine_id: str, rank: int, tp_size: int, compat: CompatInfo,
+                 config: TransferConfig, *, total_kv_heads: int, read_lanes: int = 1,
+                 shares: ProcessShares | None = None, reports: Reports | None = None,
                  liveness: Liveness | None = None) -> None:
         if read_lanes < 1:
             raise ValueError(f"read_lanes must be at least 1, got {read_lanes}")
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
-        self.compat = compat
+        self.compat, self.config = compat, config
         self.total_kv_heads = total_kv_heads
-        self._deadlines = Deadlines(handshake_timeout, handshake_retries, read_timeout,
-                                    liveness)
-        self.read_lanes = read_lanes
+        self._deadlines = Deadlines(config.handshake_attempt_s, HANDSHAKE_RETRIES,
+                                    config.kv_read_timeout, liveness)
+        self.read_lanes = read_lanes  # this rank's share of the instance's copy threads
         # offer (prefill) and use (decode) host reads of converted reads on one host
-        self.host_reads = host_reads
-        self._key = hmac_key  # signs and verifies "done" notifications
+        self.host_reads = config.host_reads
+        self._key = config.kv_key  # signs and verifies "done" notifications
         self._shares = shares if shares is not None else ProcessShares()
-        self._client = SideChannelClient(engine_id, compat, hmac_key=hmac_key)
-        self._agent = NixlAgent(f"{engine_id}-rank{rank}", nixl_backends)
+        # "done" reports and releases: the instance's, else this rank's own
+        self._own_reports = reports is None
+        self._reports = reports if reports is not None else Reports(engine_id, compat,
+                                                                    config.kv_key)
+        self._client = SideChannelClient(engine_id, compat, hmac_key=self._key)
+        self._agent = NixlAgent(f"{engine_id}-rank{rank}", config.nixl_backends)
         # converted reads land here; converted pushes take their shadows here
         self._staging = StagingPool(self._agent, f"r{rank}")
         self._tally = Tally()
-        self._leases = LeaseTable(hmac_key, self._tally)
+        self._leases = LeaseTable(self._key, self._tally)
         self._results = ReadResults()
         # set at register_kv_caches
         self._plan: RegionPlan | None = None
@@ -228,13 +230,10 @@ class TransferWorker:
                           self._wake, self._tally, self._deadlines)
         self._peers = Peers(local, self._client, total_kv_heads=self.total_kv_heads,
                             host_reads=self.host_reads)
-        self._reads = Reader(local, self._peers, self._results)
+        self._reads = Reader(local, self._peers, self._results, self._reports)
         self._pusher = Pusher(local, Targets(local, self._client,
                                              total_kv_heads=self.total_kv_heads),
-                              self._leases, local.geometry.num_layers,
-                              lambda: SideChannelSender(SideChannelClient(  # its thread's alone
-                                  self.engine_id, self.compat, hmac_key=self._key,
-                                  keep_connections=True), timeout=REPORT_TIMEOUT_S))
+                              self._leases, local.geometry.num_layers, self._reports)
         self._plan = plan
         return plan
 
@@ -273,16 +272,21 @@ class TransferWorker:
         self._staging.close()
         self._agent.close()
         self._client.close()
+        if self._own_reports:
+            self._reports.close()
 
     # -- decode side --------------------------------------------------------------------
     def start_read(self, request_id: str, remote_params: Mapping[str, Any] | RemoteParams,
-                   local_block_ids: Sequence[int], *, span_probe: bool = False) -> None:
+                   local_block_ids: Sequence[int], *, span_probe: bool = False,
+                   lease_ends: float | None = None) -> None:
         """Queue a read of ``remote_params.remote_block_ids`` into ``local_block_ids``.
 
         Both lists count logical blocks (each side's ``spec.block_size``), whatever
         kernel block size either side's views have. ``span_probe``: a benchmark's probe, the
         same number of bytes as one READ of whole memory spans from the request's first
         block on each side, over whatever blocks follow (:mod:`kvxfer.plan.span_probe`).
+        ``lease_ends`` (monotonic s): when the lease read would end anyway, until which an
+        unanswered "done" report of the read is resent (None: the params' expiry).
 
         Malformed params raise ValueError here; everything that needs the peer
         (handshake, geometry, block-id ranges) is reported through ``poll()``.
@@ -292,7 +296,11 @@ class TransferWorker:
         self._require_plan()
         assert self._reads is not None
         ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-        self._reads.submit(Read(request_id, remote, ids, time.monotonic(), span_probe=span_probe))
+        now = time.monotonic()
+        if lease_ends is None:
+            lease_ends = now + (remote.lease_expires_at or 0.0) - time.time()
+        self._reads.submit(Read(request_id, remote, ids, now, span_probe=span_probe,
+                                lease_ends=lease_ends))
 
     def poll(self) -> PollResult:
         """Reads finished or failed since the last call (thread-safe)."""

@@ -46,7 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvxfer.net.hosts import unreachable_advertised
-from kvxfer.net.kv_key import load_kv_key
 from kvxfer.plan.layout import CacheSpec
 from kvxfer.plan.packing import TOKEN_PACKING, VLLM_CPU_PACKING_PREFIX
 from kvxfer.vllm.allocation import SharedCacheAllocation
@@ -177,10 +176,6 @@ def _settings(vllm_config: VllmConfig) -> ConnectorSettings:
     return ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
 
 
-def _key(settings: ConnectorSettings) -> bytes | None:
-    return None if settings.kv_key_file is None else load_kv_key(settings.kv_key_file)
-
-
 def _engine_id(vllm_config: VllmConfig) -> str:
     config = vllm_config.kv_transfer_config
     assert config is not None and config.engine_id is not None
@@ -201,14 +196,14 @@ class KvxferConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._producing: dict[str, Request] = {}
         if role == KVConnectorRole.SCHEDULER:
-            problem = unreachable_advertised(self._settings.side_channel_host,
-                                             self._settings.host_for_peers,
+            transfer = self._settings.transfer
+            problem = unreachable_advertised(transfer.side_channel_host, transfer.advertised,
                                              "kv_connector_extra_config.side_channel_host")
             if problem is not None:  # every read of this prefill would fail
                 raise ValueError(f"KvxferConnector: {problem}")
             self._scheduler = SchedulerSide(
-                self._settings, _engine_id(vllm_config), vllm_config.cache_config.block_size,
-                vllm_config.parallel_config.tensor_parallel_size, _key(self._settings))
+                transfer, _engine_id(vllm_config), vllm_config.cache_config.block_size,
+                vllm_config.parallel_config.tensor_parallel_size)
 
     # -- worker side --------------------------------------------------------------------------
     def get_mem_pool_context(self) -> SharedCacheAllocation | None:
@@ -216,7 +211,7 @@ class KvxferConnector(KVConnectorBase_V1):
         that a decode on this host copies from it mapped; host_reads false keeps vLLM's."""
         from vllm.platforms import current_platform
 
-        if not self._settings.host_reads or not current_platform.is_cpu():
+        if not self._settings.transfer.host_reads or not current_platform.is_cpu():
             return None
         return SharedCacheAllocation()
 
@@ -237,8 +232,7 @@ class KvxferConnector(KVConnectorBase_V1):
                             num_layers=len({v.data_ptr() for v in kv_caches.values()}),
                             kv_packing=self._packing(spec))
         self._worker = WorkerSide(self._settings, _engine_id(self._vllm_config), compat,
-                                  rank=rank, tp_size=tp_size, total_kv_heads=total_kv_heads,
-                                  key=_key(self._settings))
+                                  rank=rank, tp_size=tp_size, total_kv_heads=total_kv_heads)
         self._worker.register(kv_caches, spec, num_blocks)
         log.info("kvxfer: rank %d of %d: %d layers of %d blocks x %d tokens registered; side "
                  "channel on port %d", rank, tp_size, compat.num_layers, num_blocks,

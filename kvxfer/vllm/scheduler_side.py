@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer.vllm.extra_config import ConnectorSettings
+from kvxfer.transfer.transfer_config import TransferConfig
 from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.wire.tickets import TICKET_KEY, LeaseClaims, sign_ticket
 
@@ -54,15 +54,15 @@ class BlockRef:
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, engine_id: str, block_size: int,
-                 tp_size: int, key: bytes | None = None) -> None:
-        self.settings, self.engine_id = settings, engine_id
+    def __init__(self, config: TransferConfig, engine_id: str, block_size: int,
+                 tp_size: int) -> None:
+        self.config, self.engine_id = config, engine_id
         self.block_size, self.tp_size = block_size, tp_size
-        self._key = key
-        # each rank's listener port: the settings' (rank r on port + r) or vLLM's handshake
+        self._key = config.kv_key
+        # each rank's listener port: the config's (rank r on port + r) or vLLM's handshake
         self.side_channel_ports: tuple[int, ...] | None = tuple(
-            settings.side_channel_port + rank for rank in range(tp_size)) \
-            if settings.side_channel_port else None
+            config.side_channel_port + rank for rank in range(tp_size)) \
+            if config.side_channel_port else None
         self._producing: dict[str, int] = {}  # prefill request -> prompt tokens
         self._holds: dict[str, Hold] = {}     # prefill request -> lease sent to the worker
         self._plan = StepPlan()
@@ -90,7 +90,7 @@ class SchedulerSide:
             del self._producing[request_id]
             blocks = tuple(block_ids(request_id))[:-(-prompt_tokens // self.block_size)]
             hold = Hold(request_id, secrets.token_urlsafe(16), blocks, prompt_tokens,
-                        now + self.settings.lease_ttl)
+                        now + self.config.lease_ttl)
             earlier = self._holds.get(request_id)
             if earlier is not None:  # preempted and computed again: its old lease is void
                 self._plan.drop_leases.append(earlier.lease_id)
@@ -160,7 +160,7 @@ class SchedulerSide:
         assert self.side_channel_ports is not None
         tokens = hold.num_tokens
         ports = self.side_channel_ports if self.tp_size > 1 else ()  # each rank listens apart
-        claims = LeaseClaims(self.engine_id, self.settings.host_for_peers,
+        claims = LeaseClaims(self.engine_id, self.config.advertised,
                              self.side_channel_ports[0], hold.lease_id, hold.block_ids, tokens,
                              self.tp_size, hold.expires_at, ports)
         params: dict[str, Any] = {

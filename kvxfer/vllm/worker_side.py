@@ -1,34 +1,15 @@
 """The worker-side half of ``KvxferConnector``: one TP rank's transfers (no vLLM import).
 
-Lives in vLLM's worker process, next to the KV cache. It owns the rank's
-:class:`~kvxfer.transfer.worker.TransferWorker` (regions, descriptors, READs, leases,
-notifications), the :class:`~kvxfer.transfer.side_channel.listener.SideChannelListener` that serves
-the rank's metadata and answers lease claims, renewals and releases
-(:class:`~kvxfer.transfer.leases.LeaseAnswers`), and the decode's
-:class:`~kvxfer.transfer.lease_client.LeaseClient` (claims and releases, from one
-:class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`): the same objects a kvxfer
-sidecar uses. Nothing of the transfer or the leases is done here: this class only maps vLLM's
-steps onto those parts.
-
-Who calls what (vLLM's model-runner thread, once per step, in this order):
-
-* :meth:`apply` with the step's :class:`~kvxfer.vllm.step_plan.StepPlan`, before the
-  forward: decode loads are checked (params, lease, ticket: a bad one fails at
-  once) and claimed at their prefill; leases vLLM dropped end now.
-* :meth:`after_forward`: the prefill holds the leases whose blocks the forward
-  just wrote.
-* :meth:`poll`: a granted claim starts its READ; finished and failed READs, and
-  prefill leases that ended (every reader said "done", a release, expiry), come
-  back as vLLM wants them: request ids done loading or sending, and the block ids
-  of failed loads (vLLM then recomputes or fails them, by its
-  ``kv_load_failure_policy``). A lease is reported only once vLLM said the
-  request finished (``finished_req_ids``), as vLLM requires. A load that failed with
-  READs still in flight (given up while a cut link was down: they may land once it is
-  back) is reported only once they settled: vLLM would recompute into the same blocks
-  or hand them to another request.
-
-The listener's thread only calls thread-safe :class:`TransferWorker` methods and
-queues releases for :meth:`poll` (through :class:`LeaseAnswers`).
+Lives in vLLM's worker process, next to the KV cache, and maps vLLM's steps onto the same
+parts a kvxfer sidecar uses, built from the same config
+(:class:`~kvxfer.transfer.ranks.Ranks` for this one rank: its worker, its side-channel
+listener, the process's reports and heartbeats; the decode's
+:class:`~kvxfer.transfer.lease_client.LeaseClient`; the prefill's
+:class:`~kvxfer.transfer.leases.LeaseAnswers`). vLLM's model-runner thread calls, once per
+step and in this order: :meth:`WorkerSide.apply` (the step's plan, before the forward:
+loads checked and claimed, leases vLLM dropped ended), :meth:`WorkerSide.after_forward`
+(leases of the blocks the forward wrote held) and :meth:`WorkerSide.poll` (what ended, as
+vLLM wants it). Design: docs/design/vllm-connector.md
 """
 
 from __future__ import annotations
@@ -39,17 +20,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
+from kvxfer.transfer.lease_client import LeaseEnded, Readiness
 from kvxfer.transfer.leases import LeaseAnswers
+from kvxfer.transfer.ranks import Answering, Ranks
 from kvxfer.transfer.results import PollResult, ReadStats
-from kvxfer.transfer.side_channel.client import SideChannelClient
-from kvxfer.transfer.side_channel.listener import SideChannelListener
-from kvxfer.transfer.side_channel.sender import SideChannelSender
-from kvxfer.transfer.worker import TransferWorker
-from kvxfer.vllm.extra_config import SPAN_PROBE_KEY, ConnectorSettings
+from kvxfer.vllm.extra_config import SPAN_PROBE_KEY, VLLM_LANES, ConnectorSettings
 from kvxfer.vllm.step_plan import Hold, Load, StepPlan
 from kvxfer.wire.compat import CompatInfo
-from kvxfer.wire.lease_book import HeldLease, LeaseBook
+from kvxfer.wire.lease_book import HeldLease
 from kvxfer.wire.params import RemoteParams
 
 if TYPE_CHECKING:
@@ -81,31 +59,23 @@ class _Load:
 
 
 class WorkerSide:
+    """One rank's transfers in a vLLM worker (see the module docstring)."""
+
     def __init__(self, settings: ConnectorSettings, engine_id: str, compat: CompatInfo, *,
-                 rank: int, tp_size: int, total_kv_heads: int,
-                 key: bytes | None = None) -> None:
+                 rank: int, tp_size: int, total_kv_heads: int) -> None:
         self.settings, self.engine_id, self.compat = settings, engine_id, compat
-        self._key = key
-        self.worker = TransferWorker(engine_id, rank, tp_size, compat,
-                                     total_kv_heads=total_kv_heads,
-                                     handshake_timeout=settings.handshake_timeout,
-                                     read_timeout=settings.kv_read_timeout, hmac_key=key,
-                                     read_lanes=settings.read_lanes,
-                                     host_reads=settings.host_reads)
-        self.listener: SideChannelListener | None = None
-        # every rank claims as the engine: a lease is read by one decode, all its ranks
-        sender = SideChannelSender(SideChannelClient(engine_id, compat, hmac_key=key,
-                                               keep_connections=True))
-        try:  # its own thread: a claim must not wait behind reports to a frozen prefill
-            renewer = SideChannelSender(SideChannelClient(engine_id, compat, hmac_key=key,
-                                                    keep_connections=True))
+        config = settings.transfer
+        # kv_both: this rank reads (decode) and serves its leases (prefill)
+        self.ranks = Ranks(engine_id, compat, config, ranks=[rank], tp_size=tp_size,
+                           total_kv_heads=total_kv_heads, reads=True, lanes_default=VLLM_LANES)
+        self.worker = self.ranks.workers[0]
+        try:  # every rank claims as the engine: a lease is read by one decode, all its ranks
+            self.leases = self.ranks.lease_client()
         except BaseException:
-            sender.close()
+            self.ranks.stop()
+            self.ranks.close()
             raise
-        self.leases = LeaseClient(LeaseBook(key, max_age=settings.max_age), sender, renewer,
-                                  read_timeout=settings.kv_read_timeout)
-        self.answers = LeaseAnswers([self.worker], ttl=settings.lease_ttl,
-                                    max_age=settings.max_age)
+        self.answers = LeaseAnswers([self.worker], ttl=config.lease_ttl, max_age=config.max_age)
         self._loads: dict[str, _Load] = {}
         # failed loads whose READs may still land: reported once they settled
         self._quarantined: dict[str, tuple[Load, str]] = {}
@@ -118,32 +88,27 @@ class WorkerSide:
 
     @property
     def port(self) -> int:
-        assert self.listener is not None
-        return self.listener.port
+        port = self.ranks.port
+        assert port is not None
+        return port
 
     def register(self, caches: Mapping[str, torch.Tensor], spec: CacheSpec,
                  num_blocks: int) -> None:
         """Plan and register the rank's KV cache, then serve it to peers."""
-        self.worker.register_kv_caches(caches, spec, num_blocks)
+        self.ranks.register(0, caches, spec, num_blocks)
         self.block_size = spec.block_size
-        base = self.settings.side_channel_port  # rank r listens on base + r (0: any port)
-        self.listener = SideChannelListener(
-            self.settings.side_channel_host, base + self.worker.rank if base else 0,
-            engine_id=self.engine_id, compat=self.compat,
-            metadata=lambda: [self.worker.metadata()], hmac_key=self._key,
-            on_request=lambda _peer: self.worker.peer_connecting(),
-            on_release=self.answers.on_release, on_renew=self.answers.on_renew,
-            on_done=self.answers.on_done).start()
+        base = self.settings.transfer.side_channel_port  # rank r listens on base + r (0: any)
+        self.ranks.serve(base + self.worker.rank if base else 0, [Answering(self.answers)])
 
     def close(self) -> None:
-        """Stop serving, release the leases of loads not yet read, stop the workers."""
-        if self.listener is not None:
-            self.listener.close()
+        """Stop serving and the worker, release the leases of loads not yet read, then
+        send that for about a second."""
+        self.ranks.stop()
         for item in self._loads.values():
             self.leases.release(item.remote, "the decode instance shut down before reading it")
         self._loads.clear()
-        self.worker.close()
         self.leases.close()
+        self.ranks.close()
 
     # -- one step ---------------------------------------------------------------------------
     def apply(self, plan: StepPlan) -> None:
@@ -244,7 +209,7 @@ class WorkerSide:
     def _start_read(self, request_id: str, item: _Load) -> None:
         try:
             self.worker.start_read(request_id, item.remote, item.load.local_block_ids,
-                                   span_probe=item.span_probe)
+                                   span_probe=item.span_probe, lease_ends=item.lease.deadline)
             item.reading = True
         except (ValueError, RuntimeError) as exc:
             del self._loads[request_id]
@@ -282,9 +247,8 @@ class WorkerSide:
                 self._fail(*held)
 
     def _report(self, request_id: str, item: _Load, polled: PollResult) -> None:
-        """Send an ended read's "done" reports; release a lease nobody could tell."""
-        self.leases.report_done(item.remote, polled.reports.get(request_id, ()),
-                                item.lease)
+        """Release the lease of a failed read no prefill rank could be told of (the
+        "done" reports of the others went out from the worker)."""
         failure = polled.failed.get(request_id)
         if request_id in polled.unnotified and failure is not None:
             # a failed load is recomputed or failed whole by vLLM, whatever the other ranks

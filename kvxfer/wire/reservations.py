@@ -21,7 +21,7 @@ the deadline. The decode frees the blocks of a reservation nobody claimed
 :data:`PUSH_GRACE_S` after it (clocks of the two hosts must agree to well within that
 grace). One that a prefill claimed and did not finish by then keeps its blocks out of use
 until that prefill says its WRITEs ended, or is shown gone
-(:mod:`kvxfer.sidecar.claimers`): over TCP, a WRITE given up while a link was down still
+(:mod:`kvxfer.sidecar.roles.claimers`): over TCP, a WRITE given up while a link was down still
 lands once it is back.
 """
 

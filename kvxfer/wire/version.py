@@ -51,7 +51,7 @@ from __future__ import annotations
 #      flight) and "heartbeat_ack" (HeartbeatAck), both hash-checked.
 #  14: RenewLease.claimer_host and .claimer_port: a prefill claiming a decode's reservation
 #      (push mode) names its own side channel; HeartbeatAck.engine_id: who answers there
-#      (a decode asks so whether a claimer still runs, kvxfer.sidecar.claimers).
+#      (a decode asks so whether a claimer still runs, kvxfer.sidecar.roles.claimers).
 #  15: Reservation.cached_tokens (signed): a decode's prefix cache holds a prompt's first
 #      tokens; the reservation's blocks, the only ones a prefill writes, start after them.
 KVXFER_PROTOCOL_VERSION: int = 15

@@ -14,11 +14,13 @@ Errors are :class:`~.errors.OpenAIError`; their body is ``{"error": {"message", 
 
 ``kv_transfer_params`` (vLLM's keys):
 
-* prefill role, ``do_remote_decode: true``: the prompt is computed and its blocks
-  leased (``Prepared.hold``); the answer carries the params a decode reads with.
-  Streaming such a request is refused.
-* decode role, ``do_remote_prefill: true``: the prompt's KV is read from the
-  prefill named in the params (``Prepared.remote``), which must describe exactly
+* prefill (or both) role, ``do_remote_decode: true``: the prompt is computed and its
+  blocks leased (``Prepared.kind`` a ``LeaseOut``; a ``PushOut`` when the params bring a
+  decode's reservation); the answer carries the params a decode reads with. Streaming
+  such a request is refused.
+* decode (or both) role, ``do_remote_prefill: true``: the prompt's KV is read from the
+  prefill named in the params (a ``PullIn``; a ``PushIn`` when they name a reservation of
+  this decode), which must describe exactly
   this prompt (``remote_num_tokens``, one block id per ``remote_block_size``
   tokens: the prefill's block size, this decode's when absent).
 * anything else: a plain request (the params are ignored).

@@ -11,6 +11,7 @@ import msgspec
 from kvxfer.sidecar.openai_api.error_body import bad_request
 from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.openai_api.request_bodies import CommonFields, is_int
+from kvxfer.sidecar.request_kinds import PLAIN, Kind, LeaseOut, PullIn, PushIn, PushOut
 from kvxfer.wire.reservations import RESERVATION_ID_KEY, RESERVATION_KEY
 
 if TYPE_CHECKING:
@@ -20,20 +21,18 @@ if TYPE_CHECKING:
 
 
 def kv_intent(req: CommonFields, prompts: list[list[int]], params: SamplingParams,
-              info: ModelInfo
-              ) -> tuple[bool, RemoteParams | PushedParams | None, Reservation | None]:
-    """(hold the blocks, where the KV comes from, the reservation the held blocks are
-    pushed into) for this request on this role. The KV comes from a prefill's lease
-    (:class:`RemoteParams`) or, push mode, is written into a reservation of this decode
-    (:class:`PushedParams`)."""
+              info: ModelInfo) -> Kind:
+    """What this request asks of this role's transfers: a prefill's lease out (or push
+    into the reservation its params bring), a decode's read of a prefill's lease (or,
+    push mode, KV written into a reservation of this decode), else nothing."""
     kv = req.kv_transfer_params
     if kv is None:
-        return False, None, None
+        return PLAIN
     for key in ("do_remote_decode", "do_remote_prefill"):
         if kv.get(key) is not None and not isinstance(kv[key], bool):
             raise bad_request(f"kv_transfer_params.{key} must be true or false, got "
                               f"{kv[key]!r}", "kv_transfer_params")
-    if info.role == "prefill" and kv.get("do_remote_decode") is True:
+    if info.role in ("prefill", "both") and kv.get("do_remote_decode") is True:
         if req.stream:
             raise bad_request("a prefill request (kv_transfer_params.do_remote_decode) cannot "
                               "be streamed", "stream")
@@ -42,15 +41,16 @@ def kv_intent(req: CommonFields, prompts: list[list[int]], params: SamplingParam
             raise bad_request(f"a prefill request (kv_transfer_params.do_remote_decode) "
                               f"computes the prompt once: n must be 1, got {req.n}; the "
                               f"decode samples the n choices", "n")
-        return True, None, _reservation(kv)
-    if info.role == "decode" and kv.get("do_remote_prefill") is True:
+        reservation = _reservation(kv)
+        return LeaseOut() if reservation is None else PushOut(reservation)
+    if info.role in ("decode", "both") and kv.get("do_remote_prefill") is True:
         _one_prompt(prompts)
         check_samples_fit(req.n or 1, len(prompts[0]), info)
         if RESERVATION_ID_KEY in kv:
-            return False, _first_token(_pushed(kv), req.n or 1, params, info), None
+            return PushIn(_first_token(_pushed(kv), req.n or 1, params, info))
         remote = _remote_params(kv, len(prompts[0]), info.block_size)
-        return False, _first_token(remote, req.n or 1, params, info), None
-    return False, None, None
+        return PullIn(_first_token(remote, req.n or 1, params, info))
+    return PLAIN
 
 
 def _reservation(kv: dict[str, Any]) -> Reservation | None:
@@ -158,7 +158,7 @@ class _KvOnly(msgspec.Struct):
 def unread_lease(raw: bytes, role: str) -> RemoteParams | None:
     """The prefill lease a refused decode request names, if its params are readable.
 
-    For the decode role only, and only when the body is a JSON object whose
+    For a decoding role only, and only when the body is a JSON object whose
     ``kv_transfer_params`` say ``do_remote_prefill: true`` and parse as
     :class:`~kvxfer.wire.params.RemoteParams`; None otherwise (nothing to release,
     or no side channel to release it over). The rest of the body is not
@@ -166,7 +166,7 @@ def unread_lease(raw: bytes, role: str) -> RemoteParams | None:
     """
     from kvxfer.wire.params import RemoteParams
 
-    if role != "decode":
+    if role not in ("decode", "both"):
         return None
     try:
         kv = msgspec.json.decode(raw, type=_KvOnly).kv_transfer_params

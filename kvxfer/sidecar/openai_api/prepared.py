@@ -7,10 +7,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvxfer.sidecar.request_kinds import PLAIN, Kind
+
 if TYPE_CHECKING:
     from kvxfer.engine import SamplingParams, Tokenizer
-    from kvxfer.wire.params import RemoteParams
-    from kvxfer.wire.reservations import PushedParams, Reservation
 
 SEED_LIMIT = 2**63
 
@@ -34,7 +34,7 @@ class Prepared:
 
     ``n`` choices per prompt: choice ``k`` answers prompt ``k // n`` (OpenAI's and
     vLLM's order). ``echo``: the text each prompt's choices start with (completions
-    with ``echo: true``), else None.
+    with ``echo: true``), else None. ``kind``: what the request asks of the transfers.
     """
 
     prompts: list[list[int]]
@@ -44,11 +44,9 @@ class Prepared:
     include_usage: bool
     chat: bool
     logprobs: bool
-    hold: bool = False
-    remote: RemoteParams | PushedParams | None = None
+    kind: Kind = PLAIN
     n: int = 1
     echo: list[str] | None = None
-    push: Reservation | None = None  # a held prompt's KV is WRITten into this reservation
 
     @property
     def num_choices(self) -> int:

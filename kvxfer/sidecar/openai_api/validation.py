@@ -190,7 +190,7 @@ def _check_lengths(prompts: list[list[int]], max_tokens: int, info: ModelInfo,
 def _with_kv(req: CommonFields, prompts: list[list[int]], params: SamplingParams, model: str,
              info: ModelInfo, *, chat: bool, logprobs: bool,
              echo: list[str] | None = None) -> Prepared:
-    hold, remote, push = kv_intent(req, prompts, params, info)
+    kind = kv_intent(req, prompts, params, info)
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Prepared(prompts, params, model, bool(req.stream), include_usage, chat, logprobs,
-                    hold, remote, n=req.n or 1, echo=echo, push=push)
+                    kind, n=req.n or 1, echo=echo)

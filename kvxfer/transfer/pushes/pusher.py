@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,11 +72,10 @@ from kvxfer.transfer.converted.staging_pool import Staging
 from kvxfer.transfer.handshakes import HandshakeFailed
 from kvxfer.transfer.leases import LeaseTable
 from kvxfer.transfer.local_rank import LocalRank
-from kvxfer.transfer.nixl_agent import in_flight
+from kvxfer.transfer.nixl_agent import in_flight, release_transfers
 from kvxfer.transfer.pushes.targets import Target, Targets
-from kvxfer.transfer.reads.path import release_transfers
 from kvxfer.transfer.results import STALE_LIMIT_S, TransferError
-from kvxfer.transfer.side_channel.sender import DONE_RESEND_FOR_S, SideChannelSender
+from kvxfer.transfer.side_channel.reports import Reports
 from kvxfer.wire.messages import DoneReport
 from kvxfer.wire.notification import ReadDone, encode_notif
 from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation, ReservationError
@@ -91,10 +88,6 @@ class PushFailed(TransferError):
 
 
 LEASE_MARGIN_S = 1.0  # a push's lease outlives its reservation's deadline by this much
-# One attempt of a "done" report (resent after): its request waits on it where the
-# notification was lost, and an unanswered one holds up the reports behind it.
-REPORT_TIMEOUT_S = 0.1
-REPORT_SENDERS = 4  # threads sending them (per rank, made as needed)
 SHADOW_GRANULE = 4 << 20  # a converted push's shadows are allocated in multiples of this
 
 
@@ -146,11 +139,10 @@ class Pusher:
     ends its lease there)."""
 
     def __init__(self, local: LocalRank, targets: Targets, leases: LeaseTable,
-                 num_layers: int, new_sender: Callable[[], SideChannelSender]) -> None:
+                 num_layers: int, reports: Reports) -> None:
         self._local, self._targets, self._leases = local, targets, leases
         self._num_layers = num_layers
-        self._new_sender = new_sender  # side-channel "done" reports, each from its own thread
-        self._senders: dict[int, SideChannelSender] = {}  # made on first use (see _reports)
+        self._reports = reports  # the instance's sender of side-channel "done" reports
         self._closed = False
         self._pushes: dict[str, _Push] = {}
         self._waiting: dict[str, list[_Push]] = {}  # by decode engine: parked on a handshake
@@ -219,13 +211,7 @@ class Pusher:
         for push in list(self._pushes.values()):
             self._cut_off(push, f"prefill rank {self._local.rank} is closing")
         self._targets.close()
-        self._closed = True  # no new sender (a report of a push cut off above still goes)
-        closing = [threading.Thread(target=sender.close, name="kvxfer-report-close")
-                   for sender in self._senders.values()]  # each sends what is queued, a
-        for thread in closing:                           # moment at most: all at once
-            thread.start()
-        for thread in closing:
-            thread.join()
+        self._closed = True  # no report from now on (one of a push cut off above still goes)
 
     def _start(self, lease_id: str, reservation: Reservation, block_ids: np.ndarray,
                answers_at: tuple[str, int]) -> None:
@@ -465,30 +451,21 @@ class Pusher:
 
     def _report(self, push: _Push) -> None:
         """Send each decode rank what its NIXL notification told it once more, over its
-        side channel (acknowledged, resent while unanswered until the reservation's
-        deadline and grace, and at least :data:`DONE_RESEND_FOR_S`: the decode keeps a
-        claimed one in quarantine past them), so that a lost notification costs the
-        decode no deadline; the decode counts the copy that comes second as nothing. None
-        once the rank closed (its senders have drained). Only to a rank every
+        side channel (:class:`Reports`: resent while unanswered until the reservation's
+        deadline and grace, when the decode would end it anyway), so that a lost
+        notification costs the decode no deadline; the decode counts the copy that comes
+        second as nothing. None once the rank closed. Only to a rank every
         WRITE of which completed: NIXL completes a WRITE once its endpoint was flushed,
         its bytes placed, while one that failed may still land over TCP (a cut link), and
         only the notification, behind it on the same connection, comes after it then."""
         if self._closed:
             return
         reservation = push.reservation
-        left = max(reservation.expires_at + PUSH_GRACE_S - time.time(), DONE_RESEND_FOR_S)
+        ends = time.monotonic() + reservation.expires_at + PUSH_GRACE_S - time.time()
         for rank, note in push.told.items():
             if _completed(push.inflight.get(rank, [])):
-                self._reports(reservation.reservation_id).submit_done(
-                    reservation.host, reservation.port, DoneReport(rank, note), left)
-
-    def _reports(self, reservation_id: str) -> SideChannelSender:
-        """The sender of a reservation's reports, one of :data:`REPORT_SENDERS`: each waits
-        for an answer before its next attempt, and an unanswered one holds up the rest."""
-        index = zlib.crc32(reservation_id.encode()) % REPORT_SENDERS
-        if index not in self._senders:
-            self._senders[index] = self._new_sender()
-        return self._senders[index]
+                self._reports.done(reservation.host, reservation.port, DoneReport(rank, note),
+                                   ends)
 
 
 def _completed(transfers: list[Any]) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvxfer.plan.descriptors import RankDescriptors
 from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.nixl_agent import release_transfers
 from kvxfer.transfer.peers import Peer
 from kvxfer.transfer.reads.path import (
     LANDED,
@@ -25,7 +26,6 @@ from kvxfer.transfer.reads.path import (
     Waiting,
     abandon_transfers,
     reads_landed,
-    release_transfers,
 )
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import TransferError, merge_spans

@@ -33,17 +33,14 @@ how long it ran (from its post until it landed) and adds it to the read's
 
 from __future__ import annotations
 
-import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from kvxfer.transfer.nixl_agent import in_flight
+from kvxfer.transfer.nixl_agent import in_flight, release_transfers
 from kvxfer.transfer.results import PathStats, ReadStats, Span, TransferError
-
-log = logging.getLogger(__name__)
 
 TIMEOUT: Final = "{timeout}"  # where a Waiting's reason names the read timeout's seconds
 
@@ -208,13 +205,3 @@ def abandon_transfers(transfers: list[Any], request_id: str, *, blocks: bool = T
     release_transfers([t for t in transfers if t not in pending], request_id)
     transfers.clear()
     return Stale(pending, request_id, blocks=blocks) if pending else None
-
-
-def release_transfers(transfers: list[Any], request_id: str) -> None:
-    """Free the posted transfers' handles, READs or WRITEs (aborting any still in flight)."""
-    for transfer in transfers:
-        try:
-            transfer.release()
-        except Exception as exc:
-            log.warning("releasing a transfer of %s failed: %s", request_id, exc)
-    transfers.clear()

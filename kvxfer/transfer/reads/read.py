@@ -40,6 +40,9 @@ class Read:
     # a benchmark's probe: the same bytes as one READ of whole memory spans from the
     # request's first block on each side, over whatever blocks follow (kvxfer.plan.span_probe)
     span_probe: bool = False
+    # when the lease read would end anyway (monotonic): its "done" reports are resent
+    # while unanswered until then
+    lease_ends: float = 0.0
 
     @property
     def engine(self) -> str:

@@ -25,8 +25,9 @@ mapped copies, read lanes or staging, direct READs), reserves what they need (a
 converted read waits behind earlier ones for staging space, first come first served),
 then posts them. A finished read tells the prefill ranks no READ told (converted reads,
 ranks nobody reads); results go to the caller's :class:`~kvxfer.transfer.results.ReadResults`
-with a side-channel "done" report for each prefill rank of the peer, which the caller
-sends (acknowledged): the lease ends even when a notification was lost.
+and sends a side-channel "done" report for each prefill rank of the peer through the
+instance's :class:`~kvxfer.transfer.side_channel.reports.Reports` (acknowledged): the
+lease ends even when a notification was lost.
 
 Every failure ends in :meth:`Reader._fail`, the one failure path: the read's paths are
 abandoned, the prefill ranks are told
@@ -62,6 +63,7 @@ from kvxfer.transfer.reads.path import LANDED, ReadFailed, ReadPath, Stale, Wait
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.reads.staged import StagedPath
 from kvxfer.transfer.results import STALE_LIMIT_S, PathTraffic, ReadResults, TransferError
+from kvxfer.transfer.side_channel.reports import Reports
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,10 @@ class Reader:
     once posted (or wait that long for staging before it is), less when its peer falls
     silent (``local.deadlines.liveness``)."""
 
-    def __init__(self, local: LocalRank, peers: Peers, results: ReadResults) -> None:
+    def __init__(self, local: LocalRank, peers: Peers, results: ReadResults,
+                 reports: Reports) -> None:
         self._local, self._peers, self._results = local, peers, results
+        self._reports = reports
         self.inflight: list[Read] = []
         self.staging_wait: list[tuple[Read, Peer]] = []  # converted reads short of staging
         self._queued: queue.SimpleQueue[Read] = queue.SimpleQueue()
@@ -249,8 +253,8 @@ class Reader:
 
     def _finish(self, read: Read, now: float) -> None:
         """Every path landed: give back what they hold, count what each moved (metrics),
-        tell the prefill ranks no READ told, and report the read with its side-channel
-        "done" reports."""
+        tell the prefill ranks no READ told, send the side-channel "done" reports, and
+        report the read."""
         for path in read.paths:
             path.finish()
             self._local.tally.path_used(read.engine, path.name,
@@ -264,8 +268,8 @@ class Reader:
         told = read.told  # ranks nobody reads still hold the blocks: tell them too
         peer.tell(self._local, read.lease_id,
                   [rank for rank in peer.agents if rank not in told], ok=True)
-        self._results.finished(read.request_id, read.stats(now), unnotified=False,
-                               reports=peer.reports(self._local, read.lease_id, ok=True))
+        self._report(read, peer, ok=True)
+        self._results.finished(read.request_id, read.stats(now), unnotified=False)
 
     def _fail(self, read: Read, failure: ReadFailed) -> None:
         """Fail one read (see the module docstring)."""
@@ -290,11 +294,20 @@ class Reader:
         else:
             if failure.notify:
                 peer.tell(self._local, read.lease_id, list(peer.agents), ok=False)
+            self._report(read, peer, ok=False)
             self._results.failed(read.request_id, str(failure), unnotified=False,
-                                 reports=peer.reports(self._local, read.lease_id, ok=False),
                                  quarantined=quarantined)
         if failure.peer_gone is not None and peer is not None:
             self._peers.forget_dead(read.engine, failure.peer_gone)
+
+    def _report(self, read: Read, peer: Peer, ok: bool) -> None:
+        """Send each prefill rank read the same "done" as its notification once more, over
+        the side channel serving it (acknowledged: a lost notification, or a rank no
+        READ told, still ends the lease)."""
+        host = read.remote.remote_host
+        for report in peer.reports(self._local, read.lease_id, ok):
+            for port in read.remote.side_channels([report.prefill_rank]):
+                self._reports.done(host, port, report, read.lease_ends)
 
     def _settle(self) -> None:
         """Release the held reads whose READs all ended (or that reached the stale limit)."""

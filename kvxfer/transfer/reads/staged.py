@@ -29,6 +29,7 @@ from kvxfer.plan.staging import StagedRead
 from kvxfer.transfer.converted.shared_staging import StagedMeeting, Target
 from kvxfer.transfer.converted.staging_pool import Placement, StagedJob, StagedPiece
 from kvxfer.transfer.local_rank import LocalRank
+from kvxfer.transfer.nixl_agent import release_transfers
 from kvxfer.transfer.peers import Peer
 from kvxfer.transfer.reads.path import (
     LANDED,
@@ -40,7 +41,6 @@ from kvxfer.transfer.reads.path import (
     Waiting,
     abandon_transfers,
     reads_landed,
-    release_transfers,
 )
 from kvxfer.transfer.reads.read import Read
 from kvxfer.transfer.results import ReadStats, TransferError

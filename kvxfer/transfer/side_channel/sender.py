@@ -1,6 +1,8 @@
-""":class:`SideChannelSender` sends releases, renewals, claims and "done" reports from one
-background thread, so that no caller waits on a peer (a decode's to its prefills; in push
-mode, a prefill's "done" reports to the decodes it wrote into)."""
+""":class:`SideChannelSender` sends side-channel messages (claims, renewals, releases,
+"done" reports) from one background thread, so that no caller waits on a peer. A decode's
+lease client renews with one; an instance's
+:class:`~kvxfer.transfer.side_channel.reports.Reports` sends its reports and releases with
+a few."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ RELEASE_DRAIN_S = 1.0         # how long SideChannelSender.close() keeps sending
 # report lost several times in a row must still end its lease long before the TTL.
 DONE_RESENDS_S = (0.1, 0.2, 0.4, 0.8, 1.0)
 DONE_RESEND_FOR_S = 30.0
-DONE_TIMEOUT_S = 0.5          # one report attempt (resent after): a frozen prefill costs less
+# One attempt of a "done" report (resent after): a lease's end may wait on it where the
+# notification was lost, and an unanswered one holds up the messages behind it.
+DONE_TIMEOUT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,16 @@ class _Report:
 
 
 class SideChannelSender:
-    """Sends releases (:meth:`SideChannelClient.release`) from one daemon thread.
+    """Sends releases, claims, renewals and "done" reports from one daemon thread.
 
-    :meth:`submit` only queues (thread-safe, never blocks), so the engine-loop
+    Every ``submit`` only queues (thread-safe, never blocks), so the engine-loop
     thread and HTTP handlers can call it. Releases are best effort: at most
     ``max_queued`` wait (further ones are dropped), each gets one attempt of
     ``timeout`` seconds, and failures are only logged; a lost release means the
     prefill frees the blocks at lease expiry instead. A "done" report
     (:meth:`submit_done`) is resent after each pause of :data:`DONE_RESENDS_S` (the last
     one repeated) while it gets no answer, until its lease would have ended anyway: it
-    is what frees the prefill's blocks when the NIXL notification was lost. :meth:`close` keeps
+    is what ends a lease when the NIXL notification was lost. :meth:`close` keeps
     sending what is queued for at most ``drain_s`` seconds, then drops the rest
     and stops the thread. ``sent``, ``dropped`` and ``failed`` count outcomes
     (``sent``: the prefill answered, whether or not it held the lease). The
@@ -150,7 +154,7 @@ class SideChannelSender:
             self._queue.put_nowait(self._STOP)
         self._thread.join(self._drain_s + self._timeout + PROBE_TIMEOUT_S + JOIN_TIMEOUT_S)
         if self._thread.is_alive():  # its socket is still open: leave the context alone
-            log.error("release sender of %s did not stop", self._client.engine_id)
+            log.error("side-channel sender of %s did not stop", self._client.engine_id)
             return
         self._client.close()
 

@@ -1,23 +1,13 @@
-"""``PrefillPushes``: a prefill's requests whose KV is pushed into decode reservations.
+"""``PushesOut``: a prefill's requests whose KV is pushed into decode reservations.
 
-Push mode, the prefill's side. Owned by the prefill's
-:class:`~kvxfer.sidecar.connector.KVConnector`; every method runs on the engine loop's
-thread (the layer hook inside the engine's step). Who calls what:
-
-* the loop, for a request whose ``kv_transfer_params`` bring a reservation:
-  :meth:`PrefillPushes.expect`;
-* the engine, after each layer of a forward wrote its K/V: :meth:`PrefillPushes.on_layer`
-  (:attr:`LLMEngine.layer_hook`). The first layer of an expected request starts its push
-  on every rank (:meth:`~kvxfer.transfer.worker.TransferWorker.start_push`: a lease of
-  its blocks, under a fresh lease id), and every layer is handed to it
-  (``push_layers``): its WRITEs go out while the next layers compute;
-* the connector, when the request finished and its blocks are held:
-  :meth:`PrefillPushes.seal` (a push that never started starts now; every layer not
-  handed is written then); the push ends the lease, and the connector frees the blocks
-  as for any lease;
-* the loop, when the request ended otherwise (aborted, failed): :meth:`PrefillPushes.give_up`:
-  the push tells the decode it failed; its lease's end frees nothing (the engine freed
-  the blocks with the request), :meth:`PrefillPushes.ended_unheld` says so.
+The prefill side's push half (:class:`~kvxfer.sidecar.roles.prefill.PrefillSide` owns
+it), on the engine loop's thread: :meth:`PushesOut.expect` a request before it is
+computed, the engine's layer hook starts its push on every rank at its first layer and
+hands each layer over as it is computed (its WRITEs go out while the next layers
+compute), :meth:`PushesOut.seal` when it finished (the push then ends its lease, whose
+end frees the blocks as any lease's), :meth:`PushesOut.give_up` when it ended otherwise
+(the decode is told; that lease's end frees nothing). Design:
+docs/design/sidecar-roles.md#pushes-out
 """
 
 from __future__ import annotations
@@ -33,8 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class PrefillPushes:
-    """See the module docstring."""
+class PushesOut:
+    """The pushes of a prefill's requests into decode reservations, over ``workers``."""
 
     def __init__(self, workers: list[TransferWorker], key: bytes | None) -> None:
         self._workers, self._key = workers, key

@@ -1,53 +1,17 @@
-"""``KVPushes``: a decode instance's reservations, blocks a prefill WRITEs a prompt's KV into.
+"""``PushDecode``: a decode's role for requests whose prompt KV a prefill WRITEs into blocks
+reserved here (push mode).
 
-Push mode, the decode's side. Owned by the decode's
-:class:`~kvxfer.sidecar.connector.KVConnector`, which calls every method from the engine
-loop's thread. Who calls what:
-
-* :meth:`KVPushes.reserve` (``POST /v1/kv/reserve``): blocks for a prompt, taken from the
-  engine (:meth:`LLMEngine.reserve_blocks`): those of its longest prefix in the prefix
-  cache (held, never written: the reservation names them only by their number of tokens,
-  ``cached_tokens``) and fresh ones for the rest, held
-  on every rank as a lease of the rank's own blocks under a fresh, unguessable
-  reservation id, until every prefill rank writing into it said "done" (or gave up), or
-  its deadline plus :data:`~kvxfer.wire.reservations.PUSH_GRACE_S` when no prefill claimed
-  it (see *overdue* below); the answer is the
-  :class:`~kvxfer.wire.reservations.Reservation`, signed with the key, that the proxy hands
-  the prefill. For ``n > 1`` samples it also holds blocks for the other ``n - 1``
-  (*spare*: nobody writes into them).
-* :meth:`KVPushes.add`: the generation request naming the reservation: the engine parks it
-  in the reserved blocks (``add_request(..., remote_kv=True, blocks=...)``; it owns them
-  from then on), with the prefill's first token when it came, and its further samples in
-  the spare blocks; they start from a copy of its KV once it landed
-  (``start_siblings``). A reservation is used once, by a prompt of its token count and
-  samples.
-* :meth:`KVPushes.release` (``POST /v1/kv/release``): the caller holding the reservation
-  (the proxy, whose prefill failed) says no request will use it: a rank no prefill
-  claimed ends at once, a claimed one when its writer ends it; then the blocks are free.
-* :meth:`KVPushes.released`: a rank's lease of a reservation ended. Once every rank's
-  did: "done" on all of them is the KV in place, the request runs
-  (``finish_kv_load(ok=True)``); anything else ("failed": a writer gave up, "expired")
-  recomputes the prompt or fails the request, by the failure policy.
-* :meth:`KVPushes.poll`: a reservation whose request never came gives its blocks back
-  once its deadline and the grace passed and every rank's lease ended. A request that
-  names it later (it waited in a queue, say) recomputes its prompt under the failure
-  policy ``recompute``, and gets a 400 that says the reservation ended otherwise.
-  A reservation still held on a rank a prefill claimed at its deadline plus the grace, or
-  earlier once that prefill is shown gone (:class:`~kvxfer.sidecar.claimers.Claimers`: its
-  "done" will never come), is *overdue* (the side channel's
-  :class:`~kvxfer.transfer.leases.ReservationAnswers`: a claim keeps the lease up to
-  :data:`~kvxfer.transfer.results.STALE_LIMIT_S` past the deadline): its writer has not
-  said that its WRITEs ended, and over TCP a cut link's bytes land once it is back. Its
-  request, if one came, is recomputed or failed at once in fresh blocks
-  (``set_aside_blocks``); the reserved blocks stay *quarantined*
-  (:attr:`KVPushes.quarantined_blocks`) until every rank's lease ended (the writers' late
-  ``ok=False``, or the stale limit), or the grace after the claimer was shown gone
-  (:class:`~kvxfer.sidecar.claimers.Claimers`).
-* :meth:`KVPushes.abort`: a request whose reservation is still being written into is
-  aborted only once its lease ended on every rank (a WRITE may land until then).
+:meth:`PushDecode.reserve` (``POST /v1/kv/reserve``) holds blocks for a prompt on every
+rank as a lease under a fresh, unguessable reservation id, until every prefill rank
+writing into it said "done" (or gave up), or its deadline plus
+:data:`~kvxfer.wire.reservations.PUSH_GRACE_S`; the request of kind
+:class:`~kvxfer.sidecar.request_kinds.PushIn` that names it parks in those blocks and
+runs once every rank's lease ended "done" (anything else: recomputed or failed by the
+failure policy). Engine-loop thread; the listener's thread only answers claims.
 
 Invariant: a reserved block is never freed or reused while a rank's lease of its
-reservation is held.
+reservation is held (an overdue one's blocks stay quarantined until its writers' WRITEs
+ended). Design: docs/design/sidecar-roles.md#the-push-decode
 """
 
 from __future__ import annotations
@@ -60,15 +24,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.sidecar.claimers import Claimers
-from kvxfer.sidecar.connector_events import AbortOutcome
+from kvxfer.sidecar.request_kinds import PushIn, first_logprob
+from kvxfer.sidecar.roles.claimers import Claimers
+from kvxfer.sidecar.roles.role import AbortOutcome, Role, RoleEvents
+from kvxfer.transfer.leases import ReservationAnswers
+from kvxfer.transfer.ranks import Answering
+from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.wire.reservations import PUSH_GRACE_S, Reservation
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, Logprob, SamplingParams
+    from kvxfer.sidecar.request_kinds import Submission
     from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
+    from kvxfer.transfer.ranks import Ranks
     from kvxfer.transfer.results import Released
-    from kvxfer.transfer.worker import TransferWorker
+    from kvxfer.transfer.transfer_config import TransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +75,21 @@ class _Reserved:
         return not self.ranks_left and self.reasons == {"done"}
 
 
-class KVPushes:
-    """See the module docstring. ``ttl``: seconds a reservation is valid."""
+class PushDecode(Role):
+    """A decode's reservations and the requests pushed into them (see the module
+    docstring); a reservation is valid for ``config.lease_ttl`` seconds."""
 
-    def __init__(self, engine: LLMEngine, workers: list[TransferWorker],
-                 metrics: SidecarMetrics, claimers: Claimers, *, engine_id: str, host: str,
-                 port: int, key: bytes | None, ttl: float, failure_policy: str) -> None:
-        self.engine, self.workers, self.metrics = engine, workers, metrics
-        self.claimers = claimers
-        self.engine_id, self.host, self.port, self._key = engine_id, host, port, key
-        self.ttl, self.failure_policy = ttl, failure_policy
+    kinds = (PushIn,)
+
+    def __init__(self, engine: LLMEngine, ranks: Ranks, metrics: SidecarMetrics,
+                 config: TransferConfig) -> None:
+        self.engine, self.workers, self.metrics = engine, ranks.workers, metrics
+        self.claimers = Claimers(SideChannelClient(ranks.engine_id, ranks.compat,
+                                                   hmac_key=config.kv_key))
+        self.answers = ReservationAnswers(ranks.workers, config.lease_ttl)
+        self.engine_id, self._key = ranks.engine_id, config.kv_key
+        self.host, self.port = "", 0  # the side channel prefills claim at (serving_at)
+        self.ttl, self.failure_policy = config.lease_ttl, config.kv_load_failure_policy
         self._reserved: dict[str, _Reserved] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # ended unused: id -> why
         self._transfer_errors: dict[str, str] = {}
@@ -125,6 +100,23 @@ class KVPushes:
     def __len__(self) -> int:
         """Reservations held: written into, waiting for their request, or both."""
         return len(self._reserved)
+
+    @property
+    def answering(self) -> Answering:
+        """The side channel's answers about reservations: writers' claims and reports."""
+        return Answering(self.answers, owns=self._reserved.__contains__)
+
+    def serving_at(self, host: str, port: int) -> None:
+        """The side channel prefills reach this instance at (what reservations name)."""
+        self.host, self.port = host, port
+
+    def claimed_by(self, engine_id: str, side_channel: tuple[str, int]) -> None:
+        self.claimers.heard(engine_id, side_channel)
+
+    def gauges(self) -> dict[str, int]:
+        return {"reservations": len(self._reserved),
+                "quarantined_blocks": self.quarantined_blocks}
+
 
     @property
     def busy(self) -> bool:
@@ -174,13 +166,16 @@ class KVPushes:
                                                    spare=spare)
         return reservation
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            reservation_id: str, first: Logprob | None,
-            siblings: Sequence[tuple[str, SamplingParams]] = ()) -> None:
-        """Park generation request ``request_id`` in reservation ``reservation_id``'s
-        blocks, and its ``siblings`` (further samples: id, params) in the blocks reserved
-        for them; ValueError (a 400) for a reservation this decode does not hold, one
-        used already, or one for another number of tokens or samples."""
+    def admit(self, submission: Submission) -> None:
+        """Park the generation request in the blocks of the reservation it names, and its
+        further samples in the blocks reserved for them; ValueError (a 400) for a
+        reservation this decode does not hold, one used already, or one for another
+        number of tokens or samples."""
+        kind = submission.kind
+        assert isinstance(kind, PushIn)
+        request_id, prompt, params = submission.request_id, submission.prompt, submission.params
+        reservation_id, first = kind.pushed.kv_reservation_id, first_logprob(kind.first_token)
+        siblings = [(sample.request_id, sample.params) for sample in kind.samples]
         reserved = self._reserved.get(reservation_id)
         ended = self._ended.get(reservation_id)
         if reserved is not None and reserved.blocks is not None and \
@@ -223,12 +218,11 @@ class KVPushes:
         try:
             for (member, member_params), (blocks, cached) in zip(siblings, reserved.spare,
                                                                  strict=True):
-                self.engine.add_request(member, prompt, member_params, remote_kv=True,
-                                        blocks=blocks, num_cached=cached)
+                self.engine.add_awaiting_kv_in(member, prompt, member_params, blocks, cached)
                 parked.append(member)
-            self.engine.add_request(request_id, prompt, params, remote_kv=True, first=first,
-                                    blocks=[*reserved.cached, *reserved.reservation.block_ids],
-                                    num_cached=reserved.reservation.cached_tokens)
+            self.engine.add_awaiting_kv_in(
+                request_id, prompt, params, [*reserved.cached, *reserved.reservation.block_ids],
+                reserved.reservation.cached_tokens, first=first)
         except Exception:
             for member in parked:
                 self.engine.abort(member)
@@ -236,7 +230,7 @@ class KVPushes:
             raise
         reserved.cached, reserved.spare, reserved.siblings = [], [], parked  # theirs now
 
-    def released(self, rank: int, item: Released) -> bool:
+    def lease_ended(self, rank: int, item: Released, events: RoleEvents) -> bool:
         """A rank's lease ended; False when ``item`` is no reservation of this decode."""
         reserved = self._reserved.get(item.request_id)
         if reserved is None:
@@ -256,7 +250,7 @@ class KVPushes:
             self._resolve(item.request_id)
         return True
 
-    def poll(self) -> None:
+    def poll(self, events: RoleEvents) -> None:
         """Give back the blocks of reservations no request came for, once over; set
         those of overdue ones aside."""
         now = time.time()
@@ -409,7 +403,7 @@ class KVPushes:
                     self._transfer_errors[member] = f"KV push failed: {why}"
                     self.engine.finish_kv_load(member, ok=False, recompute=False, reason=why)
 
-    def take_transfer_error(self, request_id: str) -> str | None:
+    def transfer_error(self, request_id: str) -> str | None:
         return self._transfer_errors.pop(request_id, None)
 
     def abort(self, request_id: str) -> AbortOutcome | None:

@@ -4,7 +4,7 @@ each still runs.
 A prefill claims a reservation before its first WRITE, naming its own side channel; the
 decode's listener hands that over (:meth:`Claimers.heard`, its thread). A reservation
 whose writers have not said their WRITEs ended by its deadline plus the grace keeps its
-blocks out of use (:class:`~kvxfer.sidecar.kv_pushes.KVPushes`): over TCP, what a cut
+blocks out of use (:class:`~kvxfer.sidecar.roles.push_decode.PushDecode`): over TCP, what a cut
 link held back lands once it is back, and only the writer can tell when its WRITEs
 ended. A writer that no longer runs will never tell; its WRITEs ended with its process.
 :meth:`Claimers.gone` says so, from heartbeats sent to the claimer's side channel on a

@@ -1,6 +1,6 @@
 """Claims and renewals, in this process.
 
-The decode connector claims a lease before anything else and renews it while the
+The pull decode claims a lease before anything else and renews it while the
 request waits for blocks: a granted renewal keeps the lease readable past its first
 expiry; a refused one means the lease is never read (the request fails by policy, no
 handshake, no release); a refused claim is a 400 for the request,
@@ -8,7 +8,7 @@ nothing read, nothing released (an unanswered one fails the request by policy, a
 failed read). There the prefill is a real side-channel listener
 (another model: a handshake would be refused) whose ``on_renew`` the test controls.
 
-The prefill connector (real workers and listener, no key) grants a lease's claim to
+The prefill side (real workers and listener, no key) grants a lease's claim to
 one decode engine, renews it only for that one, never past the maximum lease age,
 and ignores a release from another engine.
 """
@@ -16,14 +16,15 @@ and ignores a release from another engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-from test_release import compat_of_another_model
+from test_release import compat_of_another_model, prompt, pulled
 
-from kvxfer.engine import LLMEngine, SamplingParams, tiny_config
-from kvxfer.sidecar.connector import KVConnector
-from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
+from kvxfer.engine import RequestOutput, SamplingParams
+from kvxfer.sidecar.request_kinds import LeaseOut, PullIn
+from kvxfer.sidecar.roles.composition import Roles
 from kvxfer.transfer.results import PollResult, ReadStats
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.listener import SideChannelListener
@@ -79,13 +80,13 @@ def prefill() -> Iterator[Prefill]:
 
 
 @pytest.fixture
-def connector(connector: KVConnector) -> KVConnector:
-    """The shared decode connector (8 blocks), 7 of whose blocks a filler holds."""
-    connector.engine.add_request("filler", [1] * 100, PARAMS, remote_kv=True)
+def connector(connector: Roles) -> Roles:
+    """The shared decode (8 blocks), 7 of whose blocks a filler holds."""
+    connector.engine.add_awaiting_kv("filler", [1] * 100, PARAMS)
     return connector
 
 
-def wait_for_blocks(connector: KVConnector, seconds: float) -> None:
+def wait_for_blocks(connector: Roles, seconds: float) -> None:
     """Poll for ``seconds`` while the request waits for blocks, then free them."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -96,17 +97,25 @@ def wait_for_blocks(connector: KVConnector, seconds: float) -> None:
     connector.engine.abort("filler")
 
 
-def error_after_admission(connector: KVConnector) -> str:
+def pull(connector: Roles, remote: RemoteParams) -> PullIn:
+    """Submit decode request "r" reading ``remote``'s lease; its kind."""
+    sub = pulled("r", PROMPT, PARAMS, remote)
+    connector.admit(sub)
+    assert isinstance(sub.kind, PullIn)
+    return sub.kind
+
+
+def error_after_admission(connector: Roles, kind: PullIn) -> str:
     for _ in range(1000):
         connector.poll()
-        error = connector.take_transfer_error("r")
+        error = connector.transfer_error("r", kind)
         if error is not None:
             return error
         time.sleep(0.005)
     raise AssertionError("the request did not end within 5 s")
 
 
-def rejection(connector: KVConnector) -> str:
+def rejection(connector: Roles) -> str:
     for _ in range(1000):
         events = connector.poll()
         if "r" in events.rejected:
@@ -116,47 +125,47 @@ def rejection(connector: KVConnector) -> str:
     raise AssertionError("the request was not refused within 5 s")
 
 
-def test_a_granted_renewal_keeps_the_lease_readable(connector: KVConnector,
+def test_a_granted_renewal_keeps_the_lease_readable(connector: Roles,
                                                     prefill: Prefill) -> None:
-    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-kept"))
+    kind = pull(connector, prefill.params("lease-kept"))
     wait_for_blocks(connector, 3 * TTL)
     assert prefill.claims == ["lease-kept"], "claimed once, first"
     assert len(prefill.renewals) >= 3 and set(prefill.renewals) == {"lease-kept"}
-    error = error_after_admission(connector)
+    error = error_after_admission(connector, kind)
     # it went on to read: the handshake ran (and was refused: another model)
     assert "not compatible" in error and "was not read" not in error, error
     assert prefill.handshakes == 0, "refused before metadata was asked for"
 
 
-def test_a_refused_renewal_means_the_lease_is_never_read(connector: KVConnector,
+def test_a_refused_renewal_means_the_lease_is_never_read(connector: Roles,
                                                          prefill: Prefill) -> None:
     prefill.ttl = None  # claimed, then the prefill no longer holds it
-    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-lost"))
+    kind = pull(connector, prefill.params("lease-lost"))
     wait_for_blocks(connector, 2 * TTL)
     assert prefill.claims == ["lease-lost"]
     assert prefill.renewals[:1] == ["lease-lost"]
-    error = error_after_admission(connector)
+    error = error_after_admission(connector, kind)
     assert "was not read" in error and "no longer holds it" in error, error
     assert prefill.releases == [], "an ended lease is not released"
 
 
-def test_an_unanswered_claim_means_the_lease_is_never_read(connector: KVConnector,
+def test_an_unanswered_claim_means_the_lease_is_never_read(connector: Roles,
                                                             prefill: Prefill) -> None:
     prefill.listener.close()  # claims fail: nobody listens
     started = time.monotonic()
-    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-gone"))
+    kind = pull(connector, prefill.params("lease-gone"))
     connector.engine.abort("filler")  # blocks are free: only the claim holds it back
-    error = error_after_admission(connector)  # failed by policy, as a failed read
+    error = error_after_admission(connector, kind)  # failed by policy, as a failed read
     assert time.monotonic() - started < 1.0, "a refused connection is reported at once"
     assert "was not read" in error and "did not answer this decode's claim" in error, error
     assert "cannot connect" in error, error
     assert connector.engine.num_free_blocks == connector.engine.num_blocks
 
 
-def test_a_refused_claim_is_a_rejection_and_nothing_is_read(connector: KVConnector,
+def test_a_refused_claim_is_a_rejection_and_nothing_is_read(connector: Roles,
                                                             prefill: Prefill) -> None:
     prefill.claim_ttl = "another decode claimed it first: a lease is read by one decode"
-    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-taken"))
+    pull(connector, prefill.params("lease-taken"))
     connector.engine.abort("filler")
     error = rejection(connector)
     assert "refused this decode's claim" in error and "another decode" in error, error
@@ -168,19 +177,32 @@ def test_a_refused_claim_is_a_rejection_and_nothing_is_read(connector: KVConnect
 # -- the prefill's side ------------------------------------------------------------------------
 
 @pytest.fixture
-def prefill_connector() -> Iterator[KVConnector]:
-    """A prefill connector leasing for TTL s, renewed at most until 3 TTL."""
-    engine = LLMEngine(tiny_config(), None, block_size=16, num_blocks=8)
-    metrics = SidecarMetrics(role="prefill", engine_id="prefill-test", model="tiny",
-                             layout=engine.layout.name, tp=1)
-    made = KVConnector(engine, "prefill", metrics, lease_ttl=TTL, lease_max_age=3 * TTL)
-    yield made
-    made.close()
+def prefill_side(make: Callable[..., Roles]) -> Roles:
+    """A prefill leasing for TTL s, renewed at most until 3 TTL."""
+    return make("prefill", lease_ttl=TTL, lease_max_age=3 * TTL)
+
+
+def computed(prefill: Roles, request_id: str) -> RequestOutput:
+    """A prefill request of ``len(PROMPT)`` tokens computed, its blocks held, not leased yet."""
+    engine = prefill.engine
+    engine.add_held_request(request_id, prompt(len(PROMPT)), SamplingParams(max_tokens=1))
+    while engine.has_work():
+        for output in engine.step():
+            if output.finished:
+                return output
+    raise AssertionError("the prefill never finished")
+
+
+def lease_out(prefill: Roles, output: RequestOutput) -> dict[str, Any]:
+    """Lease a computed request's blocks, as the engine loop does once it finished."""
+    params = prefill.finished(output, LeaseOut())
+    assert params is not None
+    return params
 
 
 def test_the_prefill_grants_one_claim_and_renews_only_for_its_claimer(
-        prefill_connector: KVConnector) -> None:
-    params = prefill_connector.hold("r", [0, 1], len(PROMPT))
+        prefill_side: Roles) -> None:
+    params = lease_out(prefill_side, computed(prefill_side, "r"))
     port, lease = params["remote_port"], params["remote_request_id"]
     compat = compat_of_another_model()
     with SideChannelClient("decode-a", compat) as a, SideChannelClient("decode-b", compat) as b:
@@ -193,13 +215,14 @@ def test_the_prefill_grants_one_claim_and_renews_only_for_its_claimer(
         for second in (b.renew(HOST, port, lease, claim=True), b.renew(HOST, port, lease)):
             assert not second.found and "another decode claimed it" in second.reason
         assert not b.release(HOST, port, lease, "not mine"), "only the claimer releases"
-        assert prefill_connector.workers[0].holds_lease(lease)
+        assert prefill_side.ranks.workers[0].holds_lease(lease)
         assert a.renew(HOST, port, lease).found
 
 
-def test_no_renewal_past_the_maximum_lease_age(prefill_connector: KVConnector) -> None:
+def test_no_renewal_past_the_maximum_lease_age(prefill_side: Roles) -> None:
+    output = computed(prefill_side, "r")
     held_at = time.monotonic()
-    params = prefill_connector.hold("r", [0, 1], len(PROMPT))
+    params = lease_out(prefill_side, output)
     port, lease = params["remote_port"], params["remote_request_id"]
     with SideChannelClient("decode-a", compat_of_another_model()) as a:
         ack = a.renew(HOST, port, lease, claim=True)
@@ -213,27 +236,27 @@ def test_no_renewal_past_the_maximum_lease_age(prefill_connector: KVConnector) -
 
 
 def test_a_read_in_flight_is_renewed_and_not_used_once_its_lease_ended(
-        connector: KVConnector, prefill: Prefill, monkeypatch: pytest.MonkeyPatch) -> None:
+        connector: Roles, prefill: Prefill, monkeypatch: pytest.MonkeyPatch) -> None:
     """The READ (a stand-in that the test ends) runs for longer than the lease TTL: the
     decode renews the lease meanwhile; once renewals are refused and the lease ran out,
     the READ's result is not used, though the worker says it finished."""
-    worker = connector.workers[0]
+    worker = connector.ranks.workers[0]
     results: list[PollResult] = []
-    monkeypatch.setattr(worker, "start_read", lambda *_args: None)
+    monkeypatch.setattr(worker, "start_read", lambda *_args, **_kwargs: None)
     monkeypatch.setattr(worker, "poll", lambda: results.pop() if results else PollResult())
     connector.engine.abort("filler")
-    connector.add_remote("r", PROMPT, PARAMS, prefill.params("lease-reading"))
+    kind = pull(connector, prefill.params("lease-reading"))
     poll_for(connector, 3 * TTL)
     assert connector.busy, "the READ is still in flight"
     assert len(prefill.renewals) >= 3, "renewed while it reads"
     prefill.ttl = None  # the prefill ends it: no more renewals
     poll_for(connector, 2 * TTL)
     results.append(PollResult(finished=["r"], stats={"r": ReadStats(64, 1, 0.001)}))
-    error = error_after_admission(connector)
+    error = error_after_admission(connector, kind)
     assert "its KV is not used" in error and "lease ended" in error, error
 
 
-def poll_for(connector: KVConnector, seconds: float) -> None:
+def poll_for(connector: Roles, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         connector.poll()

@@ -1,8 +1,9 @@
 """A push mode prefill hands each layer to its ranks as the engine finishes it.
 
 The engine is the real reference engine; the transfer workers are stand-ins that record
-the calls :class:`PrefillPushes` makes (the WRITEs themselves are proven in
-``test_push.py``, the whole path between real sidecars in ``test_push_sidecars.py``).
+the calls :class:`~kvxfer.sidecar.roles.pushes_out.PushesOut` makes (the WRITEs themselves
+are proven in ``test_push.py``, the whole path between real sidecars in
+``test_push_sidecars.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from kvxfer.engine import LLMEngine, SamplingParams
 from kvxfer.engine.model_config import tiny_config
-from kvxfer.sidecar.prefill_pushes import PrefillPushes
+from kvxfer.sidecar.roles.pushes_out import PushesOut
 from kvxfer.wire.reservations import Reservation
 
 
@@ -50,10 +51,10 @@ def reservation(tokens: int) -> Reservation:
 def test_each_layer_is_handed_once_it_is_computed_then_the_push_is_sealed() -> None:
     engine = LLMEngine(tiny_config(), None, seed=1, block_size=4, num_blocks=32)
     worker = Recorder(engine)
-    pushes = PrefillPushes([worker], None)  # type: ignore[list-item]
+    pushes = PushesOut([worker], None)  # type: ignore[list-item]
     engine.layer_hook = pushes.on_layer
     prompt = list(range(1, 11))
-    engine.add_request("p", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
+    engine.add_held_request("p", prompt, SamplingParams(max_tokens=1))
     pushes.expect("p", reservation(len(prompt)))
     (out,) = engine.step()
     layers = engine.config.num_hidden_layers
@@ -66,7 +67,7 @@ def test_each_layer_is_handed_once_it_is_computed_then_the_push_is_sealed() -> N
     for layer, seen in worker.handed.items():
         assert torch.equal(seen, views[layer][out.block_ids]), f"layer {layer} changed"
     # a request not expected to push hands nothing
-    engine.add_request("q", prompt, SamplingParams(max_tokens=1), hold_blocks=True)
+    engine.add_held_request("q", prompt, SamplingParams(max_tokens=1))
     engine.step()
     assert len(worker.calls) == layers + 2
 
@@ -74,9 +75,9 @@ def test_each_layer_is_handed_once_it_is_computed_then_the_push_is_sealed() -> N
 def test_a_request_that_ends_unheld_gives_its_push_up_and_its_lease_frees_nothing() -> None:
     engine = LLMEngine(tiny_config(), None, seed=1, block_size=4, num_blocks=32)
     worker = Recorder(engine)
-    pushes = PrefillPushes([worker, Recorder(engine)], None)  # type: ignore[list-item]
+    pushes = PushesOut([worker, Recorder(engine)], None)  # type: ignore[list-item]
     engine.layer_hook = pushes.on_layer
-    engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=1), hold_blocks=True)
+    engine.add_held_request("p", [1, 2, 3], SamplingParams(max_tokens=1))
     pushes.expect("p", reservation(3))
     engine.step()
     pushes.give_up("p")

@@ -1,4 +1,4 @@
-"""The decode connector's ``n > 1`` groups: admitted whole, one READ, never a block left.
+"""The pull decode's ``n > 1`` groups: admitted whole, one READ, never a block left.
 
 In this process against a real engine, real NIXL workers and a real side-channel
 listener of another model (from ``test_release``), so every READ fails at its
@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import time
 
-from test_release import Recorder
+from test_release import Recorder, pulled
 
 from kvxfer.engine import RequestOutput, SamplingParams
-from kvxfer.sidecar.connector import AbortOutcome, KVConnector
+from kvxfer.sidecar.request_kinds import Submission
+from kvxfer.sidecar.roles.composition import Roles
+from kvxfer.sidecar.roles.role import AbortOutcome
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = [(7 * i) % 200 + 1 for i in range(20)]  # 2 blocks of 16
 SIBLINGS = [("s1", PARAMS), ("s2", PARAMS)]
 
 
-def settle(connector: KVConnector) -> list[RequestOutput]:
+def settle(connector: Roles) -> list[RequestOutput]:
     """Poll until no READ is in flight, then step the engine until idle: every output."""
     for _ in range(1000):
         connector.poll()
@@ -36,7 +38,7 @@ def settle(connector: KVConnector) -> list[RequestOutput]:
     return outputs
 
 
-def granted(connector: KVConnector) -> None:
+def granted(connector: Roles) -> None:
     """Poll until the prefill granted the claims (then the group is admitted if it fits)."""
     for _ in range(1000):
         connector.poll()
@@ -50,22 +52,28 @@ def ended(outputs: list[RequestOutput]) -> dict[str, str | None]:
     return {o.request_id: o.finish_reason for o in outputs if o.finished}
 
 
+def group(recorder: Recorder) -> Submission:
+    """Request s0 and its further samples s1 and s2, reading lease-s0@1 once."""
+    return pulled("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+
+
 def test_a_failed_read_fails_every_member_and_frees_all_blocks(
-        connector: KVConnector, recorder: Recorder) -> None:
-    connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+        connector: Roles, recorder: Recorder) -> None:
+    sub = group(recorder)
+    connector.admit(sub)
     granted(connector)
     assert connector.engine.num_used_blocks == 6, "every member parked with its own blocks"
     assert ended(settle(connector)) == {"s0": "error", "s1": "error", "s2": "error"}
     for member in ("s0", "s1", "s2"):
-        message = connector.take_transfer_error(member)
+        message = connector.transfer_error(member, sub.kind)
         assert message is not None and "is not compatible" in message
     assert connector.engine.num_used_blocks == 0
     assert [lease for lease, _, _ in recorder.wait_for(1)] == ["lease-s0@1"], "one release"
 
 
 def test_aborting_the_first_member_while_reading_aborts_the_group(
-        connector: KVConnector, recorder: Recorder) -> None:
-    connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+        connector: Roles, recorder: Recorder) -> None:
+    connector.admit(group(recorder))
     granted(connector)
     assert connector.busy, "the READ is in flight"
     assert connector.abort("s0") is AbortOutcome.DEFERRED
@@ -74,21 +82,22 @@ def test_aborting_the_first_member_while_reading_aborts_the_group(
 
 
 def test_an_aborted_sibling_is_the_engines_to_end_while_the_read_goes_on(
-        connector: KVConnector, recorder: Recorder) -> None:
-    connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+        connector: Roles, recorder: Recorder) -> None:
+    sub = group(recorder)
+    connector.admit(sub)
     granted(connector)
     assert connector.abort("s1") is AbortOutcome.NOT_MINE
     assert connector.engine.abort("s1") is True  # what the engine loop does next
     assert ended(settle(connector)) == {"s1": "abort", "s0": "error", "s2": "error"}
-    assert connector.take_transfer_error("s1") is None, "no longer part of the read"
+    assert connector.transfer_error("s1", sub.kind) is None, "no longer part of the read"
     assert connector.engine.num_used_blocks == 0
 
 
-def test_a_group_waits_for_blocks_for_all_of_it(connector: KVConnector,
+def test_a_group_waits_for_blocks_for_all_of_it(connector: Roles,
                                                 recorder: Recorder) -> None:
     engine = connector.engine
-    engine.add_request("filler", PROMPT * 3, PARAMS, remote_kv=True)  # 4 of 8 blocks
-    connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+    engine.add_awaiting_kv("filler", PROMPT * 3, PARAMS)  # 4 of 8 blocks
+    connector.admit(group(recorder))
     granted(connector)
     assert connector.waiting and not connector.busy, "6 blocks needed, 4 free: it waits"
     assert engine.num_used_blocks == 4, "no member parked alone"
@@ -101,11 +110,11 @@ def test_a_group_waits_for_blocks_for_all_of_it(connector: KVConnector,
     assert engine.num_used_blocks == 0
 
 
-def test_dropping_a_waiting_group_releases_its_lease_once(connector: KVConnector,
+def test_dropping_a_waiting_group_releases_its_lease_once(connector: Roles,
                                                           recorder: Recorder) -> None:
     engine = connector.engine
-    engine.add_request("filler", PROMPT * 3, PARAMS, remote_kv=True)
-    connector.add_remote("s0", PROMPT, PARAMS, recorder.params("lease-s0@1", 20), SIBLINGS)
+    engine.add_awaiting_kv("filler", PROMPT * 3, PARAMS)
+    connector.admit(group(recorder))
     granted(connector)
     assert connector.abort("s0") is AbortOutcome.DROPPED
     assert not connector.waiting

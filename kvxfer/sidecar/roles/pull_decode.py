@@ -1,72 +1,15 @@
-"""``KVLoads``: a decode instance's requests whose prompt KV is read from a prefill.
+"""``PullDecode``: a decode's role for requests whose prompt KV it READs from a prefill.
 
-Owned by the decode's :class:`~kvxfer.sidecar.connector.KVConnector`, which calls
-every method from the sidecar's engine-loop thread, the thread that steps the
-engine, so engine calls here never race a step. The leases themselves (claims,
-renewals, releases, whether one may be read) are the shared
-:class:`~kvxfer.transfer.lease_client.LeaseClient`'s; this class keeps only the
-requests: those waiting for their claim or for blocks, the READs in flight, and how
-each ends in the engine.
+Requests of kind :class:`~kvxfer.sidecar.request_kinds.PullIn`. The leases themselves
+(claims, renewals, releases, whether one may be read) are the shared
+:class:`~kvxfer.transfer.lease_client.LeaseClient`'s; this class keeps the requests:
+those waiting for their claim or for blocks (first come, first served), the READs in
+flight on every rank, and how each ends in the engine (run, recomputed or failed by the
+failure policy). Engine-loop thread, except :meth:`PullDecode.not_admitted`.
 
-Who calls what:
-
-* :meth:`add` with already validated :class:`~kvxfer.wire.params.RemoteParams`.
-  It first checks the lease (:meth:`LeaseClient.check`: not expired, ticket valid
-  with the key, never claimed here before) or refuses it, then claims it at the
-  prefill (``RenewLease(claim=True)``, from the renewer thread); a later :meth:`poll`
-  admits it once the claim was granted, or rejects it (400) when it was refused: the
-  prefill grants a lease to one decode engine only. Under policy ``recompute`` a lease
-  that cannot be read (expired, its claim refused) is not read but its request is served
-  all the same, its prompt computed here; only params that are malformed, forged or
-  already used here get a 400. When the engine has no free
-  blocks for the prompt the request waits here, first come first served; while it
-  waits or reads, :meth:`poll` renews its lease over the side channel before it runs
-  out, and a READ starts only with enough of the lease left. Admitted:
-  ``engine.add_request(..., remote_kv=True)`` parks it, then every rank starts its
-  READ into ``engine.block_ids[:n]`` (unless the lease ended meanwhile: then nothing
-  is read and the request fails as a failed read);
-* with the engine's prefix cache, the parked request's first blocks may hold a cached
-  prefix (``engine.num_cached_tokens``, a multiple of both block sizes): the READ then
-  covers only the prefill blocks past it, into the blocks past it. When the cache holds
-  every token the decode needs (all but the last; all of them when the prefill's first
-  token came with the params), nothing is read: the lease is
-  released over the side channel at once (the prefill counts it ``cached``) and the
-  request runs (``kvxfer_kv_reads_skipped_total``);
-* a request whose params bring the token the prefill sampled (``first_token``; ``n`` 1)
-  had it answered when it was submitted; parked, recomputed or run from a full prefix
-  hit, it starts with that token as its first output (:func:`first_logprob`), so it needs
-  the KV of every prompt token, not all but the last (``engine.kv_tokens_needed``);
-* :meth:`poll` collects every rank's results; when all ranks ended it calls
-  ``engine.finish_kv_load``: ok, or on any failure recompute (policy ``recompute``) or
-  fail the request (policy ``fail``; :meth:`take_transfer_error` then tells the loop
-  it was a transfer failure). A READ that ended after its lease could counts as failed.
-* ``n > 1`` samples of one prompt (``siblings`` of :meth:`add`) share one READ: the
-  group is admitted only when blocks for all of it are free, every member is parked
-  with blocks of its own, the READ fills the first one's blocks, and
-  ``engine.start_siblings`` copies them into the others' when it succeeded (a failed
-  read recomputes or fails every member alike). Aborting the first member before the
-  READ ended aborts the whole group (the others cannot start without its KV); aborting
-  another member drops only that one.
-* Every rank's read that ended, read or failed, sends its "done" reports over the
-  prefill's side channel (:meth:`LeaseClient.report_done`: acknowledged and resent, from
-  the :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender` thread, never from
-  the loop), next to its NIXL notifications: the lease ends when every reader was counted
-  either way, so a lost notification costs no TTL.
-* A request that ends without the prefill being told by any reader sends the prefill a
-  release over its side channel (best effort, from the same thread): refused at
-  admission, aborted while waiting for blocks, a read that failed before a NIXL
-  connection existed (handshake refused: another model, layout or TP) or whose
-  connection was dropped meanwhile, and requests still waiting or reading at
-  :meth:`close`.
-
-Invariant (the reason deferred aborts exist): a request's blocks are never freed or
-reused while any rank's READ may still be writing into them. An abort that arrives
-while a read is in flight is recorded and carried out only after every rank reported
-finished or failed. A rank whose failed read left READs in flight (given up while a cut
-link was down: they may land once it is back) reports it *quarantined*: the request's
-blocks past its cached prefix are set aside (``engine.set_aside_blocks``) before it is
-recomputed into fresh blocks, failed or aborted, and freed only once every such rank
-reported its READs *settled* (:attr:`KVLoads.quarantined_blocks` until then).
+Invariant: a request's blocks are never freed or reused while any rank's READ may still
+write into them (an abort waits for every rank; READs given up in flight keep their
+blocks set aside until they settled). Design: docs/design/sidecar-roles.md#the-pull-decode
 """
 
 from __future__ import annotations
@@ -77,18 +20,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer.sidecar.connector_events import AbortOutcome, ConnectorEvents
-from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
-from kvxfer.transfer.lease_client import LeaseClient, LeaseEnded, Readiness
+from kvxfer.sidecar.request_kinds import PullIn, first_logprob
+from kvxfer.sidecar.roles.role import AbortOutcome, Role, RoleEvents
+from kvxfer.transfer.lease_client import LeaseEnded, Readiness
 from kvxfer.wire.lease_book import HeldLease, LeaseExpired
 from kvxfer.wire.messages import ReleaseOutcome
 
 if TYPE_CHECKING:  # the engine and workers pull in torch and NIXL
-    from kvxfer.engine import LLMEngine, Logprob, SamplingParams
+    from kvxfer.engine import LLMEngine, SamplingParams
+    from kvxfer.sidecar.request_kinds import Kind, Submission
+    from kvxfer.sidecar.sidecar_metrics import SidecarMetrics
+    from kvxfer.transfer.ranks import Ranks
     from kvxfer.transfer.results import PollResult, ReadStats
-    from kvxfer.transfer.worker import TransferWorker
+    from kvxfer.transfer.transfer_config import TransferConfig
     from kvxfer.wire.params import RemoteParams
-    from kvxfer.wire.reservations import PushedParams
 
 log = logging.getLogger(__name__)
 
@@ -134,26 +79,17 @@ class _SetAside:
     ranks: set[int]
 
 
-def first_logprob(remote: RemoteParams | PushedParams | None) -> Logprob | None:
-    """The first token ``remote``'s prefill sampled (``first_token``), as the engine takes
-    it; None when the params bring none (vLLM's prefills, ``n > 1``): then the decode
-    samples it from the last prompt token, which it computes again."""
-    from kvxfer.engine import Logprob
+class PullDecode(Role):
+    """A decode's requests whose KV is read from prefill leases (see the module
+    docstring)."""
 
-    first = None if remote is None else remote.first_token
-    if first is None:
-        return None
-    return Logprob(first.id, first.logprob, tuple(first.top))
+    kinds = (PullIn,)
 
-
-class KVLoads:
-    """A decode's remote-KV requests over ``workers`` (see the module docstring)."""
-
-    def __init__(self, engine: LLMEngine, workers: list[TransferWorker],
-                 metrics: SidecarMetrics, leases: LeaseClient, *,
-                 failure_policy: str) -> None:
-        self.engine, self.workers, self.metrics = engine, workers, metrics
-        self.leases, self.failure_policy = leases, failure_policy
+    def __init__(self, engine: LLMEngine, ranks: Ranks, metrics: SidecarMetrics,
+                 config: TransferConfig) -> None:
+        self.engine, self.workers, self.metrics = engine, ranks.workers, metrics
+        self.leases = ranks.lease_client()
+        self.failure_policy = config.kv_load_failure_policy
         self._pending: deque[_Waiting] = deque()
         self._reads: dict[str, _Reading] = {}
         self._transfer_errors: dict[str, str] = {}
@@ -163,6 +99,9 @@ class KVLoads:
     def quarantined_blocks(self) -> int:
         """Blocks set aside for READs given up in flight that may still land."""
         return sum(len(aside.blocks) for aside in self._aside.values())
+
+    def gauges(self) -> dict[str, int]:
+        return {"quarantined_blocks": self.quarantined_blocks}
 
     @property
     def busy(self) -> bool:
@@ -179,10 +118,25 @@ class KVLoads:
         """Requests waiting for their claim or for blocks."""
         return bool(self._pending)
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            remote: RemoteParams, siblings: list[tuple[str, SamplingParams]] | None) -> None:
-        """See :meth:`KVConnector.add_remote`."""
-        members = [(request_id, params), *(siblings or [])]
+    def admit(self, submission: Submission) -> None:
+        """Park a decode request and read its prompt's KV, now or once blocks are free.
+
+        First the lease is checked (:meth:`LeaseClient.check`): an expired, forged,
+        altered or already used lease raises :class:`~kvxfer.wire.lease_book.LeaseRefused`
+        (a ValueError) and nothing is read or released (it may be another request's);
+        under policy ``recompute`` an expired one is served by computing the prompt here
+        instead. Then the prefill is asked to grant this decode the lease (a claim, from
+        the renewer's thread); the request waits until it is granted, and a refused claim
+        comes back through :meth:`poll` as ``rejected``. Further samples start from this
+        request's KV once it is read. ValueError (engine validation) at once when it is
+        invalid (its lease released); admission failures come back through :meth:`poll`
+        (``rejected``: invalid, ``failed``: anything else), one entry per member."""
+        kind = submission.kind
+        assert isinstance(kind, PullIn)
+        request_id, prompt, params, remote = (submission.request_id, submission.prompt,
+                                              submission.params, kind.remote)
+        siblings = [(sample.request_id, sample.params) for sample in kind.samples]
+        members = [(request_id, params), *siblings]
         try:
             lease = self.leases.check(remote)  # before any READ
         except LeaseExpired as exc:  # genuine, but over: the prompt itself may be served
@@ -190,7 +144,7 @@ class KVLoads:
                 raise
             self._recompute_unread(members, prompt, remote, str(exc))
             return
-        item = _Waiting(request_id, prompt, params, remote, lease, list(siblings or []))
+        item = _Waiting(request_id, prompt, params, remote, lease, siblings)
         try:  # an invalid request is refused at once, before the prefill is asked
             for member_id, member_params in [(request_id, params), *item.siblings]:
                 self.engine.check_request(member_id, prompt, member_params)
@@ -200,7 +154,14 @@ class KVLoads:
         self._pending.append(item)
         self.leases.claim(remote, lease)  # the prefill's say; retried by poll if not queued
 
-    def poll(self, events: ConnectorEvents) -> None:
+    def not_admitted(self, kind: Kind, reason: str, outcome: ReleaseOutcome) -> None:
+        """Any thread: release the lease a request that will never be admitted names, if
+        this decode may claim it (a refused request must not free a lease it merely
+        names)."""
+        assert isinstance(kind, PullIn)
+        self.leases.release_named(kind.remote, reason, outcome)
+
+    def poll(self, events: RoleEvents) -> None:
         """Collect READ results and lease answers, admit waiting requests, renew leases."""
         self._poll_reads()
         self.leases.take_answers()
@@ -211,7 +172,7 @@ class KVLoads:
         self.leases.renew_due(held)
 
     # -- admission --------------------------------------------------------------------------
-    def _admit(self, events: ConnectorEvents) -> None:
+    def _admit(self, events: RoleEvents) -> None:
         """Admit waiting decode requests in arrival order while their blocks fit."""
         from kvxfer.engine import NoFreeBlocks
 
@@ -233,7 +194,7 @@ class KVLoads:
             self._pending.popleft()
             self._start_read(item)
 
-    def _drop_unclaimed(self, events: ConnectorEvents) -> None:
+    def _drop_unclaimed(self, events: RoleEvents) -> None:
         """Waiting requests whose claim the prefill refused: nothing read, nothing released
         (the lease may be another decode's); recomputed (policy ``recompute``) or a 400
         for every member."""
@@ -264,10 +225,10 @@ class KVLoads:
         self.metrics.recomputes.inc()
         for member_id, member_params in members:
             self.engine.add_request(member_id, prompt, member_params,
-                                    first=first_logprob(remote))
+                                    first=first_logprob(remote.first_token))
 
     def _drop_unadmitted(self, item: _Waiting, exc: Exception,
-                         events: ConnectorEvents | None) -> None:
+                         events: RoleEvents | None) -> None:
         """The engine would not park ``item``: release its lease, report every member
         (a ValueError is the request's fault, anything else ours), and never leave it at
         the head of the queue, where it would block everyone behind it."""
@@ -288,9 +249,9 @@ class KVLoads:
         parked: list[str] = []
         try:
             for request_id, params in [(item.request_id, item.params), *item.siblings]:
-                self.engine.add_request(request_id, item.prompt, params, remote_kv=True,
-                                        remote_block_size=item.remote.remote_block_size,
-                                        first=first_logprob(item.remote))
+                self.engine.add_awaiting_kv(request_id, item.prompt, params,
+                                            remote_block_size=item.remote.remote_block_size,
+                                            first=first_logprob(item.remote.first_token))
                 parked.append(request_id)
         except Exception:
             for request_id in parked:  # frees their blocks; nobody reads them yet
@@ -317,7 +278,7 @@ class KVLoads:
             return
         for rank, worker in enumerate(self.workers):
             try:
-                worker.start_read(item.request_id, remote, local)
+                worker.start_read(item.request_id, remote, local, lease_ends=item.lease.deadline)
             except (ValueError, RuntimeError) as exc:
                 read.ranks_left.discard(rank)
                 read.failures[rank] = f"rank {rank} could not start its READ: {exc}"
@@ -359,8 +320,9 @@ class KVLoads:
                 if read is not None:
                     read.ranks_left.discard(rank)
                     read.stats.append(result.stats[request_id])
-                    self._report(request_id, rank, read, result, f"rank {rank} read it, but "
-                                 f"its connection to the prefill was dropped meanwhile")
+                    self._unnotified(request_id, rank, read, result, f"rank {rank} read it, "
+                                     f"but its connection to the prefill was dropped "
+                                     f"meanwhile")
             for request_id, reason in result.failed.items():
                 read = self._reads.get(request_id)
                 if read is not None:
@@ -368,7 +330,7 @@ class KVLoads:
                     read.failures[rank] = reason
                     if request_id in result.quarantined:
                         read.quarantined.add(rank)
-                    self._report(request_id, rank, read, result, reason)
+                    self._unnotified(request_id, rank, read, result, reason)
             for request_id in result.settled:
                 self._settled(request_id, rank)
         for request_id in [rid for rid, read in self._reads.items() if not read.ranks_left]:
@@ -390,12 +352,11 @@ class KVLoads:
         if read is not None:  # settled before every rank ended: nothing to set aside
             read.quarantined.discard(rank)
 
-    def _report(self, request_id: str, rank: int, read: _Reading, result: PollResult,
-                why: str) -> None:
-        """Send rank ``rank``'s "done" reports of an ended read; a prefill nobody could
-        tell gets a release once every rank ended (``why``)."""
-        self.leases.report_done(read.remote, result.reports.get(request_id, ()),
-                                read.lease)
+    @staticmethod
+    def _unnotified(request_id: str, rank: int, read: _Reading, result: PollResult,
+                    why: str) -> None:
+        """A prefill rank ``rank`` could not tell (no connection: its "done" reports went
+        out from the worker otherwise) gets a release once every rank ended (``why``)."""
         if request_id in result.unnotified:
             read.unnotified[rank] = why
 
@@ -462,15 +423,17 @@ class KVLoads:
             self._transfer_errors[member] = message
             self.engine.finish_kv_load(member, ok=False, recompute=False, reason=message)
 
-    def take_transfer_error(self, request_id: str) -> str | None:
+    def transfer_error(self, request_id: str) -> str | None:
         """The failure message if ``request_id`` ended because its KV read failed."""
         return self._transfer_errors.pop(request_id, None)
 
     # -- aborts and shutdown ----------------------------------------------------------------
     def abort(self, request_id: str) -> AbortOutcome | None:
-        """Drop a waiting request, or defer the abort of one being read (see
-        :meth:`KVConnector.abort`); NOT_MINE for a parked sibling of a READ (the engine
-        aborts it), None when ``request_id`` is none of these."""
+        """Drop a waiting request, or defer the abort of one being read; NOT_MINE for a
+        parked sibling of a READ (the engine aborts it), None when ``request_id`` is none
+        of these. DROPPED for the first member of a waiting group drops the whole group
+        (the caller forgets its siblings too); DEFERRED for it aborts the siblings still
+        parked when the READ ends."""
         for item in self._pending:
             if item.request_id == request_id:
                 self._pending.remove(item)
@@ -493,7 +456,7 @@ class KVLoads:
 
     def close(self) -> None:
         """After the workers stopped: release the leases of requests that will never read,
-        then stop the lease client (sending for at most about a second; idempotent)."""
+        then stop the lease client (idempotent)."""
         for item in self._pending:
             self.leases.release(item.remote, "the decode instance shut down before reading it")
         for read in self._reads.values():  # the workers stopped: no READ goes on
