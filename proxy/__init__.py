@@ -9,6 +9,9 @@ answer, streamed or not, goes back to the client. Modules, one concept each:
 - ``balancer``: instance state and the round_robin / least_outstanding policies;
 - ``upstream``: calls to one instance and how their failures are reported;
 - ``router``: one request through prefill then decode, with failover;
+- ``fanout``: several prompts in one request, one prefill/decode pair each;
+- ``discovery``: instances by DNS name, re-resolved, joining and retiring;
+- ``errors``: the errors the proxy answers with, in the OpenAI shape;
 - ``relay``: client disconnects and unbuffered stream relaying;
 - ``health``: the background health checker;
 - ``middleware``: request ids, API key, request metrics;
@@ -17,6 +20,8 @@ answer, streamed or not, goes back to the client. Modules, one concept each:
 - ``stub``: a stand-in sidecar for tests and ``kvxfer bench proxy``.
 
 Heavy imports stay in the submodules; ``import proxy`` is cheap.
+
+Design: docs/design/proxy.md
 """
 
 from __future__ import annotations

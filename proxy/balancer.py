@@ -1,19 +1,10 @@
 """Which instance of a role takes the next request.
 
-State lives here and only here: per instance whether it is healthy, how many
-calls to it are in flight (``outstanding``) and the last error seen. The
-health checker and the request path both update it; everything runs on the
-app's one event loop, so no locks are needed.
+Instance state (health, ``outstanding`` calls, last error) lives here only; everything runs
+on the app's one event loop, so no locks. Policies order the healthy instances:
+``round_robin`` and ``least_outstanding``.
 
-Policies order the *healthy* instances of a role for one request:
-
-- ``round_robin``: a rotation that advances by one per request;
-- ``least_outstanding``: fewest in-flight calls first, ties broken by the
-  same rotation (so equally loaded instances still alternate).
-
-The request path tries the candidates in that order and moves to the next
-when one cannot be reached; a request runs again after a failure only on
-instances that did not fail it (see :mod:`proxy.router`).
+Design: docs/design/proxy.md#choosing-an-instance
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The sidecars' HTTP contract as the proxy speaks it (pure: no I/O).
 
-A client request goes to a prefill instance rewritten by :func:`prefill_request`
-(one token, one sample, not streamed, ``do_remote_decode``). The prefill answers
-with a top-level ``kv_transfer_params`` object (:class:`RemotePrefillParams`)
-naming the KV blocks it leased; :func:`decode_request` adds that object,
-unchanged, to the client's original body for the decode instance, which samples
-the client's ``n`` choices from that one read. :func:`drain_request` is the
-decode call that only ends a lease (one token, answer discarded), for a prompt
-whose request failed elsewhere.
+:func:`prefill_request`, :func:`decode_request` (the prefill's ``kv_transfer_params`` added
+unchanged) and :func:`drain_request` (a decode call that only ends a lease). Client bodies
+stay plain JSON objects; only the fields the contract touches are read.
 
-Client bodies are OpenAI request bodies with fields this proxy does not know,
-so they stay plain JSON objects; only the fields the contract touches are read.
+Design: docs/design/proxy.md#the-sidecars-contract
 """
 
 from __future__ import annotations

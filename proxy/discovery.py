@@ -1,18 +1,10 @@
 """Instances by DNS name: resolve, re-resolve every interval, add and retire members.
 
-A ``--prefiller-hosts``/``--decoder-hosts`` entry that is not an IP literal (nor
-``localhost``) is a name, e.g. a Kubernetes headless Service
-(``prefill.kvxfer.svc.cluster.local``) that resolves to one address per ready pod.
-Every ``resolve_interval`` seconds each name is resolved again and the balancer's
-members of its role become the static addresses plus what the names resolve to:
-a new address joins (health-checked at once, in rotation once it answers 200),
-a vanished one is retired (no new request; in-flight calls finish, then it is
-forgotten). A name that fails to resolve for a transient reason keeps its
-previous addresses; a name that has no addresses (no pod ready) has none.
+A retired address takes no new request and is forgotten once its calls finished; a name that
+fails to resolve for a transient reason keeps its addresses. Resolvers:
+:func:`system_resolver` (the default) and :func:`hosts_file_resolver`.
 
-Resolution is pluggable: :func:`system_resolver` (``getaddrinfo``, the default)
-or :func:`hosts_file_resolver`, which reads an ``/etc/hosts``-style file on every
-call (``--hosts-file``: labs without DNS, and the tests).
+Design: docs/design/proxy.md#instances-by-dns-name
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Several prompts in one completions request: one prefill/decode pair per prompt.
 
-``prompt`` may be a list of strings or of token-id lists (OpenAI, vLLM), but a KV
-transfer carries exactly one prompt. So the router sends each prompt through its
-own pair, all pairs at once, and merges the answers in prompt order the way one
-instance answers several prompts: choice ``j`` of prompt ``i`` becomes choice
-``i * n + j``, usage is summed, streamed chunks are re-indexed and passed on as
-they arrive (interleaved), with one usage chunk (if the client asked for it) and
-one ``[DONE]`` at the end.
+Choice ``j`` of prompt ``i`` becomes choice ``i * n + j``; streams are interleaved, with one
+usage chunk and one ``[DONE]``. No answered prefill's call is cut off: it holds a lease only
+a decode call ends. Splitting, merging and SSE parsing are pure.
 
-Splitting, merging and SSE parsing are pure; the rest runs the pairs' calls:
-:func:`gather_settled` lets every call finish (a prefill that answered holds a
-lease that only a decode call ends, so none is cut off), :func:`gather_or_cancel`
-cancels the rest when one fails (a cancelled decode call aborts its request, and
-its read still ends the lease), :func:`merged_stream` reads every decode stream
-at once. Failures name the prompt (``prompt[i]``) where the error is about it.
+Design: docs/design/proxy.md#several-prompts-in-one-request
 """
 
 from __future__ import annotations

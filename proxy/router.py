@@ -1,45 +1,11 @@
 """One client request through a prefill instance and then a decode instance.
 
-Order of events for ``POST /v1/completions`` (and chat):
+Only an instance that could not be connected to, or that is draining, is skipped for the
+next; a call that failed before any byte reached the client runs the whole request again
+(``--retries``) on instances no try failed on. A lease no decode took is released at the
+prefill. Several prompts: :mod:`proxy.fanout`.
 
-0. no healthy decode instance: 503 at once (nothing is prefilled, no lease held);
-1. pick prefill candidates (balancer), send the prefill call; an unreachable
-   instance is marked down and the next candidate tried;
-2. validate the prefill's ``kv_transfer_params`` (the blocks are now leased);
-3. pick a decode instance the same way and send the client's body plus those
-   params; relay its answer (JSON, or SSE chunk by chunk) to the client.
-
-The prefill's params carry the token it sampled (``first_token``): a kvxfer decode
-answers it at once, before it reads any KV, and continues from it, so the client's
-first token costs the prefill and two local hops; a decode that does not know the key
-(vLLM's) samples it again from the last prompt token. A request for one token
-(``max_tokens`` 1) is the prefill's alone: sent as the client wrote it, answered as one
-instance would, with no lease made.
-
-Only an instance that could not be *connected to*, or that answered 503
-``x-kvxfer-draining`` (shutting down; it started nothing), is skipped for the
-next one: then nothing was done there. When no decode took the request, nothing
-will read the lease the prefill holds: the proxy releases it at the prefill
-(``POST /v1/kv/release`` with its params; a prefill that lacks the route, as vLLM's,
-frees it at its TTL).
-
-A call that an instance took and failed before any byte of the answer reached
-the client (a 5xx, as a decode's 502 for a KV read that failed; a broken
-connection; a prefill's timeout) runs the whole request again, up to
-``--retries`` times, while an instance that no try failed on can take it: a new
-prefill, then a decode, those of the failed tries last. Meanwhile the proxy asks the
-prefill to release the failed try's lease, without waiting for its answer (refused
-when a decode claimed it: that decode ends it). A decode's timeout is not retried (it may still be
-working), nor a stream that broke after its first byte: the client is told,
-with the prefill that holds the leased blocks named. The prefill frees its
-blocks when the decode reports the read done or releases the lease, or else
-when the lease expires; a prefill the proxy gave up on ends the lease when it
-sees the proxy leave.
-
-A completions request with several prompts runs one such pair per prompt (see
-:mod:`proxy.fanout`): first every prefill, all at once; if one failed, the
-leases the others hold are drained by one-token decode calls and the failure is
-answered; else every decode, all at once, their answers or streams merged.
+Design: docs/design/proxy.md#one-request-through-prefill-and-decode
 """
 
 from __future__ import annotations

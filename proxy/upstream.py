@@ -1,22 +1,10 @@
 """Calls from the proxy to one instance, over the app's one pooled ``aiohttp.ClientSession``.
 
-aiohttp rather than httpx on this path: per call it costs a fraction of the CPU
-(measured in ``kvxfer bench proxy``), and the proxy makes two calls for every
-client request. This module turns every way a call can fail into one exception:
+Every failure becomes one exception: :class:`Unreachable` and :class:`Draining` (nothing
+sent or started: try another instance), :class:`~proxy.errors.UpstreamRejected` (4xx) and
+:class:`~proxy.errors.UpstreamFailed` (502 or 504, naming the stage and the URL).
 
-- :class:`Unreachable`: no connection could be opened, so nothing was sent and
-  the caller may safely try another instance of the role; :class:`Draining`
-  (a 503 with the ``x-kvxfer-draining`` header: the sidecar is shutting down
-  and started nothing) is one too;
-- :class:`~proxy.errors.UpstreamRejected`: the instance answered 4xx (passed
-  through to the client unchanged), except a 401: the proxy's own key was
-  refused, a 502 that says to set ``--upstream-api-key``;
-- :class:`~proxy.errors.UpstreamFailed` 502 (5xx, broken connection) or 504
-  (timeout), its message naming the stage ("prefill" / "decode") and the URL.
-
-The stage of a call is the role of the instance it goes to. Failures are named
-by what happened (:func:`failure_name`), not by the client library's exception
-class, so messages and ``last_error`` stay the same whichever library sends.
+Design: docs/design/proxy.md#calling-one-instance
 """
 
 from __future__ import annotations

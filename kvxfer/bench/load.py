@@ -1,21 +1,10 @@
 """``kvxfer bench load``: requests/s and time to first byte through the proxy under load,
 for one source tree or several side by side.
 
-Per source tree (``--source``, default this checkout) it starts a ``kvxfer serve --role
-prefill`` and a ``--role decode`` sidecar (``--model``, default kvxfer-tiny, no keys) and the
-proxy in front of them, each its own process on 127.0.0.1 run from that tree (its folder is
-their working directory and ``PYTHONPATH``; this interpreter), with only flags that every tree
-since c31bd58 (the commit before leases were claimed) accepts. An aiohttp client in this
-process sends ``--warmup`` unmeasured requests, then ``--requests`` streamed completions at
-``--concurrency`` through the proxy; then the processes stop (on Ctrl-C too).
+Each figure is also given as a ratio to the first source's, measured in the same run; exits 1
+when any request failed.
 
-Every run sends the same requests: prompts of the ``--lengths`` (bytes: kvxfer-tiny's tokenizer
-is a byte one) drawn with ``--seed``, each answered greedily with ``--max-tokens`` tokens. The
-sources take turns for ``--rounds`` rounds, the first of a round rotating, so that a machine
-shared with other work weighs on each alike. Per source it reports requests/s (median run),
-time to first streamed byte p50/p90/p99 and total latency p50/p99 (runs pooled), failures (not
-200, an error event, no [DONE], a transport error or timeout), CPU ms per request of each
-process, and each figure's ratio to the first source's. Exits 1 when any request failed.
+Design: docs/design/bench.md#kvxfer-bench-load
 """
 
 from __future__ import annotations

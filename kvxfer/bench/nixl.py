@@ -1,18 +1,7 @@
-"""``kvxfer bench nixl``: what :mod:`kvxfer.transfer.nixl_agent` costs against a real peer process.
+"""``kvxfer bench nixl``: what :mod:`kvxfer.transfer.nixl_agent` costs against a real peer
+process: idle CPU, first READ latency, request building and bandwidth.
 
-A spawned target process registers a buffer and progresses its agent every
-0.5 ms (the busy cadence a prefill rank keeps while reads are expected). This
-process then measures:
-
-* idle CPU: share of one core used by this process (all its threads) while
-  it holds a connected agent and calls ``progress()`` at a given cadence;
-* first READ latency on a fresh connection: nothing, ``connect()`` without a
-  probe (NIXL ``make_connection`` only), ``connect()`` with a probe READ;
-* request building, one-shot ``initialize_xfer`` vs ``prep_xfer_dlist`` x 2 +
-  ``make_prepped_xfer``, per descriptor, for non-adjacent descriptors of
-  arbitrary lengths (as the descriptor planner emits them, already merged);
-* bandwidth of one 256 MiB READ as 128 x 2 MiB and 4096 x 64 KiB descriptors
-  at random block positions on both sides.
+Design: docs/design/bench.md#kvxfer-bench-nixl
 """
 
 from __future__ import annotations

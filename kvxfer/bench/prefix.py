@@ -1,25 +1,9 @@
 """``kvxfer bench prefix``: what the prefix cache buys a shared system prompt, in one run.
 
-Starts three prefill/decode pairs of ``kvxfer serve`` processes on loopback:
+Three prefill/decode pairs (no prefix cache, on the decode only, on both), each figure's
+ratio to no cache measured in the same run. Nothing is asserted.
 
-- ``off``: no prefix cache anywhere (every decode reads the whole prompt);
-- ``decode``: ``--enable-prefix-caching`` on the decode only (it reads only the
-  blocks past the cached system prompt; the prefill still computes all of it);
-- ``both``: on the prefill too (it computes only the uncached tail as well).
-
-Each pair first answers one warm-up request of unrelated tokens (it pays the
-handshake and warms nothing of the workload), then ``--requests`` requests that
-share a ``--system-tokens`` system prompt, each followed by ``--user-tokens`` tokens
-of its own. Requests go round robin over the pairs, the pair asked first rotating,
-so that drift on a busy machine hits all of them alike. Per request it measures, as
-the proxy would see it, time to first token: the prefill request (``max_tokens=1``,
-``do_remote_decode``) and then the streamed decode request until the first token it
-computes, its second (the first is the prefill's, answered before any read);
-the decode's part alone; the KV bytes the decode read and how long its read took
-(its ``kvxfer_kv_transfer_bytes_total`` and ``kvxfer_kv_transfer_duration_seconds``).
-Prefills are bound to one CPU and decodes to another (``--no-pin``: not). Figures
-are medians (the first, cold, request is shown on its own too) with each figure's
-ratio to ``off`` measured in the same run. Nothing is asserted.
+Design: docs/design/bench.md#kvxfer-bench-prefix
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """``kvxfer bench proxy``: the latency the proxy adds, and the load it carries.
 
-Starts a stub prefill, a stub decode (``python -m proxy.stub``), the proxy
-(``python -m proxy``) and a bare uvicorn app (``python -m kvxfer.bench.hop``),
-each its own process on loopback, then drives them with an aiohttp load
-generator in this process. Per answer mode (JSON, or SSE of ``--chunks``
-events) and per concurrency it measures these targets:
+Stub sidecars, the proxy and a bare app, in interleaved rounds; "added" latency is the
+proxy's p50 minus the baseline's of the same round. Exits 1 if any request failed.
 
-- ``decode``: the decode stub alone, called with fixed ``kv_transfer_params``;
-- ``prefill+decode``: the client calls the prefill stub, then the decode stub,
-  itself: the work the proxy does, without the proxy (the baseline);
-- ``proxy``: the same request through the proxy;
-- ``hop`` (JSON mode only): one request to the bare app, the floor of what one
-  more HTTP hop through a Python process costs here.
-
-The machine is shared (by these processes, and maybe by others), so the run
-is ``--rounds`` interleaved rounds: each round measures every cell once, the
-targets of a cell back to back in a rotating order. "Added" latency is the
-proxy's p50 minus the baseline's p50 of the same round; the report gives its
-median over rounds and the spread. CPU time per request of every process
-(from ``/proc``, Linux only) shows where the machine's time goes; above a few
-concurrent clients the run is CPU-bound, and then latency is concurrency
-divided by throughput (Little's law) for every target.
-
-Each cell stops after its share of ``--requests`` or ``--max-seconds``;
-rounds after ``--time-limit`` are skipped. The command exits 1 if any request
-failed (the report names the first error of each cell).
+Design: docs/design/bench.md#kvxfer-bench-proxy
 """
 
 from __future__ import annotations

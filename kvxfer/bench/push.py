@@ -1,21 +1,9 @@
 """``kvxfer bench push``: one request's KV pushed into a decode's reservation vs pulled.
 
-A prefill process (:class:`kvxfer.harness.loopback.PrefillProcess`) holds Llama-8B-like
-caches; this process is the decode, with real TransferWorkers and a handshake listener.
-Per layout and TP pair, requests of fresh random blocks alternate between three ways of
-moving the same bytes over NIXL (no copies on this host, so that all three use the same
-transport):
+Per layout and TP pair, over NIXL (no copies on this host); the ratios are push over pull,
+measured in the same run.
 
-* ``pull``: the decode READs the prefill's leased blocks (kvxfer's default mode);
-* ``push``: the prefill WRITEs its blocks into the decode's reservation, all at once;
-* ``push/layer``: the same, handed one layer at a time, as an engine hands each layer it
-  finished (here without compute between them, so the number is the cost of the cut:
-  in a serving prefill those WRITEs hide behind the next layers' compute).
-
-Each time runs from the call on the decode's side (READ queued, or the push handed to the
-prefill process) until the decode has every byte (its read, or its reservation, ended
-"done"); push times include the round trip to the prefill process that starts them. The
-ratio columns are push over pull, measured in the same run.
+Design: docs/design/bench.md#kvxfer-bench-push
 """
 
 from __future__ import annotations

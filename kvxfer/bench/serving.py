@@ -1,22 +1,9 @@
 """``kvxfer bench serve``: what the sidecars of the reference engine do on this machine.
 
-For every ``--model`` and ``--tp`` (each repeatable; a TP size that does not split a
-model's KV heads is reported as not applicable), starts a ``both``, a ``prefill``
-and a ``decode`` sidecar (``kvxfer serve``, each its own process on loopback, HTTP
-port chosen by the sidecar) and measures, over real HTTP:
+Prompt processing, decoding and the KV transfer per ``--model`` and ``--tp``, as medians,
+each model's figures as ratios to the first model's. Nothing is asserted.
 
-- prompt processing: a ``--prompt-tokens`` prompt with ``max_tokens=1`` on the
-  ``both`` instance, in prompt tokens per second;
-- decoding, one request: a streamed ``--decode-tokens`` answer, tokens per second
-  after the first token; and ``--batch`` such requests at once, aggregate;
-- the KV transfer of a ``--prompt-tokens`` prompt: prefill (``do_remote_decode``)
-  then decode with the returned params, read from the decode's /metrics
-  (``kvxfer_kv_transfer_duration_seconds`` and bytes), after one warm-up pair
-  that pays the handshake. The end-to-end time of the decode request is shown too.
-
-Every number is a median over ``--repeats`` runs; nothing is asserted. The first
-model is the baseline: the table shows each figure of the others as a ratio to it
-(same TP), measured in the same run.
+Design: docs/design/bench.md#kvxfer-bench-serve
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """``kvxfer bench soak``: mixed load through the proxy while workers fail, every answer checked.
 
-A ``--role both`` reference, two prefills (leases of 20 s, and of ``--lease-ttl``) and two
-decodes (prefix caching on, ``recompute``) behind the proxy, on 127.0.0.1 at ports fixed up
-front, keys on as deployed (0600 files, removed at exit). Client threads send mixed requests;
-every 200 must match the reference's answer to the same body, choice by choice; others are
-classed by status and error type or by transport failure. Faults hit the workers in turn:
-``kill`` (SIGKILL, restart), ``stop`` (SIGSTOP, SIGCONT), ``term`` (SIGTERM drains; restart),
-``lease`` (a decode stopped past the short TTL: its leases expire, it must recompute). All
-along, ``prefill-0`` (``decode-0`` in push mode, where decodes receive them) loses
-``--lose-share`` of the "done" NIXL notifications and side-channel reports it receives
-(``KVXFER_DROP_MESSAGES``, :mod:`kvxfer.transfer.faults`): its leases must still end by the
-resent reports. With ``--netns`` (root) each worker and the proxy run
-on a "host" of their own (:class:`~kvxfer.harness.network.Network`) and ``link`` faults take a
-worker's interface down for a while. Then every worker must come back and go idle. Exit
-status 0 only with no wrong 200, nothing past its deadline, nothing held, every worker back
-and a success.
+Exit status 0 only with no wrong 200, nothing past its deadline, nothing held, every worker
+back and a success.
+
+Design: docs/design/bench.md#kvxfer-bench-soak
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """``kvxfer bench transfer``: one request's KV moved between two processes, per layout/TP.
 
-A prefill process (:class:`kvxfer.harness.loopback.PrefillProcess`) holds Llama-8B-like
-caches; this process is the decode side with real TransferWorkers, so every
-number includes planning, posting, the copy or NIXL READ and completion polling.
-Two ceilings are measured in the same run for the same byte count: one large
-single-descriptor NIXL READ from the same prefill process (right after the case), and a
-single-thread memcpy inside this process (between the case's requests).
+Against two ceilings measured in the same run for the same bytes: one large NIXL READ and a
+single-thread memcpy. ``--transport tcp`` adds a run over TCP.
 
-Each case runs on its default path on one host (the prefill offers its cache mapped,
-as ``kvxfer serve`` does; the decode's routes, :mod:`kvxfer.transfer.routes`, choose what
-to take) and, with ``--host-reads both``, as across machines (no copies on this host: NIXL
-READs, or staging for a converted case). The ``path`` column names what ran; a row on
-the default path must reach 0.8x the single-thread memcpy (``xcopy``), any other the
-large READ's target (``xREAD``).
-
-``--transport tcp`` runs the cases twice in one run: with UCX's default
-transports (cma for the READ on one host) and with ``UCX_TLS=tcp`` (what crosses
-machines without RDMA: both processes start again with it), and prints the
-TCP/default ratio per case. As root the TCP run crosses a network stack: the
-prefill in one network namespace, the decode (this command again, under ``ip
-netns exec``) in another, joined by a veth pair (:mod:`kvxfer.harness.netns`);
-elsewhere, or with ``--path loopback``, it is TCP over 127.0.0.1.
+Design: docs/design/bench.md#kvxfer-bench-transfer
 """
 
 from __future__ import annotations

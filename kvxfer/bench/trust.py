@@ -1,28 +1,9 @@
 """``kvxfer bench trust``: what signing costs a decode, signed and unsigned in one run.
 
-Starts two prefill/decode pairs of ``kvxfer serve`` processes on loopback, one
-with a temporary ``--kv-key-file`` (0600, removed on exit) and one without, and
-measures the decode's time to first token for a ``--prompt-tokens`` prompt: from
-sending the decode request (streamed, with the prefill's ``kv_transfer_params``)
-to the first token it computes, its second (the first, the prefill's, it answers
-before reading anything). That covers the lease ticket check, the signed READ
-notification and, once per pair (a warm-up request, not counted), the signed
-handshake. Rounds alternate signed and unsigned so that drift on a busy machine
-hits both alike. Which pair was started first turned out to matter more than
-signing (the pair started second was up to 1.5x faster, either way round), so the
-run is a crossover: ``--phases`` phases, each with freshly started pairs, the
-signed one started first on even phases and second on odd ones. A phase's ratio
-is the median of its per-round ratios; the result is the geometric mean over the
-phases, in which an order effect cancels. The figures are medians
-(``--control`` runs both pairs unsigned: the noise floor). A hierarchical bootstrap
-(phases, then rounds within each, resampled with replacement) gives a 95% interval
-for that ratio: a run shows signing under 2% only when the whole interval lies below
-1.02, and an interval wider than the target says the machine cannot resolve it. Both
-prefills are bound to one CPU and both decodes to another (``--no-pin``: not), so
-that CPU placement cannot favour one pair. It
-also times the pure signing
-primitives (a ticket, a side-channel message, a notification) in microseconds.
-Nothing is asserted; the target is a ratio under 1.02.
+A crossover of freshly started pairs, with a bootstrap interval for the ratio; the target is
+a ratio under 1.02. Nothing is asserted.
+
+Design: docs/design/bench.md#kvxfer-bench-trust
 """
 
 from __future__ import annotations
@@ -209,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with temporary_key_file() as key_file:
             for phase in range(args.phases):
-                # Crossover: which pair starts first alternates (see the module docstring).
+                # Crossover: which pair starts first alternates, so an order effect cancels.
                 first = ("signed", "unsigned") if phase % 2 == 0 else ("unsigned", "signed")
                 got = _phase(args, prompt, key_file, first)
                 rounds.append([a / b for a, b in zip(got["signed"], got["unsigned"],

@@ -1,35 +1,10 @@
 """``kvxfer bench ttft``: time to first and second token, one instance next to P/D.
 
-Starts, each its own process on 127.0.0.1 (logs in ``--log-dir``, else a temporary
-folder removed at exit): a ``kvxfer serve --role both`` (the baseline, "one instance"),
-a ``--role prefill`` sidecar, two ``--role decode`` sidecars (one pulls, one takes pushes:
-``--kv-transfer-mode push``) and a proxy in front of the prefill and each decode
-(``python -m proxy``, pull and push, no retries, no prefill timeout in the way). The
-client sends the one instance its requests directly and P/D's to a proxy, as each is
-deployed.
+Medians and p90 per prompt length and target, and a verdict against issue 25's targets; exits
+1 only when requests failed. A further transfer mode is one more entry of :data:`MODES`, with
+its processes started in :func:`deployment`.
 
-Every target gets the same prompts (token ids, ``--lengths`` tokens long), alternating
-target request by request (the one asked first swapping every repeat), after one
-unmeasured warm-up request each (it pays the decode's handshake). Every request is
-streamed greedily (``temperature 0``, ``ignore_eos``, ``logprobs 0``: one chunk per
-token) and timed on the client's side:
-
-- time to first token (TTFT): from sending to the first chunk that carries a token;
-- time to second token (TT2T): from sending to the second token;
-- inter-token latency (ITL): the mean gap between the tokens after the first;
-- P/D only, the KV transfer: the decode sidecar's ``kvxfer_kv_transfer_duration_seconds``
-  (its /metrics read before and after the request; push mode: how long the decode
-  request waited for the pushed KV to land), and the decode-side overhead before
-  it (``kvxfer_kv_read_wait_seconds``: lease check, claim, waiting for blocks), p50 and p99.
-
-Per length and target it reports the median and p90 of each, every other target's
-ratios to one instance, and a verdict against issue 25's two targets: median TTFT at
-most 1.05x one instance's, and median TT2T at most one instance's plus the median
-transfer plus one decode step (one instance's median ITL). The verdict informs; the
-command exits 1 only when requests failed. ``--plot`` draws TTFT against prompt length.
-
-A further transfer mode is one more entry of :data:`MODES`, with its processes started
-in :func:`deployment` and its URL among the targets it yields.
+Design: docs/design/bench.md#kvxfer-bench-ttft
 """
 
 from __future__ import annotations

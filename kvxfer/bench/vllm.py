@@ -1,48 +1,11 @@
 """``kvxfer bench vllm``: vLLM's NixlConnector and kvxfer's KvxferConnector, side by side.
 
-Starts real vLLM instances (from another Python environment, ``--vllm-python``:
-kvxfer's own never depends on vLLM) on the real model, one connector at a time:
-a prefill bound to CPU core 0 and a decode bound to core 1 (every process of an
-instance, not only vLLM's worker), both ``kv_both``, in float32. For each case it
-sends the same prompts to both pairs: the prefill computes the prompt
-(``do_remote_decode``, one token), then the decode is sent the prefill's
-``kv_transfer_params`` and streams ``--decode-tokens`` tokens. Per case:
+Real vLLM instances from another environment (``--vllm-python``), one connector at a time,
+prefill and decode bound to cores 0 and 1 (threads that strayed are bound back and named).
+Transfer time and decode TTFT against each other and the span-probe ceiling; nothing is
+asserted. :class:`VllmServer` also starts the vLLM test tier's instances.
 
-- transfer time, bytes and descriptors of the decode's KV load, from the decode's
-  own Prometheus metrics (``vllm:nixl_*`` and ``vllm:kvxfer_*``: for both connectors
-  NIXL's own telemetry of their READs, from inside NIXL's post to the status check
-  that saw them done; the ceiling's too);
-- decode time to first token: from sending the decode request to its first
-  streamed token (load, then one step);
-- the ceiling, measured on the KvxferConnector pair, each repeat right after its
-  decode: a probe request whose decode READs the same number of bytes as one READ of
-  whole memory spans from the prefill's cache into the decode's (vLLM 0.32 keeps every
-  layer in one allocation: one descriptor), over whatever blocks lie there
-  (``span_probe``, :mod:`kvxfer.plan.span_probe`).
-
-Target per case: KvxferConnector's transfer at least 0.8x the ceiling's speed and
-no slower than NixlConnector's, its decode TTFT no slower than NixlConnector's. The
-table says "met" or what missed; nothing is asserted.
-
-Cases: ``--prompt-tokens`` (default 100, 500 and 1500) and a fragmented cache:
-before it, both instances' caches are cycled with filler prompts, so that a
-request gets recycled blocks, which vLLM hands out in descending order: no two
-blocks of a request are adjacent and no descriptors merge. Every number is a
-median over ``--repeats`` runs after one warm-up pair (the handshake). The table
-gives NixlConnector / KvxferConnector ratios (above 1: kvxfer is faster) and
-KvxferConnector's speed as a share of the ceiling, measured in the same run.
-
-Every thread of an instance that left its core after start is bound back to it before
-anything is measured, and named on stderr, under the table and in the JSON
-(``strayed_threads``): vLLM's NixlConnector moves the thread that creates it, the
-worker's main thread, which also runs the model, to the last core of the machine
-(:mod:`kvxfer.bench.affinity`), which here is the decode's, for the prefill too; left
-there, the NixlConnector pair's prefill shared the decode's core: at 100 tokens its
-transfer took 6.95 and 8.48 ms and its decode TTFT 279 and 262 ms in two runs, bound
-back 1.48 and 176 ms (KvxferConnector's pair, which keeps its cores: 1.30-1.41 ms).
-
-The launcher (:class:`VllmServer`) is also what the vLLM test tier starts its
-instances with.
+Design: docs/design/bench.md#kvxfer-bench-vllm
 """
 
 from __future__ import annotations

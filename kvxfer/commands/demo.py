@@ -1,16 +1,9 @@
 """``kvxfer demo``: a prefill sidecar, a decode sidecar and the proxy, end to end.
 
-Starts the three processes on free loopback ports with a real model (SmolLM2-135M-
-Instruct by default; ``--model kvxfer-tiny`` for the seeded built-in one), sends a
-completion, a chat question and a streamed chat through the proxy, and shows for each what
-moved between the sidecars: blocks, bytes, descriptors, transfer time and GB/s,
-and the time to first token split into prefill and hand-over to the decode. The
-numbers come from the sidecars' and the proxy's own ``/metrics``, read before and
-after each request (requests run one at a time, so the differences are exact).
+Sends a completion, a chat question and a streamed chat through the proxy and shows what
+moved for each, from the processes' own ``/metrics``; HTTP keys are on, as deployed.
 
-HTTP keys are on, as in a deployment: a random key for the sidecars (passed to them
-and to the proxy as ``$KVXFER_API_KEY``) and another for the proxy's clients
-(``$KVXFER_PROXY_API_KEY``); the demo prints how to curl the proxy with it.
+Design: docs/design/bench.md#kvxfer-demo
 """
 
 from __future__ import annotations

@@ -1,5 +1,19 @@
-"""The built-in reference engine: a small Llama-style transformer over a paged KV cache
-in any kvxfer layout, with in-process tensor parallelism (see ``engine.py``)."""
+"""The built-in reference engine: a small Llama-style transformer over a paged KV cache in any
+kvxfer layout, with in-process tensor parallelism. Modules:
+
+- ``engine``: ``LLMEngine``, model + caches + scheduler + sampler behind one lock;
+- ``sequence``: a request's state and lifecycle;
+- ``scheduler``: first-come-first-served scheduling onto blocks, preemption;
+- ``block_allocator``, ``prefix_cache``: who may write which block; blocks kept for reuse;
+- ``transformer``, ``attention``: the model, TP in one process; paged attention;
+- ``sampler``: sampling parameters and the per-token sampler;
+- ``model_config``, ``weights``, ``checkpoint``: model shape, weights, checkpoint directories;
+- ``model_names``, ``gguf``, ``gguf_tokenizer``, ``model_cache``: what ``--model`` accepts,
+  GGUF files and their tokenizers, the converted-model cache;
+- ``tokenizer``: the byte tokenizer and ``tokenizer.json`` wrapper.
+
+Design: docs/design/engine.md
+"""
 
 from kvxfer.engine.block_allocator import BlockAllocator, NoFreeBlocks
 from kvxfer.engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint

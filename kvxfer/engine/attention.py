@@ -1,20 +1,10 @@
 """Paged attention over one layer's logical ``[B, H, N, C]`` KV cache view.
 
-The cache is touched only through that view: token position ``p`` of a sequence
-lives in block ``block_table[p // N]`` at row ``p % N``. How K and V share a head's
-block is the packing (``kv_packing``): ``token`` (the default), ``C`` packs each
-token's K (``[..., :head_dim]``) then its V (``[..., head_dim:]``); ``vllm-cpu-vec``,
-as vLLM's CPU attention kernels store float32 caches, a head's ``N x C`` block holds
-K transposed (``[head_dim, N]``) then V by rows (``[N, head_dim]``), which needs
-that block contiguous (heads outside tokens); :mod:`kvxfer.plan.packing` names them
-and takes them apart (``kv_views``). Layouts differ only in the view's
-strides, and everything read from the cache is copied into one canonical contiguous
-tensor before any arithmetic, so every layout and packing gives bit-identical
-results.
+Token position ``p`` lives in block ``block_table[p // N]`` at row ``p % N``. What is read
+from the cache is copied into one canonical tensor before any arithmetic, so every layout and
+packing gives bit-identical results. :func:`latent_attention` serves latent (MLA) caches.
 
-A latent (MLA) cache has one "head" whose ``C`` is a token's latent: the compressed
-KV, then the RoPE key shared by every query head. :func:`latent_attention` stores and
-reads those rows whole and derives each query head's keys and values from them.
+Design: docs/design/engine.md#attention-over-a-paged-cache
 """
 
 from __future__ import annotations

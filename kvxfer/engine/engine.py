@@ -1,43 +1,14 @@
 """``LLMEngine``: model + paged KV caches + scheduler + sampler behind one lock.
 
-Who calls what:
-- the stepping thread (sidecar loop, or :meth:`LLMEngine.generate`) calls
-  :meth:`step` repeatedly while :meth:`has_work`;
-- request handlers call :meth:`add_request` (or, for one end of a transfer,
-  :meth:`add_held_request`, :meth:`add_awaiting_kv`, :meth:`add_awaiting_kv_in`) and
-  :meth:`abort`;
-- the transfer worker reads :attr:`kv_caches` / :meth:`cache_spec` to register
-  memory, :meth:`block_ids` to address a request, :meth:`finish_kv_load` on the
-  decode side when a READ ends (then :meth:`start_siblings` for the other samples
-  of an ``n > 1`` request, which copy that KV locally instead of reading it again),
-  :meth:`release` on the prefill side when every reader is done (or the lease expired).
+Threading: one stepping thread calls :meth:`step` while :meth:`has_work`; handlers add
+requests (one method per kind of arrival: :meth:`add_request`, :meth:`add_held_request`,
+:meth:`add_awaiting_kv`, :meth:`add_awaiting_kv_in`) and :meth:`abort` them; the sidecar's
+roles read the caches and call :meth:`finish_kv_load` (decode) and :meth:`release`
+(prefill). Every public method takes the engine lock, and a step holds it for its whole
+forward. A held request keeps its blocks until :meth:`release`; one awaiting KV gets them
+up front; a cached block is never written.
 
-Every public method takes the engine lock; a step holds it for its whole forward,
-so no block can be freed or handed to another request while the forward writes it.
-
-Disaggregated flow: prefill engine :meth:`add_held_request`; the request's final output
-carries ``block_ids`` and its blocks stay allocated (HELD) until ``release``. Decode
-engine :meth:`add_awaiting_kv` allocates blocks for the whole prompt and parks the
-request (:meth:`add_awaiting_kv_in`: in blocks reserved before, push mode); once the KV it needs
-is in those blocks, ``finish_kv_load(ok=True)`` runs it: it computes the last
-prompt token to sample the first output token (``prompt_len - 1`` tokens read), or,
-given the token the prefill sampled (``first``), continues from that token with the
-whole prompt's KV read (:meth:`kv_tokens_needed`). A request given its ``first``
-token starts with it as its first output, already answered (:meth:`first_output`
-is that answer, computed without the engine), and its random stream advanced past
-that token's draw, as one instance's would be.
-
-Prefix caching (``enable_prefix_caching``, :mod:`kvxfer.engine.prefix_cache`):
-full blocks whose KV is final stay cached after their request ends and are
-shared by later requests whose tokens start the same way. A request starts from
-its longest cached prefix (``num_cached`` tokens, always short of its last token);
-an awaiting-KV request's prefix ends on a multiple of the prefill's block size
-too, so that the decode reads the rest, whole prefill blocks, into its own
-(:meth:`num_cached_tokens`). In push mode the prefix is found when the blocks are
-reserved (:meth:`reserve_blocks`), before the request and its first token come, so it
-ends short of the last prompt token; a prefill writes the rest from any position.
-A cached block is never written: a request computes, reads, copies or is written
-only positions past its cached prefix.
+Design: docs/design/engine.md#llmengine-who-calls-what
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """GGUF files (llama.cpp's one-file model format) read into a config and HF-named weights.
 
-The file is parsed by the ``gguf`` library that llama.cpp publishes and every tensor is
-dequantized to float32 by ``gguf.quants.dequantize``; nothing here parses bytes. What
-this module adds is the mapping onto the engine's Hugging Face conventions:
+Parsed and dequantized (to float32) by the ``gguf`` library; this module maps metadata,
+names, dims and rotary rows onto the engine's Hugging Face conventions. Only ``llama`` is
+read; anything the engine cannot run exactly raises :class:`GGUFError`.
 
-- metadata: the ``llama.*`` keys become a :class:`ModelConfig`;
-- names: ``blk.{i}.attn_q.weight`` becomes ``model.layers.{i}.self_attn.q_proj.weight``
-  and so on (:data:`GLOBAL_NAMES`, :data:`LAYER_NAMES`); a file without ``output.weight``
-  has tied embeddings;
-- dims: GGUF lists a tensor's dims fastest-first (``ne[0]`` is the row length), the
-  reverse of a torch shape;
-- q/k rows: llama.cpp's converter reorders each head's q_proj/k_proj rows so that RoPE
-  rotates adjacent pairs ``(2j, 2j+1)``; the engine rotates ``j`` with ``j + D/2``
-  (HF's ``rotate_half``), so :func:`unpermute_rotary_rows` puts the rows back.
-
-Only the ``llama`` architecture is read. Anything the engine cannot run exactly (another
-architecture, RoPE scaling, partial rotary, a tensor type the library cannot dequantize)
-raises :class:`GGUFError` naming the file and the reason, never a silent approximation.
+Design: docs/design/models.md#reading-a-gguf-file
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The tokenizer a GGUF file describes, rebuilt as a ``tokenizers.Tokenizer``.
 
-A GGUF carries no ``tokenizer.json``. It stores the vocabulary (``tokenizer.ggml.tokens``),
-the BPE merges, a type per token (control tokens are special), the BOS/EOS ids, the
-chat template, and names its pre-tokenizer (``tokenizer.ggml.pre``) after an entry of
-llama.cpp's table of split regexes. Only byte-level BPE (``tokenizer.ggml.model`` =
-``gpt2``) is rebuilt, and only for pre-tokenizer names whose llama.cpp regexes have a
-known ``tokenizers`` equivalent (:data:`PRE_TOKENIZERS`): a wrong split still gives
-plausible text but different ids than the model was trained on, so anything else is
-refused rather than guessed.
+Only byte-level BPE with a pre-tokenizer in :data:`PRE_TOKENIZERS` is rebuilt; anything else
+is refused rather than guessed (a wrong split gives ids the model was not trained on).
 
-The model cache stores the result as ``tokenizer.json`` + ``tokenizer_config.json``,
-which ``load_tokenizer`` wraps in an ``HFTokenizer`` with the chat template.
+Design: docs/design/models.md#the-tokenizer-of-a-gguf-file
 """
 
 from __future__ import annotations

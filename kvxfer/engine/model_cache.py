@@ -1,19 +1,10 @@
 """The converted-model cache: each GGUF file dequantized once into a checkpoint directory.
 
-Parsing a GGUF's tokenizer metadata, dequantizing and un-permuting its tensors takes
-seconds; the result is stored as an ordinary checkpoint directory (``config.json``,
-``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``), so every later
-load only reads safetensors.
+Under ``$KVXFER_CACHE_DIR`` (else ``$XDG_CACHE_HOME/kvxfer``, else ``~/.cache/kvxfer``),
+keyed by the file's identity and the conversion code. An entry is committed by one rename,
+so a reader sees a complete entry or none.
 
-- Where: ``$KVXFER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvxfer``, else ``~/.cache/kvxfer``.
-- Key: the file's size, mtime and a SHA-256 of its first and last MiB (header and
-  tensor data), and the conversion code itself (its source and the ``gguf`` and
-  ``tokenizers`` versions): a replaced file, or a change to how files are converted,
-  gets a new entry, and the entries of the file's other versions are removed.
-- Atomic: an entry is built in a temporary sibling directory and renamed into place.
-  The rename is the commit, so a reader sees a complete entry or none; two processes
-  converting the same file at once both build, one rename wins and the other deletes
-  its copy.
+Design: docs/design/models.md#the-converted-model-cache
 """
 
 from __future__ import annotations

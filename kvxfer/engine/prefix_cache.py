@@ -1,20 +1,11 @@
 """Blocks whose KV is final, found again by the tokens they hold: the prefix cache.
 
-A full block of a sequence is named by a chain hash: SHA-256 of its parent's hash
-and its ``block_size`` token ids, so equal hashes mean equal tokens at equal
-positions from the start, and (in one engine: one model, one layout) the same KV.
-:class:`PrefixCache` is a :class:`BlockAllocator` that remembers such blocks:
+A full block is named by a chain hash of its tokens from the start. Invariants:
+``num_free + num_used == num_blocks``; idle cached blocks count as free (evicted least
+recently used, never while held); a cached block is never handed out by ``allocate`` while
+cached; nobody writes into a held cached block.
 
-- a block is *cached* once its request wrote the KV of all its positions
-  (:meth:`insert`; the caller guarantees the content is final);
-- a cached block is *held* by every request that uses it (reference counted;
-  :meth:`match` takes a reference, :meth:`free` drops one) and *idle* when none
-  does. Idle blocks count as free: :meth:`allocate` evicts the least recently
-  used idle block when the free list is empty, and never a held one.
-
-Invariants: ``num_free + num_used == num_blocks``; a cached block is never handed
-out by :meth:`allocate` while cached; nobody writes into a held cached block (a
-request computes only positions past the blocks it matched).
+Design: docs/design/engine.md#the-prefix-cache
 """
 
 from __future__ import annotations
@@ -44,7 +35,8 @@ def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int
 
 
 class PrefixCache(BlockAllocator):
-    """A block allocator that keeps final blocks for reuse; see the module docstring."""
+    """A block allocator that keeps final blocks for reuse, found by their chain hash;
+    idle cached blocks count as free and are evicted least recently used."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks)

@@ -1,16 +1,10 @@
 """First-come-first-served scheduling of requests onto KV cache blocks.
 
-Each :meth:`Scheduler.schedule` picks the requests of one batched forward: every
-running request (its next token, or its prompt right after admission or a KV
-load) and then waiting requests in arrival order while their blocks fit. A
-running request that needs a new block when none is free takes it from the most
-recently admitted running request, which is preempted: its blocks are freed and
-it waits at the head of the queue to be recomputed from scratch.
+Running requests first, then waiting ones in arrival order while their blocks fit; a running
+request short of a block preempts the most recently admitted one, which is recomputed from
+scratch.
 
-With a prefix cache (:mod:`kvxfer.engine.prefix_cache`), a request that gets its
-blocks starts from the longest run of cached full blocks of its tokens (never its
-last token, which is always computed: it gives the next token's logits), and every
-full block a step completed is offered to the cache.
+Design: docs/design/engine.md#scheduling
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """A request's state: its tokens, its blocks, how much of it is computed, its text.
 
-Lifecycle::
+States: WAITING, RUNNING, FINISHED, HELD (``hold_blocks``: blocks kept until released) and
+WAITING_FOR_KV (awaiting KV: blocks allocated up front). Invariant: the cache holds the KV
+of the first ``num_computed`` tokens of ``token_ids`` in ``block_ids`` (position ``p`` in
+block ``block_ids[p // block_size]``); the first ``num_cached`` tokens' blocks came from the
+prefix cache and are never written by this request.
 
-    WAITING ──admit──▶ RUNNING ──finish──▶ FINISHED (blocks freed)
-       ▲                  │  └──finish, hold_blocks──▶ HELD ──release──▶ (blocks freed)
-       └────preempt───────┘
-    WAITING_FOR_KV ──finish_kv_load──▶ RUNNING   (awaiting KV: blocks allocated up front)
-
-Invariant: the cache holds the KV of the first ``num_computed`` tokens of
-``token_ids`` in the blocks ``block_ids`` (position ``p`` in block
-``block_ids[p // block_size]``). With a prefix cache, the first ``num_cached``
-tokens' blocks came from it (shared, never written by this request) and the first
-``num_offered_blocks`` blocks were offered to it (their KV is final).
+Design: docs/design/engine.md#a-requests-lifecycle
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, lm head.
 
-Tensor parallelism runs in one process. Rank ``r`` holds the KV heads
-``rank_heads(r, tp, num_key_value_heads)`` (replicated when there are fewer KV
-heads than ranks), the query heads ``[r * Hq/tp, (r+1) * Hq/tp)`` (which belong
-to those KV heads), the matching input columns of ``o_proj`` and a ``1/tp`` slice
-of the MLP's intermediate dim. Each rank attends over its own KV cache; the
-ranks' partial outputs are summed in rank order (the in-process "all-reduce").
-Embedding, norms and lm head are replicated.
+Tensor parallelism runs in one process: rank ``r`` holds the KV heads
+``rank_heads(r, tp, num_key_value_heads)`` and its own KV cache, and the ranks' partial
+outputs are summed in rank order. Numerics follow Hugging Face Llama (RoPE frequencies,
+RMSNorm, softmax and logits in float32).
 
-An MLA model (``config.is_mla``) has one KV "head", the latent, so every rank keeps
-the whole latent cache and computes it with the same replicated down-projection
-(``kv_a_proj_with_mqa``, ``kv_a_layernorm``); TP shards its query heads with their
-rows of ``q_proj`` and of the up-projection ``kv_b_proj``, and ``o_proj``'s columns.
-
-Numerics follow Hugging Face Llama: RoPE in the "rotate_half" convention with
-float32 frequencies, RMSNorm in float32, softmax in float32, logits as float32.
+Design: docs/design/engine.md#the-transformer-and-tensor-parallelism
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Hosts in network namespaces joined by a bridge, for tests and benchmarks (root only).
 
-Each namespace stands for a machine with one interface, :data:`IFACE`, holding an address
-of its own on a private /24 that only these namespaces use; the interfaces meet on a bridge
-inside one more namespace (the "switch"), which also has one link to the namespace of the
-process that built it, so that process talks to every "host" as a client on the same
-network would. Processes run inside with ``ip netns exec`` (which execs: the same PID).
-Between such hosts UCX must be kept on TCP over :data:`IFACE` (:data:`UCX_ENV`), and
-prefills must offer no copies on their host (``--no-host-reads``): namespaces share the
-PID space, so a decode would otherwise read a prefill's memory across them.
-:class:`Network` removes everything it made on :meth:`~Network.close`, also when building
-failed; its names carry the builder's pid, so two runs never touch each other's.
+Between such hosts keep UCX on TCP over :data:`IFACE` (:data:`UCX_ENV`) and run prefills with
+``--no-host-reads`` (namespaces share the PID space). :class:`Network` removes what it made
+on :meth:`~Network.close`; its names carry the builder's pid.
+
+Design: docs/design/bench.md#hosts-in-network-namespaces
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """HTTP API keys: ``Authorization: Bearer KEY`` on every route but a minimal ``/health``.
 
-Shared by the sidecars (``kvxfer serve --api-key``) and the proxy (its own
-``--api-key`` for clients, ``--upstream-api-key`` for the sidecars), the way
-vLLM's ``--api-key`` works. :class:`ApiKeyMiddleware` refuses a request
-without the key with a 401 and an OpenAI error body before any route runs, so
-an unauthenticated request never reaches a handler (nothing is read, released
-or connected to on its behalf). The open paths (``/health``) still run, and
-:func:`authenticated` tells them whether to say more than ok / not ok.
+Shared by the sidecars and the proxy. :class:`ApiKeyMiddleware` answers 401 before any route
+runs; without a key every caller counts as authenticated.
 
-Without a key every caller counts as authenticated (the service is open; the
-sidecar and the proxy say so at start-up).
+Design: docs/design/net.md#http-api-keys
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """This machine's network interfaces: which hold an address, and keeping UCX on them.
 
-UCX puts every interface it finds when a NIXL agent is made into the agent's worker
-address, and peers may wire their connection (and the TCP lane that carries a READ's
-"done" notification) over any of them. On a host where interfaces come and go (container
-and namespace veths), a connection made over one that is then removed hangs without an
-error: the bytes of a READ on one host still move (cma), but its notification, and so the
-READ, never completes, and the read fails only at ``--kv-read-timeout``. A new
-handshake cannot help either: the prefill's worker address still names the lost
-interface. :func:`keep_ucx_on` keeps UCX's network transports on the interfaces of the
-address peers reach this instance at, which lives as long as the instance does, when that
-address is loopback (every peer on this machine). Elsewhere the operator chooses:
-``UCX_NET_DEVICES`` also names the RDMA devices UCX may use (by HCA port, ``mlx5_0:1``,
-not by the interface holding the address), so naming that interface alone would turn
-RDMA off.
+:func:`keep_ucx_on` sets ``UCX_NET_DEVICES`` to the interfaces holding a loopback instance's
+address, because a connection over an interface that goes away hangs its READs; elsewhere,
+or where the variable is set, the operator chooses.
+
+Design: docs/design/net.md#keeping-ucx-on-the-right-interfaces
 """
 
 from __future__ import annotations
@@ -57,7 +49,8 @@ def _holding(wanted: set[Address]) -> tuple[str, ...]:
 def keep_ucx_on(host: str) -> str | None:
     """Keep the UCX network transports of the NIXL agents this process makes from now on
     to the interfaces holding ``host``, the address peers reach this instance at, when it
-    is loopback (see the module docstring): sets ``UCX_NET_DEVICES`` and returns its
+    is loopback (a connection over an interface that goes away would hang its READs):
+    sets ``UCX_NET_DEVICES`` and returns its
     value. None, and nothing set, when the variable is set already (the operator's choice
     stands), ``host`` is not loopback (or does not resolve), or no interface here holds it
     (then UCX keeps every interface)."""

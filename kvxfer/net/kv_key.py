@@ -1,17 +1,10 @@
 """The shared key of the KV side channel: read from a file, checked at start-up.
 
-Every prefill and decode instance that exchange KV caches share one key (``kvxfer
-serve --kv-key-file PATH`` or ``$KVXFER_KV_KEY_FILE``). It signs every
-side-channel message, every NIXL notification and every lease ticket
-(HMAC-SHA256). The key is the file's content with surrounding whitespace removed,
-at least :data:`MIN_KEY_BYTES` bytes; make one with
-``python3 -c "import secrets; print(secrets.token_hex(32))" > kv.key; chmod 600 kv.key``.
+It signs side-channel messages, NIXL notifications and lease tickets (HMAC-SHA256); at least
+:data:`MIN_KEY_BYTES` bytes. :func:`mode_problem` refuses a file that others may access or
+its group may write; a group may read it only when root owns it.
 
-Who may read it (:func:`mode_problem`): never others (world); never a group that
-may write it. Group *read* is accepted only when root owns the file: then an
-administrator chose that group on purpose, the way Kubernetes mounts a Secret
-(``root:<fsGroup>``, ``defaultMode: 0440``). A group-readable file a user owns
-is refused: that is the accidental ``chmod 640`` of a file in a shared group.
+Design: docs/design/net.md#the-kv-key
 """
 
 from __future__ import annotations
@@ -32,7 +25,9 @@ class KvKeyError(ValueError):
 
 def mode_problem(mode: int, owner_uid: int) -> str | None:
     """Why a key file with permission bits ``mode`` owned by ``owner_uid`` is unsafe
-    (None: it is safe): see the module docstring."""
+    (None: it is safe): others may not access it, its group may neither write nor execute
+    it, and its group may read it only when root owns it (a Kubernetes Secret's
+    ``root:<fsGroup>``, ``0440``), never when a user does (an accidental ``chmod 640``)."""
     bits = stat.S_IMODE(mode)
     if bits & 0o007:
         return "is accessible by others"

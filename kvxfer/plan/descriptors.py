@@ -1,37 +1,10 @@
 """Vectorised descriptor lists for one request's READ (pure numpy, no I/O).
 
-The unit of transfer is a *chunk*: the smallest byte run both peers agree on.
-Where heads sit outside tokens (H before N) a chunk is one head of one layer of
-one block (``block_size * C`` elements); where tokens sit outside heads only the
-whole layer page is contiguous, so a chunk is a page and head splitting is
-impossible. Chunks are addressed through a :class:`SideGeometry` built once per
-peer from its :class:`~kvxfer.plan.regions.RegionPlan`.
+One descriptor per maximal run contiguous on both sides; arrays are ``N x 3`` uint64 (addr,
+len, device), in bytes. Block ids are logical on both sides; each side's kernel blocks are
+paired in token order, at the pairing unit where block sizes differ.
 
-Building a request's lists:
-1. map the read plan's KV-head slices to chunk-index ranges on both sides;
-2. fuse grid axes (heads, layers) that are contiguous on *both* sides into a
-   longer chunk: exact, and cheap because it works on the small per-layer grid;
-3. materialise chunk addresses for every block in local memory order;
-4. merge neighbours contiguous on both sides and inside one registration.
-The result has exactly one descriptor per maximal run that is contiguous on
-both sides, so cross-layer coalescing and runs of consecutive block ids fall
-out of the same rule. Descriptor arrays are ``N x 3`` uint64: (addr, len, device).
-
-Block ids are logical on both sides (what the scheduler and ``kv_transfer_params``
-count), but a side's views, and so its chunks, may be at a smaller *kernel* block
-size: logical block ``b`` is kernel blocks ``b * r .. b * r + r - 1``
-(``SideGeometry.kernel_ratio``). Pairing expands each side's logical ids to its
-kernel ids, in token order, and pairs the two kernel-block sequences.
-
-Logical block sizes may differ when one divides the other, and kernel block sizes
-may differ anyhow. Both sides are then seen at the *pairing unit*, the greatest
-common divisor of the two kernel block sizes: a kernel chunk of ``k`` tokens splits
-into ``k / unit`` sub-chunks (tokens ``[j * unit, (j + 1) * unit)`` are the ``j``-th
-``unit`` tokens' bytes of the chunk, since tokens are the outer dim of a chunk in
-every layout), and the ``p``-th unit of one side's token sequence pairs with the
-``p``-th of the other's. Step 3 then adds ``j * sub_len`` to each address; steps 2
-and 4 are unchanged, so runs over whole (kernel) blocks, and the kernel blocks of one
-logical block where the layout keeps them adjacent, still merge.
+Design: docs/design/plan.md#descriptors
 """
 
 from __future__ import annotations

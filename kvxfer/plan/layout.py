@@ -1,17 +1,11 @@
 """The KV cache layout vocabulary: logical dims, physical orders, specs, views.
 
-A KV cache has five logical dimensions, always named in this order:
-L (layer slot), B (block), H (KV head), N (token in a block), C (content: K and
-V packed, ``2 * head_size`` elements; for a latent (MLA) cache one latent vector
-of ``head_size`` elements). Every layer sees a logical 4-D view
-``[B, H, N, C]``. A :class:`KVCacheLayout` names the *physical* order of the
-five dims in memory, outermost first.
+Five logical dims, always in this order: L, B, H, N, C (``C``: K and V packed,
+``2 * head_size`` elements; a latent cache's one ``head_size`` latent). Every layer sees a
+logical ``[B, H, N, C]`` view; a :class:`KVCacheLayout` names the physical order, outermost
+first. Padding belongs to the block and is never addressed.
 
-Padding (``page_size_padded``) belongs to the block: a block's unit is the
-group of dims physically inside B (one layer page for L-outermost layouts, all
-layers for cross-layer ones). Its content is packed at the start and the unit
-is strided by ``layers_inside_block * page_size_padded`` bytes, so a block's
-content stays one contiguous range and padding bytes are never addressed.
+Design: docs/design/plan.md#layouts
 """
 
 from __future__ import annotations

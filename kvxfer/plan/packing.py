@@ -1,17 +1,10 @@
 """How K and V of one head share a block's ``N x C`` elements: the packing vocabulary.
 
-Pure: torch views, no copies and no I/O. One home for the names that the wire
-(``CompatInfo.kv_packing``, ``AgentMetadata.kv_packing``), the planner
-(:mod:`kvxfer.plan.descriptors`, :mod:`kvxfer.plan.staging`), the reference engine and
-the vLLM adapter all speak.
+Pure (torch views, no copies, no I/O): ``token`` (:data:`TOKEN_PACKING`) and
+``vllm-cpu-<isa>`` (:data:`VLLM_CPU_PACKING_PREFIX`). The two sides must agree on a packing
+or the decode converts (:func:`kv_views` takes either apart).
 
-``token`` (:data:`TOKEN_PACKING`): every token's row holds its K then its V (``[N, 2, D]``,
-the reference engine's default). ``vllm-cpu-<isa>`` (:data:`VLLM_CPU_PACKING_PREFIX`): as
-vLLM's CPU attention backend stores them with that instruction set; for ``vec``
-(:data:`VLLM_CPU_VEC_PACKING`, float32) K transposed (``[D, N]``: dimension ``d`` of
-token ``t`` at ``d * N + t``), then V by rows (``[N, D]``). Whole blocks and head slices
-move the same way whatever the packing, but the bytes mean different things, so the two
-sides must agree or the decode converts (:func:`kv_views` takes either apart).
+Design: docs/design/plan.md#packing
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class BlockPairs:
     Position ``p`` reads sub-block ``remote_sub[p]`` of remote kernel block
     ``remote_ids[p]`` into sub-block ``local_sub[p]`` of local kernel block
     ``local_ids[p]``; a side's sub-blocks are None where its kernel blocks are one
-    unit (see the module docstring). Kernel ids equal block ids without kernel blocks.
+    pairing unit (the greatest common divisor of both kernel block sizes). Kernel ids equal
+    block ids without kernel blocks.
     """
 
     local_ids: IntArray

@@ -1,27 +1,11 @@
 """Push plans: which bytes one prefill rank WRITEs into which decode rank's blocks.
 
-No I/O: numpy, the descriptor math, and (converted pushes) copies between host tensors.
-A push moves exactly the bytes the decode's direct reads would move, the other way. So
-it is planned as those reads are: for each decode rank, the head slices it would read
-(:func:`~kvxfer.plan.topology.read_plan`) from this prefill rank are planned as that
-decode rank's read (:func:`~kvxfer.plan.descriptors.plan_peer_reads`, the decode as the
-local side), built for a request's blocks, then swapped: this rank's rows are a WRITE's
-sources, the decode rank's its targets. Nothing here knows which side posts.
+No I/O. A push moves exactly the bytes the decode's direct reads would move, planned as those
+reads and swapped (this rank's rows are the WRITEs' sources); a layer group restricts a plan
+to those layers. Where byte copies cannot place the heads, a :class:`ConvertedPush` first
+converts into a shadow.
 
-A layer group (``range`` of layer indices) restricts both geometries to those layers, so
-that a push can WRITE each group while the engine computes the next; groups that
-partition the layers move every byte of the whole plan, once.
-
-Where a read would need a conversion (layouts that order heads and tokens differently, a
-head split of a layout that keeps a block's heads together, two K/V packings, a packing
-cut by two kernel block sizes), byte copies cannot place the heads. A
-:class:`ConvertedPush` then converts on this side: it copies this rank's heads, as a
-converted read places them (:meth:`~kvxfer.plan.staging.StagedRead.place`, from this
-rank's own cache), into a *shadow*, the request's blocks shaped as the decode rank's
-cache (its heads of every layer: what the WRITEs move), and WRITEs those with byte
-copies; where the decode rank keeps a block's heads together (LBNHC, BLNHC) and gathers
-them from several prefill ranks, one rank's heads are a run per token there, and each
-(token, head) is a chunk (:func:`token_heads`).
+Design: docs/design/push.md#push-plans
 """
 
 from __future__ import annotations
@@ -183,7 +167,8 @@ def plan_pushes(writer_rank: int, writer: SideGeometry, targets: dict[int, SideG
 @dataclass
 class ConvertedPush:
     """What this prefill rank WRITEs into one decode rank where byte copies cannot place
-    the heads (see the module docstring): ``staged`` places this rank's heads, from
+    the heads (different layouts or packings, a split of heads kept together): ``staged``
+    places this rank's heads, from
     ``source`` (its own cache as ``[kernel blocks, layers, chunks, chunk elements]``),
     into a shadow (``staged.local``: the decode rank's geometry, compact, block after
     block, at address 0), and ``direct`` WRITEs the shadow's blocks into the decode

@@ -1,21 +1,10 @@
 """From registered per-layer views to memory registrations and transfer regions.
 
-A *memory* entry is what gets registered with NIXL: one per distinct storage.
-A *region* is a strided family of byte ranges, one per block:
-``[base_addr + b * block_stride, + block_len)``. Inside a block, a region holds
-``len(layers)`` layers ``layer_stride`` bytes apart, each with ``num_heads``
-heads ``head_stride`` bytes apart; one head of one layer is ``head_len``
-contiguous bytes when ``heads_contiguous`` (H outside N), otherwise only the
-whole layer page (``num_heads * head_len`` bytes) is contiguous.
+A *memory* entry is what NIXL registers (one per storage); a *region* is a strided family of
+byte ranges, one per kernel block: ``[base_addr + b * block_stride, + block_len)``. All sizes
+and addresses are bytes. Regions are msgspec structs: the peer receives them verbatim.
 
-Blocks are *kernel* blocks where the views are: an attention kernel may see each
-logical block (what block ids count) as ``kernel_ratio`` consecutive kernel blocks of
-``block_size // kernel_ratio`` tokens (:func:`~kvxfer.plan.layout.reshape_kv_cache` with a
-kernel ``block_size``). Regions then address kernel blocks, and logical block ``b`` is
-kernel blocks ``b * kernel_ratio .. b * kernel_ratio + kernel_ratio - 1``.
-
-All sizes and addresses are bytes. Regions are msgspec structs because the
-peer receives them verbatim in the handshake.
+Design: docs/design/plan.md#regions
 """
 
 from __future__ import annotations
@@ -49,7 +38,10 @@ class MemoryRegion(msgspec.Struct, frozen=True):
 
 
 class Region(msgspec.Struct, frozen=True):
-    """A transfer region; see the module docstring for the geometry."""
+    """A transfer region: per (kernel) block ``[base_addr + b * block_stride, + block_len)``
+    bytes, holding ``layers`` ``layer_stride`` apart, each with ``num_heads`` heads
+    ``head_stride`` apart; one head of one layer is ``head_len`` contiguous bytes where
+    ``heads_contiguous``, else only the whole layer page is."""
 
     base_addr: int
     block_len: int
@@ -77,8 +69,8 @@ class RegionPlan(msgspec.Struct, frozen=True):
     in a single head, not K and V (:class:`~kvxfer.plan.layout.CacheSpec`).
     ``num_blocks`` and ``block_size`` are logical (what block ids count); each logical
     block is ``kernel_ratio`` kernel blocks, the blocks the regions address
-    (``block_len``/``block_stride``, ``head_len`` of a kernel block: see the module
-    docstring).
+    (``block_len``/``block_stride``, ``head_len`` of a kernel block): logical block ``b``
+    is kernel blocks ``b * kernel_ratio .. b * kernel_ratio + kernel_ratio - 1``.
     """
 
     layout: str

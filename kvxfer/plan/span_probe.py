@@ -1,17 +1,9 @@
 """The ceiling of a read: its bytes moved in as few descriptors as registered memory allows.
 
-Pure: numpy, no I/O.
+Pure: numpy, no I/O. The bytes land wherever the spans start, over whatever blocks lie
+there: only a benchmark may post it.
 
-A request's READ is as fast as one copy of its bytes only when its descriptors are few
-and long. :func:`span_descriptors` gives what a READ of the same number of bytes would
-be with no layout at all: each side's registered memory as spans (one per memory entry,
-in address order, from its first block to the end of its last), read from a given
-address on each side (the request's first byte there, so that the probe touches memory
-as fresh as the request's own, not a region every probe warmed in the CPU's cache),
-paired in order and cut where a span ends. With one layer per memory entry (vLLM's CPU cache),
-a read of up to one layer's worth of cache is one descriptor. The bytes land wherever
-the spans start, over whatever blocks lie there: only a benchmark may post it
-(``kvxfer bench vllm``'s ceiling column).
+Design: docs/design/plan.md#the-span-probe-a-reads-ceiling
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """Reads that byte copies cannot place: READ into a staging buffer, then convert.
 
-Direct descriptors need every run the decode wants to be contiguous on both
-sides. Two cases break that, and both are converted here instead of refused:
+Two cases: a prefill that keeps tokens outside heads read by a rank that needs only some of
+its heads, and two sides that order a block's heads and tokens differently. A
+:class:`StagedRead` plans the READ into staging and the torch copies that place it; block
+sizes may differ, logical and kernel alike.
 
-* the prefill keeps tokens outside heads (LBNHC, BLNHC: a layer page is
-  ``[N, H, C]``) and this decode rank needs only some of its heads (a TP
-  mismatch), so no head is a contiguous run there;
-* the two sides order a block's heads and tokens differently (heads outside
-  tokens on one side, inside on the other), so a run on one side is scattered
-  on the other.
-
-The decode then READs whole chunks of the prefill (a layer page where tokens are
-outside heads; one head's ``[N, C]`` where heads are outside tokens, only the
-heads it needs) for the request's blocks into a staging buffer it registered,
-in (block, layer, chunk) order, merged into one descriptor wherever the prefill
-side is contiguous too. Once the READ completed, :meth:`StagedRead.convert`
-copies each needed head from the staged chunks into the decode's own views with
-torch. Where the two sides pack K and V differently inside a head's block, K and
-V are taken apart through each side's packing
-(:func:`kvxfer.plan.packing.kv_views`) and copied one after the other.
-
-Where the prefill is a process on the decode's host, :mod:`kvxfer.transfer.converted.host_reads`
-does the same conversion without staging, with a byte map it takes from :meth:`StagedRead.convert`.
-
-Block sizes may differ, logical (one a multiple of the other) and kernel alike.
-Staging holds the prefill's kernel blocks, each logical block's in order; the
-conversion copies the request's tokens in order into the decode's kernel blocks,
-whole kernel blocks where both sides' hold the same tokens, else each overlap of
-two kernel blocks (K and V apart where a packing depends on the kernel block
-size).
+Design: docs/design/converted-reads.md
 """
 
 from __future__ import annotations
@@ -333,7 +310,7 @@ def plan_reads(local: SideGeometry, remotes: dict[int, SideGeometry],
                plan: Sequence[HeadSlice], *, local_tp: int = 1, remote_tp: int = 1,
                convert_cut: bool = False) -> list[PeerReadPlan | StagedRead]:
     """Per remote rank: direct descriptors where byte copies place every head, else a
-    staged read (see the module docstring); raises :class:`IncompatibleLayoutError`
+    staged read (READ into staging, then converted); raises :class:`IncompatibleLayoutError`
     when neither can. With ``convert_cut`` (a host cache), byte copies that two kernel
     block sizes cut at every block of the smaller one (a descriptor per run: 8 KiB runs
     of Llama-8B-like heads, 2-3.5x the time of an equal-size read) are converted too: a

@@ -1,22 +1,12 @@
-"""``MessageLoss``: "done" messages a prefill loses on purpose, to prove they are repaired.
+"""``MessageLoss``: "done" messages (and other side-channel messages) a process loses on
+purpose, to prove they are repaired.
 
-For fault tests and ``kvxfer bench soak`` only; off unless the environment asks. A
-prefill process started with ``KVXFER_DROP_MESSAGES`` set, e.g.
-``notification=0.5,done=0.3``, acts as if the given share of what it receives were lost
-on the way:
+For fault tests and ``kvxfer bench soak`` only; off unless ``KVXFER_DROP_MESSAGES`` asks
+(e.g. ``notification=0.5,done=0.3``, kinds :data:`KINDS`), drawn at random
+(``KVXFER_DROP_SEED`` seeds it). A bad value stops the process with a message that says what
+is allowed.
 
-* ``notification``: the decode readers' NIXL "done" notifications (the worker thread
-  discards them before it counts them: :meth:`LeaseTable.receive`), counted as
-  ``kvxfer_kv_notifications_failed_total{reason="dropped"}``;
-* a side-channel message kind (``done``, ``release``, ``renew``, ``heartbeat``: the values
-  of :class:`~kvxfer.wire.messages.MessageKind`): the listener neither handles nor answers
-  it, so the decode's sender sees no answer and sends it again, as after a lost packet
-  (``heartbeat=1``: a prefill that serves reads but whose side channel seems silent).
-
-Which messages are lost is drawn at random (``KVXFER_DROP_SEED`` seeds it). A lost
-"done" must cost a lease its readers' side-channel reports, never its TTL; that is what
-the soak checks with it. The shares are checked when read: a value outside 0..1 or an
-unknown kind stops the process with a message that says what is allowed.
+Design: docs/design/leases.md#proving-that-a-lost-done-is-repaired
 """
 
 from __future__ import annotations

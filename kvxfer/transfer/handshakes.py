@@ -1,19 +1,12 @@
 """``Handshakes``: one rank's handshakes with other engines, each on a pool thread.
 
-Shared by a decode rank's prefill peers (:class:`~kvxfer.transfer.peers.Peers`) and a
-prefill rank's push targets (:class:`~kvxfer.transfer.pushes.targets.Targets`). Who calls
-what, on which thread:
+Shared by a decode rank's :class:`~kvxfer.transfer.peers.Peers` and a prefill rank's push
+:class:`~kvxfer.transfer.pushes.targets.Targets`. The worker's thread starts, collects and
+connects them (:meth:`Handshakes.start`, :meth:`Handshakes.finished`,
+:meth:`Handshakes.connect`: NIXL is called there only); pool threads fetch and check
+metadata. A failed engine is dead for :data:`DEAD_PEER_S`.
 
-* the worker's thread :meth:`Handshakes.start` starts a handshake with an engine not known
-  yet: a pool thread runs the caller's job (fetch the engine's metadata over the side
-  channel with :func:`fetch_ranks`, check it, plan: no NIXL call there);
-* the worker's thread asks :meth:`Handshakes.finished` for the engines whose handshake
-  ended and calls :meth:`Handshakes.connect` for each: the caller's NIXL connection
-  made from the job's value, or :class:`HandshakeFailed` (counted in the rank's tally by its label,
-  "connect" where NIXL failed after a good handshake); a failed engine is
-  *dead* for :data:`DEAD_PEER_S` (:meth:`Handshakes.dead`): requests for it fail fast
-  meanwhile instead of handshaking again. The caller marks an engine dead itself when a
-  transfer with it fails (:meth:`Handshakes.mark_dead`).
+Design: docs/design/transfer-worker.md#handshakes
 """
 
 from __future__ import annotations
@@ -50,7 +43,8 @@ class HandshakeFailed(TransferError):
 
 
 class Handshakes(Generic[T]):
-    """See the module docstring. ``name`` names the pool's threads; ``wake`` is set when a
+    """Handshakes in flight on a pool, finished ones, and engines dead for a moment.
+    ``name`` names the pool's threads; ``wake`` is set when a
     handshake ends; ``tally`` counts the failures."""
 
     def __init__(self, name: str, wake: threading.Event, tally: Tally) -> None:

@@ -42,8 +42,8 @@ Overdue = Callable[[], Exception | None]
 
 
 class Lanes:
-    """``count`` extra agents beside ``agent``, with ``memory`` registered, and their
-    threads (see the module docstring)."""
+    """``count`` extra agents beside ``agent``, with ``memory`` registered, each copying on
+    its own thread; called by the worker thread only."""
 
     def __init__(self, agent: NixlAgent, count: int, memory: Sequence[MemoryRegion],
                  rank: int) -> None:

@@ -1,47 +1,14 @@
-"""``LeaseTable``: the blocks a prefill rank holds for decode readers, until they are done.
+"""``LeaseTable``: the blocks a prefill rank holds for decode readers, until they are done;
+``LeaseAnswers``: a prefill's side-channel answers about its leases, over its rank tables
+(``ReservationAnswers``: the same for a push-mode decode's reservations).
 
-Who calls what (every method is thread-safe):
+A lease ends "done", "failed", "abandoned", "cached", "answered" or "expired"; the table
+never frees blocks (its caller does, on :meth:`LeaseTable.take_released`), and a lease id
+must be unique per lease. Every method is thread-safe: the listener's thread claims, renews,
+releases and counts reports; the worker's thread receives notifications and expires leases;
+the owner's thread holds, ends and takes releases. A "done" that does not verify is ignored.
 
-* the caller (the prefill side, vLLM's worker side), per request: :meth:`hold` leases the
-  blocks until every expected decode reader has notified "done", the caller ends it
-  (:meth:`end`, e.g. on a side-channel release) or the lease expires;
-  :meth:`take_released` returns the leases that ended and why ("done", "failed": a
-  reader gave up, "abandoned", "expired"). A lease id is what the decode echoes back:
-  keep it unique per lease, so a late "done" can never end a newer lease. The table
-  never frees blocks: the caller frees them when released.
-* the handshake listener's thread: :meth:`renew` claims or renews a lease for one
-  decode engine (one claimer per lease, at most ``max_age`` seconds in all),
-  :meth:`may_end` says whether a requester may release it, :meth:`holds` whether it
-  is held.
-* the worker's thread: :meth:`receive` takes the NIXL notifications the rank's agent
-  got (each verified with the instances' key: one that does not verify or decode is
-  ignored and counted, so nobody without the key can end a lease) and :meth:`expire`
-  ends the leases whose time ran out.
-
-A verified "done" for a lease that is not held counts as late, by how that lease had
-ended: the last :data:`ENDED_REMEMBERED` ended leases are remembered for that.
-
-``LeaseAnswers``: a prefill's side-channel answers about its leases, over its rank
-tables. One per prefill instance: the sidecar's prefill side (over all its TP ranks) and
-the vLLM worker's :class:`~kvxfer.vllm.worker_side.WorkerSide` (its one rank) have their
-:class:`~kvxfer.transfer.side_channel.listener.SideChannelListener` answer with it
-(:class:`~kvxfer.transfer.ranks.Ranks.serve`):
-
-* the listener's thread calls :meth:`~LeaseAnswers.on_release` for a decode's
-  ``ReleaseLease``: it is ignored from another engine than the lease's claimer;
-  otherwise it is queued (the lease is ended by the owner's thread, not here, as
-  ``abandoned`` or, when the decode's prefix cache held it all, ``cached``) and the
-  answer says whether the lease is held right now;
-* the listener's thread calls :meth:`~LeaseAnswers.on_renew` for a ``RenewLease``:
-  every rank claims (the first claimer only) or extends the lease by ``ttl`` seconds,
-  never past ``max_age`` after it was held; the answer is the seconds it has left (the
-  least of all ranks), or the first rank's :class:`~kvxfer.wire.messages.RenewRefused`;
-* the owner's thread (the engine loop; vLLM's model runner) calls
-  :meth:`~LeaseAnswers.take_releases` now and then: every queued release ends its
-  lease on each rank still holding it and claimed by nobody but the releaser
-  (``end_lease(..., "abandoned", claimers=...)``, one step with claims); the ranks
-  report it through ``poll_released`` as for any other end. An id that is not a held
-  lease (ended already, or never handed out) changes nothing.
+Design: docs/design/leases.md
 """
 
 from __future__ import annotations
@@ -79,7 +46,8 @@ class _Lease:
 
 
 class LeaseTable:
-    """See the module docstring; ``key`` verifies "done" notifications, ``tally`` counts
+    """One prefill rank's leases: held blocks, their claimer, and why each ended (thread-safe).
+    ``key`` verifies "done" notifications, ``tally`` counts
     the ones ignored or late, ``loss`` loses some on purpose (:mod:`kvxfer.transfer.faults`:
     the process's, none unless its environment asks)."""
 
@@ -281,8 +249,8 @@ class Release:
 
 
 class LeaseAnswers:
-    """A prefill's answers to releases and renewals over ``ranks`` (see the module
-    docstring). ``ttl`` (s): how long a claim or renewal extends a lease; ``max_age``
+    """A prefill's side-channel answers to releases, claims, renewals and "done" reports over
+    ``ranks``. ``ttl`` (s): how long a claim or renewal extends a lease; ``max_age``
     (s): no lease is renewed past that long after it was held."""
 
     releasable = True  # a decode may release a lease over the side channel

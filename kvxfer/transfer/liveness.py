@@ -1,26 +1,12 @@
 """``Liveness``: since when each prefill side channel a decode reads from has left a
 heartbeat unanswered.
 
-Pure (the standard library only, no I/O) and thread-safe. Who calls what:
+Pure (the standard library only) and thread-safe: readers (worker threads) watch channels
+and ask :meth:`Liveness.silent_since`; the heartbeat thread sends, records answers and
+forgets idle channels. Only heartbeats actually sent count. The bound: a READ from a peer
+silent since ``t`` fails at most ``interval + timeout`` seconds after ``t``.
 
-* each decode rank's :class:`~kvxfer.transfer.reads.reader.Reader` (its worker's thread)
-  says which side channels its READs in flight come from (:meth:`Liveness.watch`), and
-  asks, for a READ still in flight, since when its peer's channel has been silent
-  (:meth:`Liveness.silent_since`);
-* the heartbeat thread (:class:`~kvxfer.transfer.side_channel.heartbeats.Heartbeats`)
-  sends a heartbeat on every watched channel each :attr:`Liveness.interval` seconds
-  (:meth:`Liveness.beats_due`), records each answer (:meth:`Liveness.answered`) and
-  closes the connections of channels nobody watched for :data:`LINGER_S`
-  (:meth:`Liveness.forget_idle`); when it ends, :meth:`Liveness.stop` makes every channel
-  count as answering again (a heartbeat that can no longer be answered fails nothing).
-
-A channel is silent since the oldest heartbeat sent on it that no answer has followed:
-an answer to heartbeat ``n`` answers every earlier one too (the peer was there after they
-were sent). Only heartbeats actually sent count, so a heartbeat this side sent late
-(its thread starved, say) never makes the peer look silent. The bound: a peer that stops
-answering at ``t`` while one of its READs is in flight is silent since at most
-``t + interval``, so that READ fails at most ``interval + timeout`` seconds after ``t``
-(the reader counts from the later of the silence and the READ's post).
+Design: docs/design/side-channel.md#liveness-the-bookkeeping
 """
 
 from __future__ import annotations
@@ -52,7 +38,8 @@ class _Channel:
 
 
 class Liveness:
-    """See the module docstring. ``timeout`` (s): how long a channel may leave a heartbeat
+    """Per watched side channel, heartbeats sent and answered (thread-safe).
+    ``timeout`` (s): how long a channel may leave a heartbeat
     unanswered while a READ from it is in flight; heartbeats go every ``timeout /``
     :data:`HEARTBEATS_PER_TIMEOUT` seconds."""
 

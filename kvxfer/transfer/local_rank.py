@@ -56,7 +56,7 @@ class Deadlines:
 
 @dataclass(frozen=True)
 class LocalRank:
-    """See the module docstring."""
+    """This decode rank as its reads see it: identity, memory, collaborators, deadlines."""
 
     engine_id: str
     rank: int

@@ -1,33 +1,12 @@
 """One NIXL agent per TP rank: registration, metadata, READs, WRITEs and notifications.
 
-This is the only kvxfer module that imports NIXL. It knows nothing about
-requests, layouts or ZMQ: it moves byte ranges described by ``N x 3`` uint64
-descriptor arrays (addr, len, device_id) and carries opaque notification bytes.
+The only kvxfer module that imports NIXL. It moves byte ranges given as ``N x 3`` uint64
+descriptor arrays (addr, len, device_id) and carries opaque notification bytes. Units: bytes;
+device ids are CUDA ordinals (0: host memory). Threading: an agent belongs to one thread,
+which makes every call, ``close()`` included. No progress thread runs: the owner calls
+:meth:`NixlAgent.progress` (~0.5 ms while READs or leases are live, ~50 ms idle).
 
-Progress model. The agent is created *without* NIXL's progress thread (the
-Python wrapper hard-codes its delay to 0 us, which spins a whole core). The
-owner drives progress from its own loop, and every call that talks to NIXL's
-backend progresses it: :meth:`NixlAgent.progress`, :meth:`NixlAgent.get_notifs`
-and :meth:`Transfer.state`. How often the owner must call them:
-
-* Target (prefill) side: a peer's first READ stays in progress until the
-  target progresses while the connection wires up, and a READ that carries a
-  notification may wait for the target's next progress call to complete. Call
-  ``progress()`` every ~0.5 ms from serving a handshake until the peer's reads
-  are expected to be done (while leases are held); idle, every 50 ms is enough
-  (notifications are queued, not lost) and costs well under 1% of a core.
-* Initiator (decode) side: poll ``Transfer.state()`` every ~0.5 ms while a READ
-  is in flight; idle, progress as the target side does to receive notifications.
-
-Threading. NIXL is configured without internal locking: an agent belongs to
-one thread, and that thread makes every call, ``close()`` included. A READ's
-copy may run synchronously inside :meth:`NixlAgent.read` (with UCX's ``cma``
-transport on one host it does: 0.1-0.2 ms per MiB), and ``connect()`` blocks
-until its warm-up READ is done, so call both from a worker thread when the
-caller must stay responsive.
-
-Units: every address, length and size here is bytes; device ids are CUDA
-ordinals (0 for host memory).
+Design: docs/design/transfer-worker.md#the-nixl-agent
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """``Peers``: the prefill engines one decode rank reads from, handshaken and connected.
 
-Who calls what, on which thread:
+Threading: the reader asks and connects on the worker's thread (:meth:`Peers.get`,
+:meth:`Peers.shake`, :meth:`Peers.finished`, :meth:`Peers.connect`: every NIXL call); a pool
+thread fetches metadata and plans (no NIXL); any thread may :meth:`Peers.forget`. A failed
+peer is dead for :data:`DEAD_PEER_S`. A dropped peer's agents stay loaded while READs of it
+given up in flight have not settled (:meth:`Peers.hold`, :meth:`Peers.unhold`).
 
-* the reads (:class:`~kvxfer.transfer.reads.reader.Reader`, on the worker's thread) ask
-  for a peer by engine id (:meth:`Peers.get`); for an engine not known yet they start a
-  handshake (:meth:`Peers.shake`). A pool thread fetches and checks the prefill's
-  metadata over the side channel (:class:`~kvxfer.transfer.side_channel.client.SideChannelClient`)
-  and plans this rank's reads of it (:func:`~kvxfer.plan.staging.plan_reads`) and each
-  prefill rank's candidate paths (:func:`~kvxfer.transfer.routes.candidates`: copies on
-  this host where it offers them, NIXL): no NIXL call there. Back on the worker's thread,
-  :meth:`Peers.finished` names the engines whose handshake ended and :meth:`Peers.connect`
-  loads their agents into this rank's agent and lanes, warms each connection and chooses
-  each prefill rank's path from a probe of its candidates
-  (:func:`~kvxfer.transfer.routes.choose`), or raises :class:`HandshakeFailed`.
-* a peer whose handshake, connection or READ failed is *dead* for :data:`DEAD_PEER_S`
-  (:meth:`Peers.dead`): reads of it fail fast meanwhile instead of handshaking again.
-* any thread may :meth:`Peers.forget` an engine (its cached handshake or failure); the
-  worker's thread drops it at its next step (:meth:`Peers.drop_forgotten`).
-
-A dropped peer's agents are removed, its shares with sibling ranks end, and the staging
-held for its failed reads is freed (no cancelled READ of it writes there any more). While
-READs of it that were given up in flight have not settled (:meth:`Peers.hold`: the
-reader's :class:`~kvxfer.transfer.reads.path.Stale`), that waits: removing an agent does
-not stop a READ over TCP from landing once a cut link is back, and only the loaded agent
-still reports when it did (:meth:`Peers.unhold`).
+Design: docs/design/transfer-worker.md#peers
 """
 
 from __future__ import annotations
@@ -123,7 +106,8 @@ class Peer:
 
 
 class Peers:
-    """See the module docstring. ``total_kv_heads`` and both instances' TP sizes say which
+    """The prefill engines this decode rank reads from: handshakes, connections, plans,
+    routes and dead peers. ``total_kv_heads`` and both instances' TP sizes say which
     heads this rank reads from which prefill rank; ``host_reads`` whether a prefill on
     this host may be copied from (mapped, host-read) instead of read over NIXL."""
 

@@ -1,41 +1,12 @@
 """``Route``: the path this decode rank reads one prefill rank over, chosen once per peer.
 
-Every prefill rank a decode rank reads is read over one path (:data:`PATHS`):
+One of :data:`PATHS` (``mapped``, ``host``, ``staged``, ``nixl``). :func:`candidates` runs on
+a pool thread, from the handshake (no NIXL); :func:`choose` on the worker's thread, once NIXL
+connected: it probes each candidate into scratch memory (never the cache) and keeps the first
+unless a later one was :data:`MARGIN` times faster. The chosen path's probe rate (bytes per
+second) is its ceiling.
 
-* ``mapped``: one local copy out of the prefill's cache, mapped into this process
-  (:mod:`kvxfer.transfer.converted.mapped_reads`), the conversion, if any, done by the copy;
-* ``host``: ``process_vm_readv`` straight into place (converted reads only,
-  :mod:`kvxfer.transfer.converted.host_reads`);
-* ``staged``: NIXL READs into staging, then a local copy (:mod:`kvxfer.plan.staging`);
-* ``nixl``: NIXL READs straight into place, over whatever transport NIXL found (cma on
-  one host, TCP or RDMA across hosts, GPU transports for GPU memory).
-
-The two copies on this host need a prefill on this host that offers them (its handshake's
-:class:`~kvxfer.wire.metadata.HostReads`, canary checked), host memory on both sides,
-and, to be mapped, a cache in a sealed shared buffer whose chunks lie at fixed strides.
-A direct (same-layout) read is mapped as the copy plan of its heads
-(:func:`~kvxfer.plan.staging.plan_staged_read`: the same heads and blocks a NIXL READ
-would move, placed by the copy).
-
-Who chooses, and from what:
-
-* :func:`candidates` (pool thread, from the handshake, no NIXL): a converted rank gets
-  one candidate, the first of mapped, host and staged that it can take: a copy on this
-  host does once what staging does after a READ, so nothing is measured to choose it. A
-  direct rank that can be mapped gets two, mapped then NIXL; any other gets NIXL alone.
-* :func:`choose` (worker thread, once NIXL connected and warmed): each candidate is
-  probed, :data:`PROBE_BYTES` from the start of the prefill rank's cache (or less, a
-  smaller cache), once to fault pages in and once timed (a path slow on its first MiB, a
-  slow link, is timed on that MiB alone: :func:`_rate`): copied out of the mapping
-  (process_vm_readv'd) on this rank's copy threads, or READ by its agents, lanes
-  included, into scratch memory (never its cache: other reads may be landing there).
-  The first candidate is kept unless a later one was :data:`MARGIN` times faster (a few
-  milliseconds of one probe are noisy, the handshake's order is not), and always where
-  the probe moved less than :data:`PROBE_MIN_BYTES` (a tiny cache: the probe would time
-  per-call costs, not the path's bandwidth, and any path moves it in microseconds). The
-  chosen path's probe rate is its *ceiling*, which metrics compare reads with
-  (:class:`~kvxfer.transfer.results.PathTraffic`). A GPU cache is not probed (its reads
-  land in GPU memory, a probe would not): its path is NIXL's, its ceiling unknown.
+Design: docs/design/reads.md#routes
 """
 
 from __future__ import annotations
@@ -73,7 +44,7 @@ PATHS: Final = ("mapped", "host", "staged", "nixl")
 # per probe pass (two per candidate): ~1.5 ms copied, ~3 ms over cma, ~27 ms over TCP
 PROBE_BYTES: Final = 16 << 20
 MARGIN: Final = 1.25  # how much faster a later candidate must probe to be taken
-PROBE_MIN_BYTES: Final = 1 << 20  # smaller probes do not choose (see the module docstring)
+PROBE_MIN_BYTES: Final = 1 << 20  # smaller probes time per-call costs: they do not choose
 SLOW_PROBE_S: Final = 0.05  # a first 1 MiB this slow (under ~20 MB/s) times its path alone
 _ALIGN = 4096  # probe shares start at page boundaries
 
@@ -100,7 +71,8 @@ def candidates(local: LocalRank, plans: Sequence[PeerReadPlan | StagedRead],
                metas: Mapping[int, AgentMetadata], geometries: Mapping[int, SideGeometry],
                slices: Sequence[HeadSlice], *, on_host: bool) -> dict[int, tuple[Route, ...]]:
     """Each planned prefill rank's candidate routes, in the handshake's order of preference
-    (see the module docstring); ``on_host``: whether copies on this host may be taken.
+    (a converted rank: one of mapped, host, staged; a direct one: mapped then NIXL, or NIXL);
+    ``on_host``: whether copies on this host may be taken.
     Raises nothing for a copy that cannot be planned or mapped: the rank is read over
     NIXL then (logged)."""
     out: dict[int, tuple[Route, ...]] = {}

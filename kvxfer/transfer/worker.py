@@ -1,82 +1,21 @@
 """``TransferWorker``: one per TP rank; moves KV blocks with NIXL READs (and WRITEs).
 
-The worker is the thin owner of one rank's thread and its NIXL agent; the work lives
-in the objects it hands it to: :mod:`kvxfer.transfer.reads` (a decode's reads, each
-path one class), :mod:`kvxfer.transfer.peers` (handshaken prefill engines),
-:mod:`kvxfer.transfer.leases` (a prefill's leases), :mod:`kvxfer.transfer.lanes` (read
-lanes) and :mod:`kvxfer.transfer.results` (what it reports).
+The thin owner of one rank's thread and NIXL agent; reads, peers, leases, lanes and pushes
+are the objects it hands that thread to. Contract, who calls what:
 
-Contract (who calls what, when):
+* both sides, once: ``register_kv_caches``, then ``metadata()`` for the instance's listener;
+* decode: ``start_read`` queues a read (any thread, returns at once); ``poll()`` returns what
+  ended; the caller sends ``PollResult.reports`` and releases ``PollResult.unnotified``;
+* prefill: ``hold``, ``end_lease``, ``poll_released()``; lease ids are unique per lease, and
+  the caller frees released blocks (the worker never does);
+* push mode: ``start_push``, ``push_layers``, ``seal_push`` (prefill); a reservation is a
+  ``hold`` with ``readers=None`` on the decode;
+* ``take_counts()`` for metrics; ``peer_connecting()`` once the listener served a handshake.
 
-* Both sides, once at start-up: ``register_kv_caches(caches, spec, num_blocks)``
-  plans regions and registers the cache memory with this rank's NIXL agent.
-  ``metadata()`` then returns what the instance's handshake listener serves for
-  this rank.
-* Decode side, per request: ``start_read(request_id, remote_params,
-  local_block_ids)`` queues a read and returns at once. The worker's own thread
-  handshakes with the prefill engine if it has not yet (cached per remote
-  engine), builds descriptors for this rank's share of heads, posts one READ per
-  prefill rank it needs and, on success, each READ delivers a "done"
-  notification to its prefill rank. ``poll()`` returns what finished or failed
-  since the last call; a failed request carries a reason naming the peer. A read
-  fails at ``read_timeout``, or, given a ``liveness``
-  (:class:`~kvxfer.transfer.liveness.Liveness`, whose heartbeats the instance sends with
-  :class:`~kvxfer.transfer.side_channel.heartbeats.Heartbeats`), as soon as its peer's
-  side channel was silent for the heartbeat timeout while it was in flight. A
-  failed read notifies the prefill ranks (``ok=False``) when a NIXL connection
-  exists. Every read that ended with a known peer comes with its "done" reports
-  (``PollResult.reports``), which the caller sends over the side channel
-  (``SideChannelSender.submit_done``): they end the lease where a notification was lost
-  or none went out. A read whose peer was never known, or was dropped, is listed in
-  ``PollResult.unnotified``: the caller releases the lease over the side channel
-  (``SideChannelClient.release``).
-* Prefill side, per request: ``hold(request_id, block_ids, readers, ttl)``
-  leases the blocks until every expected decode reader has notified "done", the
-  caller ends it (``end_lease``, e.g. on a side-channel release) or the lease
-  expires (``request_id`` is the lease id the decode echoes back: keep it unique
-  per lease, so a late "done" can never end a newer lease); ``poll_released()``
-  returns the leases that ended and why ("done", "abandoned", "expired").
-  Prefill never frees blocks on its own: the caller frees them when released.
-* Prefill side, push mode (:mod:`kvxfer.transfer.pushes.pusher` is the contract):
-  ``start_push(lease_id, reservation, block_ids)`` leases the blocks, handshakes with
-  the decode that reserved blocks (:class:`~kvxfer.wire.reservations.Reservation`,
-  checked with the key) and WRITEs into them the layers handed with
-  ``push_layers(lease_id, layers)`` as the engine finishes them, the rest at
-  ``seal_push(lease_id)``, then a signed "done" to each decode rank it wrote (a NIXL
-  notification, and a side-channel report where its WRITEs completed); the push ends
-  its lease "done", or "failed". ``seal_push(lease_id, ok=False)`` gives it up (the
-  decode is told once no WRITE of it is in flight).
-* Decode side, push mode: a reservation is a lease on this rank's own blocks,
-  ``hold(reservation_id, block_ids, readers=None, ttl)``: the writers' "done"
-  (notification or report, whichever comes first) end it "done" (landed), "failed" (a
-  writer gave up) or its ttl does.
-* Both sides, now and then: ``take_counts()`` returns the events since the last
-  call that only metrics care about (:class:`~kvxfer.transfer.results.WorkerCounts`):
-  failed handshakes, "done" notifications not sent or not verified, and late ones
-  (for a lease that had ended: the last ``ENDED_REMEMBERED`` ended leases are
-  remembered for that, :mod:`kvxfer.transfer.leases`).
-* The instance calls ``peer_connecting()`` when its listener served a
-  handshake, so that the agent is progressed quickly while the peer wires up
-  its connection (a READ can stall if the target never progresses then).
+Every NIXL call is made on the worker's thread (read lanes: their own agents and threads).
+With ``hmac_key`` a "done" that does not verify is ignored.
 
-All NIXL calls happen on the worker's thread, so the agent needs no locking. The one
-exception is read lanes (``read_lanes > 1``, host memory only,
-:mod:`kvxfer.transfer.lanes`): extra agents that copy parts of a large request on
-their own threads while the worker thread waits for all of them. Each prefill rank is
-read over the path chosen for it when its peer connected (:mod:`kvxfer.transfer.routes`):
-where the prefill rank is a process on this host that offers it, copied straight into
-place (:mod:`kvxfer.transfer.reads.host`: from its mapped cache, direct reads too, or with
-process_vm_readv); elsewhere NIXL READs, or, where byte copies cannot place its heads,
-READs through staging (:mod:`kvxfer.transfer.reads.staged`);
-in-process sibling ranks share those reads through the
-:class:`~kvxfer.transfer.converted.process_shares.ProcessShares` handed to each of them
-(``shares``; a worker given none shares nothing). Each READ names both sides' memory
-kinds, as the handshake sent them. Everything a peer sends (metadata, block ids,
-notifications) is validated before use; a bad value fails that request only. With
-``hmac_key`` every "done" notification is signed, and one that does not verify is
-ignored (logged, counted), so nobody without the key can end a lease; leases are also
-claimed and ``renew``ed from the listener's thread when a decode asks (one claimer per
-lease, at most ``max_age`` seconds in all).
+Design: docs/design/transfer-worker.md#who-calls-what
 """
 
 from __future__ import annotations

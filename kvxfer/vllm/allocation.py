@@ -1,19 +1,10 @@
 """vLLM's KV cache allocated in memory a decode on this host can map.
 
-vLLM 0.32 allocates a worker's whole KV cache as one buffer, ``torch.zeros(n,
-dtype=torch.int8, device=...)`` in ``vllm.v1.worker.utils.allocate_kv_cache``, and runs that
-allocation inside the context its KV connector returns from ``get_mem_pool_context`` (the
-hook vLLM gives connectors with memory pools of their own). KvxferConnector's context,
-:class:`SharedCacheAllocation`, makes that one buffer a shared one
-(:func:`~kvxfer.transfer.converted.mapped_reads.shared_zeros`), as ``kvxfer serve``
-allocates a prefill's cache. A decode on this host then copies a request out of the
-prefill's cache mapped into it (:mod:`kvxfer.transfer.converted.mapped_reads`) where it
-would otherwise post a NIXL READ that the kernel copies (UCX's cma), as NixlConnector's
-does. Nothing else changes: every other call, dtype and device passes through, and the
-buffer is zeroed on the spot, so its pages are in memory from the start, as vLLM's own
-``torch.zeros`` leaves them.
+:class:`SharedCacheAllocation`, KvxferConnector's ``get_mem_pool_context``, makes the one
+buffer vLLM allocates a shared one (``shared_zeros``, zeroed on the spot); every other call,
+dtype and device passes through. No vLLM import here.
 
-No vLLM import here: the main test tier checks the context without vLLM.
+Design: docs/design/vllm-connector.md#a-cache-a-decode-on-this-host-can-map
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """What a vLLM layer's KV cache view holds, read from its shape (pure: no vLLM import).
 
-vLLM 0.32 hands a connector one logical ``[B, H, N, C]`` view per layer, whatever the
-attention backend, in the layout the backend chose (``KVCacheLayout``); a backend
-shapes ``H`` and ``C`` through ``customize_spec``:
+vLLM 0.32 hands one logical ``[B, H, N, C]`` view per layer. A backend's ``H`` slots are one
+per KV head, K and V heads apart, or two (K, V) holding every head; the last cannot be split
+across TP ranks (its peers must run the same TP).
 
-* one slot per KV head, K then V in each token's row (``C = 2 x head_size``): the CPU
-  backend, FlashAttention, Triton, FlexAttention, FlashInfer, ROCm AITER FA;
-* K heads, then V heads, as slots of their own (``num_head_slots = 2 x KV heads``,
-  ``C = head_size``): FlashInfer with an NVFP4 cache;
-* two slots, K and V, each holding every KV head of a token (``num_head_slots = 2``,
-  ``C = KV heads x head_size``): vLLM's ROCm attention backend.
-
-kvxfer plans each as a :class:`~kvxfer.plan.layout.CacheSpec`; the third as K and V
-head groups of one head of ``KV heads x head_size`` elements, which keeps its bytes in
-place but cannot be split across TP ranks (its peers must run the same TP).
+Design: docs/design/vllm-connector.md#what-a-backends-cache-view-holds
 """
 
 from __future__ import annotations

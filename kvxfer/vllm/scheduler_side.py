@@ -1,35 +1,11 @@
 """The scheduler-side half of ``KvxferConnector`` (pure: no vLLM, no I/O).
 
-vLLM calls the scheduler side from its engine-core process; :class:`SchedulerSide`
-holds what it decides, and ``kvxfer.vllm.connector`` feeds it plain values taken
-from vLLM's objects. Who calls what, and when:
+vLLM calls it in its engine-core process, through ``kvxfer.vllm.connector``, with plain
+values. Prefill: a lease (``Hold``) is added in the step whose forward computes the prompt's
+last token, so it exists before its id is handed out. Decode: the blocks not prefix-cached
+are loaded once per request (``Load``). Validating the params is the worker's.
 
-Prefill (a request whose ``kv_transfer_params`` say ``do_remote_decode``):
-
-* :meth:`after_alloc` notes the request; it is computed like any other.
-* :meth:`build_plan`, in the step whose forward computes the prompt's last token,
-  adds a :class:`~kvxfer.vllm.step_plan.Hold`: a fresh lease id (128 random bits) over
-  the prompt's blocks, with its expiry. The worker holds the lease right after
-  that forward, so the lease exists before anyone can learn its id.
-* :meth:`finished` (vLLM's ``request_finished``, after that step) returns
-  ``(True, kv_transfer_params)``: vLLM keeps the blocks until the worker reports
-  the request in ``finished_sending`` (every reader said "done", a release came,
-  or the lease expired). A request that ended otherwise (aborted, or finished
-  before its prompt was computed) frees its blocks at once, and a lease held for
-  it is dropped in the next plan: its params were never handed out.
-
-Decode (``do_remote_prefill``):
-
-* :meth:`matched_tokens` claims the prompt's tokens beyond the local prefix-cache
-  hit, loaded asynchronously (vLLM parks the request until the load ends).
-* :meth:`after_alloc` turns the allocation into a :class:`~kvxfer.vllm.step_plan.Load`:
-  the unhashed (not prefix-cached) blocks are read, from the remote block at the
-  same position. Once per request: the params are marked handled.
-* :meth:`finished` of a request that never got to its load (aborted while
-  waiting) queues a Load without blocks: the worker releases the lease.
-
-Validation of the params themselves (types, ticket, lease) is the worker's: it
-reports a bad load as failed, and vLLM's ``kv_load_failure_policy`` decides.
+Design: docs/design/vllm-connector.md#the-scheduler-side
 """
 
 from __future__ import annotations

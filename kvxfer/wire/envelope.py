@@ -1,26 +1,11 @@
 """The envelope of every side-channel message: encoding, signing and two-phase decoding.
 
-Pure: msgspec and the standard library only, no I/O. ``kvxfer.transfer.side_channel``
-moves these bytes over ZMQ.
+Pure: msgspec and the standard library, no I/O. :func:`decode_envelope` checks magic,
+version, shape, signature and (except for :data:`~kvxfer.wire.messages.HASH_FREE_KINDS`) the
+compatibility hash before anything else; :func:`decode_payload` then decodes the message into
+its declared type. With a key, stale or repeated envelopes are refused.
 
-A handshake message on the wire is ``MAGIC`` followed by the msgpack map of an
-:class:`Envelope`, whose ``payload`` is the msgpack map of one message
-(:mod:`kvxfer.wire.messages`: :class:`MetadataRequest`, :class:`MetadataResponse`,
-:class:`ReleaseLease`, :class:`ReleaseAck`, :class:`RenewLease`, :class:`RenewAck` or
-:class:`ErrorReply`). Decoding is two-phase and strict: :func:`decode_envelope` checks
-the magic, the protocol version, the envelope's shape, the signature and the
-compatibility hash before anything else is looked at; :func:`decode_payload` then
-decodes the inner message into its declared type. Nothing is decoded into untyped dicts.
-
-A release carries no KV metadata, so its compatibility hash is not checked
-(:data:`~kvxfer.wire.messages.HASH_FREE_KINDS`): a decode of another model, whose
-handshake was refused for that very reason, must still be able to release. A renewal
-is hash-free like a release. Magic, version, shape and signature are checked as for
-every message.
-
-With a shared key every envelope is signed (HMAC-SHA256, compared in constant time) and
-carries a timestamp and a random nonce, and a receiver refuses stale or repeated ones
-(:mod:`kvxfer.wire.replay`).
+Design: docs/design/side-channel.md#the-envelope
 """
 
 from __future__ import annotations

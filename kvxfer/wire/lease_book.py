@@ -1,27 +1,11 @@
 """The decode side's view of prefill leases: which may be read, which were used, renewals.
 
-Pure: the standard library only, no I/O. :class:`LeaseBook` is owned by a decode's
-:class:`~kvxfer.transfer.lease_client.LeaseClient` and called from its owner's thread
-(``claim`` also from HTTP handlers: it is thread-safe); the client applies the
-prefill's answers to each :class:`HeldLease` on that thread.
+Pure: the standard library only. :class:`LeaseBook` is owned by a decode's ``LeaseClient``
+and called from its owner's thread (``claim`` also from HTTP handlers: thread-safe);
+:class:`HeldLease` deadlines are seconds on the decode's monotonic clock. The prefill, not
+the book, decides who reads a lease.
 
-* :meth:`LeaseBook.claim` is the local check before a decode accepts a request's
-  ``kv_transfer_params``, before any READ: the lease has not expired
-  (``lease_expires_at`` present, in the future and no further than the maximum
-  lease age), its ticket verifies with the shared key when there is one
-  (:mod:`kvxfer.wire.tickets`), and this decode did not claim it before. A claimed
-  lease is remembered until its ticket's expiry (plus the clock margin), after
-  which a replay is refused as expired anyway; at most ``max_remembered`` are.
-* The prefill is the authority on who reads a lease: before its first READ the
-  decode claims the lease over the side channel (``RenewLease(claim=True)``), and
-  the prefill grants that to one decode engine only, so the same params sent to a
-  second decode, or to this one after a restart, are refused there.
-* :class:`HeldLease` tracks a lease while the decode still has to read it: whether
-  the prefill granted the claim, its deadline on the decode's monotonic clock (set
-  from the claim's ``RenewAck.expires_in``, moved on by each renewal), and when to
-  renew next. It is renewed while the request waits and while its READ is in
-  flight; a READ starts only with enough of the lease left (:meth:`HeldLease.
-  readable_for`).
+Design: docs/design/leases.md#the-decodes-lease-book
 """
 
 from __future__ import annotations
@@ -116,7 +100,8 @@ class HeldLease:
 
 
 class LeaseBook:
-    """Decode side: which leases may be read (see the module docstring). Thread-safe."""
+    """Decode side: the leases this decode claimed, remembered until their expiry so that
+    a replay is refused; :meth:`claim` is the local check before any READ. Thread-safe."""
 
     def __init__(self, key: bytes | None, *, max_age: float = math.inf,
                  max_remembered: int = MAX_REMEMBERED) -> None:

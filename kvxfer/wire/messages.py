@@ -1,16 +1,11 @@
 """The messages of the side channel, each a strict msgspec Struct, and their kinds.
 
-Two exchanges share the side channel: metadata (decode asks with a
-:class:`MetadataRequest`, prefill answers with its ranks' NIXL metadata in a
-:class:`MetadataResponse`) and leases (a decode that will not read a lease tells
-the prefill with a :class:`ReleaseLease`, which frees the blocks at once instead of
-at lease expiry; one still waiting to read claims or renews it with a
-:class:`RenewLease`; one that read it, or gave up reading, reports each reader's "done"
-with a :class:`DoneReport`, acknowledged, as the repair of a lost NIXL notification).
-While a decode reads from a prefill it asks the prefill's side channel whether it still
-answers, with a :class:`Heartbeat` every fraction of a second, answered by a
-:class:`HeartbeatAck`. A refusal is an :class:`ErrorReply`. An envelope
-(:mod:`kvxfer.wire.envelope`) names its payload's :class:`MessageKind`.
+Metadata (:class:`MetadataRequest`, :class:`MetadataResponse`), leases (:class:`ReleaseLease`,
+:class:`RenewLease`, :class:`DoneReport` and their acks), liveness (:class:`Heartbeat`,
+:class:`HeartbeatAck`) and refusals (:class:`ErrorReply`). An envelope names its payload's
+:class:`MessageKind`.
+
+Design: docs/design/side-channel.md#messages
 """
 
 from __future__ import annotations

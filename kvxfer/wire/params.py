@@ -1,18 +1,10 @@
 """``RemoteParams``: the ``kv_transfer_params`` a decode request carries, decoded strictly.
 
-Pure: msgspec and the standard library, no I/O.
+Pure: msgspec and the standard library, no I/O. :meth:`RemoteParams.parse` is the one way in
+from a client's JSON; unknown keys are ignored, and a bad value raises
+:class:`RemoteParamsError` (a ``ValueError`` whose message starts ``kv_transfer_params.<key>``).
 
-The keys are vLLM's (``remote_engine_id``, ``remote_host``, ``remote_port``,
-``remote_block_ids``, ``remote_request_id``, ``tp_size``, ``remote_num_tokens``) plus
-kvxfer's ``lease_expires_at``, ``lease_ticket`` (:mod:`kvxfer.wire.tickets`),
-``remote_block_size``, ``remote_rank_ports`` and ``first_token`` (:class:`FirstToken`).
-:meth:`RemoteParams.parse` is the one way in from a client's JSON: msgspec checks every
-type and bound the struct declares (bools are not ints, block ids are int64 descriptor
-offsets and may not wrap), the parser adds what a struct cannot say (no block id twice),
-and keys it does not know are ignored (a request carries ``do_remote_prefill`` and
-vLLM's others beside them). A bad value raises :class:`RemoteParamsError`, a
-``ValueError`` whose message starts with ``kv_transfer_params.<key>``: the HTTP layer
-answers it with a 400 naming the key.
+Design: docs/design/leases.md#the-params-a-decode-request-carries
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """``Reservation``: the decode blocks a prefill may WRITE one prompt's KV into (push mode).
 
-Pure: msgspec and the standard library, no I/O.
+Pure: msgspec and the standard library, no I/O. Signed like a lease ticket. ``expires_at``
+is seconds since the epoch on the decode's clock: the prefill claims the reservation before
+its first WRITE and posts none at or after it; an unclaimed one is freed
+:data:`PUSH_GRACE_S` after it.
 
-In push mode the decode goes first: it reserves blocks for a prompt and hands out a
-reservation, which the proxy passes to the prefill. The prefill WRITEs the prompt's KV
-into exactly those blocks, once, and its last WRITE to each decode rank carries a "done"
-(:class:`~kvxfer.wire.notification.ReadDone`, its reader fields naming the writer) for the
-reservation id. On the decode a reservation is held like a prefill's lease
-(:class:`~kvxfer.transfer.leases.LeaseTable`): the writers' "done" end it, or its
-deadline does, and only then are its blocks the decode's to use or free.
-
-A reservation is signed like a lease ticket (:mod:`kvxfer.wire.tickets`, its own domain):
-with the instances' shared key a prefill writes only into blocks a decode with that key
-reserved, as the decode stated them (engine, side channel, ids, block size, tokens, TP,
-deadline); nobody can widen it to other blocks or a later deadline.
-
-Deadline: ``expires_at`` is seconds since the epoch on the decode's clock. The prefill
-claims the reservation at the decode before its first WRITE and posts none at or after
-the deadline. The decode frees the blocks of a reservation nobody claimed
-:data:`PUSH_GRACE_S` after it (clocks of the two hosts must agree to well within that
-grace). One that a prefill claimed and did not finish by then keeps its blocks out of use
-until that prefill says its WRITEs ended, or is shown gone
-(:mod:`kvxfer.sidecar.roles.claimers`): over TCP, a WRITE given up while a link was down still
-lands once it is back.
+Design: docs/design/push.md#reservations
 """
 
 from __future__ import annotations

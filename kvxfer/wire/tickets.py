@@ -1,17 +1,11 @@
 """Lease tickets: the signature a prefill puts on the ``kv_transfer_params`` it hands out.
 
-Pure: the standard library and msgspec, no I/O.
+Pure: the standard library and msgspec, no I/O. An HMAC-SHA256 with the shared key over the
+:class:`LeaseClaims` the params state (``lease_expires_at``: seconds since the epoch on the
+prefill's clock). A ticket stops forgery and alteration, not replay (the decode's lease book
+does).
 
-A prefill that leases a prompt's blocks answers with vLLM's ``kv_transfer_params`` keys
-plus ``lease_ticket``, an HMAC-SHA256 with the instances' shared key over the
-:class:`LeaseClaims` those keys state: engine id, side-channel host and port (and each
-rank's port, where ranks listen apart), lease id (``remote_request_id``), block ids,
-token count, TP size and expiry (``lease_expires_at``, seconds since the epoch on the
-prefill's clock). A decode recomputes the HMAC from the keys it was given and refuses
-the request unless it matches, so a client can neither forge params for another
-request's blocks nor alter a real ticket (other blocks, tokens, engine, host or port, a
-later expiry). The ticket does not stop a replay of unaltered params: the decode
-remembers the leases it consumed (:mod:`kvxfer.wire.lease_book`).
+Design: docs/design/leases.md#lease-tickets
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """Handing a shared cache buffer's descriptor to a reader on this host that proves it may
 read the prefill's memory.
 
-Why not leave the descriptor in the prefill's fd table: ``/proc/<pid>/fd/N`` can be opened
-by any process with ptrace READ rights over the prefill, and on a host where Yama restricts
-ptrace (``ptrace_scope`` 1) that is every process of the same user, while reading the
-prefill's memory (``process_vm_readv``) needs ATTACH rights. A reader must have no more
-than that: whoever may ``process_vm_readv`` the prefill may map its cache, nobody else.
+Prefill side: :class:`Handover` (one per process) keeps each buffer's memfd in flight, out of
+its fd table, and hands it over an abstract Unix socket only to a reader that answers a
+challenge with a proof that only a process allowed to ``process_vm_readv`` the prefill can
+read. Decode side: :func:`take`; every failure is a :class:`HostReadError`.
 
-Prefill side (:class:`Handover`, one per process, as the buffers are):
-
-- :meth:`Handover.keep` sends a buffer's memfd (``SCM_RIGHTS``) into a datagram socketpair
-  of its own, closes the sending end and the descriptor: the buffer lives "in flight", in
-  the receiving end's queue. A socket's ``/proc/<pid>/fd`` entry cannot be opened, so
-  nothing there leads to the memfd (``/proc/<pid>/map_files`` needs CAP_SYS_ADMIN or
-  CAP_CHECKPOINT_RESTORE, ``/proc/<pid>/mem`` ATTACH rights).
-- The listener, an abstract Unix socket (``SOCK_SEQPACKET``, a random name) served by one
-  daemon thread started with the first offer, sends each connection a random challenge.
-  The reader answers with a buffer id and an HMAC-SHA256, keyed by the proof, of the
-  challenge, its own pid and the id. The proof is :data:`PROOF_BYTES` random bytes at a
-  fixed address of the prefill that no one sends anywhere: only a process that may
-  ``process_vm_readv`` the prefill can read it. The pid the prefill checks is the one the
-  kernel reports for the connection (``SO_PEERCRED``), so a reader tricked into answering
-  on someone else's socket (an offer naming the prefill's pid and proof but another
-  socket) gives that someone nothing it could present here.
-- A right answer gets the descriptor: ``MSG_PEEK`` copies the queued one into this
-  process's table (the queued one stays), it is sent on and closed. Those few system
-  calls are the only time the descriptor is in the table. A wrong answer, garbage or
-  silence gets no descriptor; the listener logs at most one line per
-  :data:`LOG_EVERY_S` and serves the next connection.
-
-Decode side: :func:`take` reads the proof, connects, checks that the socket is the
-offering process's own (``SO_PEERCRED`` of the listener: a name squatted by another
-process could hand over any memory as the prefill's), answers the challenge, and receives
-the descriptor; every failure is a :class:`HostReadError`. Abstract sockets belong to a
-network namespace: a decode in another one cannot reach the socket, as one on another host.
+Design: docs/design/host-reads.md#handing-over-a-buffers-descriptor
 """
 
 from __future__ import annotations

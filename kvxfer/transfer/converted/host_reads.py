@@ -1,34 +1,12 @@
-"""Converted reads on one host: copy the prefill's bytes straight into their places.
+"""Converted reads on one host: ``process_vm_readv`` copies the prefill's bytes straight into
+their places, the conversion done by the copy.
 
-A converted read (:mod:`kvxfer.plan.staging`) moves every byte through memory twice:
-the READ into a staging buffer, then the placing copy out of it (1.5-2.6x the time of
-the twin layouts' direct read on a 2-core machine). Where the prefill
-is a process on the decode's own host, Linux lets the decode copy from the
-prefill's pages into many scattered places in one system call
-(``process_vm_readv``: a list of remote ranges and a list of local ones, taken as
-two byte streams). The conversion is then done by the copy itself, once (measured:
-a 256 MiB LBHNC -> LBNHC read of 524,288 ranges of 512 bytes in 512 calls ran at
-5-5.5 GB/s on one thread, about what NIXL's cma READ of the twin layout reaches).
-It is the same kernel mechanism NIXL's cma transport uses on one host, so it needs
-the same permission (the same user, or ptrace rights over the prefill).
+A prefill rank offers it in its handshake (:class:`~kvxfer.wire.metadata.HostReads`: host
+identity, pid, canary); a decode rank with a host cache takes it only after the canary proved
+the pid, and reads the canary again after every copy. It needs what NIXL's cma transport
+needs: the same user, or ptrace rights over the prefill.
 
-The byte map comes from the conversion itself: :meth:`StagedRead.convert` run once
-on integer stand-ins (staging holding each staged element's index, the decode's
-views at one logical block) says where every staged element goes. Composed with
-where each staged element comes from (:meth:`StagedRead.descriptors`' order), that
-gives runs per logical block, contiguous on both sides; a request's runs are the
-template shifted by its block ids. Gaps of up to BRIDGE_BYTES between the wanted
-ranges on the prefill side (the other rank's heads of a token in a TP split) are read
-too, into a small sink: the kernel pins the prefill's pages per range, so one range per
-page costs less than one per token. The canary is read again after every copy: a pid
-outlives its process and may be given to another one.
-
-Who uses it: a prefill rank offers it in its handshake metadata
-(:class:`~kvxfer.wire.metadata.HostReads`: a host identity, its pid and a canary);
-a decode rank with a host cache checks the identity, reads the canary to prove the
-pid is that process and it may read it, and only then replaces that rank's staged
-read. Anything else (another host, another pid namespace or user, a GPU cache, runs
-so short the per-run cost dominates) keeps the staged read.
+Design: docs/design/host-reads.md#host-reads
 """
 
 from __future__ import annotations

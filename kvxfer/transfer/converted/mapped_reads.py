@@ -1,32 +1,12 @@
-"""Converted reads on one host, from the prefill's cache mapped into the decode.
+"""Reads on one host from the prefill's cache mapped into the decode (converted and direct).
 
-A host read (:mod:`kvxfer.transfer.converted.host_reads`) moves every byte once, but through the
-kernel: ``process_vm_readv`` pins the prefill's pages for each call and costs about 0.1 us per
-range on the decode side, and a layout conversion cuts a request into many short
-ranges (every 512-byte head of a token, LBHNC -> LBNHC: 524,288 of them for 2,048
-Llama-8B-like tokens). Where the prefill keeps its cache in memory that can be shared,
-the decode maps it once per peer and a request is one local copy of its blocks with
-torch, the conversion done by the copy itself (:meth:`StagedRead.place` on the mapped
-memory, shared out between the decode's copy threads): no system call per request,
-no pinning, no ranges.
+Prefill side: :func:`shared_zeros` allocates a cache buffer in a sealed memfd, kept out of the
+fd table, and :func:`shared_offer` offers it. Decode side: :func:`map_prefill` takes each
+offered buffer's descriptor (after the canary check), checks its seals and size and maps it
+read-only, once per peer; a request is then one local copy. The mapping lives as long as the
+peer.
 
-Prefill side: :func:`shared_zeros` allocates a cache buffer in a sealed ``memfd`` (it can
-neither shrink nor grow, so a mapping of it never faults past its end, and only the
-prefill's own mapping can write it: :data:`FUTURE_WRITE`), then keeps the descriptor out
-of its fd table, in flight, under a buffer id
-(:class:`~kvxfer.transfer.converted.fd_handover.Handover`), so that no process that may
-only inspect the prefill (``/proc/<pid>/fd``) reaches the cache. The rank offers the
-buffers its registered memory lies in with its host-read offer (:func:`shared_offer`:
-``HostReads.memory``, with the handover socket and the proof's address).
-
-Decode side: :func:`map_prefill`, after the offer's canary proved the pid and the right to
-read it, takes each offered buffer's descriptor over the prefill's handover socket with
-the proof read from its memory (:func:`~kvxfer.transfer.converted.fd_handover.take`: only
-a process that may ``process_vm_readv`` the prefill can read the proof), checks its seals
-and size, and maps it read-only (:func:`_map`: no descriptor left open here either).
-A plan whose chunks do not lie at fixed strides in one buffer is not mapped (host reads
-or staging instead). The mapping lives as long as the peer: the memory stays valid even
-if the prefill exits, and what a lease holds is what the prefill wrote into it.
+Design: docs/design/host-reads.md#mapped-reads
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """``ProcessShares``: what the decode ranks of one process share when they read.
 
-The TP ranks of one decode instance that live in one process (kvxfer's sidecar runs them
-as threads) read the same requests from the same prefill ranks. Where their reads
-overlap they meet (:mod:`kvxfer.transfer.converted.siblings`): a host read is copied once
-for all of them (:class:`~kvxfer.transfer.converted.host_reads.SharedCopies`), a staged read
-of pages that hold every head is READ once and placed into every member's views
-(:class:`~kvxfer.transfer.converted.shared_staging.SharedStaging`), and a prefill's cache
-is mapped once (:class:`~kvxfer.transfer.converted.mapped_reads.Mappings`).
+One per instance's in-process ranks, handed to each (``TransferWorker(..., shares=...)``; a
+worker given none shares nothing): host reads copied once, staged reads of pages that hold
+every head READ once, a prefill's cache mapped once. Thread-safe.
 
-Whoever creates the workers of one instance's in-process ranks creates one
-``ProcessShares`` and hands it to each (``TransferWorker(..., shares=...)``); a worker
-given none gets its own and shares nothing. Each worker registers the prefill ranks it
-shares reads of when it connects to a prefill (:meth:`join`) and unregisters when it
-drops it (:meth:`leave`). Thread-safe.
-
-The prefill's side, the shared-memory buffers its cache lies in
-(:func:`~kvxfer.transfer.converted.mapped_reads.shared_zeros`), is not here: those are
-facts of the process (its descriptors and addresses), recorded where the memory is
-allocated, before any worker exists.
+Design: docs/design/converted-reads.md#what-one-process-shares
 """
 
 from __future__ import annotations
@@ -32,7 +19,7 @@ from kvxfer.transfer.converted.shared_staging import SharedStaging
 
 @dataclass
 class ProcessShares:
-    """See the module docstring."""
+    """The shared host copies, shared staging and mappings of one process's decode ranks."""
 
     copies: SharedCopies = field(default_factory=SharedCopies)
     staging: SharedStaging = field(default_factory=SharedStaging)

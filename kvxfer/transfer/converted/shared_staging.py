@@ -1,18 +1,10 @@
 """In-process TP ranks of one decode share a staged read of one prefill rank.
 
-Where the prefill keeps tokens outside heads (LBNHC, BLNHC: one page holds every head of
-its tokens), each decode rank of a TP split READs the request's whole pages through
-staging to keep its own heads (:mod:`kvxfer.plan.staging`): two ranks move every byte twice,
-over the network too. Ranks of one instance in one process meet instead
-(:mod:`kvxfer.transfer.converted.siblings`): the request's blocks are cut into one share per member,
-each member READs its share's pages once into its own staging, and its converter places every
-member's heads from them (a :class:`Target` per member).
+Each member READs its share of the pages once and places every member's heads from it.
+Invariant: a member's read ends only when every share ended, and a failed share fails every
+member; a member that gives up closes its target before it reports the failure.
 
-A member's read ends only when every share ended (placed, or failed: then every member
-fails), since another member's converter may still write into its blocks until then. A
-member that gives up ends its share with the reason, then closes its target
-(:meth:`StagedMeeting.close`): no placement into its views starts after that, and the call
-returns once none is running; only then does it report the failure.
+Design: docs/design/converted-reads.md#shared-staging
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Where in-process TP ranks of one decode instance meet to share one read.
 
-The decode ranks of a TP split that live in one process (kvxfer's sidecar runs them
-as threads) each read their heads of a request from the same prefill rank. Where
-those reads overlap (a prefill that keeps tokens outside heads holds every head of a
-token in one run, so each rank would read the whole pages), one read can serve them
-all: :class:`~kvxfer.transfer.converted.host_reads.SharedCopies` (host reads) and
-:class:`~kvxfer.transfer.converted.shared_staging.SharedStaging` (staged reads) build on this.
+A rank joins the request's meeting and waits up to :data:`MEET_S` for its registered
+siblings; the rank that closes the meeting runs ``on_close`` once, under the lock. Only ranks
+with the same block ids meet; a late one reads alone. Thread-safe.
 
-A rank that is about to read *joins* the request's meeting (the key: decode engine,
-prefill engine, request, prefill rank) with what it brings, and waits up to
-:data:`MEET_S` for the other ranks registered for that prefill rank
-(:meth:`Siblings.register`). The meeting then closes with whoever came: the rank that
-closes it runs the caller's ``on_close`` once, under the lock, to cut the shared work.
-Only ranks that joined with the same block ids meet; a rank that comes late (the
-meeting closed) or with other ids reads alone. Thread-safe.
+Design: docs/design/converted-reads.md#where-siblings-meet
 """
 
 from __future__ import annotations
@@ -46,7 +37,8 @@ class Meeting(Generic[T]):
 
 
 class Siblings(Generic[T]):
-    """See the module docstring; one registry per kind of shared read."""
+    """The meetings of one kind of shared read: who registered for which prefill rank,
+    and the meeting each request's ranks join (thread-safe)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -1,16 +1,10 @@
 """The staging buffers converted transfers use, and the thread that places reads.
 
-A rank's :class:`StagingPool` owns host buffers registered with its NIXL agent and one
-converter thread. A prefill rank's converted pushes take their shadows here
-(:meth:`StagingPool.buffers`, given back with :meth:`StagingPool.give`). A decode rank's
-converted read (:mod:`kvxfer.plan.staging`) takes
-one buffer per staged prefill rank, all or none (:meth:`StagingPool.take`), is cut
-into parts of about :data:`PART_BYTES`, and each part that landed is placed into
-the rank's views on the converter thread (:meth:`StagingPool.place_landed`) while
-the next one is read. Buffers go back to the pool once every posted part landed;
-buffers of a failed read whose READ may still be writing are held until the
-prefill's connection is dropped (:meth:`StagingPool.drop_held`). Only the worker
-thread calls the pool; the converter thread only runs placements.
+Threading: only the worker thread calls a :class:`StagingPool`; its converter thread only
+runs placements. A read takes its buffers all or none; a failed read's buffers are held until
+its prefill's connection is dropped (:meth:`StagingPool.drop_held`).
+
+Design: docs/design/converted-reads.md#the-staging-pool
 """
 
 from __future__ import annotations
@@ -109,7 +103,8 @@ class StagedJob:
 
 
 class StagingPool:
-    """See the module docstring."""
+    """One rank's registered staging buffers (at most ``limit`` bytes) and its converter
+    thread; called by the worker thread only."""
 
     def __init__(self, agent: NixlAgent, name: str, limit: int = LIMIT_BYTES) -> None:
         self._agent, self._name, self.limit = agent, name, limit

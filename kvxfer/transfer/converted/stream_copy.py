@@ -1,17 +1,10 @@
 """``stream_copy``: numpy's ``copyto`` for copies on one host, with streaming stores.
 
-A mapped read (:mod:`kvxfer.transfer.converted.mapped_reads`) copies a request's KV in
-pieces of 16 KiB to a few MiB. glibc's memcpy, which numpy's copy calls, streams its
-stores past the cache only above a threshold of hundreds of MB (glibc's
-``x86_non_temporal_threshold``; 190 MB on this project's 2-core machines); below it
-every destination line is first read into the cache, then written: one thread moved
-random 2 MiB pieces at 0.55x the speed of one large memcpy of the same bytes (42 vs
-23 ms for 256 MiB), with streaming stores at 0.9x (25 ms).
+The compiled helper (``_stream_copy.c``) copies where it was built and an array's bytes are
+rows of at least :data:`MIN_ROW_BYTES` contiguous on both sides; numpy's copy otherwise (the
+same bytes, slower). :func:`native` says which.
 
-The compiled helper (``_stream_copy.c``, built by ``pip install`` where a C compiler is
-found) copies rows with streaming stores on x86-64 (``memcpy`` elsewhere). Where it is not
-built, or an array's bytes are not rows of at least :data:`MIN_ROW_BYTES` contiguous on
-both sides, the copy is numpy's: the same bytes, slower. :func:`native` says which.
+Design: docs/design/host-reads.md#streaming-copies
 """
 
 from __future__ import annotations
@@ -60,7 +53,7 @@ def native() -> str:
 def stream_copy(target: np.ndarray, source: np.ndarray) -> None:
     """``np.copyto(target, source)`` for arrays of one shape and dtype: by the helper in
     one call where they are rows of at least :data:`MIN_ROW_BYTES` contiguous on both
-    sides (see the module docstring and :func:`_rows`); anything else, numpy's copy,
+    sides (:func:`_rows`), with streaming stores on x86-64; anything else, numpy's copy,
     which also takes arrays that may overlap (the helper copies forward, numpy through
     a buffer) and dtypes holding references (the helper would copy them as bytes)."""
     lib = _library()

@@ -1,7 +1,12 @@
 """Push mode, a prefill rank's side: WRITEs of a request's KV into a decode's reservation.
+Modules:
 
-:mod:`~kvxfer.transfer.pushes.targets` handshakes and connects the decode engines;
-:mod:`~kvxfer.transfer.pushes.pusher` posts each request's WRITEs, layer group by layer
-group, and its signed "done". The decode's side is a lease held on its own blocks
-(:class:`~kvxfer.transfer.leases.LeaseTable`), ended by the writers' "done".
+- ``targets``: ``Targets``, the decode engines it pushes into, handshaken and connected;
+- ``pusher``: ``Pusher``, each request's WRITEs, layer group by layer group, and its signed
+  "done".
+
+The decode's side is a lease held on its own blocks (``LeaseTable``), ended by the writers'
+"done".
+
+Design: docs/design/push.md
 """

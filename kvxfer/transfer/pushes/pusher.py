@@ -1,58 +1,13 @@
 """``Pusher``: one prefill rank's pushes, WRITEs of requests' KV into decode reservations.
 
-Who calls what (the worker's ``push_*`` methods queue each call for its thread):
+:meth:`Pusher.start`, :meth:`Pusher.layers` and :meth:`Pusher.seal` may be called from any
+thread (the worker queues them); :meth:`Pusher.step` runs on the worker's thread. Block ids
+are logical blocks of this rank's cache, in token order. A push holds its blocks as lease
+``lease_id`` and ends it itself: "done" once every decode rank was told ``ok``, else "failed";
+the caller frees the blocks when it ended. Invariant: a failed push tells the decode
+``ok=False`` only once none of its WRITEs is in flight.
 
-* :meth:`Pusher.start` (any thread): push request ``lease_id``'s blocks (``block_ids``,
-  logical blocks of this rank's cache, in token order) into ``reservation``. The push
-  leases the blocks at once, under ``lease_id``, until a moment past the reservation's
-  deadline, and ends that lease itself; the caller frees the blocks when it ended
-  (``poll_released``), as for any lease. The reservation must verify with the instances'
-  key and be unexpired, and this rank's blocks must hold its tokens; otherwise the lease
-  ends "failed" at once, and the decode is told nothing (its reservation was not shown
-  to be genuine: it frees the blocks at its own deadline). Before its first WRITE the
-  push *claims* the reservation over the decode's side channel (the decode's
-  :class:`~kvxfer.transfer.leases.LeaseAnswers`): a decode frees the blocks of an
-  unfinished reservation nobody claimed at its deadline, and keeps those of a claimed
-  one until its writers said their WRITEs ended. A claim refused fails the push.
-* :meth:`Pusher.layers` (any thread): the engine finished ``layers`` (a run of layer
-  indices, each handed at most once): WRITE them into every decode rank now, one WRITE
-  per decode rank, while the engine computes the next ones.
-* :meth:`Pusher.seal` (any thread): nothing more will be handed. ``ok``: layers not
-  handed are WRITten now (a push handed no layer moves all at once), and once every
-  WRITE to a decode rank completed, one last WRITE to it (its first row again: the same
-  bytes) carries the signed "done" for the reservation (a
-  :class:`~kvxfer.wire.notification.ReadDone` whose reader fields name this writer),
-  which NIXL delivers after its bytes; posting it only after the others completed
-  keeps it behind them. Not ``ok`` (the request was aborted): the push fails.
-* :meth:`Pusher.step` (worker thread): handshakes with decodes not known yet
-  (:class:`~kvxfer.transfer.pushes.targets.Targets`), posts, progresses, finishes.
-
-Outcome: the lease ``lease_id`` ends "done" once every decode rank was told ``ok``, or
-"failed" when the push failed (a WRITE failed, the decode could not be handshaken, the
-caller sealed it not ``ok``, its lease was ended by someone else). A failed push posts
-nothing more and waits for its WRITEs in flight to complete or fail, then tells each
-decode rank ``ok=False`` (it frees the reservation now, not at its deadline) and ends its
-lease: no WRITE of it is in flight once the decode frees a block (this side frees its own
-at the lease's end, a second past the deadline at the latest: a WRITE still in flight
-then only reads them, into blocks the decode keeps out of use). At the reservation's
-deadline a push still unfinished fails the same way. Its WRITEs may stay in flight long
-after (over TCP, a cut link: the bytes still in this host's kernel land once the link is
-back), and the decode keeps the claimed blocks out of use until it is told ``ok=False``.
-Such a push is not polled fast: each step of the worker asks its WRITEs whether they
-ended. At :data:`~kvxfer.transfer.results.STALE_LIMIT_S` past the deadline, or when
-the worker closes, a push still waiting is cut off: its WRITEs are released, and the
-decode ranks they were writing into are told nothing (the decode frees at its own
-stale limit).
-
-A lost notification: as its lease ends, the push sends what it told each decode rank once
-more, over the decode's side channel (:meth:`Pusher._report`), to every rank all of whose
-WRITEs completed; the decode counts whichever copy comes first.
-
-A decode rank whose heads byte copies cannot place
-(:class:`~kvxfer.plan.pushes.ConvertedPush`) is written from a shadow: before its first
-WRITE the push takes one per such rank from the rank's staging pool, all or none, and
-while the pool has no room it waits, writing nothing; it gives them back as it ends (one
-a cut-off WRITE may still read is held until that decode's connection is dropped).
+Design: docs/design/push.md#the-pusher
 """
 
 from __future__ import annotations
@@ -135,7 +90,8 @@ Command = Callable[[], None]
 
 
 class Pusher:
-    """See the module docstring; ``leases`` is the rank's lease table (a push holds and
+    """One prefill rank's pushes in flight, stepped on the worker's thread; ``leases`` is
+    the rank's lease table (a push holds and
     ends its lease there)."""
 
     def __init__(self, local: LocalRank, targets: Targets, leases: LeaseTable,

@@ -63,7 +63,8 @@ class Target:
 
 
 class Targets:
-    """See the module docstring. ``total_kv_heads`` and both instances' TP sizes say which
+    """The decode engines this prefill rank pushes into: handshakes, connections, push plans
+    and claims. ``total_kv_heads`` and both instances' TP sizes say which
     heads this rank writes into which decode rank."""
 
     def __init__(self, local: LocalRank, client: SideChannelClient, *,

@@ -1,16 +1,11 @@
 """``HostPath`` and ``MappedPath``: reads copied on this host, in the post.
 
-Where a prefill rank is a process on this host that offers it, and its route says so
-(:mod:`kvxfer.transfer.routes`), its bytes are copied straight into their places instead
-of READ over NIXL or through staging: from its mapped cache
-(:mod:`kvxfer.transfer.converted.mapped_reads`, :class:`MappedPath`: direct and converted
-reads alike) or with ``process_vm_readv`` (:mod:`kvxfer.transfer.converted.host_reads`,
-:class:`HostPath`, converted reads only; shared with in-process sibling ranks where they
-read the same request). Either copy
-ends within :meth:`~kvxfer.transfer.reads.path.ReadPath.post`, shared out to the
-rank's copy threads (its own and its lanes'), so the path has landed when posted. No
-READ tells these prefill ranks: the reader sends their "done" once the read landed.
-A copy that fails because the prefill process is gone takes the peer for dead.
+For a prefill rank that is a process on this host and offers it: copied from its mapped cache
+(:class:`MappedPath`) or with ``process_vm_readv`` (:class:`HostPath`, converted reads only).
+Either copy ends within ``post``, on the rank's copy threads; the reader sends the "done". A
+copy that fails because the prefill process is gone takes the peer for dead.
+
+Design: docs/design/reads.md#host-and-mapped
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """``ReadPath``: one way a read moves some of its prefill ranks' blocks, and its outcomes.
 
-A read (:class:`~kvxfer.transfer.reads.read.Read`) is the set of paths its peer's plans
-call for: direct READs, the same READs split over read lanes, READs through staging
-(alone or shared with sibling ranks), host reads, reads from a mapped cache. The
-:class:`~kvxfer.transfer.reads.reader.Reader` drives every path of a read alike, on the
-worker's thread:
+The :class:`~kvxfer.transfer.reads.reader.Reader` drives every path alike, on the worker's
+thread: :meth:`ReadPath.reserve` (False: not yet), :meth:`ReadPath.start` (posts),
+:meth:`ReadPath.progress` until :data:`LANDED`, then :meth:`ReadPath.finish`, or
+:meth:`ReadPath.abandon`, which hands READs still in flight to the reader as :class:`Stale`.
+:class:`ReadFailed` is the one way a read fails. A new way to move bytes is a new path class.
 
-1. :meth:`ReadPath.reserve` takes what the path needs before anything is posted (False:
-   not yet, the read waits and asks again later; nothing is held meanwhile);
-2. :meth:`ReadPath.start` posts it (:meth:`ReadPath.post`; a path that copies inside the
-   call has landed when it returns) and starts its clock;
-3. :meth:`ReadPath.progress`, called until it returns :data:`LANDED`, or a
-   :class:`Waiting` that says what a read timeout would then report (the reader gives a
-   read up at its :class:`Deadline`: the read timeout, or earlier when the peer that owes
-   the bytes went silent);
-4. :meth:`ReadPath.finish` once every path landed, or :meth:`ReadPath.abandon` when the
-   read fails, is given up or the worker closes: every resource goes back either way,
-   except what a READ still in flight may yet write into. Giving a READ up does not stop
-   it: over TCP, once a cut link is back, the prefill's kernel delivers what it still
-   held and UCX places it, even after the peer was removed from the agent. So an
-   abandoned path hands the READs it could not see end to the reader as :class:`Stale`,
-   with what they land in, and the reader keeps them, the peer's agent and the read's
-   blocks until each one settled (:meth:`Stale.settled`).
-
-Any step may raise :class:`ReadFailed`, the one way a read fails: it names the peer and
-the reason, says whether the prefill ranks can be told over NIXL, and when the peer is
-at fault (``peer_gone``) the reader takes it for dead. A path counts what it moved and
-how long it ran (from its post until it landed) and adds it to the read's
-:class:`~kvxfer.transfer.results.ReadStats` (:meth:`ReadPath.add_to`), under its
-:attr:`ReadPath.name` (one of :data:`kvxfer.transfer.routes.PATHS`).
+Design: docs/design/reads.md#read-paths
 """
 
 from __future__ import annotations
@@ -105,7 +83,8 @@ Progress = Landed | Waiting
 
 
 class ReadPath(ABC):
-    """See the module docstring. ``ranks``: the prefill ranks this path reads."""
+    """One way of moving a read's bytes: ``reserve``, ``start``/``post``, ``progress``,
+    then ``finish`` or ``abandon``. ``ranks``: the prefill ranks this path reads."""
 
     name = "nixl"  # the path's word in stats and metrics (kvxfer.transfer.routes.PATHS)
     # its READs carry its ranks' "done" (else the reader tells them once the read landed)

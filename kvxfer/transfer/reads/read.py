@@ -29,7 +29,8 @@ from kvxfer.wire.params import RemoteParams
 
 @dataclass
 class Read:
-    """See the module docstring. Block ids count logical blocks on both sides."""
+    """One decode rank's read of one request and its paths. Block ids count logical blocks
+    on both sides."""
 
     request_id: str
     remote: RemoteParams

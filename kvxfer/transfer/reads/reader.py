@@ -1,45 +1,12 @@
 """``Reader``: one decode rank's reads, from queued to reported.
 
-Who calls what: :meth:`~kvxfer.transfer.worker.TransferWorker.start_read` (any thread)
-queues a :class:`~kvxfer.transfer.reads.read.Read` with :meth:`Reader.submit`; the
-worker's thread calls :meth:`Reader.step` on every turn of its loop, which
+:meth:`Reader.submit` from any thread; :meth:`Reader.step` on the worker's thread, every turn
+(peers, posting, progress, finishing, telling liveness what is in flight). Every failure ends
+in :meth:`Reader._fail`. READs given up in flight are kept until they settle (or
+:data:`~kvxfer.transfer.results.STALE_LIMIT_S`): the failure is reported *quarantined* at
+once where they land in the read's blocks, and *settled* after.
 
-1. drops the peers someone asked to forget (:class:`~kvxfer.transfer.peers.Peers`);
-2. connects the peers whose handshake ended and posts the reads parked behind them (a
-   failed handshake fails them, unnotified: there is no NIXL connection to tell);
-3. retries the reads that wait for staging space, oldest first;
-4. routes new reads: posted to a known peer, failed fast for a peer that failed moments
-   ago, parked behind a running handshake, or parked behind a new one;
-5. progresses the reads in flight and finishes those whose paths all landed;
-6. tells the instance's :class:`~kvxfer.transfer.liveness.Liveness` (when it has one) which
-   prefill side channels its reads in flight come from: those get heartbeats.
-
-A read in flight is given up at its deadline (:meth:`Read.overdue`): its read timeout,
-or earlier, while its peer owes bytes, once the peer's side channel has left a heartbeat
-unanswered for the heartbeat timeout (a cut link, a frozen host). It is checked only after
-the read was progressed, so a read that landed is never failed for a silent peer (on one
-host a frozen prefill's memory is still copied). Either way it fails as below.
-
-Posting a read plans its paths once from its peer's plans (:func:`paths_for`: host and
-mapped copies, read lanes or staging, direct READs), reserves what they need (a
-converted read waits behind earlier ones for staging space, first come first served),
-then posts them. A finished read tells the prefill ranks no READ told (converted reads,
-ranks nobody reads); results go to the caller's :class:`~kvxfer.transfer.results.ReadResults`
-and sends a side-channel "done" report for each prefill rank of the peer through the
-instance's :class:`~kvxfer.transfer.side_channel.reports.Reports` (acknowledged): the
-lease ends even when a notification was lost.
-
-Every failure ends in :meth:`Reader._fail`, the one failure path: the read's paths are
-abandoned, the prefill ranks are told
-``ok=False`` where a NIXL connection exists and the failure allows it, and reported so
-over the side channel (a peer never handshaken is reported unnotified instead: its
-caller releases the lease), and a peer at fault is taken for dead for a moment. READs
-an abandoned path saw still in flight may yet land (over TCP, once a cut link is back):
-the reader keeps them (:class:`~kvxfer.transfer.reads.path.Stale`) and their peer's agents
-(:meth:`Peers.hold`), reports the failure at once as *quarantined* when they land in the
-read's blocks (the caller keeps those blocks from every other use), and reports the read
-*settled* once every one of them ended, or after
-:data:`~kvxfer.transfer.results.STALE_LIMIT_S`.
+Design: docs/design/reads.md#the-readers-turn
 """
 
 from __future__ import annotations
@@ -83,7 +50,8 @@ class _Held:
 
 
 class Reader:
-    """See the module docstring; a read may take ``local.deadlines.read_timeout`` seconds
+    """One decode rank's reads: queued, parked behind handshakes or staging, in flight,
+    stale; a read may take ``local.deadlines.read_timeout`` seconds
     once posted (or wait that long for staging before it is), less when its peer falls
     silent (``local.deadlines.liveness``)."""
 
@@ -112,7 +80,9 @@ class Reader:
         return bool(self.inflight)
 
     def step(self) -> None:
-        """Worker thread: one turn (see the module docstring)."""
+        """Worker thread: one turn: drop forgotten peers, connect handshaken ones, retry
+        reads waiting for staging, route new reads, progress and finish, tell liveness,
+        settle stale READs."""
         self._peers.drop_forgotten()
         self._connect_handshaken()
         if self.staging_wait:
@@ -272,7 +242,8 @@ class Reader:
         self._results.finished(read.request_id, read.stats(now), unnotified=False)
 
     def _fail(self, read: Read, failure: ReadFailed) -> None:
-        """Fail one read (see the module docstring)."""
+        """Fail one read, the one failure path: abandon its paths, tell its prefill ranks
+        where possible, keep its stale READs, take a peer at fault for dead."""
         # siblings fail too, and nothing is placed here any more; READs still in flight
         # are held until they settle
         stales = [stale for path in read.paths

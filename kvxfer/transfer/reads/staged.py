@@ -1,19 +1,10 @@
 """``StagedPath``: converted reads READ into staging and placed by the converter thread.
 
-Where byte copies cannot place a prefill rank's heads and it is not read on this host,
-its blocks are READ into registered host buffers (:mod:`kvxfer.plan.staging`,
-:mod:`kvxfer.transfer.converted.staging_pool`) and a converter thread places each part
-into this rank's views as soon as it landed, while the next one is read. The buffers
-are taken for all staged ranks at once or not at all (:meth:`StagedPath.reserve`: a read
-short of staging waits behind earlier ones). Where the prefill's pages hold every head
-(tokens outside heads) and sibling ranks of this process read the same request, they
-share it (:mod:`kvxfer.transfer.converted.shared_staging`): each READs its share of the
-pages once and places every member's heads from it. No READ carries a "done": the reader
-sends it once the read landed.
+Staging is taken for all staged ranks at once or not at all (:meth:`StagedPath.reserve`);
+sibling ranks of one process may share one staged read, which lands only when every
+member's share ended. No READ carries a "done": the reader sends it once the read landed.
 
-A member's share ends once its parts are placed (its staging goes back at once), but its
-read lands only when every member's share ended, since another member may still write
-into its blocks until then; a share that failed fails every member.
+Design: docs/design/reads.md#staged
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Decode side: :class:`Heartbeats` asks every prefill side channel that READs are in flight
-from whether it still answers, so that a cut link or a frozen host is noticed within a
-bound (:class:`~kvxfer.transfer.liveness.Liveness` says which channels and when; the
-readers fail what is still in flight from a silent one).
+from whether it still answers, so that a cut link or a frozen host fails them within a bound.
 
-One daemon thread per decode instance, one DEALER connection per watched channel, kept
-while the channel is watched (and for :data:`~kvxfer.transfer.liveness.LINGER_S` after).
-The thread never waits on one peer: it sends each due :class:`~kvxfer.wire.messages.
-Heartbeat` without blocking and polls every connection at once, so a silent peer delays
-neither another peer's heartbeats nor any claim, renewal, release or report (those go
-through :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`). An answer
-counts only when it verifies (with the shared key, as a fresh message, the hash of a
-compatible peer) and echoes a heartbeat still unanswered on that connection; anything
-else is logged and changes nothing.
+One daemon thread per decode instance, which never waits on one peer. An answer counts only
+when it verifies and echoes a heartbeat still unanswered on its connection.
+
+Design: docs/design/side-channel.md#heartbeats-the-thread
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ MAX_ACK_BYTES = 4096  # an ack is ~100 bytes (a signed one ~200)
 
 
 class Heartbeats:
-    """See the module docstring: the heartbeat thread of ``liveness``, sending as
+    """The decode instance's heartbeat thread for ``liveness``, sending as
     ``engine_id`` with ``compat`` (signed with ``hmac_key`` when given). Started at once;
     :meth:`close` stops it."""
 
