@@ -31,6 +31,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start mypy now when its test is selected (see ``test_lint.py``)."""
+    if any(item.nodeid.endswith("test_lint.py::test_mypy_clean_on_pure_modules")
+           for item in session.items):
+        from test_lint import MYPY_STARTED, start_mypy
+
+        session.config.stash[MYPY_STARTED] = start_mypy()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _collect_cycles_after_each_module() -> Iterator[None]:
     """Finalize a module's reference cycles (closed workers, NIXL agents, ZMQ sockets,
