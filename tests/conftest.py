@@ -8,6 +8,7 @@ Fixtures of the in-process connector tests: ``connector``, a decode connector ov
 builds connectors like it (closed after the test); ``recorder``, a handshake listener
 that records the releases it gets (``test_release.Recorder``). Transfer tests share
 ``prefill``, one prefill OS process per module (:class:`kvxfer.harness.loopback.PrefillProcess`).
+Sidecars shared by the whole run: ``shared_servers.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import pytest
 import torch
 
 from kvxfer.sidecar.connector import KVConnector
+
+# session-wide sidecars for the tests that only talk to them (plain, pull_pair, proxied)
+pytest_plugins = ["shared_servers"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

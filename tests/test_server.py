@@ -11,7 +11,7 @@ Layouts whose heads sit inside the token dimension (LBNHC, BLNHC) cannot be
 head-split by byte copies: there a TP change goes through a staged, converted read
 (:mod:`kvxfer.plan.staging`), and must answer the same.
 
-Process budget: one ``both`` reference for the module, and per layout group one
+Process budget: the run's shared ``both`` reference, and per layout group one
 prefill and one decode for each TP, started once and stopped before the next
 group starts (:class:`LayoutGroups`).
 """
@@ -55,16 +55,15 @@ def group_specs(layout: str) -> list[Spec]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, dict[str, Any]]]:
-    """The ``both`` instance's answer for every prompt (one process, queried once)."""
-    with SidecarGroup(tmp_path_factory.mktemp("both")) as group:
-        both = group.start_one(Spec("both"))
-        answers = {}
-        for i, prompt in enumerate(PROMPTS):
-            response = both.post("/v1/completions", {**BODY, "prompt": prompt})
-            assert response.status_code == 200, response.text
-            answers[i] = response.json()["choices"][0]
-        yield answers
+def reference(plain: Sidecar) -> dict[int, dict[str, Any]]:
+    """The ``both`` instance's answer for every prompt (the run's shared one, queried
+    once)."""
+    answers = {}
+    for i, prompt in enumerate(PROMPTS):
+        response = plain.post("/v1/completions", {**BODY, "prompt": prompt})
+        assert response.status_code == 200, response.text
+        answers[i] = response.json()["choices"][0]
+    return answers
 
 
 class LayoutGroups:
