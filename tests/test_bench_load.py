@@ -22,6 +22,7 @@ from sidecars import ROOT
 from kvxfer.bench import load
 from kvxfer.bench.proxy import Cell
 from kvxfer.bench.serving import BenchError
+from kvxfer.harness import preloaded
 
 COMMAND = [sys.executable, "-m", "kvxfer.cli", "bench", "load"]
 SMALL = ["--requests", "40", "--concurrency", "4", "--rounds", "1", "--warmup", "4"]
@@ -168,8 +169,8 @@ def without_keys() -> dict[str, str]:
 def test_a_run_on_this_tree_reports_every_figure_and_leaves_nothing_running(
         tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    done = subprocess.run([*COMMAND, *SMALL, "--json", "--json-file", str(out)], cwd=ROOT,
-                          env=without_keys(), capture_output=True, text=True, timeout=120)
+    done = preloaded.run("kvxfer.cli", [*COMMAND[3:], *SMALL, "--json", "--json-file", str(out)],
+                         ROOT, without_keys(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert json.loads(out.read_text()) == report

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from stub_upstream import wait_until
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
 from kvxfer.sidecar.claimers import Claimers
@@ -38,6 +39,12 @@ def claimers() -> Iterator[Claimers]:
         made.close()
 
 
+def wait_seen(claimers: Claimers, engine_id: str) -> None:
+    """Until a probe found ``engine_id`` answering at its side channel as itself."""
+    wait_until(lambda: claimers._claimers[engine_id].seen, 10.0,
+               f"a probe to find {engine_id} answering as itself")
+
+
 def settle(claimers: Claimers, engine_id: str, probes: int = 2) -> tuple[str, float] | None:
     """What ``gone`` says once ``probes`` probes were answered (or it is known gone)."""
     deadline = time.monotonic() + probes * PROBE_S + 2.0
@@ -58,7 +65,7 @@ def test_a_claimer_that_answers_as_itself_is_not_gone(prefill: LoopbackInstance,
 def test_a_claimer_whose_side_channel_refuses_is_gone_since_the_probe_saw_it(
         prefill: LoopbackInstance, claimers: Claimers) -> None:
     claimers.heard(prefill.engine_id, ("127.0.0.1", prefill.port))
-    time.sleep(1.0)  # the claim's own probe: it answers there as itself
+    wait_seen(claimers, prefill.engine_id)  # the claim's own probe: it answers as itself
     assert claimers.gone(prefill.engine_id) is None
     prefill.close()
     before = time.monotonic()
@@ -74,7 +81,7 @@ def test_another_engine_answering_at_the_claimers_side_channel_means_it_restarte
 
     port = prefill.port
     claimers.heard(prefill.engine_id, ("127.0.0.1", port))
-    time.sleep(1.0)  # seen there as itself
+    wait_seen(claimers, prefill.engine_id)
     prefill.close()
     restarted = SideChannelListener("127.0.0.1", port, engine_id="restarted-prefill",
                                   compat=CFG.compat(), metadata=list).start()

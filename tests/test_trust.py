@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 import zmq
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
+from kvxfer.harness import preloaded
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.failures import PeerRefused
 from kvxfer.wire.compat import CompatInfo
@@ -478,11 +478,11 @@ def _filler_params(key: bytes, port: int) -> dict[str, Any]:
 
 def serve_with_key_file(path: Path, env: dict[str, str] | None = None
                         ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "kvxfer.cli", "serve", "--role", "prefill", "--port", "0"]
+    """``kvxfer serve`` in a process of its own (forked preloaded)."""
+    args = ["serve", "--role", "prefill", "--port", "0"]
     if not env:
-        argv += ["--kv-key-file", str(path)]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, check=False)
+        args += ["--kv-key-file", str(path)]
+    return preloaded.run("kvxfer.cli", args, ROOT, {**os.environ, **(env or {})}, 120)
 
 
 @pytest.mark.parametrize("case, content, mode, named", [
