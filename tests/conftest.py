@@ -9,9 +9,19 @@ builds connectors like it (closed after the test); ``recorder``, a handshake lis
 that records the releases it gets (``test_release.Recorder``). Transfer tests share
 ``prefill``, one prefill OS process per module (:class:`kvxfer.harness.loopback.PrefillProcess`).
 Sidecars shared by the whole run: ``shared_servers.py``.
+
+Torch runs one OpenMP thread in the test process and in every process it starts, unless
+``OMP_NUM_THREADS`` says otherwise: the suite runs several processes on two cores, and
+OpenMP's spinning threads, descheduled, made in-process model tests up to ten times
+slower whenever another process wanted a core (test_engine_mla: 38-67 s with two
+threads, 4 s with one, on a busy machine).
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is first imported
 
 import gc
 from collections.abc import Callable, Iterator
