@@ -236,12 +236,21 @@ class SidecarGroup:
 
     def start(self, specs: Sequence[Spec], timeout: float = READY_TIMEOUT_S) -> list[Sidecar]:
         """Launch all ``specs`` at once, then wait until every one is healthy."""
-        started = [Sidecar(spec, self.log_dir, self.env, self.fresh) for spec in specs]
-        self.sidecars += started
+        return self.wait_ready(self.launch(specs), timeout)
+
+    def launch(self, specs: Sequence[Spec]) -> list[Sidecar]:
+        """Launch all ``specs`` at once without waiting (then :meth:`wait_ready`)."""
+        launched = [Sidecar(spec, self.log_dir, self.env, self.fresh) for spec in specs]
+        self.sidecars += launched
+        return launched
+
+    @staticmethod
+    def wait_ready(sidecars: list[Sidecar], timeout: float = READY_TIMEOUT_S) -> list[Sidecar]:
+        """Wait until every one of ``sidecars`` (launched) serves."""
         deadline = time.monotonic() + timeout
-        for sidecar in started:
+        for sidecar in sidecars:
             sidecar.wait_ready(deadline)
-        return started
+        return sidecars
 
     def start_one(self, spec: Spec) -> Sidecar:
         return self.start([spec])[0]
