@@ -55,9 +55,9 @@ def context() -> ForkServerContext:
 
 def _run_module(module: str, args: Sequence[str], env: Mapping[str, str], cwd: str,
                 stdout_path: str, stderr_path: str) -> None:
-    """In the child: become ``python -m module args`` with ``env`` in ``cwd``, output
-    (unbuffered) appended to the two paths (they may be one file); its ``SystemExit``
-    is the process's exit code."""
+    """In the child: become ``python -m module args`` (``python -c args[0] args[1:]`` for
+    module ``-c``) with ``env`` in ``cwd``, output (unbuffered) appended to the two paths
+    (they may be one file); its ``SystemExit`` is the process's exit code."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -70,17 +70,21 @@ def _run_module(module: str, args: Sequence[str], env: Mapping[str, str], cwd: s
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
                                                write_through=True, line_buffering=True)
                               for fd in (1, 2))
-    sys.argv = [module, *args]
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module == "-c":  # python -c CODE ARGS
+            sys.argv = ["-c", *args[1:]]
+            exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = [module, *args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()  # what the interpreter runs when a program ends
 
 
 class PreloadedProcess:
-    """``python -m module args`` forked from the preloaded server, with the part of
-    :class:`subprocess.Popen`'s interface that tests use (``pid``, ``poll``, ``wait``,
-    ``send_signal``, ``kill``, ``returncode``)."""
+    """``python -m module args`` (or ``-c``: ``python -c args[0] ...``) forked from the
+    preloaded server, with the part of :class:`subprocess.Popen`'s interface that tests
+    use (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``)."""
 
     def __init__(self, module: str, args: Sequence[str], env: Mapping[str, str],
                  cwd: Path, log_path: Path, stderr_path: Path | None = None) -> None:
