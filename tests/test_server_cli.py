@@ -1,6 +1,6 @@
 """``kvxfer serve`` as a command: help, start-up lines, one-line errors, clean shutdown.
 
-Every case runs the real command in its own process: help, signals and the start-up
+Every case runs the real command in its own process: help, SIGTERM and the start-up
 ones in a new interpreter, the others forked from the preloaded server
 (:mod:`kvxfer.harness.preloaded`).
 """
@@ -112,8 +112,12 @@ def test_a_broken_gguf_fails_at_start_up_naming_the_file_and_reason(
 
 
 @pytest.fixture
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarGroup]:
-    with SidecarGroup(tmp_path_factory.mktemp("cli"), fresh=True) as started:
+def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+          ) -> Iterator[SidecarGroup]:
+    """Sidecars in a new interpreter for SIGTERM (what a deployment sends), forked
+    preloaded for SIGINT."""
+    fresh = request.node.callspec.params["sig"] == signal.SIGTERM
+    with SidecarGroup(tmp_path_factory.mktemp("cli"), fresh=fresh) as started:
         yield started
 
 
