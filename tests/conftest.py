@@ -10,9 +10,20 @@ kvxfer-tiny engine (128 tokens), policy fail; ``make``, ``make(role, **config)``
 ``recorder``, a side-channel listener
 that records the releases it gets (``test_release.Recorder``). Transfer tests share
 ``prefill``, one prefill OS process per module (:class:`kvxfer.harness.loopback.PrefillProcess`).
+Sidecars shared by the whole run: ``shared_servers.py``.
+
+Torch runs one OpenMP thread in the test process and in every process it starts, unless
+``OMP_NUM_THREADS`` says otherwise: the suite runs several processes on two cores, and
+OpenMP's spinning threads, descheduled, made in-process model tests up to ten times
+slower whenever another process wanted a core (test_engine_mla: 38-67 s with two
+threads, 4 s with one, on a busy machine).
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is first imported
 
 import gc
 from collections.abc import Callable, Iterator
@@ -23,6 +34,9 @@ import torch
 
 from kvxfer.sidecar.roles.composition import Roles
 
+# session-wide sidecars for the tests that only talk to them (plain, pull_pair, proxied)
+pytest_plugins = ["shared_servers"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
@@ -31,6 +45,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start mypy now when its test is selected (see ``test_lint.py``)."""
+    if any(item.nodeid.endswith("test_lint.py::test_mypy_clean_on_pure_modules")
+           for item in session.items):
+        from test_lint import MYPY_STARTED, start_mypy
+
+        session.config.stash[MYPY_STARTED] = start_mypy()
 
 
 @pytest.fixture(autouse=True, scope="module")

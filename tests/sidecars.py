@@ -7,6 +7,9 @@ its side channel; its address comes from the "... ready: URL" line it prints onc
 it serves (so no port chosen in advance can be lost to another program). Output
 goes to a log file whose tail is shown when a sidecar fails to start.
 :class:`ProxyProcess` launches ``python -m proxy`` in front of sidecars the same way.
+``python -m`` commands are forked from a server that imported torch and the HTTP stack
+once (:mod:`kvxfer.harness.preloaded`), unless ``fresh`` asks for a new interpreter (the
+tests of the command line itself do).
 
 Typical use, with a fixture that always stops what it started::
 
@@ -38,6 +41,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxfer.harness.network import Network, in_ns
+from kvxfer.harness.preloaded import PreloadedProcess
 from proxy.contract import decode_request, parse_prefill_answer, prefill_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,21 +96,28 @@ class Launched:
     """A launched server process that prints "... ready: URL" once it serves.
 
     ``argv`` must make it bind port 0; :meth:`wait_ready` reads the URL from the
-    log. A client for its HTTP API is ``client``; :meth:`stop` ends it.
+    log. A client for its HTTP API is ``client``; :meth:`stop` ends it. An
+    ``argv`` of ``python -m MODULE ...`` is forked preloaded unless ``fresh``.
     """
 
     READY = re.compile(r"ready: (http://\S+)")
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: Path,
                  env: dict[str, str] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, fresh: bool = False) -> None:
         self.name = name
         self.url = ""
         self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
         self.client = httpx.Client(timeout=60.0, trust_env=False, headers=headers)
+        environ = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.process: subprocess.Popen[bytes] | PreloadedProcess | None
+        if not fresh and list(argv[:2]) == [sys.executable, "-m"]:
+            self.log_path.touch()  # the child opens it to append, perhaps after we read it
+            self.process = PreloadedProcess(argv[2], argv[3:], environ, ROOT, self.log_path)
+            return
         with open(self.log_path, "ab") as log:
-            self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
-                list(argv), cwd=ROOT, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            self.process = subprocess.Popen(
+                list(argv), cwd=ROOT, env=environ,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
@@ -189,8 +200,9 @@ class Sidecar(Launched):
     # SIGTERM drains (several seconds); tests of draining send it explicitly
     STOP_SIGNAL = signal.SIGINT
 
-    def __init__(self, spec: Spec, log_dir: Path, env: dict[str, str] | None = None) -> None:
-        super().__init__(spec.name, spec.argv(), log_dir, env, bearer(spec.api_key))
+    def __init__(self, spec: Spec, log_dir: Path, env: dict[str, str] | None = None,
+                 fresh: bool = False) -> None:
+        super().__init__(spec.name, spec.argv(), log_dir, env, bearer(spec.api_key), fresh)
         self.spec = spec
 
     def health(self) -> dict[str, Any]:
@@ -212,21 +224,33 @@ class Sidecar(Launched):
 
 
 class SidecarGroup:
-    """Sidecars started together and always stopped together (a context manager)."""
+    """Sidecars started together and always stopped together (a context manager);
+    ``fresh``: each in a new interpreter (see :class:`Launched`)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None,
+                 fresh: bool = False) -> None:
         self.log_dir = log_dir
         self.env = env
+        self.fresh = fresh
         self.sidecars: list[Sidecar] = []
 
     def start(self, specs: Sequence[Spec], timeout: float = READY_TIMEOUT_S) -> list[Sidecar]:
         """Launch all ``specs`` at once, then wait until every one is healthy."""
-        started = [Sidecar(spec, self.log_dir, self.env) for spec in specs]
-        self.sidecars += started
+        return self.wait_ready(self.launch(specs), timeout)
+
+    def launch(self, specs: Sequence[Spec]) -> list[Sidecar]:
+        """Launch all ``specs`` at once without waiting (then :meth:`wait_ready`)."""
+        launched = [Sidecar(spec, self.log_dir, self.env, self.fresh) for spec in specs]
+        self.sidecars += launched
+        return launched
+
+    @staticmethod
+    def wait_ready(sidecars: list[Sidecar], timeout: float = READY_TIMEOUT_S) -> list[Sidecar]:
+        """Wait until every one of ``sidecars`` (launched) serves."""
         deadline = time.monotonic() + timeout
-        for sidecar in started:
+        for sidecar in sidecars:
             sidecar.wait_ready(deadline)
-        return started
+        return sidecars
 
     def start_one(self, spec: Spec) -> Sidecar:
         return self.start([spec])[0]

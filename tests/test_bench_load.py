@@ -18,10 +18,13 @@ from typing import Any
 
 import pytest
 from sidecars import ROOT
+from stub_upstream import wait_until
 
 from kvxfer.bench import load
 from kvxfer.bench.proxy import Cell
 from kvxfer.bench.serving import BenchError
+from kvxfer.harness import preloaded
+from kvxfer.harness.preloaded import PreloadedProcess
 
 COMMAND = [sys.executable, "-m", "kvxfer.cli", "bench", "load"]
 SMALL = ["--requests", "40", "--concurrency", "4", "--rounds", "1", "--warmup", "4"]
@@ -168,8 +171,8 @@ def without_keys() -> dict[str, str]:
 def test_a_run_on_this_tree_reports_every_figure_and_leaves_nothing_running(
         tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    done = subprocess.run([*COMMAND, *SMALL, "--json", "--json-file", str(out)], cwd=ROOT,
-                          env=without_keys(), capture_output=True, text=True, timeout=120)
+    done = preloaded.run("kvxfer.cli", [*COMMAND[3:], *SMALL, "--json", "--json-file", str(out)],
+                         ROOT, without_keys(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert json.loads(out.read_text()) == report
@@ -190,23 +193,24 @@ def test_a_run_on_this_tree_reports_every_figure_and_leaves_nothing_running(
     assert all(refused(url) for url in urls)
 
 
-def test_ctrl_c_stops_every_process_it_started() -> None:
-    bench = subprocess.Popen([*COMMAND, *SMALL, "--requests", "100000"], cwd=ROOT,
-                             env=without_keys(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+def test_ctrl_c_stops_every_process_it_started(tmp_path: Path) -> None:
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    bench = PreloadedProcess("kvxfer.cli", [*COMMAND[3:], *SMALL, "--requests", "100000"],
+                             without_keys(), ROOT, out, err)
     try:
-        assert bench.stderr is not None
-        for line in bench.stderr:  # until all are up and the load has begun
-            if found := READY.search(line):
-                break
-        else:
-            pytest.fail(f"no ready line; exit status {bench.wait()}")
+        def ready() -> re.Match[str] | None:  # all are up and the load has begun
+            return READY.search(err.read_text()) if err.exists() else None
+
+        wait_until(lambda: ready() is not None or bench.poll() is not None, 120.0,
+                   "the bench's ready line")
+        found = ready()
+        assert found is not None, f"no ready line; exit status {bench.poll()}"
         time.sleep(1.0)
         bench.send_signal(signal.SIGINT)
         assert bench.wait(60) == 130
-        assert "interrupted" in bench.stderr.read()
+        assert "interrupted" in err.read_text()
     finally:
         if bench.poll() is None:
             bench.kill()
-            bench.wait()
+            bench.wait(60)
     assert all(refused(url) for url in found.groups())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +13,7 @@ from sidecars import ROOT
 
 from kvxfer.bench import ttft
 from kvxfer.bench.serving import BenchError
+from kvxfer.harness import preloaded
 
 METRICS = ("ttft_ms", "tt2t_ms", "itl_ms")
 
@@ -113,11 +112,10 @@ def test_end_to_end_with_real_sidecars_and_the_proxy(tmp_path: Path) -> None:
     """About 10 s on two busy cores: four tiny sidecars and two proxies (pull and push)
     start in parallel."""
     path = tmp_path / "ttft.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "kvxfer.cli", "bench", "ttft", "--json", "--model",
-         "kvxfer-tiny", "--lengths", "8,32", "--repeats", "2", "--json-file", str(path),
-         "--log-dir", str(tmp_path / "logs")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    done = preloaded.run(
+        "kvxfer.cli", ["bench", "ttft", "--json", "--model", "kvxfer-tiny", "--lengths", "8,32",
+                       "--repeats", "2", "--json-file", str(path), "--log-dir",
+                       str(tmp_path / "logs")], ROOT, timeout=120)
     assert done.returncode == 0, f"{done.stderr[-3000:]}\nlogs in {tmp_path / 'logs'}"
     result = json.loads(done.stdout)
     assert result == json.loads(path.read_text())

@@ -8,9 +8,13 @@ claim goes over a real ZMQ connection to a decode's real listener."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
+from stub_upstream import wait_until
 
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance
 from kvxfer.sidecar.roles.claimers import Claimers
@@ -29,22 +33,51 @@ def prefill() -> Iterator[LoopbackInstance]:
         inst.close()
 
 
+class CountedClaimers(Claimers):
+    """``Claimers`` that count, per engine, the probes whose verdict is in."""
+
+    def __init__(self, client: SideChannelClient, probe_every: float) -> None:
+        super().__init__(client, probe_every)
+        self.answered: Counter[str] = Counter()
+        submit = self._pool.submit
+
+        def counted(probe: Any, engine_id: str, *args: Any) -> Future[str | None]:
+            future = submit(probe, engine_id, *args)
+            future.add_done_callback(lambda _: self.answered.update([engine_id]))
+            return future
+
+        self._pool.submit = counted  # type: ignore[method-assign]
+
+
 @pytest.fixture
-def claimers() -> Iterator[Claimers]:
-    made = Claimers(SideChannelClient("decode-probing", CFG.compat(), CFG.hmac_key), PROBE_S)
+def claimers() -> Iterator[CountedClaimers]:
+    made = CountedClaimers(SideChannelClient("decode-probing", CFG.compat(), CFG.hmac_key),
+                           PROBE_S)
     try:
         yield made
     finally:
         made.close()
 
 
-def settle(claimers: Claimers, engine_id: str, probes: int = 2) -> tuple[str, float] | None:
-    """What ``gone`` says once ``probes`` probes were answered (or it is known gone)."""
+def wait_seen(claimers: Claimers, engine_id: str) -> None:
+    """Until a probe found ``engine_id`` answering at its side channel as itself."""
+    wait_until(lambda: claimers._claimers[engine_id].seen, 10.0,
+               f"a probe to find {engine_id} answering as itself")
+
+
+def settle(claimers: CountedClaimers, engine_id: str, probes: int = 2
+           ) -> tuple[str, float] | None:
+    """What ``gone`` says once ``probes`` more probes of ``engine_id`` were answered (the
+    first may have been under way already), or once it is known gone; for a claimer that
+    is never probed, what it says after as long as those probes take."""
     deadline = time.monotonic() + probes * PROBE_S + 2.0
+    enough = claimers.answered[engine_id] + probes
     while time.monotonic() < deadline:
         gone = claimers.gone(engine_id)
         if gone is not None:
             return gone
+        if claimers.answered[engine_id] >= enough:
+            return claimers.gone(engine_id)  # the last verdict is in: gone() takes it
         time.sleep(0.05)
     return None
 
@@ -58,7 +91,7 @@ def test_a_claimer_that_answers_as_itself_is_not_gone(prefill: LoopbackInstance,
 def test_a_claimer_whose_side_channel_refuses_is_gone_since_the_probe_saw_it(
         prefill: LoopbackInstance, claimers: Claimers) -> None:
     claimers.heard(prefill.engine_id, ("127.0.0.1", prefill.port))
-    time.sleep(1.0)  # the claim's own probe: it answers there as itself
+    wait_seen(claimers, prefill.engine_id)  # the claim's own probe: it answers as itself
     assert claimers.gone(prefill.engine_id) is None
     prefill.close()
     before = time.monotonic()
@@ -74,7 +107,7 @@ def test_another_engine_answering_at_the_claimers_side_channel_means_it_restarte
 
     port = prefill.port
     claimers.heard(prefill.engine_id, ("127.0.0.1", port))
-    time.sleep(1.0)  # seen there as itself
+    wait_seen(claimers, prefill.engine_id)
     prefill.close()
     restarted = SideChannelListener("127.0.0.1", port, engine_id="restarted-prefill",
                                   compat=CFG.compat(), metadata=list).start()

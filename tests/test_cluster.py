@@ -32,12 +32,12 @@ from sidecars import (
     prefill_body,
 )
 
+from kvxfer.harness import preloaded
 from kvxfer.net.hosts import advertised_host, bare_host, is_wildcard, unreachable_advertised
 from proxy.balancer import Balancer
 from proxy.config import ProxyConfig
 from proxy.discovery import hosts_file_resolver, is_name, split_hosts
 
-SERVE = [sys.executable, "-m", "kvxfer.cli", "serve"]
 BODY = {"prompt": "the cluster test", "max_tokens": 4, "temperature": 0}
 NAME = "decode.kvxfer.test"
 
@@ -90,9 +90,9 @@ def test_a_loopback_bind_advertised_elsewhere_is_refused(bind: str, advertised: 
 
 
 def test_serve_refuses_a_loopback_side_channel_advertised_elsewhere() -> None:
-    done = subprocess.run([*SERVE, "--role", "prefill", "--port", "0", "--host", "0.0.0.0",
-                           "--advertise-host", "prefill-0.invalid"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = preloaded.run("kvxfer.cli", ["serve", "--role", "prefill", "--port", "0", "--host",
+                                        "0.0.0.0", "--advertise-host", "prefill-0.invalid"],
+                         ROOT, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "kvxfer serve: error: --side-channel-host '127.0.0.1' listens on loopback only" \
         in done.stderr, done.stderr
@@ -100,9 +100,8 @@ def test_serve_refuses_a_loopback_side_channel_advertised_elsewhere() -> None:
 
 
 def test_serve_refuses_a_wildcard_side_channel_without_an_advertised_host() -> None:
-    done = subprocess.run([*SERVE, "--role", "prefill", "--port", "0",
-                           "--side-channel-host", "0.0.0.0"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, check=False)
+    done = preloaded.run("kvxfer.cli", ["serve", "--role", "prefill", "--port", "0",
+                                        "--side-channel-host", "0.0.0.0"], ROOT, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "kvxfer serve: error:" in done.stderr and "--advertise-host" in done.stderr
     assert "Traceback" not in done.stderr
@@ -336,10 +335,9 @@ def test_a_draining_prefill_refuses_new_work_and_frees_its_lease_in_time(
 
 def test_bench_transfer_over_tcp_prints_both_paths_and_the_ratio() -> None:
     """As root the TCP half runs across two network namespaces, else over loopback."""
-    done = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "transfer",
-                           "--transport", "tcp", "--cases", "BLHNC:1:1", "--tokens", "64",
-                           "--repeats", "1", "--layers", "2", "--json"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240, check=False)
+    done = preloaded.run("kvxfer.cli", ["bench", "transfer", "--transport", "tcp", "--cases",
+                                        "BLHNC:1:1", "--tokens", "64", "--repeats", "1",
+                                        "--layers", "2", "--json"], ROOT, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     root = os.geteuid() == 0 and shutil.which("ip") is not None

@@ -11,8 +11,6 @@ import secrets
 import selectors
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,9 +20,11 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from stub_upstream import wait_until
 from test_mapped_reads import cache_memfds
 
 from kvxfer.harness.loopback import CacheConfig, PrefillProcess
+from kvxfer.harness.preloaded import PreloadedProcess
 from kvxfer.transfer.converted import fd_handover
 from kvxfer.transfer.converted.fd_handover import (
     CHALLENGE_BYTES,
@@ -43,14 +43,16 @@ from kvxfer.wire.metadata import HostReads
 ROOT = Path(__file__).resolve().parent.parent
 
 # A prefill in a process of its own: one shared buffer holding bytes 0..255 at its start,
-# its offer on stdout; it runs until its stdin closes, then reports what it logged.
+# its offer on stdout; it runs until told to end (SIGTERM), then exits normally, having
+# logged to stderr.
 PREFILL = """
-import logging, sys
+import logging, signal, sys
 import msgspec, torch
 from kvxfer.plan.regions import MemoryRegion
 from kvxfer.transfer.converted.host_reads import Canary
 from kvxfer.transfer.converted.mapped_reads import shared_offer, shared_zeros
 
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 buffer = shared_zeros(1 << 16)
 buffer[:256] = torch.arange(256, dtype=torch.uint8)
@@ -58,30 +60,34 @@ canary = Canary()
 offer = shared_offer(canary, [MemoryRegion(buffer.data_ptr(), 1 << 16, 0)])
 sys.stdout.buffer.write(msgspec.json.encode(offer) + b"\\n")
 sys.stdout.flush()
-sys.stdin.read()
+signal.sigwait({signal.SIGTERM})
 """
 
 
 class Prefill:
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PREFILL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, "the prefill process printed no offer"
+    """``python -c PREFILL`` in a process of its own, forked from the preloaded server
+    (:mod:`kvxfer.harness.preloaded`); its output goes to files in ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.out, self.err = folder / "stdout", folder / "stderr"
+        self.process = PreloadedProcess("-c", [PREFILL], os.environ, ROOT, self.out, self.err)
+        wait_until(lambda: (self.out.exists() and self.out.read_bytes().endswith(b"\n"))
+                   or self.process.poll() is not None, 60.0, "the prefill's offer")
+        line = self.out.read_bytes()
+        assert line, f"the prefill process printed no offer:\n{self.err.read_text()}"
         self.offer = msgspec.json.decode(line, type=HostReads)
         self.buffer_id = self.offer.memory[0].id
 
     def close(self) -> str:
         """End it; what it logged."""
-        _, err = self.process.communicate(timeout=30)
-        return err.decode()
+        self.process.terminate()
+        assert self.process.wait(30) == 0
+        return self.err.read_text()
 
 
 @pytest.fixture
-def child() -> Iterator[Prefill]:
-    made = Prefill()
+def child(tmp_path: Path) -> Iterator[Prefill]:
+    made = Prefill(tmp_path)
     try:
         yield made
     finally:

@@ -1,7 +1,8 @@
 """The prefill's first token: handed to the decode in ``kv_transfer_params.first_token``,
 answered by the decode at once and continued from, and a one-token request answered by
-the prefill alone. Real sidecars and the real proxy; every answer is checked against a
-single instance (``both``).
+the prefill alone. Real sidecars and the real proxy (the run's shared ones,
+``shared_servers.py``, and a prefill of this module's own for the tests that freeze it);
+every answer is checked against a single instance (``both``).
 """
 
 from __future__ import annotations
@@ -16,15 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from sidecars import (
-    ProxyProcess,
-    Sidecar,
-    SidecarGroup,
-    Spec,
-    prefill_body,
-    start_proxies,
-    streamed,
-)
+from shared_servers import PullPair
+from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, prefill_body, streamed
 
 from kvxfer.engine.sampler import SamplingParams, sample, skip_draw, top_p_filter
 from kvxfer.wire.params import RemoteParams
@@ -42,20 +36,15 @@ class Fleet:
     prefill: Sidecar
     decode: Sidecar
     proxy: ProxyProcess
+    frozen: Sidecar  # a prefill of this module's own: the tests that freeze one use it
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    log_dir = tmp_path_factory.mktemp("first-token")
-    with SidecarGroup(log_dir) as group:
-        both, prefill, decode = group.start([Spec("both"), Spec("prefill"),
-                                             Spec("decode", policy="fail")])
-        proxy = ProxyProcess(log_dir, [prefill], [decode], ("--health-interval", "3600"))
-        try:
-            start_proxies([proxy])
-            yield Fleet(both, prefill, decode, proxy)
-        finally:
-            proxy.stop()
+def fleet(plain: Sidecar, pull_pair: PullPair, proxied: ProxyProcess,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with SidecarGroup(tmp_path_factory.mktemp("first-token")) as group:
+        yield Fleet(plain, pull_pair.prefill, pull_pair.decode, proxied,
+                    group.start_one(Spec("prefill")))
 
 
 def idle(health: dict[str, Any]) -> bool:
@@ -66,7 +55,7 @@ def idle(health: dict[str, Any]) -> bool:
 @pytest.fixture(autouse=True)
 def ends_idle(fleet: Fleet) -> Iterator[None]:
     yield
-    for sidecar in (fleet.both, fleet.prefill, fleet.decode):
+    for sidecar in (fleet.both, fleet.prefill, fleet.decode, fleet.frozen):
         sidecar.wait_for("idle: no request, lease or used block", idle, timeout=20)
 
 
@@ -172,12 +161,12 @@ def test_the_decode_continues_from_the_token_it_is_given(fleet: Fleet) -> None:
 
 def frozen_prefill_stream(fleet: Fleet, body: dict[str, Any], frozen_s: float
                           ) -> tuple[float, str]:
-    """Prefill ``body``, freeze the prefill (SIGSTOP), stream the decode's answer and thaw
-    the prefill ``frozen_s`` after the first token arrived: (seconds to the first token,
-    the whole stream)."""
-    params = ok(fleet.prefill.post(COMPLETIONS, prefill_body(body)))["kv_transfer_params"]
+    """Prefill ``body`` on the module's own prefill, freeze it (SIGSTOP), stream the
+    decode's answer and thaw the prefill ``frozen_s`` after the first token arrived:
+    (seconds to the first token, the whole stream)."""
+    params = ok(fleet.frozen.post(COMPLETIONS, prefill_body(body)))["kv_transfer_params"]
     decode_body = {**body, "stream": True, "kv_transfer_params": params}
-    os.kill(fleet.prefill.pid, signal.SIGSTOP)
+    os.kill(fleet.frozen.pid, signal.SIGSTOP)
     try:
         with httpx.Client(timeout=30, trust_env=False) as client, \
                 client.stream("POST", f"{fleet.decode.url}{COMPLETIONS}",
@@ -187,10 +176,10 @@ def frozen_prefill_stream(fleet: Fleet, body: dict[str, Any], frozen_s: float
             first = next(line for line in lines if line.startswith("data: "))
             waited = time.monotonic() - start
             time.sleep(frozen_s)
-            os.kill(fleet.prefill.pid, signal.SIGCONT)
+            os.kill(fleet.frozen.pid, signal.SIGCONT)
             return waited, "\n".join([first, *lines])
     finally:
-        os.kill(fleet.prefill.pid, signal.SIGCONT)
+        os.kill(fleet.frozen.pid, signal.SIGCONT)
 
 
 # a byte of the tiny model's vocabulary may be half a character: logprobs make every
@@ -215,7 +204,7 @@ def test_a_claim_given_up_on_is_released(fleet: Fleet) -> None:
     waited, text = frozen_prefill_stream(fleet, FROZEN, 2.0)
     assert waited < 1.0
     assert '"kv_transfer_error"' in text and "did not answer this decode's claim" in text, text
-    fleet.prefill.wait_for("the lease released", idle, timeout=10)
+    fleet.frozen.wait_for("the lease released", idle, timeout=10)
 
 
 def test_a_stop_on_the_first_token_reads_nothing(fleet: Fleet) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from msgspec.structs import replace as changed
 
+from kvxfer.harness import preloaded
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
 from kvxfer.transfer.converted.host_reads import (
     Canary,
@@ -53,7 +54,7 @@ def test_an_offer_is_checked_against_the_process_it_names() -> None:
 def test_a_prefill_process_that_ended_fails_the_check_after_a_copy() -> None:
     """A pid outlives its process: after the prefill exits, its offer no longer verifies,
     so nothing read under that pid is taken for the prefill's bytes."""
-    ctx = mp.get_context("spawn")
+    ctx = preloaded.context()  # a process of its own, forked preloaded
     parent, child = ctx.Pipe()
     process = ctx.Process(target=_offer_from_child, args=(child,), daemon=True)
     process.start()
@@ -135,7 +136,7 @@ def _undumpable_offer(conn: mp.connection.Connection) -> None:
 def test_a_reader_without_the_right_to_read_the_prefill_is_told_why() -> None:
     """As root, the reader runs as another user (nobody); otherwise the prefill makes
     itself undumpable, which also takes the right away from a reader of the same user."""
-    ctx = mp.get_context("spawn")
+    ctx = preloaded.context()  # a process of its own, forked preloaded
     parent, child = ctx.Pipe()
     root = os.geteuid() == 0
     process = ctx.Process(target=_offer_from_child if root else _undumpable_offer,

@@ -10,7 +10,6 @@ from it and checks bytes. Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import re
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.harness import preloaded
 from kvxfer.transfer import nixl_agent
 from kvxfer.transfer.nixl_agent import (
     AgentClosedError,
@@ -119,7 +119,7 @@ class Target:
 
 
 def start_target(name: str, pause_at_start: bool = False) -> Target:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = preloaded.context()  # a process of its own, forked preloaded
     parent, child = ctx.Pipe()
     process = ctx.Process(target=run_target, args=(child, name, pause_at_start), daemon=True)
     process.start()

@@ -1,14 +1,13 @@
 """The official ``openai`` client against a real sidecar and through the real proxy.
 
-One module-scoped fleet of real processes: a ``both`` sidecar (the single-instance
-reference), a prefill and a decode sidecar (policy ``fail``, so that a failed read
-is never hidden by a recompute) behind a ``python -m proxy``, and a prefill with
-other weights whose KV every decode refuses. Each test runs the calls real
-clients make (several prompts, ``n``, seeds, stop strings, logprobs, streamed
-usage, chat with a system message, echo, errors) on the single sidecar and
-through the proxy, and checks that the disaggregated answer is the
-single-instance one (greedy, or seeded). Blocks and leases must all be free
-after every test.
+Real processes: the run's shared ``both`` sidecar (the single-instance reference),
+prefill and decode sidecar (policy ``fail``, so that a failed read is never hidden by a
+recompute) and the ``python -m proxy`` in front of them (``shared_servers.py``), and
+this module's prefill with other weights whose KV every decode refuses. Each test runs
+the calls real clients make (several prompts, ``n``, seeds, stop strings, logprobs,
+streamed usage, chat with a system message, echo, errors) on the single sidecar and
+through the proxy, and checks that the disaggregated answer is the single-instance one
+(greedy, or seeded). Blocks and leases must all be free after every test.
 """
 
 from __future__ import annotations
@@ -19,15 +18,8 @@ from typing import Any
 
 import openai
 import pytest
-from sidecars import (
-    ProxyProcess,
-    Sidecar,
-    SidecarGroup,
-    Spec,
-    events,
-    prefill_body,
-    start_proxies,
-)
+from shared_servers import PullPair
+from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, events, prefill_body
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MODEL = "kvxfer-tiny"
@@ -59,21 +51,14 @@ def client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    log_dir = tmp_path_factory.mktemp("openai-client")
-    with SidecarGroup(log_dir) as group:
-        both, prefill, decode, other = group.start([
-            Spec("both"), Spec("prefill"), Spec("decode", policy="fail"),
-            Spec("prefill", extra=("--seed", "1", "--lease-ttl", "2"))])
-        proxy = ProxyProcess(log_dir, [prefill], [decode], ("--health-interval", "3600"))
-        try:
-            start_proxies([proxy])
-            clients = {"sidecar": client(both.url), "proxy": client(proxy.url)}
-            yield Fleet(both, prefill, decode, other, proxy, clients)
-            for c in clients.values():
-                c.close()
-        finally:
-            proxy.stop()
+def fleet(plain: Sidecar, pull_pair: PullPair, proxied: ProxyProcess,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with SidecarGroup(tmp_path_factory.mktemp("openai-client")) as group:
+        other = group.start_one(Spec("prefill", extra=("--seed", "1", "--lease-ttl", "2")))
+        clients = {"sidecar": client(plain.url), "proxy": client(proxied.url)}
+        yield Fleet(plain, pull_pair.prefill, pull_pair.decode, other, proxied, clients)
+        for c in clients.values():
+            c.close()
 
 
 @pytest.fixture(params=TARGETS)

@@ -5,13 +5,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from kvxfer.harness import preloaded
 
-def kvxfer(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvxfer.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvxfer(*args: str, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m kvxfer.cli ARGS`` in a process of its own, forked from the preloaded
+    server (:mod:`kvxfer.harness.preloaded`) or, ``fresh``, a new interpreter."""
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "kvxfer.cli", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    return preloaded.run("kvxfer.cli", args, ROOT, timeout=120)
 
 
 def test_plan_reports_each_decode_rank_for_a_head_split() -> None:
@@ -185,7 +194,7 @@ def test_plan_explains_an_mla_latent_cache() -> None:
 
 
 def test_plan_rejects_unknown_layout_names() -> None:
-    out = kvxfer("plan", "--prefill-layout", "XYZ")
+    out = kvxfer("plan", "--prefill-layout", "XYZ", fresh=True)
     assert out.returncode == 1
     assert "unknown KV cache layout 'XYZ'" in out.stderr
 

@@ -19,15 +19,17 @@ PAIRS = [(16, 16), (16, 32), (32, 16)]  # (prefill block size, decode block size
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sidecar]]:
+def group(plain: Sidecar, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[dict[str, Sidecar]]:
+    """Prefills and caching decodes of both block sizes; the reference is the run's shared
+    ``both`` (``shared_servers.py``)."""
     with SidecarGroup(tmp_path_factory.mktemp("prefix")) as sidecars:
-        names = ["prefill-16", "prefill-32", "decode-16", "decode-32", "reference"]
+        names = ["prefill-16", "prefill-32", "decode-16", "decode-32"]
         started = sidecars.start([
             Spec("prefill", block_size=16), Spec("prefill", block_size=32),
             Spec("decode", policy="fail", block_size=16, extra=CACHE),
-            Spec("decode", policy="fail", block_size=32, extra=CACHE),
-            Spec("both")])
-        yield dict(zip(names, started, strict=True))
+            Spec("decode", policy="fail", block_size=32, extra=CACHE)])
+        yield {**dict(zip(names, started, strict=True)), "reference": plain}
 
 
 def body(prompt: list[int], n: int = 1) -> dict[str, Any]:

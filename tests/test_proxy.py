@@ -1,9 +1,14 @@
 """The proxy over real HTTP: stub prefill/decode sidecars and the proxy, each a uvicorn
-server on its own loopback port (threads of this process), driven by an HTTP client."""
+server on its own loopback port (threads of this process), driven by an HTTP client.
+
+What the proxy answers by itself, before any upstream call (a missing or wrong API key,
+a malformed body, an unknown route), is checked in process through the app's ASGI
+interface (``in_process``); every route is served over real HTTP by the other tests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,6 +18,7 @@ import aiohttp
 import httpx
 import msgspec
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from stub_upstream import RefusingPort, ServerThread, Stub, wait_until
 
@@ -53,6 +59,17 @@ def fresh_stubs(stubs: dict[str, list[Stub]]) -> Iterator[None]:
         stub.reset()
 
 
+def proxy_config(stubs: dict[str, list[Stub]], prefill: list[str] | None = None,
+                 decode: list[str] | None = None, **overrides: Any) -> ProxyConfig:
+    """A proxy's settings (default: all four stubs)."""
+    settings: dict[str, Any] = {"request_timeout": 10.0, "connect_timeout": 2.0,
+                                "health_interval": 60.0, **overrides}
+    return ProxyConfig(
+        tuple(prefill if prefill is not None else [s.url for s in stubs["prefill"]]),
+        tuple(decode if decode is not None else [s.url for s in stubs["decode"]]),
+        **settings)
+
+
 @pytest.fixture
 def start_proxy(stubs: dict[str, list[Stub]]) -> Iterator[StartProxy]:
     """Start a proxy app (default: all four stubs); stopped when the test ends."""
@@ -60,19 +77,25 @@ def start_proxy(stubs: dict[str, list[Stub]]) -> Iterator[StartProxy]:
 
     def start(prefill: list[str] | None = None, decode: list[str] | None = None,
               **overrides: Any) -> ServerThread:
-        settings: dict[str, Any] = {"request_timeout": 10.0, "connect_timeout": 2.0,
-                                    "health_interval": 60.0, **overrides}
-        config = ProxyConfig(
-            tuple(prefill if prefill is not None else [s.url for s in stubs["prefill"]]),
-            tuple(decode if decode is not None else [s.url for s in stubs["decode"]]),
-            **settings)
-        server = ServerThread(create_app(config))
+        server = ServerThread(create_app(proxy_config(stubs, prefill, decode, **overrides)))
         servers.append(server)
         return server.start()
 
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def in_process(stubs: dict[str, list[Stub]]) -> Iterator[Callable[..., httpx.Client]]:
+    """A client of a proxy app run in this process with no server (the ASGI interface,
+    lifespan on; all four stubs behind it): for what the proxy answers by itself."""
+    with contextlib.ExitStack() as running:
+        def start(**overrides: Any) -> httpx.Client:
+            app = create_app(proxy_config(stubs, **overrides))
+            return running.enter_context(TestClient(app, raise_server_exceptions=False))
+
+        yield start
 
 
 @pytest.fixture
@@ -491,18 +514,20 @@ def test_client_leaving_before_the_answer_cancels_the_decode(
     (None, "missing Authorization header"),
     ("Basic czNjcmV0", "Authorization scheme 'Basic' is not supported"),
     ("Bearer wrong", "invalid API key")])
-def test_api_key_is_required(authorization: str | None, says: str, start_proxy: StartProxy,
-                             client: httpx.Client) -> None:
-    proxy = start_proxy(api_key="s3cret")
+def test_api_key_is_required(authorization: str | None, says: str,
+                             in_process: Callable[..., httpx.Client],
+                             stubs: dict[str, list[Stub]]) -> None:
+    client = in_process(api_key="s3cret")
     headers = {"Authorization": authorization} if authorization else {}
     for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                          ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/nowhere")):
-        answer = client.request(method, proxy.url + path, json={"prompt": "x"}, headers=headers)
+        answer = client.request(method, path, json={"prompt": "x"}, headers=headers)
         assert answer.status_code == 401, (path, answer.text)
         assert error_message(answer).startswith(says)
         assert answer.json()["error"]["type"] == "authentication_error"
         assert "s3cret" not in answer.text
-    assert client.get(proxy.url + "/health", headers=headers).status_code == 200
+    assert client.get("/health", headers=headers).status_code == 200
+    assert not any(s.record.calls() for s in stubs["prefill"] + stubs["decode"])
 
 
 def test_api_key_accepted(start_proxy: StartProxy, client: httpx.Client) -> None:
@@ -580,10 +605,9 @@ def test_models_come_from_a_decode(start_proxy: StartProxy, client: httpx.Client
     (b"[1, 2]", "request body must be a JSON object, got an array"),
     (b'{"prompt": "x", "stream": "yes"}', "'stream' must be true or false, got 'yes'")])
 def test_malformed_client_body_is_400(content: bytes, says: str, stubs: dict[str, list[Stub]],
-                                      start_proxy: StartProxy, client: httpx.Client) -> None:
-    proxy = start_proxy()
-    answer = client.post(proxy.url + "/v1/completions", content=content,
-                         headers={"content-type": "application/json"})
+                                      in_process: Callable[..., httpx.Client]) -> None:
+    answer = in_process().post("/v1/completions", content=content,
+                               headers={"content-type": "application/json"})
     assert answer.status_code == 400
     assert error_message(answer).startswith(says)
     assert answer.json()["error"]["type"] == "invalid_request_error"
@@ -608,9 +632,7 @@ def test_prefill_answer_breaking_the_contract_is_502(
     assert not any(s.record.calls() for s in stubs["decode"])
 
 
-def test_unknown_route_is_an_openai_style_404(start_proxy: StartProxy,
-                                              client: httpx.Client) -> None:
-    proxy = start_proxy()
-    answer = client.get(proxy.url + "/v1/nowhere")
+def test_unknown_route_is_an_openai_style_404(in_process: Callable[..., httpx.Client]) -> None:
+    answer = in_process().get("/v1/nowhere")
     assert answer.status_code == 404
     assert error_message(answer) == "GET /v1/nowhere: Not Found"

@@ -14,13 +14,21 @@ import httpx
 import pytest
 from stub_upstream import Stub, bind_loopback, wait_until
 
+from kvxfer.harness import preloaded
+
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 30.0
 
 
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env)
+def run(*args: str, env: dict[str, str] | None = None, fresh: bool = False
+        ) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` (``-m MODULE ...``) in a process of its own: forked from the preloaded
+    server (:mod:`kvxfer.harness.preloaded`), or with ``fresh`` a new interpreter."""
+    if fresh:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert args[0] == "-m", args
+    return preloaded.run(args[1], args[2:], ROOT, env, timeout=120)
 
 
 def free_port() -> int:
@@ -49,7 +57,7 @@ def our_children() -> set[int]:
 
 
 def test_help_lists_the_flags() -> None:
-    done = run("-m", "proxy", "--help")
+    done = run("-m", "proxy", "--help", fresh=True)
     assert done.returncode == 0, done.stderr
     for flag in ("--host", "--port", "--prefiller-hosts", "--prefiller-ports", "--decoder-hosts",
                  "--decoder-ports", "--policy", "least_outstanding", "--api-key",

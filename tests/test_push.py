@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 
+from kvxfer.harness import preloaded
 from kvxfer.harness.loopback import CacheConfig, LoopbackInstance, PrefillProcess
 from kvxfer.plan.layout import KVCacheLayout
 from tests.test_transfer import check_blocks, pattern, tokens_of
@@ -139,7 +140,8 @@ def test_a_reservation_that_does_not_verify_is_never_written(prefill: PrefillPro
     remote = prefill.create(cfg)
     decode = LoopbackInstance.create("decode", cfg, fill="sentinel", listen=True)
     try:
-        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=5, grace=0.5)
+        # refused at the claim, at once: the hold need not outlast the refusal by much
+        real = decode.reserve("resv", [1, 2], 2 * cfg.block_size, ttl=2, grace=0.5)
         forged = {
             "other blocks": msgspec.structs.replace(real, block_ids=(3, 4)),
             "later deadline": msgspec.structs.replace(real, expires_at=real.expires_at + 60),
@@ -429,11 +431,12 @@ def test_bench_push_times_push_and_pull_of_the_same_bytes_side_by_side() -> None
     measured in the same run; a bad case list is refused with the form it expects."""
     import json
     import subprocess
-    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
 
     def bench(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "push", *args],
-                              capture_output=True, text=True, timeout=180)
+        return preloaded.run("kvxfer.cli", ["bench", "push", *args], root, timeout=180)
 
     out = bench("--cases", "LBHNC:1:1,BLHNC:2:1", "--tokens", "40", "--layers", "2",
                 "--repeats", "1", "--json")

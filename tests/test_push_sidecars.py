@@ -46,17 +46,19 @@ class Trio:
 
 
 @pytest.fixture(scope="module")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+def trio(plain: Sidecar, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+    """The module's push pair and proxy; the reference is the run's shared ``both``
+    (``shared_servers.py``)."""
     log_dir = tmp_path_factory.mktemp("push")
     with SidecarGroup(log_dir) as group:
-        both, prefill, decode = group.start([
-            Spec("both"), Spec("prefill", layout="BLHNC"),
+        prefill, decode = group.start([
+            Spec("prefill", layout="BLHNC"),
             Spec("decode", policy="fail", extra=("--kv-transfer-mode", "push"))])
         proxy = ProxyProcess(log_dir, [prefill], [decode], ("--health-interval", "3600",
                                                             "--kv-transfer-mode", "push"))
         try:
             start_proxies([proxy])
-            yield Trio(both, prefill, decode, proxy)
+            yield Trio(plain, prefill, decode, proxy)
         finally:
             proxy.stop()
 

@@ -11,9 +11,9 @@ Layouts whose heads sit inside the token dimension (LBNHC, BLNHC) cannot be
 head-split by byte copies: there a TP change goes through a staged, converted read
 (:mod:`kvxfer.plan.staging`), and must answer the same.
 
-Process budget: one ``both`` reference for the module, and per layout group one
-prefill and one decode for each TP, started once and stopped before the next
-group starts (:class:`LayoutGroups`).
+Process budget: the run's shared ``both`` reference, and per layout group one
+prefill and one decode for each TP, started once (while the previous group's cases
+run) and stopped when the group's cases are done (:class:`LayoutGroups`).
 """
 
 from __future__ import annotations
@@ -55,51 +55,68 @@ def group_specs(layout: str) -> list[Spec]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, dict[str, Any]]]:
-    """The ``both`` instance's answer for every prompt (one process, queried once)."""
-    with SidecarGroup(tmp_path_factory.mktemp("both")) as group:
-        both = group.start_one(Spec("both"))
-        answers = {}
-        for i, prompt in enumerate(PROMPTS):
-            response = both.post("/v1/completions", {**BODY, "prompt": prompt})
-            assert response.status_code == 200, response.text
-            answers[i] = response.json()["choices"][0]
-        yield answers
+def reference(plain: Sidecar) -> dict[int, dict[str, Any]]:
+    """The ``both`` instance's answer for every prompt (the run's shared one, queried
+    once)."""
+    answers = {}
+    for i, prompt in enumerate(PROMPTS):
+        response = plain.post("/v1/completions", {**BODY, "prompt": prompt})
+        assert response.status_code == 200, response.text
+        answers[i] = response.json()["choices"][0]
+    return answers
 
 
 class LayoutGroups:
-    """Starts the sidecars of one layout group at a time, stopping the previous group.
+    """Starts the sidecars of one layout group at a time, stopping the previous group; the
+    next group's sidecars start while a group's cases run.
 
     The cases are ordered by group, so each group starts once per module (a
     parametrised fixture cannot do this: pytest keys its instances by case).
     """
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, order: list[str]) -> None:
         self.log_dir = log_dir
+        self.order = order
         self.layout: str | None = None
         self.group: SidecarGroup | None = None
         self.sidecars: dict[tuple[str, str, int], Sidecar] = {}
+        self.launched: dict[str, tuple[SidecarGroup, list[Sidecar]]] = {}
 
     def get(self, layout: str) -> dict[tuple[str, str, int], Sidecar]:
         if layout != self.layout:
-            self.close()
-            log_dir = self.log_dir / f"{layout}-{time.monotonic_ns()}"
-            log_dir.mkdir()
-            self.group = SidecarGroup(log_dir)
-            started = self.group.start(group_specs(layout))
-            self.layout = layout
-            self.sidecars = {(s.spec.role, s.spec.layout, s.spec.tp): s for s in started}
+            self.close_current()
+            self.launch(layout)
+            group, started = self.launched.pop(layout)
+            self.group, self.layout = group, layout
+            self.sidecars = {(s.spec.role, s.spec.layout, s.spec.tp): s
+                             for s in group.wait_ready(started)}
+            later = self.order[self.order.index(layout) + 1:]
+            if later:
+                self.launch(later[0])
         return self.sidecars
 
-    def close(self) -> None:
+    def launch(self, layout: str) -> None:
+        if layout not in self.launched:
+            log_dir = self.log_dir / f"{layout}-{time.monotonic_ns()}"
+            log_dir.mkdir()
+            group = SidecarGroup(log_dir)
+            self.launched[layout] = (group, group.launch(group_specs(layout)))
+
+    def close_current(self) -> None:
         if self.group is not None:
             self.group.close()
         self.layout, self.group, self.sidecars = None, None, {}
 
+    def close(self) -> None:
+        self.close_current()
+        for group, _ in self.launched.values():
+            group.close()
+        self.launched.clear()
+
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LayoutGroups]:
-    pool = LayoutGroups(tmp_path_factory.mktemp("groups"))
+    pool = LayoutGroups(tmp_path_factory.mktemp("groups"), list(LAYOUTS))
     try:
         yield pool
     finally:

@@ -3,17 +3,18 @@
 Bad input answers 400 (OpenAI error body naming the value) and the server keeps
 serving; streaming (SSE) matches the whole answer; logprobs, stop strings,
 several prompts, /v1/models, /metrics, /health; a client that disconnects
-aborts its request; the transfer path works for chat and for streams too.
+aborts its request; the transfer path works for chat and for streams too. The sidecars
+are the run's shared ones (``shared_servers.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, events, prefill_body
+from shared_servers import PullPair
+from sidecars import Sidecar, disaggregated, events, prefill_body
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -21,12 +22,10 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sidecar]]:
-    with SidecarGroup(tmp_path_factory.mktemp("api")) as group:
-        both, prefill, decode = group.start([
-            Spec("both", extra=("--served-model-name", "kvxfer-tiny", "tiny-alias")),
-            Spec("prefill"), Spec("decode", policy="fail")])
-        yield {"both": both, "prefill": prefill, "decode": decode}
+def trio(plain: Sidecar, pull_pair: PullPair) -> dict[str, Sidecar]:
+    """The shared ``both`` (served also as ``tiny-alias``), prefill and decode (policy
+    ``fail``)."""
+    return {"both": plain, "prefill": pull_pair.prefill, "decode": pull_pair.decode}
 
 
 @pytest.fixture(scope="module")
@@ -401,6 +400,7 @@ def test_client_disconnect_aborts_a_stream(both: Sidecar) -> None:
 
 def test_disaggregated_chat_and_stream_match_single_instance(trio: dict[str, Sidecar]) -> None:
     both, prefill, decode = trio["both"], trio["prefill"], trio["decode"]
+    reads = decode.metric("kvxfer_kv_transfers_total", outcome="ok")
     body = {"messages": MESSAGES, "max_completion_tokens": 6, "logprobs": True, **GREEDY}
     want = ok(both.post(CHAT, body))["choices"][0]
     first, second = disaggregated(prefill, decode, CHAT, body, request_id="chat-1")
@@ -418,7 +418,7 @@ def test_disaggregated_chat_and_stream_match_single_instance(trio: dict[str, Sid
     chunks = events(decode.post(COMPLETIONS, {**stream_body, "stream": True,
                                               "kv_transfer_params": params}))
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == want_text
-    assert decode.metric("kvxfer_kv_transfers_total", outcome="ok") >= 2
+    assert decode.metric("kvxfer_kv_transfers_total", outcome="ok") == reads + 2
 
 
 def test_prefill_serves_plain_requests_without_leasing(trio: dict[str, Sidecar]) -> None:

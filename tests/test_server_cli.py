@@ -1,6 +1,8 @@
 """``kvxfer serve`` as a command: help, start-up lines, one-line errors, clean shutdown.
 
-Every case runs the real command in its own process.
+Every case runs the real command in its own process: help, SIGTERM and the start-up
+ones in a new interpreter, the others forked from the preloaded server
+(:mod:`kvxfer.harness.preloaded`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from pathlib import Path
 import pytest
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, free_port
 
+from kvxfer.harness import preloaded
+
 SERVE = [sys.executable, "-m", "kvxfer.cli", "serve"]
 
 
-def run_serve(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*SERVE, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def run_serve(*args: str, timeout: float = 60.0, fresh: bool = False,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    if fresh:
+        return subprocess.run([*SERVE, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, check=False, env=env)
+    return preloaded.run("kvxfer.cli", ["serve", *args], ROOT, env, timeout)
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess[str], *names: str) -> None:
@@ -36,7 +43,7 @@ def assert_one_line_error(done: subprocess.CompletedProcess[str], *names: str) -
 
 
 def test_help_lists_roles_and_flags() -> None:
-    done = run_serve("--help")
+    done = run_serve("--help", fresh=True)
     assert done.returncode == 0
     for text in ("prefill", "decode", "both", "--side-channel-port", "--tp",
                  "--kv-cache-layout", "KVXFER_KV_CACHE_LAYOUT", "--block-size", "--num-blocks",
@@ -99,15 +106,18 @@ def test_a_broken_gguf_fails_at_start_up_naming_the_file_and_reason(
     from kvxfer.engine import init_weights, tiny_config
 
     path = write_broken_gguf(tmp_path, tiny_config(), init_weights(tiny_config(), 0), case)
-    done = subprocess.run([*SERVE, "--port", str(free_port()), "--model", str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False,
-                          env={**os.environ, "KVXFER_CACHE_DIR": str(tmp_path / "cache")})
+    done = run_serve("--port", str(free_port()), "--model", str(path),
+                     env={**os.environ, "KVXFER_CACHE_DIR": str(tmp_path / "cache")})
     assert_one_line_error(done, str(path), reason)
 
 
 @pytest.fixture
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarGroup]:
-    with SidecarGroup(tmp_path_factory.mktemp("cli")) as started:
+def group(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+          ) -> Iterator[SidecarGroup]:
+    """Sidecars in a new interpreter for SIGTERM (what a deployment sends), forked
+    preloaded for SIGINT."""
+    fresh = request.node.callspec.params["sig"] == signal.SIGTERM
+    with SidecarGroup(tmp_path_factory.mktemp("cli"), fresh=fresh) as started:
         yield started
 
 

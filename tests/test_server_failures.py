@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
+from shared_servers import PullPair
 from sidecars import Sidecar, SidecarGroup, Spec, disaggregated, free_port, prefill_body
 
 from kvxfer.wire.compat import CompatInfo
@@ -35,13 +36,15 @@ COMPLETIONS = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Sidecar]]:
-    """A reference, a prefill, and a decode for each failure policy."""
+def rig(plain: Sidecar, pull_pair: PullPair, tmp_path_factory: pytest.TempPathFactory
+        ) -> Iterator[dict[str, Sidecar]]:
+    """A reference, a prefill, and a decode for each failure policy: the run's shared
+    sidecars (``shared_servers.py``) and a recompute decode of this module's own (a test
+    parks a request on it)."""
     with SidecarGroup(tmp_path_factory.mktemp("rig")) as group:
-        both, prefill, recompute, fail = group.start([
-            Spec("both"), Spec("prefill"), Spec("decode", policy="recompute"),
-            Spec("decode", policy="fail")])
-        yield {"both": both, "prefill": prefill, "recompute": recompute, "fail": fail}
+        recompute = group.start_one(Spec("decode", policy="recompute"))
+        yield {"both": plain, "prefill": pull_pair.prefill, "recompute": recompute,
+               "fail": pull_pair.decode}
 
 
 @pytest.fixture(scope="module")

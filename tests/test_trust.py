@@ -9,11 +9,9 @@ NIXL. Each test ends with every sidecar's blocks free.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +23,7 @@ import pytest
 import zmq
 from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
 
+from kvxfer.harness import preloaded
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.failures import PeerRefused
 from kvxfer.wire.compat import CompatInfo
@@ -479,11 +478,11 @@ def _filler_params(key: bytes, port: int) -> dict[str, Any]:
 
 def serve_with_key_file(path: Path, env: dict[str, str] | None = None
                         ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "kvxfer.cli", "serve", "--role", "prefill", "--port", "0"]
+    """``kvxfer serve`` in a process of its own (forked preloaded)."""
+    args = ["serve", "--role", "prefill", "--port", "0"]
     if not env:
-        argv += ["--kv-key-file", str(path)]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, check=False)
+        args += ["--kv-key-file", str(path)]
+    return preloaded.run("kvxfer.cli", args, ROOT, {**os.environ, **(env or {})}, 120)
 
 
 @pytest.mark.parametrize("case, content, mode, named", [
@@ -511,21 +510,3 @@ def test_without_a_key_the_side_channel_warns_at_start_up(tmp_path: Path) -> Non
         [prefill] = group.start([Spec("prefill")])
         log = prefill.log_path.read_text(errors="replace")
     assert "no --kv-key-file" in log and "unauthenticated" in log, log
-
-
-@pytest.mark.heavy
-def test_bench_trust_prints_both_sides_and_removes_its_key(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvxfer.cli", "bench", "trust", "--repeats",
-                           "2", "--prompt-tokens", "64", "--num-blocks", "32", "--phases",
-                           "2", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["decode_ttft_ms_signed"] > 0 and result["decode_ttft_ms_unsigned"] > 0
-    assert result["ratio_signed_to_unsigned"] > 0
-    assert len(result["phase_ratios"]) == 2  # the crossover: each start order once
-    low, high = result["ratio_interval_95"]
-    assert 0 < low <= high and result["target_shown"] == (high < 1.02)
-    assert result["primitives"]["ticket_verify_us"] > 0
-    assert not list(tmp_path.glob("kvxfer-kv-*")), "the temporary key file is removed"

@@ -14,7 +14,6 @@ transfers (and can kill the process mid-flight).
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import time
 import uuid
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvxfer.harness import preloaded
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache, logical_view, parse_layout
 from kvxfer.plan.topology import heads_per_rank, rank_heads
 from kvxfer.wire.reservations import PUSH_GRACE_S
@@ -283,10 +283,14 @@ class LoopbackInstance:
 # -- a prefill process driven over a pipe ---------------------------------------------------
 
 def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
-           ucx_devices: str | None = None) -> None:
+           ucx_devices: str | None = None, env: dict[str, str] | None = None) -> None:
     """Child process: run prefill instances on command until told to exit (inside
     network namespace ``netns`` when given, listening on ``host``; its NIXL agents on
-    ``ucx_devices``, ``UCX_NET_DEVICES``, when given)."""
+    ``ucx_devices``, ``UCX_NET_DEVICES``, when given; with the driver's environment
+    ``env``, as a process it spawned would have)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     if netns is not None:
         from kvxfer.harness.netns import enter
 
@@ -348,15 +352,16 @@ def _serve(conn: Connection, netns: str | None = None, host: str = "127.0.0.1",
 
 class PrefillProcess:
     """A separate OS process hosting loopback prefill instances (in network namespace
-    ``netns``, its listeners on ``host``, when given: see :mod:`kvxfer.harness.netns`)."""
+    ``netns``, its listeners on ``host``, when given: see :mod:`kvxfer.harness.netns`),
+    forked from the preloaded server (:mod:`kvxfer.harness.preloaded`)."""
 
     def __init__(self, netns: str | None = None, host: str = "127.0.0.1",
                  ucx_devices: str | None = None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = preloaded.context()
         self.host = host
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, netns, host, ucx_devices),
-                                   daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, netns, host, ucx_devices,
+                                                        dict(os.environ)), daemon=True)
         self.process.start()
         child.close()
 
