@@ -26,6 +26,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is first imported
 
 import gc
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,12 +49,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start mypy now when its test is selected (see ``test_lint.py``)."""
-    if any(item.nodeid.endswith("test_lint.py::test_mypy_clean_on_pure_modules")
-           for item in session.items):
+    """Start mypy now when its test is selected to run (see ``test_lint.py``)."""
+    if not session.config.option.collectonly and any(
+            item.nodeid.endswith("test_lint.py::test_mypy_clean_on_pure_modules")
+            for item in session.items):
         from test_lint import MYPY_STARTED, start_mypy
 
         session.config.stash[MYPY_STARTED] = start_mypy()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A mypy started for a test that never ran (the run stopped early) is stopped."""
+    lint = sys.modules.get("test_lint")
+    started = session.config.stash.get(lint.MYPY_STARTED, None) if lint is not None else None
+    if started is not None:
+        started.stop()
 
 
 @pytest.fixture(autouse=True, scope="module")

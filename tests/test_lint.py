@@ -78,6 +78,13 @@ class Background:
         self.output.close()
         assert code == 0, f"{self.command} exited {code}:\n{output}"
 
+    def stop(self) -> None:
+        """End it if it still runs (its verdict no longer wanted)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.output.close()
+
 
 def start_mypy() -> Background:
     return Background("mypy", existing(MYPY_FILES))

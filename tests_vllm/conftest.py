@@ -4,14 +4,20 @@ Run with ``python3 dev.py test-vllm``, which builds ``.venv-vllm`` and sets
 ``KVXFER_VLLM_PYTHON``. Instances start once per module (40-120 s each; a pair at
 a time, prefill on core 0 and decode on core 1, since an idle NixlConnector worker
 keeps a core busy) and are stopped by process group when the module ends, also
-when a test failed.
+when a test failed. ``kvxfer_pair`` is shared by the modules that use it, which run
+one after the other: it is stopped right after the last test that uses it, before
+another pair starts. Every instance of the run keeps its compiled graphs in one
+``$VLLM_CACHE_ROOT``, so that a configuration compiles once per core, not once per
+instance (vLLM 0.32's AOT artifacts fail to load here: "'function' object has no attribute
+'finalize_loading'", and it compiles again; its older cache loads, so that is used).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -32,6 +38,16 @@ def vllm_python() -> str:
     return python
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``$VLLM_CACHE_ROOT`` for every instance of the run (see VllmServer.environment),
+    and vLLM's compile cache that loads (see the module docstring)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        patch.setenv("VLLM_USE_AOT_COMPILE", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-logs")
@@ -43,12 +59,45 @@ def nixl_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, Vll
         yield pair
 
 
-@pytest.fixture(scope="module")
-def kvxfer_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
+# session-scoped pairs that stop after the last test using them: fixture name -> its stop
+SHARED_PAIRS = ("kvxfer_pair",)
+_stops: dict[str, Callable[[], None]] = {}
+
+
+@pytest.fixture(scope="session")
+def kvxfer_pair(vllm_python: str, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[VllmServer, VllmServer]]:
     # kvxfer's reference engine's id of the same checkpoint, so that one of its sidecars
     # is a compatible peer (with --kv-packing vllm-cpu-vec) or differs in kv_packing only
-    with vllm_pair("kvxfer", vllm_python, log_dir, extra={"model_id": smollm2_id()}) as pair:
-        yield pair
+    with ExitStack() as stack:
+        _stops["kvxfer_pair"] = stack.close
+        yield stack.enter_context(vllm_pair("kvxfer", vllm_python,
+                                            tmp_path_factory.mktemp("vllm-kvxfer-pair"),
+                                            extra={"model_id": smollm2_id()}))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that use a shared pair run one after the other, from where the first of
+    them is (in the default order they do already): never two pairs up at once."""
+    for name in SHARED_PAIRS:
+        users = [i for i, item in enumerate(items) if name in item.fixturenames]
+        if users:
+            moved = [items[i] for i in users]
+            rest = [item for item in items[users[0]:] if name not in item.fixturenames]
+            items[users[0]:] = moved + rest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None
+                            ) -> Iterator[None]:
+    """Once the last test that uses a shared pair is torn down (with the module fixtures
+    on top of the pair), the pair stops."""
+    yield
+    later = item.session.items[item.session.items.index(item) + 1:]
+    for name in SHARED_PAIRS:
+        if name in item.fixturenames and name in _stops and \
+                not any(name in other.fixturenames for other in later):
+            _stops.pop(name)()
 
 
 def _servers(value: object) -> Iterator[VllmServer]:

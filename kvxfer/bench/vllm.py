@@ -11,6 +11,7 @@ Design: docs/design/bench.md#kvxfer-bench-vllm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -121,13 +122,18 @@ class VllmServer:
         return cmd + list(self.args)
 
     def environment(self) -> dict[str, str]:
+        """vLLM's settings. Compiled graphs go to ``$VLLM_CACHE_ROOT`` where set (the test
+        tier sets one per run), else beside the log; vLLM keys them by its settings and
+        environment, so only NixlConnector, which needs it, gets a side-channel port."""
         env = dict(os.environ)
         env.update(VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_OMP_THREADS_BIND="|".join([str(self.core)] * self.tp),
                    VLLM_HOST_IP="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), HF_HUB_OFFLINE="1",
-                   VLLM_CACHE_ROOT=str(self.log_dir / "vllm-cache"),
+                   HF_HUB_OFFLINE="1",
+                   VLLM_CACHE_ROOT=env.get("VLLM_CACHE_ROOT") or str(self.log_dir / "vllm-cache"),
                    VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
+        if self.kv_config.get("kv_connector") == "NixlConnector":
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
         return env
 
     def start(self) -> VllmServer:
@@ -165,7 +171,7 @@ class VllmServer:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"vLLM instance {self.name} did not answer within "
                            f"{START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
@@ -185,31 +191,39 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL what is left after 20 s (idempotent)."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-            try:
+        stop_all([self])
+
+
+def stop_all(servers: list[VllmServer]) -> None:
+    """:meth:`VllmServer.stop` for every one of ``servers``, their shutdowns overlapping:
+    each process group is signalled before any is waited for."""
+    running = [p for p in (s.process for s in servers) if p is not None and p.poll() is None]
+    for server in servers:
+        server.process = None
+    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):  # the whole group is gone
                 os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                return
+        deadline, left = time.monotonic() + wait, []
+        for process in running:
             try:
-                process.wait(wait)
-                _wait_group_gone(process.pid, wait)
-                return
+                process.wait(max(0.0, deadline - time.monotonic()))
+                _wait_group_gone(process.pid, deadline)
             except subprocess.TimeoutExpired:
-                continue
+                left.append(process)
+        if not (running := left):
+            return
 
 
-def _wait_group_gone(pgid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_group_gone(pgid: int, deadline: float) -> None:
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(f"process group {pgid}", 0)
         time.sleep(0.2)
-    raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
 
 
 @contextmanager
@@ -239,8 +253,7 @@ def started(*servers: VllmServer) -> Iterator[None]:
             server.wait_ready()
         yield
     finally:
-        for server in reversed(servers):
-            server.stop()
+        stop_all(list(reversed(servers)))
 
 
 # -- measuring ---------------------------------------------------------------------------------
