@@ -26,7 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import smollm2_id
 
-from kvxfer.bench.vllm import VLLM_PYTHON_ENV, VllmServer, vllm_pair
+from kvxfer.bench.vllm import (
+    VLLM_PYTHON_ENV,
+    VllmServer,
+    kv_transfer_config,
+    model_directory,
+    started,
+    vllm_pair,
+)
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +62,15 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def nixl_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    with vllm_pair("nixl", vllm_python, log_dir) as pair:
-        yield pair
+    """vLLM's own NixlConnector pair, eager: what it serves is checked against itself (its
+    prefill alone), and what its tests check is kvxfer-proxy's; compiled, it would compile
+    for itself (its side-channel port keys vLLM's cache apart), a minute or two."""
+    model, config = model_directory(), kv_transfer_config("nixl")
+    pair = [VllmServer(f"nixl-{role}", vllm_python, model, config, core, log_dir,
+                       args=("--enforce-eager",))
+            for core, role in enumerate(("prefill", "decode"))]
+    with started(*pair):
+        yield pair[0], pair[1]
 
 
 # session-scoped pairs that stop after the last test using them: fixture name -> its stop
