@@ -33,6 +33,10 @@
 #                           engine runs it in float32. SmolLM2 has 3 KV heads: TP 1 or 3.
 #   LOGPROB_TOL             allowed |logprob difference| (default 1e-4)
 #   STARTUP_TIMEOUT         seconds to wait for every instance to be ready (default 180)
+#   REFERENCE_URL           compare with the single instance already serving there (a
+#                           `kvxfer serve --role both --tp 1` of the same MODEL) instead of
+#                           starting one: several runs can share one; its HTTP key, if it has
+#                           one, in REFERENCE_API_KEY
 #   PYTHON                  interpreter with kvxfer installed (default: .venv/bin/python,
 #                           else python3)
 #   KEEP_LOGS=1             keep the per-process logs even when the test passes
@@ -93,14 +97,23 @@ LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/kvxfer-accuracy.XXXXXX")"
 PIDS=()
 STATUS=1
 
+running() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
+}
+
 cleanup() {
   trap - EXIT INT TERM
-  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  done
+  # SIGINT, then SIGTERM: a serving sidecar or proxy stops at the first (a sidecar taking
+  # SIGTERM first drains, which takes seconds even when idle; once stopping, it only
+  # stops); a process still starting up ignores SIGINT (a background job of a script)
+  # and ends at SIGTERM. SIGKILL for whatever still runs after 5 s.
+  local pid
+  for pid in "${PIDS[@]}"; do kill -INT "$pid" 2>/dev/null; kill -TERM "$pid" 2>/dev/null; done
+  for _ in $(seq 50); do running || break; sleep 0.1; done
+  for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
   rm -f "$KVXFER_KV_KEY_FILE"
   if [[ "$STATUS" -eq 0 && -z "${KEEP_LOGS:-}" ]]; then
     rm -rf "$LOG_DIR"
@@ -186,13 +199,16 @@ for i in $(seq "$NUM_DECODE_INSTANCES"); do
     --kv-transfer-mode "$TRANSFER_MODE" "${decode_policy[@]}" "${decode_cache[@]}" "${common[@]}"
   sidecars+=("decode-$i")
 done
-launch reference "${serve[@]}" --role both --tp 1 --kv-cache-layout LBHNC "${common[@]}"
-sidecars+=(reference)
+REFERENCE_URL="${REFERENCE_URL:-}"
+if [[ -z "$REFERENCE_URL" ]]; then
+  launch reference "${serve[@]}" --role both --tp 1 --kv-cache-layout LBHNC "${common[@]}"
+  sidecars+=(reference)
+fi
 
 echo "accuracy: prefill ${PREFILL_LAYOUT} TP${PREFILLER_TP_SIZE} block ${PREFILLER_BLOCK_SIZE}" \
      "x${NUM_PREFILL_INSTANCES}, decode ${DECODE_LAYOUT} TP${DECODER_TP_SIZE} block" \
      "${DECODER_BLOCK_SIZE} x${NUM_DECODE_INSTANCES}, model ${MODEL}," \
-     "KV on ${KV_BUFFER_DEVICE}, ${TRANSFER_MODE}${DECODER_PREFIX_CACHE:+, decode prefix cache cold then warm}"
+     "KV on ${KV_BUFFER_DEVICE}, ${TRANSFER_MODE}${DECODER_PREFIX_CACHE:+, decode prefix cache cold then warm}${REFERENCE_URL:+, reference at $REFERENCE_URL}"
 if ! urls="$(wait_ready "${sidecars[@]}")"; then
   echo "accuracy: instances did not come up; see the logs" >&2
   show_logs
@@ -213,8 +229,13 @@ if ! proxy_url="$(wait_ready proxy)"; then
 fi
 proxy_url="${proxy_url#proxy }"
 
+if [[ -n "$REFERENCE_URL" ]]; then
+  reference=(--reference "$REFERENCE_URL" --reference-api-key "${REFERENCE_API_KEY:-}")
+else
+  reference=(--reference "$(url_of reference)")  # its key: $KVXFER_API_KEY, the default
+fi
 accuracy() {
-  "$PYTHON" -m kvxfer.cli accuracy --target "$proxy_url" --reference "$(url_of reference)" \
+  "$PYTHON" -m kvxfer.cli accuracy --target "$proxy_url" "${reference[@]}" \
     --logprob-tol "$LOGPROB_TOL" --wait "$STARTUP_TIMEOUT" "$@"
 }
 

@@ -5,7 +5,9 @@ processes on loopback; it must pass on the default configuration and across a
 TP and layout change, clean up every process it started (also on Ctrl-C), and
 the comparison it relies on must fail when two instances disagree.
 Each script runs in its own session, so "no process left" means: no process
-of that process group is alive afterwards.
+of that process group is alive afterwards. The runs of one model share its reference
+instance and the answers it gave (``recorded_reference.py``, ``REFERENCE_URL``), except
+:data:`OWN_REFERENCE`, run as a user runs the script: it starts its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from recorded_reference import References
 from sidecars import ROOT, SidecarGroup, Spec, free_port
 
 SCRIPT = ROOT / "scripts" / "run_accuracy_test.sh"
@@ -71,6 +74,21 @@ TINY = {"MODEL": "kvxfer-tiny"}
 TINY_MLA = {"MODEL": "kvxfer-tiny-mla"}  # one latent per token, on every TP rank
 PUSH = {"KVXFER_TRANSFER_MODE": "push"}
 GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as MODEL
+SMOLLM2 = "smollm2-135m-instruct"  # the scripts' default MODEL
+OWN_REFERENCE = "tiny-tp1-to-tp2"  # the case whose script starts its own reference
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Iterator[References]:
+    with References(tmp_path_factory.mktemp("references")) as started:
+        yield started
+
+
+def with_reference(env: dict[str, str], references: References) -> dict[str, str]:
+    """``env`` with ``REFERENCE_URL``: the recorded reference of its model (the GGUF file's
+    is the named model's: the name resolves to that file)."""
+    model = env.get("MODEL", SMOLLM2)
+    return {**env, "REFERENCE_URL": references.url(SMOLLM2 if model == GGUF_FILE else model)}
 
 
 @pytest.mark.parametrize("env", [
@@ -123,11 +141,14 @@ GGUF_FILE = "<the SmolLM2 .gguf file>"  # replaced by its path: a .gguf path as 
     pytest.param({**TINY_MLA, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "LBNHC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"}, id="tiny-mla-tp2-to-tp1"),
 ])
-def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
+def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path, references: References,
+                                request: pytest.FixtureRequest) -> None:
+    if request.node.callspec.id != OWN_REFERENCE:
+        env = with_reference(env, references)
     if env.get("MODEL") == GGUF_FILE:
         from kvxfer.engine.model_names import MODELS
 
-        packaged = MODELS["smollm2-135m-instruct"].gguf
+        packaged = MODELS[SMOLLM2].gguf
         assert packaged is not None
         env = {**env, "MODEL": str(packaged.locate())}
     result = run_script([str(SCRIPT)], env, tmp_path)
@@ -163,11 +184,12 @@ def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path) -> None:
                   "DECODER_BLOCK_SIZE": "16"},
                  marks=pytest.mark.heavy, id="push-tiny-converted-block32-to-block16"),
 ])
-def test_accuracy_script_with_a_warm_decode_prefix_cache(env: dict[str, str],
-                                                         tmp_path: Path) -> None:
+def test_accuracy_script_with_a_warm_decode_prefix_cache(env: dict[str, str], tmp_path: Path,
+                                                         references: References) -> None:
     """Every prompt twice: the second pass finds each prompt's whole blocks (pull: of both
     sizes) in the decode's cache, moves less, and still matches the reference."""
-    result = run_script([str(SCRIPT)], {**env, "DECODER_PREFIX_CACHE": "1"}, tmp_path)
+    env = with_reference({**env, "DECODER_PREFIX_CACHE": "1"}, references)
+    result = run_script([str(SCRIPT)], env, tmp_path)
     assert result.returncode == 0, result.stdout
     out = result.stdout
     assert "decode prefix cache cold then warm" in out.splitlines()[0], out
@@ -191,8 +213,10 @@ def test_accuracy_script_refuses_a_warm_cache_over_several_decodes(tmp_path: Pat
 
 
 @pytest.mark.heavy
-def test_sweep_prints_one_line_per_configuration(tmp_path: Path) -> None:
-    env = {**TINY, "SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"}
+def test_sweep_prints_one_line_per_configuration(tmp_path: Path,
+                                                 references: References) -> None:
+    env = with_reference({**TINY, "SWEEP_LAYOUTS": "BHLNC LBNHC", "SWEEP_TP_PAIRS": "1:2"},
+                         references)
     result = run_script([str(SWEEP)], env, tmp_path)
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()

@@ -11,7 +11,8 @@ such blocks out of use (quarantined), the pull run served 6 wrong answers of 78.
 mode the prefill WRITEs the long prompt into blocks the decode reserved; the decode gives
 the push up at the reservation's deadline plus the grace, and keeps the blocks out of use
 until the prefill says its WRITEs ended, which it can only say once they landed. Heavy
-tier: about a minute per mode.
+tier: about a minute per mode. The single instance is the run's shared one (``plain``, see
+``shared_servers.py``), whose answers to the clients' prompts both modes compare with.
 
 Needs root and ``ip netns`` (skipped elsewhere, saying which).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecars import NsSpec, Sidecar, SidecarGroup, Spec, at, disaggregated, prefill_body
+from sidecars import NsSpec, Sidecar, SidecarGroup, at, disaggregated, prefill_body
 
 from kvxfer.harness.network import UCX_ENV, Network, why_not
 from kvxfer.wire.reservations import PUSH_GRACE_S
@@ -44,6 +45,12 @@ CLIENT_PROMPTS = [f"Client {i} asks about blocks, links and stale bytes. " * 8
                   for i in range(6)]  # ~410 tokens, +150: three hold 105 of the 120 blocks
 MAX_TOKENS = 150
 RESERVE_S = 8.0                  # push: the reservation outlives the slowed push
+
+
+@pytest.fixture(scope="module")
+def want(plain: Sidecar) -> dict[str, dict[str, Any]]:
+    """One instance's answer to each client prompt."""
+    return {p: completion(plain, p) for p in CLIENT_PROMPTS}
 
 
 @pytest.fixture
@@ -93,14 +100,11 @@ def cut_request(prefill: Sidecar, decode: Sidecar, mode: str,
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_bytes_of_a_transfer_given_up_never_land_in_another_request(
-        network: Network, tmp_path: Path, mode: str) -> None:
+        network: Network, tmp_path: Path, mode: str, want: dict[str, dict[str, Any]]) -> None:
     host = ("--host", "0.0.0.0")
     push = ("--kv-transfer-mode", "push", "--lease-ttl", str(RESERVE_S),
             "--side-channel-host", network.address("lrdecode")) if mode == "push" else ()
-    # the single instance runs NIXL too (a both instance plays the prefill and the decode):
-    # not on the namespaces' UCX devices, which this namespace lacks
-    with SidecarGroup(tmp_path) as here, SidecarGroup(tmp_path, env=UCX_ENV) as group:
-        reference = here.start_one(Spec("both"))
+    with SidecarGroup(tmp_path, env=UCX_ENV) as group:
         prefill, decode = group.start([
             NsSpec("prefill", netns=network.ns("lrprefill"), extra=(
                 *host, "--side-channel-host", network.address("lrprefill"),
@@ -111,7 +115,6 @@ def test_bytes_of_a_transfer_given_up_never_land_in_another_request(
         ])
         at(prefill, network.address("lrprefill"))
         at(decode, network.address("lrdecode"))
-        want = {p: completion(reference, p) for p in CLIENT_PROMPTS}
         body = {"prompt": "warm up", "max_tokens": 2, "temperature": 0}
         warm = cut_request(prefill, decode, mode, body)()
         assert warm.status_code == 200, warm.text

@@ -229,19 +229,17 @@ QUARANTINE_END_S = 90.0  # TCP retransmits within this once the link is back
 
 
 @pytest.fixture
-def hosts(tmp_path: Path) -> Iterator[tuple[Network, Sidecar, Sidecar, Sidecar]]:
+def hosts(tmp_path: Path, plain: Sidecar) -> Iterator[tuple[Network, Sidecar, Sidecar, Sidecar]]:
     """A prefill and a push-mode decode on two "hosts" (UCX over TCP between them, as in
-    test_netns), and a single instance in the test's namespace to compare with."""
+    test_netns), and a single instance in the test's namespace to compare with (the run's
+    shared one, see ``shared_servers.py``)."""
     reason = why_not()
     if reason is not None:
         pytest.skip(reason)
-    # the single instance runs NIXL too (a both instance plays the prefill and the decode):
-    # not on the namespaces' UCX devices, which this namespace lacks
-    with Network(("prefill", "decode")) as network, SidecarGroup(tmp_path) as here, \
+    with Network(("prefill", "decode")) as network, \
             SidecarGroup(tmp_path, env=UCX_ENV) as group:
         def on(role: str) -> tuple[str, ...]:
             return ("--host", "0.0.0.0", "--side-channel-host", network.address(role))
-        reference = here.start_one(Spec("both"))
         prefill, decode = group.start([
             NsSpec("prefill", netns=network.ns("prefill"),
                    extra=(*on("prefill"), "--no-host-reads")),
@@ -252,7 +250,7 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Network, Sidecar, Sidecar, Sidecar]]
         at(prefill, network.address("prefill"))
         at(decode, network.address("decode"))
         try:
-            yield network, reference, prefill, decode
+            yield network, plain, prefill, decode
         finally:  # the sidecars stop with their links up
             network.link("prefill", up=True)
             network.slow("prefill", None)

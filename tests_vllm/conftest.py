@@ -6,10 +6,11 @@ a time, prefill on core 0 and decode on core 1, since an idle NixlConnector work
 keeps a core busy) and are stopped by process group when the module ends, also
 when a test failed. ``kvxfer_pair`` is shared by the modules that use it, which run
 one after the other: it is stopped right after the last test that uses it, before
-another pair starts. Every instance of the run keeps its compiled graphs in one
-``$VLLM_CACHE_ROOT``, so that a configuration compiles once per core, not once per
-instance (vLLM 0.32's AOT artifacts fail to load here: "'function' object has no attribute
-'finalize_loading'", and it compiles again; its older cache loads, so that is used).
+another pair starts. Every instance of the run compiles into one cache of the run's own
+(``$VLLM_CACHE_ROOT`` and inductor's ``$TORCHINDUCTOR_CACHE_DIR``; nothing from an earlier
+run), so that a configuration is compiled once per core, not once per instance: vLLM 0.32's
+AOT artifacts fail to load here ("'function' object has no attribute 'finalize_loading'")
+and it compiled everything again, so its AOT compile is off and inductor's cache serves.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import smollm2_id
 
-from kvxfer.bench.vllm import VLLM_PYTHON_ENV, VllmServer, vllm_pair
+from kvxfer.bench.vllm import (
+    VLLM_PYTHON_ENV,
+    VllmServer,
+    kv_transfer_config,
+    model_directory,
+    started,
+    vllm_pair,
+)
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +48,12 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """``$VLLM_CACHE_ROOT`` for every instance of the run (see VllmServer.environment),
-    and vLLM's compile cache that loads (see the module docstring)."""
+    """The run's compile cache for every instance (see the module docstring and
+    VllmServer.environment)."""
+    cache = tmp_path_factory.mktemp("vllm-cache")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        patch.setenv("VLLM_CACHE_ROOT", str(cache))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
         patch.setenv("VLLM_USE_AOT_COMPILE", "0")
         yield
 
@@ -55,8 +65,15 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def nixl_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    with vllm_pair("nixl", vllm_python, log_dir) as pair:
-        yield pair
+    """vLLM's own NixlConnector pair, eager: what it serves is checked against itself (its
+    prefill alone), and what its tests check is kvxfer-proxy's; compiled, it would compile
+    for itself (its side-channel port keys vLLM's cache apart), a minute or two."""
+    model, config = model_directory(), kv_transfer_config("nixl")
+    pair = [VllmServer(f"nixl-{role}", vllm_python, model, config, core, log_dir,
+                       args=("--enforce-eager",))
+            for core, role in enumerate(("prefill", "decode"))]
+    with started(*pair):
+        yield pair[0], pair[1]
 
 
 # session-scoped pairs that stop after the last test using them: fixture name -> its stop

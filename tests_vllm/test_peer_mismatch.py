@@ -70,11 +70,13 @@ def test_a_prefill_of_another_block_size_feeds_the_decode(
     """A vLLM prefill at 64-token blocks, the decode at 128: the decode pairs each of its
     blocks with the two prefill blocks holding its tokens and converts (vLLM's CPU packing
     keeps K transposed per block, so a 128-token block is no two 64-token ones byte for
-    byte), token- and log-probability-exact against one instance."""
+    byte), token- and log-probability-exact against one instance. The prefill runs eager:
+    its block size keys vLLM's compile cache apart, and compiling for it alone took a
+    minute or two (test_tp compares an eager instance with compiled ones the same way)."""
     alone_server, decode = kvxfer_pair
     config = kv_transfer_config("kvxfer", {"model_id": smollm2_id()})
     other = VllmServer("kvxfer-prefill-block64", vllm_python, model_directory(), config, 0,
-                       log_dir, block_size=64)
+                       log_dir, block_size=64, args=("--enforce-eager",))
     try:
         other.start()
         with proxy_for(other, decode, log_dir) as proxy:
