@@ -17,6 +17,11 @@ Torch runs one OpenMP thread in the test process and in every process it starts,
 OpenMP's spinning threads, descheduled, made in-process model tests up to ten times
 slower whenever another process wanted a core (test_engine_mla: 38-67 s with two
 threads, 4 s with one, on a busy machine).
+
+A run started as a background job of a script (``cmd &`` without job control) inherits
+SIGINT ignored, and so would every process its tests start: the Ctrl-C tests' processes
+would never see their SIGINT. The run takes SIGINT back (Python's handler), so that what
+it starts gets the default.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is first imported
 
 import gc
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +43,9 @@ from kvxfer.sidecar.roles.composition import Roles
 
 # session-wide sidecars for the tests that only talk to them (plain, pull_pair, proxied)
 pytest_plugins = ["shared_servers"]
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # see the module docstring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
