@@ -110,7 +110,10 @@ cleanup() {
   # stops); a process still starting up ignores SIGINT (a background job of a script)
   # and ends at SIGTERM. SIGKILL for whatever still runs after 5 s.
   local pid
-  for pid in "${PIDS[@]}"; do kill -INT "$pid" 2>/dev/null; kill -TERM "$pid" 2>/dev/null; done
+  for pid in "${PIDS[@]}"; do  # || true: one that already exited must not end the cleanup
+    kill -INT "$pid" 2>/dev/null || true
+    kill -TERM "$pid" 2>/dev/null || true
+  done
   for _ in $(seq 50); do running || break; sleep 0.1; done
   for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
