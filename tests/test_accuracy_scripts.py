@@ -7,7 +7,9 @@ the comparison it relies on must fail when two instances disagree.
 Each script runs in its own session, so "no process left" means: no process
 of that process group is alive afterwards. The runs of one model share its reference
 instance and the answers it gave (``recorded_reference.py``, ``REFERENCE_URL``), except
-:data:`OWN_REFERENCE`, run as a user runs the script: it starts its own.
+:data:`OWN_REFERENCE`, run as a user runs the script: it starts its own. The main tier
+runs one case per concern (a TP change as a user runs it, MLA, a warm decode cache); the
+other layouts, block sizes, decode counts and push are the heavy tier's (CI runs both).
 """
 
 from __future__ import annotations
@@ -109,11 +111,13 @@ def with_reference(env: dict[str, str], references: References) -> dict[str, str
                  marks=pytest.mark.heavy, id="tiny-block32-to-block16-tp2-to-tp1"),
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "BHLNC",
                   "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1",
-                  "NUM_DECODE_INSTANCES": "2"}, id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
+                  "NUM_DECODE_INSTANCES": "2"}, marks=pytest.mark.heavy,
+                 id="tiny-mixed-layouts-tp2-to-tp1-two-decodes"),
     # a converted read across block sizes: a head split of a tokens-outside-heads prefill
     pytest.param({**TINY, "KVXFER_KV_CACHE_LAYOUT": "LBNHC", "PREFILLER_TP_SIZE": "1",
                   "DECODER_TP_SIZE": "2", "PREFILLER_BLOCK_SIZE": "16",
-                  "DECODER_BLOCK_SIZE": "32"}, id="tiny-lbnhc-tp1-to-tp2-block16-to-block32"),
+                  "DECODER_BLOCK_SIZE": "32"}, marks=pytest.mark.heavy,
+                 id="tiny-lbnhc-tp1-to-tp2-block16-to-block32"),
     pytest.param({**TINY_MLA, "PREFILLER_TP_SIZE": "1", "DECODER_TP_SIZE": "2"},
                  id="tiny-mla-tp1-to-tp2"),
     # push mode: the decode reserves, the prefill writes each layer as it computes it
@@ -139,7 +143,8 @@ def with_reference(env: dict[str, str], references: References) -> dict[str, str
                  id="push-tiny-lbnhc-tp2-to-tp1"),
     # the second prefill rank is only told to free; LBNHC needs no conversion for one head
     pytest.param({**TINY_MLA, "KVXFER_KV_CACHE_LAYOUT": "BLHNC", "DECODER_KV_LAYOUT": "LBNHC",
-                  "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"}, id="tiny-mla-tp2-to-tp1"),
+                  "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"}, marks=pytest.mark.heavy,
+                 id="tiny-mla-tp2-to-tp1"),
 ])
 def test_accuracy_script_passes(env: dict[str, str], tmp_path: Path, references: References,
                                 request: pytest.FixtureRequest) -> None:
