@@ -134,7 +134,9 @@ def test_a_failed_load_is_recomputed_under_that_policy(
         kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path) -> None:
     """A decode with ``kv_load_failure_policy`` "recompute" given a lease another decode
     already read: its claim is refused, the load fails, and vLLM computes the prompt
-    itself; the answer is one instance's, and the prefill keeps nothing."""
+    itself; the answer is one instance's, and the prefill keeps nothing. The new decode runs
+    eager (compiled, the test took a minute): what it computes itself is checked against a
+    compiled instance, as test_tp checks an eager one."""
     pre, first_decode = kvxfer_pair
     prompt = prompt_ids(300, 77)
     params = prefill(pre.url, prompt)
@@ -144,7 +146,7 @@ def test_a_failed_load_is_recomputed_under_that_policy(
     assert_same_answer(taken["choices"][0], alone)
     config = kv_transfer_config("kvxfer", {"model_id": smollm2_id()}, policy="recompute")
     decode = VllmServer("kvxfer-decode-recompute", vllm_python, model_directory(), config, 0,
-                        log_dir)
+                        log_dir, args=("--enforce-eager",))
     try:
         decode.start()
         failed = metric(decode.url, "vllm:kvxfer_num_failed_transfers_total")
