@@ -3,42 +3,11 @@
 :func:`create_app` builds a FastAPI app around a
 :class:`~kvxfer.sidecar.instance.Sidecar` (engine, roles, engine loop, metrics);
 :func:`serve` binds the HTTP port first (a port in use fails before the model loads),
-builds the sidecar and runs uvicorn until SIGINT/SIGTERM.
-
-Routes (:mod:`kvxfer.sidecar.handlers`): ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /v1/kv/release`` (a prefill ends an unclaimed lease
-for whoever shows its params), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
-Handlers never touch the engine: they validate (:mod:`kvxfer.sidecar.openai_api`), submit
-to the :class:`~kvxfer.sidecar.engine_loop.EngineLoop` and await its events. A client that
-disconnects (streaming or not) aborts its requests; an abort during a KV read
-takes effect when the read ended (see :mod:`kvxfer.sidecar.roles.pull_decode`).
-
-Status codes: 400 bad input (OpenAI ``invalid_request_error``), 401 without
-the API key, 404 unknown model or route, 502 ``kv_transfer_error`` when a
-decode's KV read failed under policy ``fail``, 500 internal errors, 503 while
-shutting down or draining.
-
-Draining (SIGTERM): the sidecar stops taking new completions (503 with the
-``x-kvxfer-draining`` header, which tells the proxy to try another instance;
-nothing was started, and a decode leaves the lease it was given for that other
-instance), ``/health`` says ``draining`` with a 503 (out of rotation for the proxy
-and for Kubernetes readiness), requests in flight finish and a prefill's leases
-are read or released. It exits once it holds nothing and no request came for
-:data:`~kvxfer.sidecar.instance.DRAIN_QUIET_S` (so a proxy's pooled connections idle out
-first), or when ``drain_timeout`` seconds have passed (held blocks are then freed as it
-closes), at most :data:`GRACEFUL_SHUTDOWN_S` later. A second SIGTERM, or SIGINT, stops at once.
-
-With an API key (:attr:`~kvxfer.sidecar.settings.Settings.api_key`) every route answers
-401 before its handler runs unless the request carries ``Authorization: Bearer KEY``
-(:mod:`kvxfer.net.api_key`); ``/health`` still answers, but only ``{"status"}``.
-So an unauthenticated request never makes a decode contact a side channel,
-read, or release anything.
-
-A decode request refused before it reaches the engine loop (bad body, 503)
-whose ``kv_transfer_params`` name a prefill lease releases that lease over the
-prefill's side channel (:meth:`Roles.not_admitted
-<kvxfer.sidecar.roles.composition.Roles.not_admitted>`), the caller being
-authenticated; refusals after that point are the roles' to release.
+builds the sidecar and runs uvicorn until SIGINT/SIGTERM (SIGTERM drains first; a second
+signal, or SIGINT, stops at once). Handlers (:mod:`kvxfer.sidecar.handlers`) never touch
+the engine: they validate, submit to the :class:`~kvxfer.sidecar.engine_loop.EngineLoop`
+and await its events. Routes, status codes, draining and the API key:
+``docs/design/openai-api.md``, "The sidecar's HTTP surface".
 """
 
 from __future__ import annotations

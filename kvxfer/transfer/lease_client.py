@@ -1,46 +1,12 @@
 """``LeaseClient``: a decode's claims, renewals and releases of the prefill leases it reads.
 
-One per decode: the sidecar's pull decode (all its ranks read a lease once) and the vLLM
-worker's
-:class:`~kvxfer.vllm.worker_side.WorkerSide` use the same object; each keeps its own
-bookkeeping of requests and only asks this one about their leases.
-
-Threading: every method is called from the owner's thread (the sidecar's engine loop,
-vLLM's model-runner thread), except :meth:`release_named` and :meth:`release`, which any
-thread may call (they only queue). The sender threads only queue answers; they are
-applied on the owner's thread by :meth:`take_answers`, so a :class:`HeldLease` is
-never changed by two threads.
-
-The life of a lease on the decode side:
-
-* :meth:`check` is the local check before anything is sent
-  (:meth:`~kvxfer.wire.lease_book.LeaseBook.claim`: not expired, ticket valid with the
-  key, never used here before): a :class:`~kvxfer.wire.lease_book.LeaseRefused` (or a
-  ValueError: no expiry) means the lease is neither read nor released (the params may
-  be another request's).
-* :meth:`claim` asks the prefill for the lease (``RenewLease(claim=True)``) from the
-  renewer's thread (a :class:`~kvxfer.transfer.side_channel.sender.SideChannelSender`
-  of its own, so that a claim never waits behind messages to a dead prefill);
-  :meth:`renew_due` sends the claims not sent yet and the renewals due (under half the TTL left),
-  one at a time per lease.
-* :meth:`take_answers` applies the prefill's answers (:class:`LeaseAnswer`): granted
-  (claimed, the deadline moved on), refused (lost: never read; ``refused`` when it was
-  the claim) or unanswered (a claim: lost, not retried, so that a dead or frozen
-  prefill costs one attempt, and released, since a frozen prefill may grant it on
-  waking; a renewal: retried until the deadline).
-* :meth:`readiness` says whether a READ may start now (claimed, not lost, enough of the
-  lease left for a READ bounded by ``read_timeout``); :meth:`check_unread` refuses one
-  whose lease ended meanwhile, and :meth:`check_in_time` a finished READ that outlived
-  its lease (the prefill may have reused the blocks while it ran): :class:`LeaseEnded`.
-* :meth:`release` tells the prefill a lease will not be read (best effort, through the
-  instance's :class:`~kvxfer.transfer.side_channel.reports.Reports`, which also sends the
-  reads' "done" reports): the prefill frees its blocks before the TTL.
-
-A prefill whose ranks listen apart (``remote_rank_ports``: a vLLM instance, a process
-per rank) holds the lease on each: a claim or renewal goes to every port and is granted
-when every port granted it (for the least time any did); a claim some ports granted and
-another refused or left unanswered is lost, and released at every port. A release goes
-to every port.
+One per decode, shared by the sidecar's pull decode and the vLLM worker side
+(:class:`~kvxfer.vllm.worker_side.WorkerSide`); each keeps its own requests and asks this
+one about their leases. Every method runs on the owner's thread (the engine loop, vLLM's
+model-runner thread) except :meth:`release_named` and :meth:`release`, which only queue;
+the senders' answers are applied on the owner's thread by :meth:`take_answers`. A lease's
+life on the decode side (check, claim, renew, read, release) and leases held on several
+ports: ``docs/design/leases.md``, "A decode's claims".
 """
 
 from __future__ import annotations
