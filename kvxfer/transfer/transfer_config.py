@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -267,11 +268,13 @@ def from_mapping(mapping: Mapping[str, Any], *, where: str,
     for name, why in (refused or {}).items():
         if name in values and values[name] != getattr(defaults, name):
             raise ConfigError(f"{where}.{name}", why)
-    try:
-        typed = msgspec.convert(values, _Typed, strict=True)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{where}.{_path_of(exc)}", _message_of(exc)) from None
-    given = {name: getattr(typed, name) for name in values}
+    types = _value_types()
+    given: dict[str, Any] = {}
+    for name, value in values.items():
+        try:
+            given[name] = msgspec.convert(value, types[name], strict=True)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{where}.{name}", _message_of(exc)) from None
     if KEY_FILE in mapping and mapping[KEY_FILE] is not None:
         if not isinstance(mapping[KEY_FILE], str) or not mapping[KEY_FILE]:
             raise ConfigError(f"{where}.{KEY_FILE}", f"must be a path, got "
@@ -286,22 +289,12 @@ def from_mapping(mapping: Mapping[str, Any], *, where: str,
         raise ConfigError(f"{where}.{exc.name}", exc.message) from None
 
 
-class _Typed(msgspec.Struct, forbid_unknown_fields=True):
-    """The types a mapping's values must have (ranges: :class:`TransferConfig`)."""
-
-    side_channel_host: str = ""
-    side_channel_port: int = 0
-    advertise_host: str | None = None
-    lease_ttl: float = 0.0
-    lease_max_age: float | None = None
-    kv_read_timeout: float = 0.0
-    handshake_timeout: float | None = None
-    kv_heartbeat_timeout: float = 0.0
-    read_lanes: int | None = None
-    host_reads: bool = True
-    nixl_backends: tuple[str, ...] = ()
-    kv_transfer_mode: str = ""
-    kv_load_failure_policy: str = ""
+def _value_types() -> dict[str, Any]:
+    """The type a mapping's value of each field must have: the field's own (a choice among
+    strings as ``str``: :class:`TransferConfig` says which ones, and ranges)."""
+    hints = typing.get_type_hints(TransferConfig)
+    return {name: str if typing.get_origin(kind) is Literal else kind
+            for name, kind in hints.items() if name != "kv_key"}
 
 
 def _read_key(path: str | None, environment: bool = True) -> bytes | None:
@@ -322,10 +315,5 @@ def _positive(value: Any) -> bool:
         0 < value < math.inf
 
 
-def _path_of(exc: msgspec.ValidationError) -> str:
-    text = str(exc)
-    return text.rpartition("at `$.")[2].rstrip("`") if "at `$." in text else "?"
-
-
 def _message_of(exc: msgspec.ValidationError) -> str:
-    return str(exc).partition(" - at `$.")[0].replace("`", "").lower()
+    return str(exc).partition(" - at `$")[0].replace("`", "").lower()
