@@ -178,7 +178,7 @@ def _print_ready(line: str) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn's Server, announcing readiness once the socket accepts requests; the
-    first SIGTERM drains the sidecar (see the module docstring) instead of stopping."""
+    first SIGTERM drains the sidecar (docs/design/openai-api.md) instead of stopping."""
 
     def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
                  side: Sidecar) -> None:
