@@ -7,6 +7,7 @@ what an abort did.
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,21 +38,22 @@ class RoleEvents:
     failed: dict[str, str] = field(default_factory=dict)  # decode: admission raised (a bug)
 
 
-class Role:
+class Role(abc.ABC):
     """A role: it admits the request :attr:`kinds` it serves, follows their transfers on
     each :meth:`poll`, and says how each ends. The defaults do nothing; a role overrides
-    what it takes part in."""
+    what it takes part in; :meth:`admit` every role must have."""
 
     kinds: ClassVar[tuple[type[Kind], ...]] = ()
 
+    @abc.abstractmethod
     def admit(self, submission: Submission) -> None:
         """Take a request of one of :attr:`kinds` (ValueError: refused, a 400)."""
-        raise NotImplementedError
 
     def not_admitted(self, kind: Kind, reason: str, outcome: ReleaseOutcome) -> None:
         """Any thread: a request of one of :attr:`kinds` will never be admitted (refused
         before it reached the loop, answered at once, the instance closing): let go of
         what it names."""
+        return None
 
     def finished(self, output: RequestOutput, kind: Kind) -> dict[str, Any] | None:
         """A request of this role's ended in the engine (``output.finish_reason``): the
@@ -76,6 +78,7 @@ class Role:
 
     def poll(self, events: RoleEvents) -> None:
         """Follow transfers, admit what waited, report what changed."""
+        return None
 
     @property
     def answering(self) -> Answering | None:
@@ -85,10 +88,12 @@ class Role:
 
     def serving_at(self, host: str, port: int) -> None:
         """The side channel serves this role's answers at ``host:port`` (as peers dial it)."""
+        return None
 
     def claimed_by(self, engine_id: str, side_channel: tuple[str, int]) -> None:
         """Listener thread: peer ``engine_id`` claimed a lease here, naming the side
         channel it answers at."""
+        return None
 
     def gauges(self) -> dict[str, int]:
         """What ``/health`` and ``/metrics`` show of this role (counts, by name)."""
@@ -112,3 +117,4 @@ class Role:
 
     def close(self) -> None:
         """After the loop stopped and the ranks closed: let go of what is still held."""
+        return None
