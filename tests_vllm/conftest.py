@@ -6,7 +6,9 @@ a time, prefill on core 0 and decode on core 1, since an idle NixlConnector work
 keeps a core busy) and are stopped by process group when the module ends, also
 when a test failed. ``kvxfer_pair`` is shared by the modules that use it, which run
 one after the other: it is stopped right after the last test that uses it, before
-another pair starts. Every instance of the run compiles into one cache of the run's own
+another pair starts. It shares a KV key and a short lease (``pair_extra``): what the key
+changes is checked on it (test_keyed_pair), and every instance or sidecar a test starts
+beside it takes the same key. Every instance of the run compiles into one cache of the run's own
 (``$VLLM_CACHE_ROOT`` and inductor's ``$TORCHINDUCTOR_CACHE_DIR``; nothing from an earlier
 run), so that a configuration is compiled once per core, not once per instance: vLLM 0.32's
 AOT artifacts fail to load here ("'function' object has no attribute 'finalize_loading'")
@@ -16,6 +18,7 @@ and it compiled everything again, so its AOT compile is off and inductor's cache
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -25,7 +28,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import smollm2_id
+from helpers import PAIR_LEASE_TTL, smollm2_id
 
 from kvxfer.bench.vllm import (
     VLLM_PYTHON_ENV,
@@ -82,15 +85,31 @@ _stops: dict[str, Callable[[], None]] = {}
 
 
 @pytest.fixture(scope="session")
-def kvxfer_pair(vllm_python: str, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[tuple[VllmServer, VllmServer]]:
-    # kvxfer's reference engine's id of the same checkpoint, so that one of its sidecars
-    # is a compatible peer (with --kv-packing vllm-cpu-vec) or differs in kv_packing only
+def pair_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The KV key file of kvxfer_pair and of everything a test starts to talk to it."""
+    key = tmp_path_factory.mktemp("kv-key") / "kv.key"
+    key.write_text(secrets.token_hex(32))
+    os.chmod(key, 0o600)
+    return key
+
+
+@pytest.fixture(scope="session")
+def pair_extra(pair_key: Path) -> dict[str, object]:
+    """kvxfer_pair's ``kv_connector_extra_config``: kvxfer's reference engine's id of the
+    same checkpoint (so that one of its sidecars is a compatible peer with --kv-packing
+    vllm-cpu-vec, or differs in kv_packing only), a KV key and a short lease."""
+    return {"model_id": smollm2_id(), "kv_key_file": str(pair_key),
+            "lease_ttl": PAIR_LEASE_TTL}
+
+
+@pytest.fixture(scope="session")
+def kvxfer_pair(vllm_python: str, tmp_path_factory: pytest.TempPathFactory,
+                pair_extra: dict[str, object]) -> Iterator[tuple[VllmServer, VllmServer]]:
     with ExitStack() as stack:
         _stops["kvxfer_pair"] = stack.close
         yield stack.enter_context(vllm_pair("kvxfer", vllm_python,
                                             tmp_path_factory.mktemp("vllm-kvxfer-pair"),
-                                            extra={"model_id": smollm2_id()}))
+                                            extra=pair_extra))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,6 +19,7 @@ from kvxfer.bench.vllm import SERVED_NAME, VllmServer
 from kvxfer.transfer.converted.mapped_reads import CACHE_MEMFD_NAME
 
 TIMEOUT = httpx.Timeout(120.0)
+PAIR_LEASE_TTL = 20.0  # kvxfer_pair's lease (conftest.pair_extra): a refused one ends by then
 
 
 class Served(Protocol):

@@ -1,36 +1,22 @@
-"""KvxferConnector's KV key and lease options from ``kv_connector_extra_config`` in real vLLM:
-a pair sharing a key file, with a short lease, answers as one instance; the prefill's params
+"""KvxferConnector's KV key and lease options from ``kv_connector_extra_config`` in real vLLM,
+on the shared ``kvxfer_pair`` (which shares a key file and a short lease): it answers as one
+instance; the prefill's params
 carry a signed ticket and the lease it was given; params changed on the way (another block,
 a longer lease) fail the load, so the decode never computes on KV that is not its request's;
 and nothing stays held."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from helpers import completion, metric, smollm2_id, wait_idle
+from helpers import PAIR_LEASE_TTL as LEASE_TTL
+from helpers import completion, metric, wait_idle
 
-from kvxfer.bench.vllm import SERVED_NAME, VllmServer, prefill, prompt_ids, vllm_pair
+from kvxfer.bench.vllm import SERVED_NAME, VllmServer, prefill, prompt_ids
 from kvxfer.wire.tickets import TICKET_KEY
-
-LEASE_TTL = 20.0
-
-
-@pytest.fixture(scope="module")
-def keyed_pair(vllm_python: str, log_dir: Path) -> Iterator[tuple[VllmServer, VllmServer]]:
-    key = log_dir / "kv.key"
-    key.write_text(secrets.token_hex(32))
-    os.chmod(key, 0o600)
-    extra = {"model_id": smollm2_id(), "kv_key_file": str(key), "lease_ttl": LEASE_TTL}
-    with vllm_pair("kvxfer", vllm_python, log_dir, extra=extra) as pair:
-        yield pair
 
 
 def decode_with(decode: VllmServer, prompt: list[int], params: dict[str, Any]) -> httpx.Response:
@@ -40,8 +26,8 @@ def decode_with(decode: VllmServer, prompt: list[int], params: dict[str, Any]) -
 
 
 def test_a_keyed_pair_answers_as_one_instance(
-        keyed_pair: tuple[VllmServer, VllmServer]) -> None:
-    pre, decode = keyed_pair
+        kvxfer_pair: tuple[VllmServer, VllmServer]) -> None:
+    pre, decode = kvxfer_pair
     prompt = prompt_ids(400, 31)
     alone = completion(pre.url, {"prompt": prompt, "max_tokens": 8, "temperature": 0,
                                  "logprobs": 1})["choices"][0]
@@ -56,8 +42,8 @@ def test_a_keyed_pair_answers_as_one_instance(
 
 @pytest.mark.parametrize("change", ["another block", "a longer lease"])
 def test_params_changed_on_the_way_fail_the_load(
-        keyed_pair: tuple[VllmServer, VllmServer], change: str) -> None:
-    pre, decode = keyed_pair
+        kvxfer_pair: tuple[VllmServer, VllmServer], change: str) -> None:
+    pre, decode = kvxfer_pair
     prompt = prompt_ids(300, 57 + len(change))
     params = prefill(pre.url, prompt)
     if change == "another block":
@@ -71,6 +57,6 @@ def test_params_changed_on_the_way_fail_the_load(
     assert metric(decode.url, "vllm:kvxfer_num_failed_transfers_total") == failed + 1
 
 
-def test_nothing_stays_held(keyed_pair: tuple[VllmServer, VllmServer]) -> None:
-    for server in keyed_pair:
+def test_nothing_stays_held(kvxfer_pair: tuple[VllmServer, VllmServer]) -> None:
+    for server in kvxfer_pair:
         wait_idle(server, timeout=LEASE_TTL + 30)  # a refused lease ends by its TTL at worst

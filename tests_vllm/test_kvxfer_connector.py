@@ -16,7 +16,6 @@ from helpers import (
     completion,
     metric,
     proxy_for,
-    smollm2_id,
     streamed,
     streamed_text,
     wait_idle,
@@ -131,7 +130,8 @@ def test_a_decode_prefix_hit_reads_only_the_blocks_past_it(
 
 
 def test_a_failed_load_is_recomputed_under_that_policy(
-        kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path) -> None:
+        kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path,
+        pair_extra: dict[str, object]) -> None:
     """A decode with ``kv_load_failure_policy`` "recompute" given a lease another decode
     already read: its claim is refused, the load fails, and vLLM computes the prompt
     itself; the answer is one instance's, and the prefill keeps nothing. The new decode runs
@@ -144,7 +144,7 @@ def test_a_failed_load_is_recomputed_under_that_policy(
     taken = completion(first_decode.url, {**body, "kv_transfer_params": params})
     alone = completion(pre.url, body)["choices"][0]
     assert_same_answer(taken["choices"][0], alone)
-    config = kv_transfer_config("kvxfer", {"model_id": smollm2_id()}, policy="recompute")
+    config = kv_transfer_config("kvxfer", pair_extra, policy="recompute")
     decode = VllmServer("kvxfer-decode-recompute", vllm_python, model_directory(), config, 0,
                         log_dir, args=("--enforce-eager",))
     try:

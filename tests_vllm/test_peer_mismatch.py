@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import completion, metric, proxy_for, smollm2_id, wait_idle
+from helpers import PAIR_LEASE_TTL, completion, metric, proxy_for, wait_idle
 from sidecars import Spec, prefill_body, sidecars
 
 from kvxfer.bench.vllm import (
@@ -23,6 +23,12 @@ from kvxfer.bench.vllm import (
     model_directory,
     prompt_ids,
 )
+
+
+def pair_sidecar(pair_key: Path) -> tuple[str, ...]:
+    """A sidecar's flags to talk to kvxfer_pair: its KV key, and its lease TTL (a decode
+    refuses leases longer than 4 of its own)."""
+    return ("--kv-key-file", str(pair_key), "--lease-ttl", str(PAIR_LEASE_TTL))
 
 
 def failed_load_line(decode: VllmServer, prompt: str | list[int],
@@ -44,11 +50,11 @@ def failed_load_line(decode: VllmServer, prompt: str | list[int],
 
 @pytest.mark.parametrize(("model", "fields"), [("kvxfer-tiny", ("model",))])
 def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmServer],
-                                          log_dir: Path, model: str,
+                                          log_dir: Path, pair_key: Path, model: str,
                                           fields: tuple[str, ...]) -> None:
     _, decode = kvxfer_pair
     spec = Spec(role="prefill", block_size=128, num_blocks=16,
-                extra=("--model", model, "--dtype", "float32"))
+                extra=("--model", model, "--dtype", "float32", *pair_sidecar(pair_key)))
     sidecar_logs = log_dir / f"sidecar-{model}"
     sidecar_logs.mkdir(exist_ok=True)
     with sidecars(sidecar_logs, [spec]) as (sidecar,):
@@ -66,7 +72,8 @@ def test_mismatched_prefill_fails_cleanly(kvxfer_pair: tuple[VllmServer, VllmSer
 
 
 def test_a_prefill_of_another_block_size_feeds_the_decode(
-        kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path) -> None:
+        kvxfer_pair: tuple[VllmServer, VllmServer], vllm_python: str, log_dir: Path,
+        pair_extra: dict[str, object]) -> None:
     """A vLLM prefill at 64-token blocks, the decode at 128: the decode pairs each of its
     blocks with the two prefill blocks holding its tokens and converts (vLLM's CPU packing
     keeps K transposed per block, so a 128-token block is no two 64-token ones byte for
@@ -74,7 +81,7 @@ def test_a_prefill_of_another_block_size_feeds_the_decode(
     its block size keys vLLM's compile cache apart, and compiling for it alone took a
     minute or two (test_tp compares an eager instance with compiled ones the same way)."""
     alone_server, decode = kvxfer_pair
-    config = kv_transfer_config("kvxfer", {"model_id": smollm2_id()})
+    config = kv_transfer_config("kvxfer", pair_extra)
     other = VllmServer("kvxfer-prefill-block64", vllm_python, model_directory(), config, 0,
                        log_dir, block_size=64, args=("--enforce-eager",))
     try:
@@ -101,8 +108,8 @@ def test_a_prefill_of_another_block_size_feeds_the_decode(
 @pytest.mark.parametrize(("packing", "block_size"),
                          [("vllm-cpu-vec", 128), ("token", 128), ("token", 16)])
 def test_a_kvxfer_sidecar_prefill_feeds_a_vllm_decode(
-        kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path, packing: str,
-        block_size: int) -> None:
+        kvxfer_pair: tuple[VllmServer, VllmServer], log_dir: Path, pair_key: Path,
+        packing: str, block_size: int) -> None:
     """One protocol across two engines: kvxfer's reference engine (float32) prefills, a
     vLLM decode with KvxferConnector (128-token blocks) reads it, and the answer is
     vLLM's own. With ``--kv-packing vllm-cpu-vec`` and 128-token blocks the sidecar keeps
@@ -112,7 +119,8 @@ def test_a_kvxfer_sidecar_prefill_feeds_a_vllm_decode(
     alone_server, decode = kvxfer_pair
     spec = Spec(role="prefill", block_size=block_size, num_blocks=2048 // block_size,
                 extra=("--model", "smollm2-135m-instruct", "--dtype", "float32",
-                       "--kv-packing", packing, "--served-model-name", SERVED_NAME))
+                       "--kv-packing", packing, "--served-model-name", SERVED_NAME,
+                       *pair_sidecar(pair_key)))
     body = {"prompt": "Q: What is the capital of France? Answer in a sentence.\nA:",
             "max_tokens": 16, "temperature": 0}
     alone = completion(alone_server.url, body)["choices"][0]["text"]
