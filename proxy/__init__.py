@@ -6,7 +6,11 @@ answer, streamed or not, goes back to the client. Modules, one concept each:
 
 - ``config``: instance URLs, policy, timeouts (``ProxyConfig``);
 - ``contract``: the sidecars' request/answer contract (pure);
-- ``balancer``: instance state and the round_robin / least_outstanding policies;
+- ``balancer``: instance state and the kv_aware / round_robin / least_outstanding policies,
+  and when a decode alone answers;
+- ``event_streams``, ``kv_index``: the instances' KV event streams, and what each caches;
+- ``prompts``: a request's prompt tokens, for kv_aware's scores;
+- ``pd_watch``: the alarm when a decode reads no KV (P/D not happening);
 - ``upstream``: calls to one instance and how their failures are reported;
 - ``router``: one request through prefill then decode, with failover;
 - ``fanout``: several prompts in one request, one prefill/decode pair each;

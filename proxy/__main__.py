@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from kvxfer.net.api_key import ApiKeyError, load_key
-from proxy.config import POLICIES, ConfigError, ProxyConfig
+from kvxfer.net.kv_key import KV_KEY_ENV, KvKeyError, key_file_from, load_kv_key
+from proxy.config import PD_MIN_TOKENS, POLICIES, ConfigError, ProxyConfig
 from proxy.discovery import split_hosts
 
 API_KEY_ENV = "KVXFER_PROXY_API_KEY"
@@ -41,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{flag}-ports", f"--{flag}-port", nargs="+", type=int,
                             default=[port], metavar="PORT",
                             help=f"{role} instance HTTP ports (default {port})")
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
-                        help="how to pick an instance per role (default round_robin)")
+    parser.add_argument("--policy", choices=POLICIES, default="kv_aware",
+                        help="how to pick an instance per role: kv_aware by the prompt "
+                             "tokens its cache lacks and its load, from the instances' KV "
+                             "events (round robin while none arrive); round_robin; "
+                             "least_outstanding (default kv_aware)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' from clients on every route; "
                              f"/health without it says only ok / not ok "
@@ -95,6 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="resolve instance names from this /etc/hosts-style file (read "
                              "again every --resolve-interval) instead of DNS; change it by "
                              "renaming a new file over it, not by writing it in place")
+    parser.add_argument("--kv-key-file", default=None, metavar="PATH",
+                        help="the instances' KV key file (their --kv-key-file): their KV "
+                             "events must carry its signature, and unsigned or forged ones "
+                             f"are refused (default: ${KV_KEY_ENV}, else none: unsigned "
+                             "events, as vLLM's, are read; keep them on a trusted network)")
+    parser.add_argument("--kv-events", nargs="+", default=[], metavar="URL=ENDPOINT",
+                        help="the KV event stream of an instance whose /health does not "
+                             "announce one (vLLM started with --kv-events-config), as "
+                             "INSTANCE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]; kvxfer "
+                             "sidecars announce theirs (kvxfer serve --kv-events-port)")
+    parser.add_argument("--pd-min-tokens", type=int, default=PD_MIN_TOKENS, metavar="N",
+                        help="a prompt with fewer than N tokens left to compute on the best "
+                             "decode (its cached prefix subtracted) goes to that decode alone, "
+                             "which computes them: for so few, P/D's two hops cost more than "
+                             "they save (`kvxfer bench ttft` shows where P/D starts to pay "
+                             f"on your deployment; default {PD_MIN_TOKENS}; 0: always P/D); "
+                             "needs the prompt's tokens (token ids, or --tokenizer)")
+    parser.add_argument("--prefill-saturated-tokens", type=int, default=0, metavar="N",
+                        help="when every prefill has N or more prompt tokens in flight and a "
+                             "decode has room, a request goes to a decode alone (default 0: "
+                             "never)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="the model's checkpoint directory (tokenizer.json, chat "
+                             "template), or 'byte' for kvxfer's byte tokenizer: kv_aware "
+                             "scores text prompts by their tokens (default: none; prompts "
+                             "given as token ids are scored, text ones routed by load)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default info)")
     parser.add_argument("--access-log", action="store_true", help="log every request")
@@ -107,7 +137,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         api_key = load_key(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
         upstream_key = load_key(args.upstream_api_key, args.upstream_api_key_file,
                                 UPSTREAM_API_KEY_ENV, "--upstream-api-key")
-    except ApiKeyError as exc:
+        kv_key_file = key_file_from(args.kv_key_file)
+        kv_key = None if kv_key_file is None else load_kv_key(kv_key_file)
+    except (ApiKeyError, KvKeyError) as exc:
         raise ConfigError(str(exc)) from None
     prefill_urls, prefill_names = split_hosts(args.prefiller_hosts, args.prefiller_ports,
                                               "prefiller")
@@ -122,7 +154,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         retries=args.retries, transfer_mode=args.kv_transfer_mode,
         health_interval=args.health_interval, health_timeout=args.health_timeout,
         health_failures=args.health_failures, log_level=args.log_level,
-        access_log=args.access_log)
+        access_log=args.access_log, kv_key=kv_key, tokenizer=args.tokenizer,
+        kv_events=tuple(args.kv_events), pd_min_tokens=args.pd_min_tokens,
+        prefill_saturated_tokens=args.prefill_saturated_tokens)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -136,7 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from proxy.server import serve
 
-    return serve(config)
+    try:
+        return serve(config)
+    except ConfigError as exc:  # found at start-up (--tokenizer, --kv-events)
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -21,11 +22,12 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from kvxfer.net.api_key import authenticated
-from proxy.balancer import Balancer
-from proxy.config import ROLES, ProxyConfig
+from proxy.balancer import Balancer, Instance, Split
+from proxy.config import ROLES, ConfigError, ProxyConfig
 from proxy.contract import CHAT_COMPLETIONS, COMPLETIONS, parse_client_body
 from proxy.discovery import Discovery, resolver_for
 from proxy.errors import CLIENT_CLOSED, ProxyError, UpstreamRejected, error_body
+from proxy.event_streams import KVEvents, static_streams
 from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import (
@@ -34,6 +36,8 @@ from proxy.middleware import (
     RequestIdMiddleware,
     request_id,
 )
+from proxy.pd_watch import PDWatch
+from proxy.prompts import Prompts, TokenizerError, load_tokenizer
 from proxy.relay import ClientDisconnected, unless_disconnected
 from proxy.router import PDRouter
 from proxy.upstream import Upstream, new_client, upstream_auth
@@ -46,10 +50,17 @@ log = logging.getLogger(__name__)
 class ProxyService:
     """The state of one app. ``router`` exists only while the app is running."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, prompts: Prompts | None = None) -> None:
         self.config = config
-        self.balancer = Balancer(config)
+        try:
+            static = static_streams(config.kv_events)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.kv_events = KVEvents(config.kv_key, self._count_kv_message, static)
+        self.balancer = Balancer(config, self.kv_events)
         self.metrics = ProxyMetrics(self.balancer, ROUTES)
+        self.prompts = prompts or Prompts(None)
+        self.watch = PDWatch(lambda p, d: self.metrics.pd_unread.labels(p, d).inc())
         self.resolve = resolver_for(config.hosts_file)  # DNS names (proxy.discovery)
         self._router: PDRouter | None = None
 
@@ -64,13 +75,18 @@ class ProxyService:
         async with new_client(self.config) as session:
             checker = HealthChecker(self.balancer, session, self.config.health_interval,
                                     self.config.connect_timeout, upstream_auth(self.config),
-                                    self.config.health_timeout, self.config.health_failures)
+                                    self.config.health_timeout, self.config.health_failures,
+                                    self.kv_events.observe)
             discovery = Discovery(self.balancer, self.config, self.resolve)
             await discovery.refresh()
             await checker.check_all()
             self._router = PDRouter(self.balancer, Upstream(session, self.config, self.metrics),
                                     self.metrics, self.config.retries,
-                                    push=self.config.transfer_mode == "push")
+                                    push=self.config.transfer_mode == "push",
+                                    prompts=self.prompts,
+                                    split=Split(self.config.pd_min_tokens,
+                                                self.config.prefill_saturated_tokens),
+                                    watch=self.watch)
             tasks = [asyncio.create_task(checker.run())]
             if discovery.active:
                 tasks.append(asyncio.create_task(discovery.run(checker.check)))
@@ -80,7 +96,18 @@ class ProxyService:
                 checker.stop()
                 discovery.stop()
                 await asyncio.gather(*tasks)
+                await self.kv_events.close()
                 self._router = None
+
+    def _instance_state(self, instance: Instance) -> dict[str, Any]:
+        state = instance.state()
+        kv = self.kv_events.state(instance.url)
+        if kv is not None:
+            state["kv_events"] = kv
+        return state
+
+    def _count_kv_message(self, url: str, outcome: str) -> None:
+        self.metrics.kv_events.labels(url, outcome).inc()
 
     async def complete(self, request: Request, route: str) -> Response:
         """A completion request: parse, then prefill + decode unless the client leaves."""
@@ -98,15 +125,24 @@ class ProxyService:
         too, but only for a caller with the API key (the URLs map the cluster)."""
         ready = all(self.balancer.has_healthy(role) for role in ROLES)
         body: dict[str, object] = {"status": "ok" if ready else "unavailable"}
+        alarms = self.watch.state()
+        if alarms:  # that P/D is not happening is said to all, between whom only with the key
+            body["pd_not_happening"] = len(alarms)
         if authenticated(request.scope):
             body.update(policy=self.balancer.policy,
-                        instances=[i.state() for i in self.balancer.instances()])
+                        instances=[self._instance_state(i) for i in self.balancer.instances()])
+            if alarms:
+                body["pd_not_happening"] = alarms
         return Response(msgspec.json.encode(body), 200 if ready else 503, media_type=JSON)
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
-    """A proxy app for ``config``; serve it with uvicorn (lifespan on)."""
-    service = ProxyService(config)
+    """A proxy app for ``config``; serve it with uvicorn (lifespan on). ConfigError when
+    its ``--tokenizer`` cannot be loaded or a ``--kv-events`` value is malformed."""
+    try:
+        service = ProxyService(config, Prompts(load_tokenizer(config.tokenizer)))
+    except TokenizerError as exc:
+        raise ConfigError(f"--tokenizer {config.tokenizer}: {exc}") from None
     app = FastAPI(title="kvxfer proxy", lifespan=service.lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.state.service = service

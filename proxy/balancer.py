@@ -1,8 +1,10 @@
 """Which instance of a role takes the next request.
 
-Instance state (health, ``outstanding`` calls, last error) lives here only; everything runs
-on the app's one event loop, so no locks. Policies order the healthy instances:
-``round_robin`` and ``least_outstanding``.
+Instance state (health, ``outstanding`` calls, prompt tokens in flight, last error) lives
+here only; everything runs on the app's one event loop, so no locks. Policies order the
+healthy instances: ``round_robin``, ``least_outstanding`` and ``kv_aware`` (by the work an
+instance would do for the request: the prompt tokens its cache lacks, weighed against its
+load; what it caches comes from :mod:`proxy.event_streams`).
 
 Design: docs/design/proxy.md#choosing-an-instance
 """
@@ -10,14 +12,22 @@ Design: docs/design/proxy.md#choosing-an-instance
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from proxy.config import ROLES, ProxyConfig
 
+if TYPE_CHECKING:
+    from proxy.event_streams import KVEvents
+
 log = logging.getLogger(__name__)
+
+# kv_aware's costs, in prompt tokens computed: a decode reads what its cache lacks (moving a
+# token's KV costs far less than computing it), and each request it runs slows every step.
+READ_COST = 0.1
+DECODE_REQUEST_COST = 32.0
 
 
 @dataclass
@@ -37,6 +47,7 @@ class Instance:
     last_error: str | None = None
     retired: bool = False
     missed_checks: int = 0  # health checks in a row that got no answer in time
+    tokens_in_flight: int = 0  # prompt tokens of the calls in flight (a prefill's work)
 
     @property
     def in_rotation(self) -> bool:
@@ -44,15 +55,38 @@ class Instance:
 
     def state(self) -> dict[str, Any]:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
-                "outstanding": self.outstanding, "last_error": self.last_error,
-                "retired": self.retired}
+                "outstanding": self.outstanding, "tokens_in_flight": self.tokens_in_flight,
+                "last_error": self.last_error, "retired": self.retired}
+
+
+@dataclass(frozen=True)
+class Split:
+    """When a request skips P/D and a decode alone computes its prompt: fewer than
+    ``min_tokens`` tokens left for the best decode to compute (its cached prefix
+    subtracted: P/D's two hops would cost more than they save), or every prefill with
+    ``saturated_tokens`` or more in flight while a decode runs fewer than ``decode_room``
+    requests."""
+
+    min_tokens: int = 0
+    saturated_tokens: int = 0  # 0: never saturated
+    decode_room: int = 8
+
+
+@dataclass
+class Prompt:
+    """A request's prompt tokens, as the instances will see them, for kv_aware's scores;
+    ``keys`` caches their block keys by block size (:mod:`proxy.kv_index`)."""
+
+    token_ids: Sequence[int]
+    keys: dict[int, list[bytes]] = field(default_factory=dict)
 
 
 class Balancer:
     """The instances of every role and the policy that orders them."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, kv: KVEvents | None = None) -> None:
         self.policy = config.policy
+        self.kv = kv  # what each instance caches (kv_aware)
         self._instances = {role: [Instance(url, role) for url in config.urls(role)]
                            for role in ROLES}
         self._turn = dict.fromkeys(ROLES, 0)
@@ -63,11 +97,13 @@ class Balancer:
             return list(self._instances[role])
         return [i for r in ROLES for i in self._instances[r]]
 
-    def candidates(self, role: str, avoid: Collection[str] = ()) -> list[Instance]:
+    def candidates(self, role: str, avoid: Collection[str] = (),
+                   prompt: Prompt | None = None) -> list[Instance]:
         """The healthy instances of ``role`` in the order this request should try them,
         those whose URL is in ``avoid`` (a try of the request failed there) last.
 
-        Each call advances the rotation by one. Empty when none is healthy.
+        Each call advances the rotation by one, which breaks ties. Empty when none is
+        healthy. kv_aware without the prompt's tokens orders as least_outstanding.
         """
         healthy = [i for i in self._instances[role] if i.in_rotation]
         if not healthy:
@@ -75,11 +111,47 @@ class Balancer:
         start = self._turn[role] % len(healthy)
         self._turn[role] += 1
         ordered = healthy[start:] + healthy[:start]
-        if self.policy == "least_outstanding":
+        if self.policy == "kv_aware" and prompt is not None:
+            self._by_cost(ordered, prompt)
+        elif self.policy == "least_outstanding":
             ordered.sort(key=lambda i: i.outstanding)  # stable: the rotation breaks ties
         if avoid:
             ordered.sort(key=lambda i: i.url in avoid)
         return ordered
+
+    def _by_cost(self, ordered: list[Instance], prompt: Prompt) -> None:
+        """Sort ``ordered`` by :func:`cost`, when any of them has a believed KV index;
+        else leave the rotation's order (no events arrive: round robin)."""
+        if self.kv is None:
+            return
+        cached = [self.kv.cached_tokens(i.url, prompt.token_ids, prompt.keys)
+                  for i in ordered]
+        if all(c is None for c in cached):
+            return
+        costs = {i.url: cost(i, len(prompt.token_ids) - (c or 0))
+                 for i, c in zip(ordered, cached, strict=True)}
+        ordered.sort(key=lambda i: costs[i.url])  # stable: the rotation breaks ties
+
+    def decode_alone(self, prompt: Prompt | None, split: Split) -> str | None:
+        """Why a decode alone should answer ``prompt`` (a reason for the metrics), or None
+        for P/D; None too when its tokens are unknown or no decode is healthy."""
+        prefills = [i for i in self._instances["prefill"] if i.in_rotation]
+        decodes = [i for i in self._instances["decode"] if i.in_rotation]
+        if prompt is None or not decodes:
+            return None
+        if not prefills:
+            return "no_prefill"
+        if split.min_tokens:
+            known = [self.kv.cached_tokens(i.url, prompt.token_ids, prompt.keys)
+                     if self.kv is not None else None for i in decodes]
+            left = len(prompt.token_ids) - max((c or 0) for c in known)
+            if left < split.min_tokens:
+                return "short"
+        if split.saturated_tokens and \
+                all(i.tokens_in_flight >= split.saturated_tokens for i in prefills) and \
+                any(i.outstanding < split.decode_room for i in decodes):
+            return "prefills_saturated"
+        return None
 
     def has_healthy(self, role: str, avoid: Collection[str] = ()) -> bool:
         """Whether an instance of ``role`` whose URL is not in ``avoid`` is in rotation."""
@@ -118,12 +190,15 @@ class Balancer:
         instance.outstanding -= 1
 
     @contextmanager
-    def busy(self, instance: Instance) -> Iterator[Instance]:
-        """Count one in-flight call to ``instance`` for as long as the block runs."""
+    def busy(self, instance: Instance, tokens: int = 0) -> Iterator[Instance]:
+        """Count one in-flight call to ``instance``, with ``tokens`` prompt tokens to
+        compute, for as long as the block runs."""
         self.acquire(instance)
+        instance.tokens_in_flight += tokens
         try:
             yield instance
         finally:
+            instance.tokens_in_flight -= tokens
             self.release(instance)
 
     @staticmethod
@@ -137,3 +212,12 @@ class Balancer:
     def mark_up(instance: Instance) -> None:
         instance.healthy = True
         instance.missed_checks = 0
+
+
+def cost(instance: Instance, uncached: int) -> float:
+    """kv_aware's cost of ``instance`` taking a prompt of which it lacks ``uncached``
+    tokens, in tokens computed: a prefill computes them after the tokens in flight there; a
+    decode reads them and shares its steps with the requests it runs."""
+    if instance.role == "prefill":
+        return uncached + instance.tokens_in_flight
+    return READ_COST * uncached + DECODE_REQUEST_COST * instance.outstanding

@@ -7,12 +7,15 @@ All durations are seconds.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-POLICIES: tuple[str, ...] = ("round_robin", "least_outstanding")
+POLICIES: tuple[str, ...] = ("kv_aware", "round_robin", "least_outstanding")
 ROLES: tuple[str, ...] = ("prefill", "decode")
 TRANSFER_MODES: tuple[str, ...] = ("pull", "push")
 MAX_RETRIES = 5  # each attempt may wait prefill_timeout + request_timeout
+# P/D's median TTFT was 1.055x one instance's at 20 tokens and at most 0.99x from 50 on
+# (`kvxfer bench ttft`, SmolLM2, 2 CPUs): shorter prompts go to a decode alone
+PD_MIN_TOKENS = 48
 
 
 class ConfigError(ValueError):
@@ -45,13 +48,18 @@ class ProxyConfig:
     ``prefill_names``/``decode_names`` are (DNS name, port) pairs resolved again
     every ``resolve_interval`` (:mod:`proxy.discovery`), through ``hosts_file``
     instead of DNS when given.
+    ``kv_key``: the instances' KV key, which their KV events must be signed with
+    (:mod:`proxy.event_streams`); ``kv_events``: event streams of instances whose /health
+    does not announce one (vLLM's); ``tokenizer``: what tokenizes text prompts for the
+    kv_aware policy (:mod:`proxy.prompts`). ``pd_min_tokens`` and
+    ``prefill_saturated_tokens``: when a decode alone answers (``proxy.balancer.Split``).
     """
 
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "round_robin"
+    policy: str = "kv_aware"
     api_key: str | None = None
     upstream_api_key: str | None = None
     connect_timeout: float = 5.0
@@ -68,6 +76,11 @@ class ProxyConfig:
     resolve_interval: float = 5.0
     hosts_file: str | None = None
     transfer_mode: str = "pull"
+    kv_key: bytes | None = field(default=None, repr=False)
+    tokenizer: str | None = None
+    kv_events: tuple[str, ...] = ()  # URL=ENDPOINT[,REPLAY]: streams /health does not announce
+    pd_min_tokens: int = PD_MIN_TOKENS
+    prefill_saturated_tokens: int = 0
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -85,6 +98,10 @@ class ProxyConfig:
         if self.transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"--kv-transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
                               f"got {self.transfer_mode!r}")
+        for name in ("pd_min_tokens", "prefill_saturated_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got "
+                                  f"{getattr(self, name)!r}")
         if not 0 <= self.retries <= MAX_RETRIES:
             raise ConfigError(f"--retries must be 0..{MAX_RETRIES}, got {self.retries!r}")
         if not self.health_failures >= 1:

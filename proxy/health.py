@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
+import msgspec
 
 from kvxfer.net.hosts import DRAINING_HEADER
 from proxy.balancer import Balancer, Instance
@@ -30,7 +33,9 @@ class HealthChecker:
 
     def __init__(self, balancer: Balancer, session: aiohttp.ClientSession, interval: float,
                  connect_timeout: float, headers: dict[str, str] | None = None,
-                 timeout: float = 5.0, failures: int = 2) -> None:
+                 timeout: float = 5.0, failures: int = 2,
+                 on_answer: Callable[[str, bool, dict[str, Any] | None], None] | None = None
+                 ) -> None:
         self.balancer = balancer
         self.headers = headers or {}  # the sidecars' API key, when they have one
         self.session = session
@@ -38,15 +43,18 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
         self.failures = failures  # unanswered checks in a row that take a healthy one out
         self._stop = asyncio.Event()
+        # each check's outcome and /health body, e.g. where its KV events are
+        self.on_answer = on_answer
 
     async def check(self, instance: Instance) -> None:
         """One ``GET /health``: 200 marks the instance up, anything else (draining
         included) down."""
         was_healthy = instance.healthy
+        data = b""
         try:
             async with self.session.get(f"{instance.url}/health", headers=self.headers,
                                         timeout=self.timeout) as response:
-                await response.read()  # to the end, so the connection can be reused
+                data = await response.read()  # to the end: the connection is reused
                 status = response.status
                 draining = DRAINING_HEADER in response.headers
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -69,6 +77,8 @@ class HealthChecker:
             else:
                 self.balancer.mark_down(
                     instance, f"health check: GET /health answered HTTP {status}")
+        if self.on_answer is not None:
+            self.on_answer(instance.url, instance.healthy, _object(data))
         if instance.healthy and not was_healthy:
             log.info("%s instance %s is healthy", instance.role, instance.url)
         elif was_healthy and not instance.healthy:
@@ -88,3 +98,11 @@ class HealthChecker:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _object(data: bytes) -> dict[str, Any] | None:
+    try:
+        body = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return body if isinstance(body, dict) else None

@@ -22,7 +22,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class InstanceCollector(Collector):
-    """``kvxfer_proxy_instance_healthy`` and ``..._outstanding`` read from the balancer."""
+    """``kvxfer_proxy_instance_healthy``, ``..._outstanding`` and ``..._indexed_blocks``
+    read from the balancer."""
 
     def __init__(self, balancer: Balancer) -> None:
         self._balancer = balancer
@@ -34,12 +35,19 @@ class InstanceCollector(Collector):
         outstanding = GaugeMetricFamily("kvxfer_proxy_instance_outstanding",
                                         "calls to the instance in flight",
                                         labels=["role", "instance"])
+        indexed = GaugeMetricFamily("kvxfer_proxy_instance_indexed_blocks",
+                                    "blocks the instance caches, as its KV events tell",
+                                    labels=["role", "instance"])
+        blocks = self._balancer.kv.blocks() if self._balancer.kv is not None else {}
         for instance in self._balancer.instances():
             labels = [instance.role, instance.url]
             healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
             outstanding.add_metric(labels, float(instance.outstanding))
+            if instance.url in blocks:
+                indexed.add_metric(labels, float(blocks[instance.url]))
         yield healthy
         yield outstanding
+        yield indexed
 
 
 class ProxyMetrics:
@@ -72,6 +80,22 @@ class ProxyMetrics:
             "kvxfer_proxy_client_disconnects",
             "requests whose client left before the answer ended (upstream call cancelled)",
             ["route"], registry=r)
+        self.kv_events = Counter(
+            "kvxfer_proxy_kv_event_messages",
+            "KV event messages from an instance, by outcome: applied, replayed gaps "
+            "(gap_replayed), gaps that could not be (gap_unfilled: index emptied), and "
+            "refused ones (unsigned, bad_mac, malformed)", ["instance", "outcome"], registry=r)
+        self.routed = Counter(
+            "kvxfer_proxy_routed",
+            "completion requests by path: pd (prefill then decode) or decode (a decode "
+            "alone computes the prompt), and why: pays, short (few tokens left to compute "
+            "on the best prefill), prefills_saturated, no_prefill", ["path", "reason"],
+            registry=r)
+        self.pd_unread = Counter(
+            "kvxfer_proxy_pd_unread",
+            "requests sent prefill then decode whose decode read no KV (it computed the "
+            "prompt itself): P/D is not happening between that pair", ["prefill", "decode"],
+            registry=r)
         r.register(InstanceCollector(balancer))
 
     def route_label(self, path: str) -> str:

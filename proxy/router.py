@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import Response
 
-from proxy.balancer import Balancer, Instance
+from proxy.balancer import Balancer, Instance, Prompt, Split
 from proxy.contract import (
     RESERVATION_KEY,
     decode_request,
@@ -46,6 +46,8 @@ from proxy.fanout import (
     wants_usage,
 )
 from proxy.metrics import ProxyMetrics
+from proxy.pd_watch import SETTLE_S, PDWatch
+from proxy.prompts import Prompts
 from proxy.relay import RelayResponse
 from proxy.upstream import Answer, Draining, OpenStream, Unreachable, Upstream
 
@@ -59,8 +61,12 @@ class PDRouter:
     """Routes requests over the balancer's instances; one per app."""
 
     def __init__(self, balancer: Balancer, upstream: Upstream, metrics: ProxyMetrics,
-                 retries: int = 0, push: bool = False) -> None:
+                 retries: int = 0, push: bool = False, prompts: Prompts | None = None,
+                 split: Split | None = None, watch: PDWatch | None = None) -> None:
         self.balancer = balancer
+        self.prompts = prompts or Prompts(None)  # prompt tokens, for kv_aware's scores
+        self.split = split or Split()  # when a decode alone answers (no P/D)
+        self.watch = watch or PDWatch()  # pairs whose decode read no KV
         self.upstream = upstream
         self.metrics = metrics
         self.retries = retries
@@ -77,9 +83,10 @@ class PDRouter:
         if bodies is not None:
             return await self._fan_out(route, body, bodies, request_id)
         failed: set[str] = set()  # instances in a failed try: the next one avoids them
+        prompt = self.prompts.of(route, body)
         for attempt in itertools.count(1):
             try:
-                return await self._pair(route, body, request_id, failed)
+                return await self._pair(route, body, request_id, failed, prompt)
             except UpstreamFailed as exc:
                 if attempt > self.retries or not worth_retrying(exc) \
                         or not self._untried(exc, failed):
@@ -99,23 +106,33 @@ class PDRouter:
         return any(self.balancer.has_healthy(role, failed) for role in roles)
 
     async def _pair(self, route: str, body: dict[str, Any], request_id: str,
-                    failed: set[str]) -> Response:
+                    failed: set[str], prompt: Prompt | None) -> Response:
         """One try: a prefill, then a decode with its params; the instances it used are
         added to ``failed`` when it fails. A request for one token is the prefill's alone."""
         if one_token(body):
-            return await self._prefill_alone(route, body, request_id, failed)
+            return await self._alone("prefill", route, body, request_id, failed, prompt)
+        alone = self.balancer.decode_alone(prompt, self.split)
+        self.metrics.routed.labels("decode" if alone else "pd", alone or "pays").inc()
+        if alone:
+            return await self._alone("decode", route, body, request_id, failed, prompt)
         if self.push:
-            return await self._pair_pushed(route, body, request_id, failed)
+            return await self._pair_pushed(route, body, request_id, failed, prompt)
         try:
-            prefill, params = await self._prefill(route, body, request_id, failed)
+            prefill, params = await self._prefill(route, body, request_id, failed, prompt)
         except UpstreamFailed as exc:
             failed.add(exc.url)
             raise
         content = msgspec.json.encode(decode_request(body, params))
+
+        def answered(decode: Instance) -> None:  # was the lease read? (proxy.pd_watch)
+            self._in_background(self._check_read(prefill, decode, params, request_id))
+
         try:
             if wants_stream(body):
-                return await self._decode_stream(route, content, request_id, failed)
-            return await self._decode_json(route, content, request_id, failed)
+                return await self._decode_stream(route, content, request_id, failed, prompt,
+                                                 answered)
+            return await self._decode_json(route, content, request_id, failed, prompt,
+                                           answered)
         except NoInstance:  # no decode started anything: nobody will read the lease
             await self._release(prefill, params, request_id)
             raise
@@ -132,7 +149,7 @@ class PDRouter:
             raise UpstreamFailed(exc.status, message, exc.kind, exc.role, exc.url) from exc
 
     async def _pair_pushed(self, route: str, body: dict[str, Any], request_id: str,
-                           failed: set[str]) -> Response:
+                           failed: set[str], prompt: Prompt | None) -> Response:
         """Push mode, one try: a decode reserves blocks for the prompt, a prefill computes
         it and writes its KV into them, then the same decode answers. When the prefill
         step fails in any way (the client leaving included), or the decode refuses the
@@ -143,7 +160,7 @@ class PDRouter:
         try:
             decode, answer = await self._with_failover(
                 "decode", lambda i: self._fetch(i, "POST", RESERVE_PATH, request_id, reserve),
-                failed)
+                failed, prompt)
             reservation = parse_reservation(answer.content, decode.url)
         except UpstreamFailed as exc:
             failed.add(exc.url)
@@ -151,7 +168,8 @@ class PDRouter:
         content = msgspec.json.encode(push_prefill_request(body, reservation))
         try:
             prefill, response = await self._with_failover(
-                "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), failed)
+                "prefill", lambda i: self._fetch(i, "POST", route, request_id, content,
+                                                 _tokens(prompt)), failed, prompt)
             params = parse_push_answer(response.content, prefill.url,
                                        reservation["reservation_id"])
         except BaseException as exc:  # no request will use the reservation
@@ -176,20 +194,24 @@ class PDRouter:
             failed.update((exc.url, prefill.url))
             raise
 
-    async def _prefill_alone(self, route: str, body: dict[str, Any], request_id: str,
-                             failed: set[str]) -> Response:
-        """The client's request, as sent, to a prefill instance that answers it as one
-        instance would: its one token is the prefill's, so no KV moves and no lease is
-        made (no ``kv_transfer_params``)."""
+    async def _alone(self, role: str, route: str, body: dict[str, Any], request_id: str,
+                     failed: set[str], prompt: Prompt | None) -> Response:
+        """The client's request, as sent, to one instance of ``role`` that answers it as one
+        instance would, computing its prompt itself: no KV moves and no lease is made (no
+        ``kv_transfer_params``). A prefill answers a request for one token; a decode one
+        that P/D would not pay for (:meth:`Balancer.decode_alone`)."""
+        tokens = _tokens(prompt)
         content = msgspec.json.encode({k: v for k, v in body.items()
                                        if k != "kv_transfer_params"})
         try:
             if wants_stream(body):
                 instance, stream = await self._with_failover(
-                    "prefill", lambda i: self._open(i, route, request_id, content), failed)
+                    role, lambda i: self._open(i, route, request_id, content), failed,
+                    prompt)
                 return self._relay(route, request_id, instance, stream)
             _, answer = await self._with_failover(
-                "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), failed)
+                role, lambda i: self._fetch(i, "POST", route, request_id, content, tokens),
+                failed, prompt)
             return passthrough(answer)
         except UpstreamFailed as exc:
             failed.add(exc.url)
@@ -221,12 +243,22 @@ class PDRouter:
             log.info("request %s: %s did not release %s (it ends at its deadline): %s",
                      request_id, holder.url, what, exc)
             return
-        try:
-            released = msgspec.json.decode(answer.content).get("released") is True
-        except (msgspec.DecodeError, AttributeError):
-            released = False
         log.info("request %s: nobody will use %s at %s: %s", request_id, what, holder.url,
-                 "released" if released else "not released (ended, used or claimed)")
+                 "released" if released(answer.content)
+                 else "not released (ended, used or claimed)")
+
+    async def _check_read(self, prefill: Instance, decode: Instance, params: dict[str, Any],
+                          request_id: str) -> None:
+        """After ``decode`` answered: a lease it never claimed is released at ``prefill``
+        and the pair counted (:mod:`proxy.pd_watch`); best effort, quiet."""
+        await asyncio.sleep(SETTLE_S)
+        content = msgspec.json.encode({"kv_transfer_params": params})
+        try:
+            answer = await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
+        except Exception:  # gone, or a prefill that cannot be asked: unwatched
+            return
+        if answer.status == 200 and released(answer.content):
+            self.watch.unread(prefill.url, decode.url, request_id)
 
     def _unavailable(self, role: str) -> NoInstance:
         return NoInstance(f"no healthy {role} instance: " + "; ".join(
@@ -235,7 +267,9 @@ class PDRouter:
     async def _fan_out(self, route: str, body: dict[str, Any], bodies: list[dict[str, Any]],
                        request_id: str) -> Response:
         """Several prompts: one prefill/decode pair each, answers merged in prompt order."""
-        prefills = await gather_settled([self._prefill(route, b, request_id) for b in bodies])
+        prompts = [self.prompts.of(route, b) for b in bodies]
+        prefills = await gather_settled([self._prefill(route, b, request_id, (), p)
+                                         for b, p in zip(bodies, prompts, strict=True)])
         failed = [(i, r) for i, r in enumerate(prefills) if isinstance(r, BaseException)]
         if failed:
             await self._drain(route, bodies, prefills, request_id)
@@ -249,24 +283,26 @@ class PDRouter:
         n = choices_per_prompt(body)
         try:
             if wants_stream(body):
-                return await self._fan_out_stream(route, contents, request_id, n,
+                return await self._fan_out_stream(route, contents, prompts, request_id, n,
                                                   wants_usage(body))
-            answers = await gather_or_cancel([self._post_decode(route, c, request_id)
-                                              for c in contents])
+            answers = await gather_or_cancel([self._post_decode(route, c, request_id, (), p)
+                                              for c, p in zip(contents, prompts, strict=True)])
         except NoInstance:  # a lease some decode claimed stays (the prefill refuses it)
             await gather_settled([self._release(p, params, request_id) for p, params in held])
             raise
         merged = merge_answers([(a.content, i.url) for i, a in answers], n)
         return Response(merged, 200, media_type="application/json")
 
-    async def _fan_out_stream(self, route: str, contents: list[bytes], request_id: str, n: int,
+    async def _fan_out_stream(self, route: str, contents: list[bytes],
+                              prompts: list[Prompt | None], request_id: str, n: int,
                               include_usage: bool) -> Response:
         async def discard(opened: tuple[Instance, OpenStream]) -> None:
             self.balancer.release(opened[0])
             await opened[1].aclose()
 
-        streams = await gather_or_cancel([self._open_decode(route, c, request_id)
-                                          for c in contents], discard)
+        streams = await gather_or_cancel([self._open_decode(route, c, request_id, (), p)
+                                          for c, p in zip(contents, prompts, strict=True)],
+                                         discard)
 
         async def close() -> None:
             for opened in streams:
@@ -300,10 +336,12 @@ class PDRouter:
         return passthrough(response)
 
     async def _prefill(self, route: str, body: dict[str, Any], request_id: str,
-                       avoid: Collection[str] = ()) -> tuple[Instance, dict[str, Any]]:
+                       avoid: Collection[str] = (), prompt: Prompt | None = None
+                       ) -> tuple[Instance, dict[str, Any]]:
         content = msgspec.json.encode(prefill_request(body))
         instance, response = await self._with_failover(
-            "prefill", lambda i: self._fetch(i, "POST", route, request_id, content), avoid)
+            "prefill", lambda i: self._fetch(i, "POST", route, request_id, content,
+                                             _tokens(prompt)), avoid, prompt)
         try:
             return instance, parse_prefill_answer(response.content, instance.url)
         except ProxyError as exc:
@@ -312,31 +350,45 @@ class PDRouter:
             raise
 
     async def _post_decode(self, route: str, content: bytes, request_id: str,
-                           avoid: Collection[str] = ()) -> tuple[Instance, Answer]:
+                           avoid: Collection[str] = (), prompt: Prompt | None = None
+                           ) -> tuple[Instance, Answer]:
         return await self._with_failover(
-            "decode", lambda i: self._fetch(i, "POST", route, request_id, content), avoid)
+            "decode", lambda i: self._fetch(i, "POST", route, request_id, content), avoid,
+            prompt)
 
     async def _open_decode(self, route: str, content: bytes, request_id: str,
-                           avoid: Collection[str] = ()) -> tuple[Instance, OpenStream]:
+                           avoid: Collection[str] = (), prompt: Prompt | None = None
+                           ) -> tuple[Instance, OpenStream]:
         return await self._with_failover(
-            "decode", lambda i: self._open(i, route, request_id, content), avoid)
+            "decode", lambda i: self._open(i, route, request_id, content), avoid, prompt)
 
     async def _decode_json(self, route: str, content: bytes, request_id: str,
-                           avoid: Collection[str]) -> Response:
-        _, response = await self._post_decode(route, content, request_id, avoid)
+                           avoid: Collection[str], prompt: Prompt | None,
+                           answered: Callable[[Instance], None]) -> Response:
+        """``answered(decode)`` once the decode answered 200."""
+        decode, response = await self._post_decode(route, content, request_id, avoid, prompt)
+        if response.status == 200:
+            answered(decode)
         return passthrough(response)
 
     async def _decode_stream(self, route: str, content: bytes, request_id: str,
-                             avoid: Collection[str]) -> Response:
-        instance, stream = await self._open_decode(route, content, request_id, avoid)
-        return self._relay(route, request_id, instance, stream)
+                             avoid: Collection[str], prompt: Prompt | None,
+                             answered: Callable[[Instance], None]) -> Response:
+        """``answered(decode)`` once the decode's 200 stream ended."""
+        instance, stream = await self._open_decode(route, content, request_id, avoid, prompt)
+        return self._relay(route, request_id, instance, stream,
+                           answered if stream.status == 200 else None)
 
     def _relay(self, route: str, request_id: str, instance: Instance,
-               stream: OpenStream) -> Response:
-        """The client's answer: ``stream`` from ``instance``, chunk by chunk."""
+               stream: OpenStream, ended: Callable[[Instance], None] | None = None
+               ) -> Response:
+        """The client's answer: ``stream`` from ``instance``, chunk by chunk; ``ended``
+        called with ``instance`` when it is over."""
         async def close() -> None:
             self.balancer.release(instance)
             await stream.aclose()
+            if ended is not None:
+                ended(instance)
 
         def on_disconnect() -> None:
             self.metrics.client_disconnects.labels(route).inc()
@@ -347,8 +399,9 @@ class PDRouter:
                              stream.media_type)
 
     async def _fetch(self, instance: Instance, method: str, path: str, request_id: str,
-                     content: bytes | None = None) -> Answer:
-        with self.balancer.busy(instance):
+                     content: bytes | None = None, tokens: int = 0) -> Answer:
+        """One call; ``tokens``: the prompt tokens it has ``instance`` compute (its load)."""
+        with self.balancer.busy(instance, tokens):
             return await self.upstream.fetch(instance, method, path, request_id, content)
 
     async def _open(self, instance: Instance, path: str, request_id: str,
@@ -362,10 +415,11 @@ class PDRouter:
             raise
 
     async def _with_failover(self, role: str, call: Callable[[Instance], Awaitable[T]],
-                             avoid: Collection[str] = ()) -> tuple[Instance, T]:
-        """``call`` on the first candidate of ``role`` that can be connected to (those in
-        ``avoid`` last)."""
-        for instance in self.balancer.candidates(role, avoid):
+                             avoid: Collection[str] = (), prompt: Prompt | None = None
+                             ) -> tuple[Instance, T]:
+        """``call`` on the first candidate of ``role`` for ``prompt`` that can be connected
+        to (those in ``avoid`` last)."""
+        for instance in self.balancer.candidates(role, avoid, prompt):
             try:
                 return instance, await call(instance)
             except Unreachable as exc:  # a Draining instance too: nothing was started
@@ -386,3 +440,15 @@ def worth_retrying(exc: UpstreamFailed) -> bool:
 def passthrough(answer: Answer) -> Response:
     """The upstream's answer, body and status unchanged."""
     return Response(answer.content, answer.status, media_type=answer.content_type)
+
+
+def _tokens(prompt: Prompt | None) -> int:
+    return 0 if prompt is None else len(prompt.token_ids)
+
+
+def released(content: bytes) -> bool:
+    """Whether a ``/v1/kv/release`` answer says the lease was released."""
+    try:
+        return msgspec.json.decode(content).get("released") is True
+    except (msgspec.DecodeError, AttributeError):
+        return False

@@ -77,11 +77,21 @@ def test_the_table_and_verdict_lines_from_fixed_inputs() -> None:
     assert "    20  one instance          100.0     100.0" in table
     assert ("   500  P/D (proxy)           500.0     500.0  1.250x     600.0     600.0  "
             "1.429x") in table
-    first, second = ttft.verdict_lines(r)
+    first, second, pays = ttft.verdict_lines(r)
     assert first.startswith("P/D (proxy), 20 tokens: TTFT 102.0 ms, target <= 105.0")
     assert first.count(": ok") == 2
     assert "TT2T 600.0 ms, target <= 470.0 (one instance 420.0 + transfer 30.0 + a decode " \
            "step 20.0): OVER" in second
+    assert pays == "P/D (proxy) is not faster than one instance at the longest prompt measured"
+
+
+def test_where_pd_starts_to_pay_is_the_shortest_length_from_which_it_always_does() -> None:
+    one, faster, slower = (summary(100.0, 120.0, 20.0), summary(90.0, 110.0, 20.0),
+                           summary(110.0, 130.0, 20.0))
+    r = report((20, one, slower), (50, one, faster), (120, one, slower), (500, one, faster),
+               (1000, one, faster))
+    assert ttft.pays_from(r, "pd") == 500  # not 50: at 120 it costs more again
+    assert "--pd-min-tokens 500" in ttft.pays_line(r, "pd")
 
 
 def test_lengths_parse_sorted_and_refuse_what_cannot_run() -> None:

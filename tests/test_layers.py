@@ -95,6 +95,7 @@ WRONG_IMPORTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("kvxfer/plan/layout.py", "vllm", ("the pure layers and the engine import neither",)),
     ("kvxfer/wire/tickets.py", "zmq", ("the pure layers and the engine import neither",)),
     ("kvxfer/transfer/threads.py", "zmq", ("ZMQ only in transfer/side_channel",)),
+    ("kvxfer/sidecar/engine_loop.py", "zmq", ("ZMQ only in transfer/side_channel",)),
     ("kvxfer/sidecar/sidecar_metrics.py", "vllm", ("ZMQ only in transfer/side_channel",)),
 ]
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.engine import LLMEngine, NoFreeBlocks, SamplingParams, tiny_config
+from kvxfer.engine import engine as engine_module
 from kvxfer.engine.prefix_cache import PrefixCache, extend_hashes
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0, logprobs=1)
@@ -55,7 +56,7 @@ def test_idle_blocks_are_evicted_least_recently_used_first() -> None:
     pool = PrefixCache(4, 4)
     a, b, c, d = (pool.allocate(1)[0] for _ in range(4))
     for block, name in ((a, 1), (b, 2), (c, 3)):
-        pool.insert(hashes_of(name), [block])
+        pool.insert(hashes_of(name), [block], [name] * 4)
     pool.free([a])
     pool.free([b])
     pool.free([c])  # idle, oldest first: a, b, c
@@ -74,7 +75,7 @@ def test_idle_blocks_are_evicted_least_recently_used_first() -> None:
 def test_a_held_block_is_never_evicted() -> None:
     pool = PrefixCache(3, 4)
     blocks = pool.allocate(3)
-    pool.insert(hashes_of(7), blocks[:1])
+    pool.insert(hashes_of(7), blocks[:1], [7] * 4)
     pool.free(blocks[1:])
     assert pool.match(hashes_of(7)) == blocks[:1] and pool.holders(blocks[0]) == 2
     pool.free(blocks[:1])  # one of the two holders left: still held
@@ -86,12 +87,12 @@ def test_a_held_block_is_never_evicted() -> None:
 def test_double_frees_and_uncached_inserts_raise() -> None:
     pool = PrefixCache(4, 4)
     block = pool.allocate(1)[0]
-    pool.insert(hashes_of(1), [block])
+    pool.insert(hashes_of(1), [block], [1] * 4)
     pool.free([block])
     with pytest.raises(ValueError, match="double free"):
         pool.free([block])
     with pytest.raises(ValueError, match="not allocated"):
-        pool.insert(hashes_of(2), [3])
+        pool.insert(hashes_of(2), [3], [2] * 4)
 
 
 def test_chain_hashes_name_the_whole_prefix() -> None:
@@ -336,9 +337,9 @@ def test_siblings_copy_only_past_the_shared_prefix(monkeypatch: pytest.MonkeyPat
     assert engine.block_ids("s1")[:4] == blocks[:4] == engine.block_ids("d")[:4]
     play_read(engine, "d", prompt, first=4)
     copies: list[tuple[list[list[int]], list[list[int]]]] = []
-    copy = engine._copy_blocks
-    monkeypatch.setattr(engine, "_copy_blocks",
-                        lambda src, dst: (copies.append((src, dst)), copy(src, dst))[1])
+    copy = engine_module._copy_blocks
+    monkeypatch.setattr(engine_module, "_copy_blocks", lambda caches, src, dst: (
+        copies.append((src, dst)), copy(caches, src, dst))[1])
     engine.finish_kv_load("d", ok=True)
     engine.start_siblings("d", ["s1", "s2"])
     d = engine.block_ids("d")

@@ -543,9 +543,9 @@ def test_health_reports_every_instance(stubs: dict[str, list[Stub]], start_proxy
     proxy = start_proxy(health_interval=0.05)
     health = client.get(proxy.url + "/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "policy": "round_robin", "instances": [
-        {"url": s.url, "role": role, "healthy": True, "outstanding": 0, "last_error": None,
-         "retired": False}
+    assert health.json() == {"status": "ok", "policy": "kv_aware", "instances": [
+        {"url": s.url, "role": role, "healthy": True, "outstanding": 0, "tokens_in_flight": 0,
+         "last_error": None, "retired": False}
         for role in ("prefill", "decode") for s in stubs[role]]}
     sick, well = stubs["decode"]
     sick.behaviour.healthy = False  # its /health answers 503 from now on

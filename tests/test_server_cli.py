@@ -49,7 +49,7 @@ def test_help_lists_roles_and_flags() -> None:
                  "--kv-cache-layout", "KVXFER_KV_CACHE_LAYOUT", "--block-size", "--num-blocks",
                  "--kv-load-failure-policy", "--lease-ttl", "--served-model-name", "ready",
                  "--api-key", "--api-key-file", "KVXFER_API_KEY", "--kv-read-timeout",
-                 "--kv-heartbeat-timeout", "--no-host-reads"):
+                 "--kv-heartbeat-timeout", "--no-host-reads", "--kv-events-port"):
         assert text in done.stdout, f"{text!r} missing from --help"
 
 
@@ -64,6 +64,12 @@ def taken_port() -> Iterator[int]:
 
 def test_http_port_in_use_is_a_one_line_error(taken_port: int) -> None:
     assert_one_line_error(run_serve("--port", str(taken_port)), f"HTTP port {taken_port}")
+
+
+def test_kv_events_port_in_use_is_a_one_line_error(taken_port: int) -> None:
+    done = run_serve("--port", str(free_port()), "--enable-prefix-caching",
+                     "--kv-events-port", str(taken_port))
+    assert_one_line_error(done, f"127.0.0.1:{taken_port}")
 
 
 def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
@@ -86,9 +92,12 @@ def test_side_channel_port_in_use_is_a_one_line_error(taken_port: int) -> None:
     (("--api-key", " "), "--api-key"),
     (("--api-key-file", "no/such/key-file"), "no/such/key-file"),
     (("--api-key", "k", "--api-key-file", "f"), "not both"),
+    (("--kv-events-port", "0"), "add --enable-prefix-caching"),
+    (("--kv-events-port", "70000", "--enable-prefix-caching"), "--kv-events-port 70000"),
 ], ids=["tp", "model", "layout", "port", "lease-ttl", "read-lanes", "kv-read-timeout",
         "heartbeat-negative", "heartbeat-too-short", "heartbeat-inf", "empty-api-key",
-        "missing-key-file", "key-and-file"])
+        "missing-key-file", "key-and-file", "kv-events-without-prefix-cache",
+        "kv-events-port"])
 def test_bad_settings_are_one_line_errors(args: tuple[str, ...], named: str) -> None:
     assert_one_line_error(run_serve("--port", str(free_port()), *args), named)
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +41,10 @@ ROUTE = "/v1/completions"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--proxy-arg", action="append", default=[], metavar="FLAG",
+                        help="a further kvxfer-proxy flag, repeated for each, e.g. "
+                             "--proxy-arg=--policy=round_robin or --proxy-arg=--tokenizer=byte "
+                             "(the kv_aware policy then tokenizes every prompt)")
     parser.add_argument("--requests", type=int, default=3000,
                         help="requests per target, mode and concurrency, over all rounds "
                              "(default 3000)")
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"--concurrency values must be at least 1, got {args.concurrency}",
               file=sys.stderr)
         return 2
-    with deployment(args.chunks) as (urls, pids):
+    with deployment(args.chunks, args.proxy_arg) as (urls, pids):
         result = asyncio.run(measure(urls, pids, args))
     if args.json:
         print(json.dumps(result, indent=2))
@@ -105,7 +109,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def deployment(chunks: int) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
+def deployment(chunks: int, proxy_args: Sequence[str] = ()
+               ) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
     """Stub prefill, stub decode, proxy and hop processes: (URL, PID) by name.
 
     All are stopped on exit, Ctrl-C included.
@@ -122,7 +127,7 @@ def deployment(chunks: int) -> Iterator[tuple[dict[str, str], dict[str, int]]]:
                    "--chunks", str(chunks)],
         "proxy": ["-m", "proxy", "--port", str(ports["proxy"]), "--prefiller-ports",
                   str(ports["prefill"]), "--decoder-ports", str(ports["decode"]),
-                  "--log-level", "warning"],
+                  "--log-level", "warning", *proxy_args],
         FLOOR: ["-m", "kvxfer.bench.hop", "--port", str(ports[FLOOR])]}
     pids: dict[str, int] = {}
     with ExitStack() as stack:  # unwinds in reverse: hop and proxy first, Ctrl-C included

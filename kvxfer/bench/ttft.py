@@ -232,7 +232,29 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
             if wait:
                 lines.append(f"{'':2}decode-side overhead before the READ (lease check, claim, "
                              f"blocks): p50 {wait['p50']:.2f} ms, p99 {wait['p99']:.2f} ms")
+    judged = report["lengths"][0]["vs_one"] if report["lengths"] else {}
+    lines.extend(pays_line(report, mode) for mode in judged)
     return lines
+
+
+def pays_from(report: dict[str, Any], mode: str) -> int | None:
+    """The shortest measured prompt from which ``mode``'s median TTFT is at most one
+    instance's at every longer length measured (None: at none, or not judged)."""
+    found = None
+    for row in sorted(report["lengths"], key=lambda r: -r["prompt_tokens"]):
+        ratio = row["vs_one"][mode]["ratios"].get("ttft_p50")
+        if ratio is None or ratio > 1.0:
+            break
+        found = row["prompt_tokens"]
+    return found
+
+
+def pays_line(report: dict[str, Any], mode: str) -> str:
+    length = pays_from(report, mode)
+    if length is None:
+        return f"{MODES[mode]} is not faster than one instance at the longest prompt measured"
+    return (f"{MODES[mode]} pays from {length} tokens on (median TTFT at most one instance's): "
+            f"kvxfer-proxy --pd-min-tokens {length} sends shorter prompts to a decode alone")
 
 
 def require_matplotlib() -> None:
@@ -329,6 +351,7 @@ def _argvs(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[st
                        str(ports["prefill"]), "--decoder-hosts", "127.0.0.1",
                        "--decoder-ports", str(ports[decode]), "--kv-transfer-mode", mode,
                        "--retries", "0", "--prefill-timeout", str(REQUEST_TIMEOUT_S),
+                       "--pd-min-tokens", "0",  # P/D itself, at every length
                        "--health-timeout", "30", "--log-level", "warning"]
                for proxy, decode, mode in (("proxy", "decode", "pull"),
                                            ("proxy-push", "decode-push", "push"))}

@@ -71,6 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: every request then computes or reads its whole "
                              "prompt, which is what transfer benchmarks and accuracy "
                              "references measure")
+    parser.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
+                        help="publish what the prefix cache holds (blocks stored and evicted, "
+                             "named by a hash chain over their token ids) as vLLM's KV events "
+                             "(msgpack KVEventBatch) on a ZMQ PUB socket at "
+                             "--side-channel-host:PORT (0: a free port), with a replay "
+                             "socket on another free port, so that a router that reads "
+                             "vLLM's --kv-events-config streams sends each prompt where its "
+                             "prefix is cached; /health says where (kv_events). Signed with "
+                             "--kv-key-file when given. Needs --enable-prefix-caching "
+                             "(default: off)")
     parser.add_argument("--model", default="kvxfer-tiny",
                         help="a model name from `kvxfer models` (kvxfer-tiny, the seeded "
                              "tiny model, is the default; smollm2-135m-instruct is a real "
@@ -117,22 +127,23 @@ def run(args: argparse.Namespace) -> int:
         transfer = from_arguments(args)
     except (ApiKeyError, ConfigError, KvKeyError) as exc:
         return _fail(str(exc))
-    # torch: after the quick checks
-    from kvxfer.sidecar.http_app import PortInUse, serve
     from kvxfer.sidecar.settings import Settings
 
-    settings = Settings(
-        role=args.role, host=args.host, port=args.port, tp=args.tp,
-        kv_cache_layout=args.kv_cache_layout, block_size=args.block_size,
-        num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
-        device=args.device, served_model_names=tuple(args.served_model_name or ()),
-        api_key=api_key, drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,
-        enable_prefix_caching=args.enable_prefix_caching, transfer=transfer)
-    if settings.serves_peers:  # a listener's address
-        try:
-            settings.side_channel_advertised()  # before the model loads
-        except ValueError as exc:
-            return _fail(str(exc))
+    try:
+        settings = Settings(
+            role=args.role, host=args.host, port=args.port, tp=args.tp,
+            kv_cache_layout=args.kv_cache_layout, block_size=args.block_size,
+            num_blocks=args.num_blocks, model=args.model, seed=args.seed, dtype=args.dtype,
+            device=args.device, served_model_names=tuple(args.served_model_name or ()),
+            api_key=api_key, drain_timeout=args.drain_timeout, kv_packing=args.kv_packing,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_events_port=args.kv_events_port, transfer=transfer)
+        if settings.advertises:  # a listener's address, before the model loads
+            settings.side_channel_advertised()
+    except ValueError as exc:
+        return _fail(str(exc))
+    # torch: after the quick checks
+    from kvxfer.sidecar.http_app import PortInUse, serve
     from kvxfer.transfer.nixl_agent import NixlUnavailableError
 
     try:

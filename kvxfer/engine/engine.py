@@ -32,6 +32,7 @@ from kvxfer.engine.sequence import Request, RequestOutput, RequestState
 from kvxfer.engine.tokenizer import ByteTokenizer, Tokenizer
 from kvxfer.engine.transformer import Segment, Transformer, check_tp
 from kvxfer.engine.weights import fingerprint, init_weights
+from kvxfer.net.kv_events import BlockRemoved, BlockStored
 from kvxfer.plan.layout import (
     CacheSpec,
     KVCacheLayout,
@@ -145,6 +146,12 @@ class LLMEngine:
         with self._lock:
             cache = self.prefix_cache
             return (0, 0, 0) if cache is None else (cache.queries, cache.hits, cache.num_cached)
+
+    def take_cache_events(self) -> list[BlockStored | BlockRemoved]:
+        """The prefix cache's changes since the last call (:meth:`PrefixCache.take_events`:
+        the first call starts recording them); ``[]`` without a cache."""
+        with self._lock:
+            return [] if self.prefix_cache is None else self.prefix_cache.take_events()
 
     # -- requests
 
@@ -326,21 +333,11 @@ class LLMEngine:
             count = self.scheduler.blocks_for(source.num_computed)
             first = [s.num_cached // self.block_size for s in siblings]
             if count and siblings:
-                self._copy_blocks([source.block_ids[k:count] for k in first],
-                                  [s.block_ids[k:count] for s, k in zip(siblings, first,
-                                                                        strict=True)])
+                _copy_blocks(self.kv_caches, [source.block_ids[k:count] for k in first],
+                             [s.block_ids[k:count] for s, k in zip(siblings, first, strict=True)])
             for sibling in siblings:
                 sibling.num_computed = source.num_computed
                 self.scheduler.start_running(sibling)
-
-    def _copy_blocks(self, src: list[list[int]], dst: list[list[int]]) -> None:
-        """Copy KV blocks ``src[i][k]`` -> ``dst[i][k]`` in every layer of every rank."""
-        src_ids = torch.tensor([b for blocks in src for b in blocks], dtype=torch.int64)
-        dst_ids = torch.tensor([b for blocks in dst for b in blocks], dtype=torch.int64)
-        for rank in self.kv_caches:
-            for view in rank.values():
-                at_src, at_dst = src_ids.to(view.device), dst_ids.to(view.device)
-                view[at_dst] = view[at_src]  # in place through the (strided) view
 
     def release(self, request_id: str) -> None:
         """Prefill side: free a HELD request's blocks (every reader is done)."""
@@ -523,6 +520,18 @@ def checked_prompt(request_id: str, prompt_token_ids: Sequence[int], params: Sam
 def _kv_needed(request: Request) -> int:
     """See :meth:`LLMEngine.kv_tokens_needed`."""
     return len(request.prompt_token_ids) - (0 if request.output_token_ids else 1)
+
+
+def _copy_blocks(kv_caches: list[dict[str, torch.Tensor]], src: list[list[int]],
+                 dst: list[list[int]]) -> None:
+    """Copy KV blocks ``src[i][k]`` -> ``dst[i][k]`` in every layer of every rank (see
+    :meth:`LLMEngine.start_siblings`)."""
+    src_ids = torch.tensor([b for blocks in src for b in blocks], dtype=torch.int64)
+    dst_ids = torch.tensor([b for blocks in dst for b in blocks], dtype=torch.int64)
+    for rank in kv_caches:
+        for view in rank.values():
+            at_src, at_dst = src_ids.to(view.device), dst_ids.to(view.device)
+            view[at_dst] = view[at_src]  # in place through the (strided) view
 
 
 def _check_siblings(source: Request, siblings: list[Request]) -> None:

@@ -149,9 +149,10 @@ class Scheduler:
         full = request.num_computed // self.block_size
         if cache is None or full <= request.num_offered_blocks:
             return
-        hashes = extend_hashes(request.block_hashes, request.token_ids, self.block_size, full)
-        first = request.num_offered_blocks
-        cache.insert(hashes[first:full], request.block_ids[first:full])
+        tokens, first, size = request.token_ids, request.num_offered_blocks, self.block_size
+        hashes = extend_hashes(request.block_hashes, tokens, size, full)
+        cache.insert(hashes[first:full], request.block_ids[first:full],
+                     tokens[first * size:full * size], hashes[first - 1] if first else None)
         request.num_offered_blocks = full
 
     def _grow_or_preempt(self, request: Request) -> bool:

@@ -5,6 +5,7 @@ plays in KV transfers. Modules and packages:
 - ``handlers``: the routes; ``answer``: a request's answer, whole or streamed;
 - ``openai_api/``: validation of OpenAI bodies and ``kv_transfer_params``;
 - ``instance``: ``Sidecar``, one instance's engine, roles, loop and metrics;
+- ``kv_event_publisher``: the KV event stream, what the prefix cache holds, in vLLM's format;
 - ``engine_loop``: ``EngineLoop``, the one thread that owns the engine and the roles;
 - ``request_kinds``: what a request asks of the transfers, one class per kind;
 - ``roles/``: the prefill side, the pull decode, the push decode, and their composition;

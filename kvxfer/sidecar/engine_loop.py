@@ -12,8 +12,9 @@ wake the thread. The thread, in a loop:
 3. steps the engine when it has work and hands each output to its request's
    :class:`Sink` (``loop.call_soon_threadsafe`` into an asyncio queue);
 4. publishes a snapshot (free blocks, leases, in-flight requests) that
-   ``/health`` and ``/metrics`` read without taking the engine lock, and adds
-   the engine's new prefix cache lookups to the metrics;
+   ``/health`` and ``/metrics`` read without taking the engine lock, adds
+   the engine's new prefix cache lookups to the metrics, and hands the prefix
+   cache's events to the KV event stream when there is one;
 5. sleeps on an Event when nothing was computed: ~1 ms while READs are in
    flight, a few ms while the engine waits for blocks, 10 ms while leases are
    held, up to a second when idle (a command wakes it at once).
@@ -44,6 +45,7 @@ from kvxfer.wire.messages import ReleaseOutcome
 
 if TYPE_CHECKING:
     from kvxfer.engine import LLMEngine, RequestOutput
+    from kvxfer.sidecar.kv_event_publisher import KVEventPublisher
     from kvxfer.sidecar.request_kinds import Kind
     from kvxfer.sidecar.roles.composition import Roles
 
@@ -117,8 +119,10 @@ class _Tracked:
 class EngineLoop:
     """See the module docstring. Start with :meth:`start`, stop with :meth:`stop`."""
 
-    def __init__(self, engine: LLMEngine, roles: Roles, metrics: SidecarMetrics) -> None:
+    def __init__(self, engine: LLMEngine, roles: Roles, metrics: SidecarMetrics,
+                 kv_events: KVEventPublisher | None = None) -> None:
         self.engine, self.roles, self.metrics = engine, roles, metrics
+        self.kv_events = kv_events
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -441,6 +445,8 @@ class EngineLoop:
         self._prefix_counted = (queries, hits)
         self.metrics.reservations_held.set(gauges["reservations"])
         self.metrics.quarantined_blocks.set(gauges["quarantined_blocks"])
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.take_cache_events())
         self._snapshot = {"free_blocks": free, "used_blocks": used,
                           "num_blocks": self.engine.num_blocks, **gauges,
                           "requests_in_flight": len(self._tracked)}

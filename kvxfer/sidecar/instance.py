@@ -1,5 +1,5 @@
 """One sidecar instance: engine, roles (over its ranks: workers, listener), engine loop,
-metrics, and its drain (:class:`Sidecar`)."""
+metrics, KV event stream, and its drain (:class:`Sidecar`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvxfer.net.hosts import bare_host
 from kvxfer.sidecar.engine_loop import EngineLoop
+from kvxfer.sidecar.kv_event_publisher import KVEventPublisher
 from kvxfer.sidecar.openai_api.answers import TokenText
 from kvxfer.sidecar.openai_api.prepared import ModelInfo
 from kvxfer.sidecar.roles.composition import Roles, new_engine_id
@@ -28,7 +29,8 @@ DRAIN_QUIET_S = 5.0
 
 
 class Sidecar:
-    """One instance: engine, roles (workers + listener), engine loop and metrics.
+    """One instance: engine, metrics, KV event stream (with ``kv_events_port``), roles
+    (workers + listener) and engine loop.
 
     Built in that order; :meth:`close` undoes it. The loop thread starts with
     :meth:`start` (the app's lifespan does it).
@@ -41,7 +43,7 @@ class Sidecar:
         transfer = settings.transfer
         # checked first: a wildcard side channel without --advertise-host fails fast
         self.side_channel_advertised = settings.side_channel_advertised() \
-            if settings.serves_peers else bare_host(transfer.side_channel_host)
+            if settings.advertises else bare_host(transfer.side_channel_host)
         self.http_host = settings.http_advertised()
         self.draining_since: float | None = None  # monotonic time of the SIGTERM
         self.http_in_flight = 0  # completion requests being answered (streams included)
@@ -60,20 +62,32 @@ class Sidecar:
         self.metrics = SidecarMetrics(role=settings.role, engine_id=self.engine_id,
                                       model=self.served_names[0],
                                       layout=self.engine.layout.name, tp=self.engine.tp)
-        self.roles = Roles.start(self.engine, settings.role, self.metrics, transfer,
-                                 self.engine_id, self.side_channel_advertised)
-        self.loop = EngineLoop(self.engine, self.roles, self.metrics)
+        self.kv_events = None if settings.kv_events_port is None else KVEventPublisher(
+            transfer.side_channel_host, settings.kv_events_port, transfer.kv_key)
+        try:
+            self.roles = Roles.start(self.engine, settings.role, self.metrics, transfer,
+                                     self.engine_id, self.side_channel_advertised)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
+        self.loop = EngineLoop(self.engine, self.roles, self.metrics, self.kv_events)
         self.info = ModelInfo(self.served_names, self.engine.tokenizer,
                               self.engine.config.vocab_size, self.engine.max_model_len,
                               self.engine.block_size, settings.role, self.engine.num_blocks)
         self.token_text = TokenText(self.engine.tokenizer)
 
     def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.loop.start()
 
     def close(self) -> None:
-        """Stop the engine loop, then the roles and their ranks (idempotent)."""
+        """Stop the engine loop, then the KV event stream, the roles and their ranks
+        (idempotent)."""
         self.loop.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.roles.close()
 
     @property
@@ -115,6 +129,7 @@ class Sidecar:
                 f"tp={self.engine.tp} http={self.settings.host}:{http_port} side_channel="
                 f"{f'{bound}:{side}' if side else 'none'} "
                 f"advertised={self.side_channel_advertised} "
+                f"{f'kv_events={bound}:{self.kv_events.port} ' if self.kv_events else ''}"
                 f"engine_id={self.engine_id}")
 
     def health(self) -> dict[str, Any]:
@@ -128,4 +143,6 @@ class Sidecar:
                 "side_channel_port": self.roles.side_channel_port,
                 "kv_load_failure_policy": self.settings.transfer.kv_load_failure_policy,
                 "prefix_caching": self.settings.enable_prefix_caching,
+                **({} if self.kv_events is None else {"kv_events": self.kv_events.discovery(
+                    self.side_channel_advertised, self.engine.block_size)}),
                 **self.loop.snapshot()}

@@ -29,7 +29,24 @@ class Settings:
     drain_timeout: float = 30.0  # after SIGTERM: longest wait for in-flight work and leases
     kv_packing: str = "token"  # how K and V share a head's block (plan/packing.py)
     enable_prefix_caching: bool = False  # the engine's prefix cache (engine/prefix_cache.py)
+    kv_events_port: int | None = None  # its KV event stream's PUB port (0: any free one)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        port = self.kv_events_port
+        if port is None:
+            return
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"--kv-events-port {port!r} is not a TCP port (0: any free one)")
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-events-port publishes what the prefix cache holds: add "
+                             "--enable-prefix-caching")
+
+    @property
+    def advertises(self) -> bool:
+        """Whether others dial this instance on its side-channel host: peers its side
+        channel (:attr:`serves_peers`), subscribers its KV event stream."""
+        return self.serves_peers or self.kv_events_port is not None
 
     @property
     def serves_peers(self) -> bool:
