@@ -28,15 +28,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from helpers import PAIR_LEASE_TTL, smollm2_id
+from helpers import PAIR_LEASE_TTL, kv_events_args, smollm2_id
 
 from kvxfer.bench.vllm import (
     VLLM_PYTHON_ENV,
     VllmServer,
+    free_port,
     kv_transfer_config,
     model_directory,
     started,
-    vllm_pair,
 )
 
 
@@ -103,13 +103,24 @@ def pair_extra(pair_key: Path) -> dict[str, object]:
 
 
 @pytest.fixture(scope="session")
+def pair_events() -> dict[str, tuple[int, int]]:
+    """The ports (PUB, replay) kvxfer_pair's prefill and decode publish KV events on."""
+    return {role: (free_port(), free_port()) for role in ("prefill", "decode")}
+
+
+@pytest.fixture(scope="session")
 def kvxfer_pair(vllm_python: str, tmp_path_factory: pytest.TempPathFactory,
-                pair_extra: dict[str, object]) -> Iterator[tuple[VllmServer, VllmServer]]:
+                pair_extra: dict[str, object], pair_events: dict[str, tuple[int, int]]
+                ) -> Iterator[tuple[VllmServer, VllmServer]]:
+    log_dir = tmp_path_factory.mktemp("vllm-kvxfer-pair")
+    config = kv_transfer_config("kvxfer", pair_extra)
+    pair = tuple(VllmServer(f"kvxfer-{role}", vllm_python, model_directory(), config, core,
+                            log_dir, args=kv_events_args(pair_events[role]))
+                 for core, role in enumerate(("prefill", "decode")))
     with ExitStack() as stack:
         _stops["kvxfer_pair"] = stack.close
-        yield stack.enter_context(vllm_pair("kvxfer", vllm_python,
-                                            tmp_path_factory.mktemp("vllm-kvxfer-pair"),
-                                            extra=pair_extra))
+        stack.enter_context(started(*pair))
+        yield pair  # type: ignore[misc]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

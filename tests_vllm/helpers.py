@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -20,6 +21,21 @@ from kvxfer.transfer.converted.mapped_reads import CACHE_MEMFD_NAME
 
 TIMEOUT = httpx.Timeout(120.0)
 PAIR_LEASE_TTL = 20.0  # kvxfer_pair's lease (conftest.pair_extra): a refused one ends by then
+
+
+def kv_events_args(ports: tuple[int, int]) -> tuple[str, ...]:
+    """vLLM's flags to publish its KV events on ``ports`` (PUB, replay), every interface
+    (vLLM binds only a wildcard endpoint; any other it connects to)."""
+    pub, replay = ports
+    return ("--kv-events-config", json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}"}))
+
+
+def kv_events_flag(server: Served, ports: tuple[int, int]) -> str:
+    """kvxfer-proxy's ``--kv-events`` value for ``server`` publishing on ``ports``."""
+    return f"http://127.0.0.1:{server.port}=tcp://127.0.0.1:{ports[0]}," \
+           f"tcp://127.0.0.1:{ports[1]}"
 
 
 class Served(Protocol):
@@ -41,17 +57,24 @@ def smollm2_id() -> str:
     return fingerprint(loaded.config, loaded.state_dict)
 
 
-@contextmanager
 def proxy_for(prefill: Served, decode: Served, log_dir: Path,
-              extra: Sequence[str] = ()) -> Iterator[str]:
+              extra: Sequence[str] = ()) -> contextlib.AbstractContextManager[str]:
     """A real kvxfer-proxy process in front of one prefill and one decode; its URL."""
+    return proxy_over([prefill], [decode], log_dir, extra)
+
+
+@contextmanager
+def proxy_over(prefills: Sequence[Served], decodes: Sequence[Served], log_dir: Path,
+               extra: Sequence[str] = ()) -> Iterator[str]:
+    """A real kvxfer-proxy process in front of ``prefills`` and ``decodes``; its URL."""
     proxy = Launched("proxy", [
         sys.executable, "-m", "proxy", "--port", "0",
         # a vLLM instance bound to one core answers /health late while it steps (once
         # past 5 s in CI, which took the decode out for a request)
         "--health-timeout", "15",
-        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill.port),
-        "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode.port), *extra], log_dir)
+        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", *(str(p.port) for p in prefills),
+        "--decoder-hosts", "127.0.0.1", "--decoder-ports", *(str(d.port) for d in decodes),
+        *extra], log_dir)
     try:
         proxy.wait_ready(time.monotonic() + 60)
         deadline = time.monotonic() + 30  # its first health round marks both up

@@ -114,7 +114,9 @@ class VllmServer:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-               "--max-model-len", "2048", "--kv-transfer-config", json.dumps(self.kv_config)]
+               "--max-model-len", "2048"]
+        if self.kv_config:  # none: an instance without a KV connector
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         if self.block_size is not None:
             cmd += ["--block-size", str(self.block_size)]
         if self.tp > 1:
