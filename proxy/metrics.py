@@ -93,8 +93,9 @@ class ProxyMetrics:
             registry=r)
         self.pd_unread = Counter(
             "kvxfer_proxy_pd_unread",
-            "requests sent prefill then decode whose decode read no KV (it computed the "
-            "prompt itself): P/D is not happening between that pair", ["prefill", "decode"],
+            "requests sent prefill then decode (of those the prefill was asked about) whose "
+            "decode read no KV, computing the prompt itself: P/D is not happening between "
+            "that pair", ["prefill", "decode"],
             registry=r)
         r.register(InstanceCollector(balancer))
 

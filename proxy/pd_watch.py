@@ -7,7 +7,10 @@ After a pull-mode request's decode answered, the proxy asks the prefill to relea
 lease (``POST /v1/kv/release``, after :data:`SETTLE_S`): a lease a decode claimed or read is
 not released; one still unclaimed is, which frees its blocks at once and is counted here per
 prefill/decode pair, logged once per pair with the reason, and shown on the proxy's
-``/health``. A prefill without that route (vLLM's) cannot be asked: its pairs go unwatched.
+``/health``. A pair is asked about every request until :data:`PROVEN` in a row were read,
+then about one in :data:`SAMPLE` (a call per request costs the prefill CPU); an unread one
+puts it back to every request. A prefill without that route (vLLM's) cannot be asked: its
+pairs go unwatched.
 
 Design: docs/design/kv-events.md#when-pd-is-not-happening
 """
@@ -21,6 +24,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SETTLE_S = 1.0  # after the answer: a decode reading the KV has claimed its lease long before
+PROVEN = 8      # reads in a row after which a pair is asked about one request in SAMPLE
+SAMPLE = 16
 REASON = ("the decode answered without claiming the prefill's lease: it computed the prompt "
           "itself (no KV connector, a misconfigured one, a refused lease or a recompute "
           "policy), so every prompt costs twice")
@@ -42,8 +47,22 @@ class PDWatch:
     def __init__(self, count: Any = None) -> None:
         self._pairs: dict[tuple[str, str], Unread] = {}
         self._count = count  # (prefill, decode) -> a metric, or None
+        self._read: dict[tuple[str, str], int] = {}  # reads in a row, per pair
+        self._turn = 0
+
+    def ask(self, prefill: str, decode: str) -> bool:
+        """Whether to ask about this request of the pair (see the module docstring)."""
+        if self._read.get((prefill, decode), 0) < PROVEN:
+            return True
+        self._turn += 1
+        return self._turn % SAMPLE == 0
+
+    def read(self, prefill: str, decode: str) -> None:
+        """A request of the pair whose lease its decode claimed or read."""
+        self._read[prefill, decode] = self._read.get((prefill, decode), 0) + 1
 
     def unread(self, prefill: str, decode: str, request_id: str) -> None:
+        self._read[prefill, decode] = 0
         pair = self._pairs.get((prefill, decode))
         if pair is None:
             pair = self._pairs[prefill, decode] = Unread(prefill, decode)

@@ -125,7 +125,8 @@ class PDRouter:
         content = msgspec.json.encode(decode_request(body, params))
 
         def answered(decode: Instance) -> None:  # was the lease read? (proxy.pd_watch)
-            self._in_background(self._check_read(prefill, decode, params, request_id))
+            if self.watch.ask(prefill.url, decode.url):
+                self._in_background(self._check_read(prefill, decode, params, request_id))
 
         try:
             if wants_stream(body):
@@ -257,8 +258,12 @@ class PDRouter:
             answer = await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
         except Exception:  # gone, or a prefill that cannot be asked: unwatched
             return
-        if answer.status == 200 and released(answer.content):
+        if answer.status != 200:
+            return
+        if released(answer.content):
             self.watch.unread(prefill.url, decode.url, request_id)
+        else:
+            self.watch.read(prefill.url, decode.url)
 
     def _unavailable(self, role: str) -> NoInstance:
         return NoInstance(f"no healthy {role} instance: " + "; ".join(

@@ -13,6 +13,7 @@ from kvxfer.net.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from proxy.balancer import Balancer, Prompt, cost
 from proxy.config import ProxyConfig
 from proxy.kv_index import InstanceIndex, prefix_keys
+from proxy.pd_watch import PROVEN, SAMPLE, PDWatch
 
 SIZE = 4
 
@@ -137,3 +138,16 @@ def test_without_a_believed_index_kv_aware_goes_round_robin(cached: dict[str, in
     prompt = Prompt(list(range(64)))
     firsts = [made.candidates("prefill", (), prompt)[0].url for _ in range(3)]
     assert firsts == ["http://p0", "http://p1", "http://p2"]
+
+
+def test_a_pair_that_reads_is_asked_about_one_request_in_sixteen_until_one_is_unread() -> None:
+    watch = PDWatch()
+    asked = [watch.ask("p", "d") for _ in range(PROVEN)]
+    for _ in range(PROVEN):
+        watch.read("p", "d")
+    later = [watch.ask("p", "d") for _ in range(4 * SAMPLE)]
+    assert all(asked) and sum(later) == 4
+    watch.unread("p", "d", "r1")
+    assert watch.ask("p", "d") and watch.ask("p", "d"), "an unread request asks every time"
+    assert watch.ask("p", "other"), "another pair is asked about from the start"
+    assert [a["requests"] for a in watch.state()] == [1]
