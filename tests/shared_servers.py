@@ -14,16 +14,20 @@ it leaves each instance idle: no request in flight, no lease, no used block. Tha
 checked after every such test, so a test that leaves work behind fails there instead of
 the next user. A test that kills, freezes, drains or reconfigures an instance starts its
 own (:class:`sidecars.SidecarGroup`).
+
+Also shared, per module: ``key_file``, a fresh KV key file for a module's keyed sidecars,
+and ``key``, the key in it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, start_proxies
+from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, start_proxies, write_key
 
 PLAIN = Spec("both", extra=("--served-model-name", "kvxfer-tiny", "tiny-alias"))
 PREFILL = Spec("prefill")
@@ -40,6 +44,18 @@ class PullPair:
 def idle(health: dict[str, Any]) -> bool:
     return bool(health["requests_in_flight"] == 0 and health["leases"] == 0
                 and health["used_blocks"] == 0)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A module's KV key file (its sidecars' ``--kv-key-file``)."""
+    return write_key(tmp_path_factory.mktemp("key") / "kv.key")
+
+
+@pytest.fixture(scope="module")
+def key(key_file: Path) -> bytes:
+    """The key in :func:`key_file`, as the sidecars read it."""
+    return key_file.read_bytes().strip()
 
 
 @pytest.fixture(scope="session")

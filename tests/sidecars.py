@@ -54,6 +54,13 @@ def bearer(api_key: str | None) -> dict[str, str]:
     return {} if api_key is None else {"authorization": f"Bearer {api_key}"}
 
 
+def write_key(path: Path) -> Path:
+    """A fresh KV key file at ``path``, readable by its owner only (as kvxfer wants it)."""
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    return path
+
+
 def new_api_key() -> str:
     """A random HTTP API key, as a deployment would generate one."""
     return f"sk-{secrets.token_urlsafe(24)}"

@@ -26,7 +26,7 @@ import zmq
 
 from kvxfer.plan.layout import CacheSpec, allocate_kv_cache
 from kvxfer.plan.regions import plan_regions
-from kvxfer.transfer.side_channel import listener as listener_module
+from kvxfer.transfer.side_channel import sockets as sockets_module
 from kvxfer.transfer.side_channel.client import SideChannelClient
 from kvxfer.transfer.side_channel.failures import PeerRefused, PeerUnreachable, SideChannelTimeout
 from kvxfer.transfer.side_channel.listener import SideChannelListener
@@ -545,12 +545,12 @@ def test_close_gives_up_on_a_stuck_thread_and_says_so(
         release.wait(ANSWER_S)
         return RANKS
 
-    monkeypatch.setattr(listener_module, "JOIN_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(sockets_module, "JOIN_TIMEOUT_S", 0.1)
     served = SideChannelListener(HOST, engine_id=ENGINE, compat=COMPAT, metadata=stuck).start()
     with pytest.raises(SideChannelTimeout):
         client.fetch(HOST, served.port, [0], timeout=0.1, retries=0)
     assert entered.wait(ANSWER_S)
-    with caplog.at_level(logging.ERROR, logger="kvxfer.transfer.side_channel.listener"):
+    with caplog.at_level(logging.ERROR, logger="kvxfer.transfer.side_channel.sockets"):
         served.close()
     release.set()
     assert any(served.address in r.getMessage() and "did not stop within" in r.getMessage()

@@ -42,12 +42,6 @@ PANGRAM = "the quick brown fox jumps over the lazy dog"
 Event = BlockStored | BlockRemoved
 
 
-def write_key(path: Path) -> Path:
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    return path
-
-
 class Message:
     """One message of the stream: its frames, its sequence, its batch."""
 
@@ -154,16 +148,6 @@ def stored_as(text: str) -> Callable[[Event], bool]:
 def assert_no_gap(stream: Stream) -> None:
     read = [m.sequence for m in stream.read]
     assert read == list(range(read[0], read[0] + len(read))), read
-
-
-@pytest.fixture(scope="module")
-def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_key(tmp_path_factory.mktemp("key") / "kv.key")
-
-
-@pytest.fixture(scope="module")
-def key(key_file: Path) -> bytes:
-    return key_file.read_bytes().strip()
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ alarm on the proxy's /health and /metrics for that pair, and its lease is releas
 from __future__ import annotations
 
 import contextlib
-import os
-import secrets
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -52,14 +50,6 @@ class Instance:
     url: str
     port: int
     spec: Spec = field(default_factory=Spec)
-
-
-@pytest.fixture(scope="module")
-def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("kv-key") / "kv.key"
-    path.write_text(secrets.token_hex(32))
-    os.chmod(path, 0o600)
-    return path
 
 
 @pytest.fixture(scope="module")

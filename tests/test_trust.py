@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body
+from sidecars import ROOT, Sidecar, SidecarGroup, Spec, prefill_body, write_key
 
 from kvxfer.harness import preloaded
 from kvxfer.transfer.side_channel.client import SideChannelClient
@@ -41,22 +41,6 @@ SMALL_BLOCKS = 8  # the waiting decode: 128 tokens of cache
 # Any CompatInfo will do for an attacker: the listener checks the key before the hash.
 STRANGER = CompatInfo(model="x", dtype="float32", cache_dtype="float32", head_size=8,
                       total_kv_heads=1, num_layers=1)
-
-
-def write_key(path: Path) -> Path:
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    return path
-
-
-@pytest.fixture(scope="module")
-def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_key(tmp_path_factory.mktemp("key") / "kv.key")
-
-
-@pytest.fixture(scope="module")
-def key(key_file: Path) -> bytes:
-    return key_file.read_bytes().strip()
 
 
 @pytest.fixture(scope="module")

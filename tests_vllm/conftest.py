@@ -18,7 +18,6 @@ and it compiled everything again, so its AOT compile is off and inductor's cache
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -29,6 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import PAIR_LEASE_TTL, kv_events_args, smollm2_id
+from sidecars import write_key
 
 from kvxfer.bench.vllm import (
     VLLM_PYTHON_ENV,
@@ -87,10 +87,7 @@ _stops: dict[str, Callable[[], None]] = {}
 @pytest.fixture(scope="session")
 def pair_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The KV key file of kvxfer_pair and of everything a test starts to talk to it."""
-    key = tmp_path_factory.mktemp("kv-key") / "kv.key"
-    key.write_text(secrets.token_hex(32))
-    os.chmod(key, 0o600)
-    return key
+    return write_key(tmp_path_factory.mktemp("kv-key") / "kv.key")
 
 
 @pytest.fixture(scope="session")

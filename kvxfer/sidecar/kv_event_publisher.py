@@ -18,7 +18,6 @@ import itertools
 import logging
 import math
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from kvxfer.net.kv_events import (
     sequence_bytes,
     sequence_of,
 )
-from kvxfer.transfer.side_channel.sockets import JOIN_TIMEOUT_S, Wakeup, new_socket
+from kvxfer.transfer.side_channel.sockets import ServingThread, new_socket
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ ERROR_PAUSE_S = 0.1      # after an unexpected error, so that it cannot spin
 
 
 
-class KVEventPublisher:
+class KVEventPublisher(ServingThread):
     """A PUB socket on ``host:port`` (0: a free port) and a ROUTER replay socket on a free
     port of ``host``, bound in the constructor; served by a daemon thread from
     :meth:`start` until :meth:`close`. With ``key``, every message, published or replayed,
@@ -62,7 +61,7 @@ class KVEventPublisher:
 
     def __init__(self, host: str, port: int = 0, key: bytes | None = None) -> None:
         self.host, self.key = host, key
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        super().__init__()
         self._pub = new_socket(self._ctx, zmq.PUB, host, MAX_INBOUND_BYTES)
         self._replay = new_socket(self._ctx, zmq.ROUTER, host, MAX_INBOUND_BYTES)
         for sock in (self._pub, self._replay):  # a whole buffer fits a subscriber's queue
@@ -71,18 +70,12 @@ class KVEventPublisher:
             self.port = _bind(self._pub, host, port)
             self.replay_port = _bind(self._replay, host, 0)
         except zmq.ZMQError as exc:
-            self._pub.close(linger=0)
-            self._replay.close(linger=0)
-            self._ctx.term()
+            self._close_unbound()
             raise OSError(f"KV events cannot bind {endpoint(host, port)}: {exc}") from exc
         self._batches: queue.SimpleQueue[tuple[float, list[KVEvent]]] = queue.SimpleQueue()
         self._sent: deque[tuple[int, list[bytes]]] = deque(maxlen=REPLAY_BUFFER)
         self._sequence = itertools.count()
         self._last_sent = time.monotonic()
-        self._stop = threading.Event()
-        self._wakeup = Wakeup()  # publish() and close() end the thread's poll with it
-        self._thread: threading.Thread | None = None
-        self._closed = False
         self.publish([AllBlocksCleared()])
 
     def discovery(self, host: str, block_size: int) -> dict[str, Any]:
@@ -94,12 +87,7 @@ class KVEventPublisher:
 
     def start(self) -> None:
         """Start serving on a daemon thread (idempotent)."""
-        if self._closed:
-            raise RuntimeError(f"the KV event publisher at {self.host}:{self.port} is closed")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, daemon=True,
-                                            name=f"kvxfer-kv-events-{self.port}")
-            self._thread.start()
+        self._start_thread(f"kvxfer-kv-events-{self.port}", self._what)
 
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Queue ``events`` as one batch (nothing for none)."""
@@ -109,22 +97,14 @@ class KVEventPublisher:
 
     def close(self) -> None:
         """Stop serving at once and close both sockets (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self._wakeup.set()
-        if self._thread is None:
-            self._pub.close(linger=0)
-            self._replay.close(linger=0)
-        else:
-            self._thread.join(JOIN_TIMEOUT_S)
-            if self._thread.is_alive():  # its sockets are the stuck thread's: leave them
-                log.error("KV event publisher on port %d did not stop within %.0f s",
-                          self.port, JOIN_TIMEOUT_S)
-                return
-        self._wakeup.close()
-        self._ctx.term()
+        self._close(self._what)
+
+    @property
+    def _what(self) -> str:
+        return f"the KV event publisher at {endpoint(self.host, self.port)}"
+
+    def _sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self._pub, self._replay]
 
     # -- the serving thread -------------------------------------------------------------
     def _serve(self) -> None:
@@ -146,8 +126,8 @@ class KVEventPublisher:
                     log.exception("KV event publisher on port %d: unexpected error", self.port)
                     self._stop.wait(ERROR_PAUSE_S)
         finally:
-            self._pub.close(linger=0)
-            self._replay.close(linger=0)
+            for sock in self._sockets():
+                sock.close(linger=0)
 
     def _send_queued(self) -> None:
         while True:

@@ -5,7 +5,6 @@ and answers heartbeats."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
@@ -14,9 +13,8 @@ import zmq
 from kvxfer.net.hosts import endpoint
 from kvxfer.transfer.faults import LOSS
 from kvxfer.transfer.side_channel.sockets import (
-    JOIN_TIMEOUT_S,
     MAX_REQUEST_BYTES,
-    Wakeup,
+    ServingThread,
     new_socket,
 )
 from kvxfer.wire.compat import CompatInfo, compat_hash
@@ -53,7 +51,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 64                # requests served per wake-up, so close() stays prompt under load
 
 
-class SideChannelListener:
+class SideChannelListener(ServingThread):
     """Prefill side: serves every local TP rank's metadata on one ROUTER socket.
 
     The socket is bound in the constructor (``port=0`` picks a free port; see
@@ -101,7 +99,7 @@ class SideChannelListener:
         self._on_claimer = on_claimer
         self._key = hmac_key
         self._replay = ReplayGuard()
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        super().__init__()
         self._sock = new_socket(self._ctx, zmq.ROUTER, host, MAX_REQUEST_BYTES)
         try:
             if port == 0:
@@ -109,17 +107,12 @@ class SideChannelListener:
             else:
                 self._sock.bind(endpoint(host, port))
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self._close_unbound()
             raise OSError(f"handshake listener cannot bind {endpoint(host, port)}: {exc}") \
                 from exc
         bound = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         assert isinstance(bound, bytes)
         self._port = int(bound.decode().rsplit(":", 1)[1])
-        self._stop = threading.Event()
-        self._wakeup = Wakeup()  # close() ends the serving thread's poll with it
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
     @property
     def port(self) -> int:
@@ -131,34 +124,20 @@ class SideChannelListener:
 
     def start(self) -> SideChannelListener:
         """Start serving on a daemon thread (idempotent)."""
-        if self._closed:
-            raise RuntimeError(f"handshake listener at {self.address} is closed")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, daemon=True,
-                                            name=f"kvxfer-handshake-{self._port}")
-            self._thread.start()
+        first = self._thread is None
+        self._start_thread(f"kvxfer-handshake-{self._port}",
+                           f"handshake listener at {self.address}")
+        if first:
             log.info("handshake listener for engine %s serving at %s", self.engine_id,
                      self.address)
         return self
 
     def close(self) -> None:
         """Stop serving at once and close the socket (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        self._wakeup.set()
-        if self._thread is None:
-            self._sock.close(linger=0)
-        else:
-            self._thread.join(timeout=JOIN_TIMEOUT_S)
-            if self._thread.is_alive():
-                # the socket belongs to the stuck thread; leave it and the context alone
-                log.error("handshake listener at %s: serving thread did not stop within "
-                          "%.0f s", self.address, JOIN_TIMEOUT_S)
-                return
-        self._wakeup.close()
-        self._ctx.term()
+        self._close(f"handshake listener at {self.address}")
+
+    def _sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self._sock]
 
     def __enter__(self) -> SideChannelListener:
         return self.start()

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
 
 import zmq
+
+log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.05        # how often a closing sender looks whether it may stop
 IDLE_WAIT_S = 1.0             # a thread with nothing due looks again this often at most
@@ -79,3 +82,60 @@ def connect_error(host: str, port: int, timeout: float) -> str | None:
             return None
     except OSError as exc:
         return exc.strerror or str(exc) or type(exc).__name__
+
+
+class ServingThread:
+    """Sockets of one ZMQ context that one daemon thread serves from :meth:`start` until
+    :meth:`close` (ZMQ sockets are not thread-safe). A subclass binds its sockets in its
+    constructor, after this one's, names them in :meth:`_sockets`, and serves them in
+    :meth:`_serve` until ``_stop`` is set, polling ``_wakeup`` beside them (:meth:`close`
+    sets it; so may whoever hands the thread work)."""
+
+    def __init__(self) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._stop = threading.Event()
+        self._wakeup = Wakeup()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _sockets(self) -> list[zmq.Socket[bytes]]:
+        raise NotImplementedError
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+    def _close_unbound(self) -> None:
+        """A subclass whose constructor failed to bind: close what it made, then raise."""
+        for sock in self._sockets():
+            sock.close(linger=0)
+        self._wakeup.close()
+        self._ctx.term()
+
+    def _start_thread(self, name: str, what: str) -> None:
+        """Start serving on a daemon thread called ``name`` (idempotent); ``what`` names
+        this server in the error of a closed one."""
+        if self._closed:
+            raise RuntimeError(f"{what} is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+            self._thread.start()
+
+    def _close(self, what: str) -> None:
+        """Stop serving at once and close every socket (idempotent); a thread that does
+        not stop within JOIN_TIMEOUT_S keeps its sockets, logged as ``what``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is None:
+            for sock in self._sockets():
+                sock.close(linger=0)
+        else:
+            self._thread.join(timeout=JOIN_TIMEOUT_S)
+            if self._thread.is_alive():  # its sockets are the stuck thread's: leave them
+                log.error("%s: serving thread did not stop within %.0f s", what,
+                          JOIN_TIMEOUT_S)
+                return
+        self._wakeup.close()
+        self._ctx.term()
