@@ -3,12 +3,14 @@ instance's events store and remove them, and kv_aware's order of the instances."
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvxfer.bench import kv_index as bench_index
 from kvxfer.net.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from proxy.balancer import Balancer, Prompt, cost
 from proxy.config import ProxyConfig
@@ -151,3 +153,13 @@ def test_a_pair_that_reads_is_asked_about_one_request_in_sixteen_until_one_is_un
     assert watch.ask("p", "d") and watch.ask("p", "d"), "an unread request asks every time"
     assert watch.ask("p", "other"), "another pair is asked about from the start"
     assert [a["requests"] for a in watch.state()] == [1]
+
+
+def test_bench_index_reports_memory_and_scoring_time_of_the_blocks_it_indexed() -> None:
+    args = argparse.Namespace(blocks=640, chain=64, block_size=SIZE * 4, prompt_tokens="64,256",
+                              repeats=3)
+    report = bench_index.measure(args)
+    assert report["indexed_blocks"] == 640
+    assert 10_000_000 < report["bytes_per_million_blocks"] < 2_000_000_000
+    assert set(report["score_one_instance"]) == {64, 256}
+    assert all(s["p50_us"] > 0 for s in report["score_one_instance"].values())

@@ -8,7 +8,9 @@ goes round robin; a prefill that freezes stops being believed within the stated 
 is read again (caught up from its replay socket) once it thaws. A prompt with fewer tokens
 left to compute than ``--pd-min-tokens`` goes to the decode alone. A decode that answers
 without reading its lease (a stub: as a decode without a KV connector would) raises the
-alarm on the proxy's /health and /metrics for that pair, and its lease is released."""
+alarm on the proxy's /health and /metrics for that pair, and its lease is released. A
+stream that claims blocks its instance lacks steers a prompt there, which computes them:
+the answer is still right."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import pytest
 from sidecars import ProxyProcess, Sidecar, SidecarGroup, Spec, start_proxies
 from stub_upstream import Stub
 
+from kvxfer.net.kv_events import BlockStored
+from kvxfer.sidecar.kv_event_publisher import KVEventPublisher
 from proxy.event_streams import STALE_AFTER_S
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 4, "logprobs": 1}
@@ -41,6 +45,9 @@ class Fleet:
     short: ProxyProcess  # the same, a decode alone below 64 tokens to compute
     unread: ProxyProcess  # prefills[0] and a decode that reads no KV (a stub)
     stub: Stub
+    liar: Sidecar  # a prefill whose stream (by --kv-events) is the test's: it lies
+    lied_to: ProxyProcess  # prefills[0] and the liar, the decode; no key (a flag's stream)
+    lies: KVEventPublisher
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[
     log_dir = tmp_path_factory.mktemp("kv-routing")
     keyed = ("--kv-key-file", str(key_file))
     with SidecarGroup(log_dir) as group, contextlib.ExitStack() as stack:
-        p0, p1, decode = group.start([Spec("prefill", extra=(*EVENTS, *keyed)),
-                                      Spec("prefill", extra=(*EVENTS, *keyed)),
-                                      Spec("decode", policy="fail", extra=(*EVENTS, *keyed))])
+        p0, p1, decode, liar = group.start([
+            Spec("prefill", extra=(*EVENTS, *keyed)), Spec("prefill", extra=(*EVENTS, *keyed)),
+            Spec("decode", policy="fail", extra=(*EVENTS, *keyed)),
+            Spec("prefill", extra=("--enable-prefix-caching", *keyed))])
         stub = Stub("decode")
         stub.server.start()
         stack.callback(stub.server.stop)
+        lies = KVEventPublisher("127.0.0.1")
+        lies.start()
+        stack.callback(lies.close)
+        lie = f"{liar.url}=tcp://127.0.0.1:{lies.port},tcp://127.0.0.1:{lies.replay_port}"
         flags = ("--tokenizer", "byte", "--health-interval", "0.5")
         proxies = [ProxyProcess(log_dir, [p0, p1], [decode],
                                 (*flags, *keyed, "--pd-min-tokens", "0")),
@@ -70,11 +82,13 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterator[
                    ProxyProcess(log_dir, [p0, p1], [decode],
                                 (*flags, *keyed, "--pd-min-tokens", "64")),
                    ProxyProcess(log_dir, [p0], [Instance(stub.url, stub.server.port)],  # type: ignore[list-item]
-                                flags)]
+                                flags),
+                   ProxyProcess(log_dir, [p0, liar], [decode],
+                                (*flags, "--pd-min-tokens", "0", "--kv-events", lie))]
         for launched in proxies:
             stack.callback(launched.stop)
         start_proxies(proxies)
-        yield Fleet([p0, p1], decode, *proxies, stub)
+        yield Fleet([p0, p1], decode, *proxies[:4], stub, liar, proxies[4], lies)
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float = WAIT_S) -> None:
@@ -209,3 +223,21 @@ def test_a_decode_that_reads_no_kv_raises_the_alarm_for_its_pair(fleet: Fleet) -
     assert proxy.log_path.read_text().count("P/D is not happening") == 1  # once per pair
     prefill.wait_for("its leases released, not left to their TTL",
                      lambda h: h["leases"] == 0, timeout=5)
+
+
+def test_an_instance_whose_events_claim_blocks_it_lacks_computes_them_and_answers_right(
+        fleet: Fleet) -> None:
+    """The stream the proxy reads for ``liar`` says it holds a prompt it never saw: the
+    proxy sends the prompt there, and the prefill computes what it lacks (all of it)."""
+    proxy, liar = fleet.lied_to, fleet.liar
+    prompt = "A prompt nobody has seen, whose blocks one stream claims all the same. " * 2
+    tokens = [256, *prompt.encode()]
+    full = len(tokens) // BLOCK * BLOCK
+    fleet.lies.publish([BlockStored(list(range(full // BLOCK)), None, tokens[:full], BLOCK)])
+    wait_until("the lie indexed",
+               lambda: (indexed(proxy, liar) or {}).get("blocks", 0) == full // BLOCK)
+    queried, hits = computed(liar), liar.metric("kvxfer_prefix_cache_hits_total")
+    got = complete(proxy, prompt)
+    assert computed(liar) > queried, "the lie did not steer the prompt"
+    assert liar.metric("kvxfer_prefix_cache_hits_total") == hits, "it had nothing cached"
+    assert got["logprobs"]["tokens"] == alone(fleet.decode, prompt)["logprobs"]["tokens"]
