@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvxfer.bench import kv_index as bench_index
+from kvxfer.bench import index_cost as bench_index
 from kvxfer.net.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from proxy.balancer import Balancer, Prompt, cost
 from proxy.config import ProxyConfig

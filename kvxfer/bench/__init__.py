@@ -6,6 +6,8 @@ assertions on wall time. Modules:
 - ``serving``, ``ttft``, ``prefix``, ``trust``: sidecars of the reference engine; time to
   first token next to one instance; the prefix cache; what signing costs;
 - ``proxy``, ``hop``, ``load``: the proxy's added latency, its floor, load through it;
+- ``fleet``, ``index_cost``: routing policies and aggregated serving under multi-turn chats;
+  what the proxy's KV index costs;
 - ``soak``: mixed load under injected faults, every answer checked;
 - ``vllm``: NixlConnector vs KvxferConnector in real vLLM;
 - ``children``, ``affinity``: server processes a benchmark starts; threads that left

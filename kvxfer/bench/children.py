@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvxfer.bench.proxy import wait_healthy
+from kvxfer.bench.proxy import free_port, wait_healthy
 from kvxfer.bench.serving import BenchError, _wait_ready
 
 STOP_TIMEOUT_S = 20.0
@@ -98,6 +98,14 @@ def started(groups: Iterable[Sequence[Child]]) -> Iterator[None]:
             for child in group:
                 child.wait_ready()
         yield
+
+
+def local_ports(names: Sequence[str]) -> dict[str, int]:
+    """A distinct free loopback port for each of ``names`` (in ascending order)."""
+    ports: set[int] = set()
+    while len(ports) < len(names):
+        ports.add(free_port())
+    return dict(zip(names, sorted(ports), strict=True))
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:

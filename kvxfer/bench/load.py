@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvxfer.bench.children import Child, add_output_arguments, started
-from kvxfer.bench.proxy import KEEPALIVE_S, Call, Cell, free_port, run_cell, send
+from kvxfer.bench.children import Child, add_output_arguments, local_ports, started
+from kvxfer.bench.proxy import KEEPALIVE_S, Call, Cell, run_cell, send
 from kvxfer.bench.serving import BenchError, check_context, run_checked
 from kvxfer.bench.ttft import KEY_VARIABLES, lengths, percentile
 
@@ -137,10 +137,7 @@ def deployment(tree: Source, args: argparse.Namespace, log_dir: Path
                ) -> Iterator[dict[str, Child]]:
     """The sidecars, then the proxy, run from ``tree`` and ready; stopped on exit, Ctrl-C
     included (each in a session of its own: only we get the SIGINT)."""
-    ports: set[int] = set()
-    while len(ports) < 3:
-        ports.add(free_port())
-    port = dict(zip(("prefill", "decode", "proxy"), sorted(ports), strict=True))
+    port = local_ports(("prefill", "decode", "proxy"))
     # Only the tree's own packages: a caller's PYTHONPATH could point at another tree.
     env = {k: v for k, v in os.environ.items() if k not in (*KEY_VARIABLES, "PYTHONPATH")}
     env.update(PYTHONPATH=str(tree.path), PYTHONUNBUFFERED="1")

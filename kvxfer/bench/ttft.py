@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvxfer.bench.children import Child, add_output_arguments, started
-from kvxfer.bench.proxy import free_port
+from kvxfer.bench.children import Child, add_output_arguments, local_ports, started
 from kvxfer.bench.serving import (
     BenchError,
     _metrics,
@@ -363,10 +362,7 @@ def deployment(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Ta
     """The sidecars, then the proxy, ready: each mode's :class:`Target`. All are stopped
     on exit, Ctrl-C included (each runs in a session of its own: only we get the SIGINT)."""
     names = (*SIDECARS, "proxy", "proxy-push")
-    ports: set[int] = set()
-    while len(ports) < len(names):
-        ports.add(free_port())
-    port = dict(zip(names, sorted(ports), strict=True))
+    port = local_ports(names)
     url = {name: f"http://127.0.0.1:{port[name]}" for name in names}
     env = _child_env()
     children = {name: Child(name, argv, url[name], env, log_dir)

@@ -16,7 +16,7 @@ HELP = "run a benchmark and print numbers (table, or JSON with --json)"
 BENCHMARKS: dict[str, str] = {
     "descriptors": "descriptor_cost", "proxy": "proxy", "nixl": "nixl", "transfer": "transfer",
     "serve": "serving", "trust": "trust", "vllm": "vllm", "prefix": "prefix", "soak": "soak",
-    "ttft": "ttft", "load": "load", "push": "push", "fleet": "fleet", "index": "kv_index"}
+    "ttft": "ttft", "load": "load", "push": "push", "fleet": "fleet", "index": "index_cost"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
