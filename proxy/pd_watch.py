@@ -49,13 +49,23 @@ class PDWatch:
         self._count = count  # (prefill, decode) -> a metric, or None
         self._read: dict[tuple[str, str], int] = {}  # reads in a row, per pair
         self._turn = 0
+        self._unasked: set[str] = set()  # prefills that cannot be asked (no release route)
 
     def ask(self, prefill: str, decode: str) -> bool:
         """Whether to ask about this request of the pair (see the module docstring)."""
+        if prefill in self._unasked:
+            return False
         if self._read.get((prefill, decode), 0) < PROVEN:
             return True
         self._turn += 1
         return self._turn % SAMPLE == 0
+
+    def cannot_ask(self, prefill: str) -> None:
+        """``prefill`` has no release route (it answered 404): its pairs go unwatched."""
+        if prefill not in self._unasked:
+            self._unasked.add(prefill)
+            log.info("prefill %s cannot say whether a lease was read (no release route): "
+                     "its pairs are not watched for P/D not happening", prefill)
 
     def read(self, prefill: str, decode: str) -> None:
         """A request of the pair whose lease its decode claimed or read."""

@@ -258,6 +258,8 @@ class PDRouter:
             answer = await self._fetch(prefill, "POST", RELEASE_PATH, request_id, content)
         except Exception:  # gone, or a prefill that cannot be asked: unwatched
             return
+        if answer.status == 404:
+            self.watch.cannot_ask(prefill.url)
         if answer.status != 200:
             return
         if released(answer.content):

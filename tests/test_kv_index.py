@@ -153,6 +153,8 @@ def test_a_pair_that_reads_is_asked_about_one_request_in_sixteen_until_one_is_un
     assert watch.ask("p", "d") and watch.ask("p", "d"), "an unread request asks every time"
     assert watch.ask("p", "other"), "another pair is asked about from the start"
     assert [a["requests"] for a in watch.state()] == [1]
+    watch.cannot_ask("p")  # a prefill without the release route (vLLM's)
+    assert not watch.ask("p", "d") and not watch.ask("p", "other")
 
 
 def test_bench_index_reports_memory_and_scoring_time_of_the_blocks_it_indexed() -> None:
