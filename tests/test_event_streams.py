@@ -21,6 +21,8 @@ from kvxfer.net.kv_events import BlockStored, event_mac
 from kvxfer.sidecar.kv_event_publisher import KVEventPublisher
 from proxy.event_streams import KVEvents
 
+pytestmark = pytest.mark.heavy  # waits on the streams' one-second heartbeats
+
 URL = "http://127.0.0.1:1"  # the instance, as the proxy names it; never called here
 SIZE = 4
 KEY = secrets.token_bytes(32)

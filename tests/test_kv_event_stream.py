@@ -33,6 +33,8 @@ from kvxfer.net.kv_events import (
     verify_mac,
 )
 
+pytestmark = pytest.mark.heavy  # a real sidecar and its stream's heartbeats
+
 BLOCK = 16
 NUM_BLOCKS = 12  # room for three of the prompts below (four blocks each): a fourth evicts
 BOS = 256  # kvxfer-tiny's byte tokenizer: BOS, then the prompt's UTF-8 bytes

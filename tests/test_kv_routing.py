@@ -30,6 +30,8 @@ from kvxfer.net.kv_events import BlockStored
 from kvxfer.sidecar.kv_event_publisher import KVEventPublisher
 from proxy.event_streams import STALE_AFTER_S
 
+pytestmark = pytest.mark.heavy  # seven sidecar and proxy processes
+
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": 4, "logprobs": 1}
 BLOCK = 16
 EVENTS = ("--enable-prefix-caching", "--kv-events-port", "0")
