@@ -132,7 +132,9 @@ def test_end_to_end_with_real_sidecars_and_the_proxy(tmp_path: Path) -> None:
     assert result["failed_requests"] == 0
     assert [row["prompt_tokens"] for row in result["lengths"]] == [8, 32]
     for row in result["lengths"]:
-        assert set(row["modes"]) == {"one", "pd", "push"}
+        assert set(row["modes"]) == {"one", "pd", "push", "deployed"}
+        # as deployed, prompts this short go to the decode alone: it reads no KV
+        assert (row["modes"]["deployed"]["transfer_ms"] or {}).get("p90", 0) == 0
         for mode, s in row["modes"].items():
             assert (s["requests"], s["failed"]) == (2, 0)
             for metric in (*METRICS, *(("transfer_ms",) if mode == "pd" else ())):

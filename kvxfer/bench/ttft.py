@@ -35,8 +35,11 @@ from kvxfer.bench.serving import (
 HELP = "time to first and second token and inter-token latency, one instance vs P/D"
 
 BASELINE = "one"
-# the baseline first; "push": the decode reserves, the prefill writes each layer into it
-MODES = {BASELINE: "one instance", "pd": "P/D (proxy)", "push": "P/D push (proxy)"}
+# the baseline first; "pd" and "push" are P/D at every length ("push": the decode reserves,
+# the prefill writes each layer into it); "deployed" is pull behind a proxy routing as it
+# does by default (a prompt too short for P/D to pay goes to the decode alone)
+MODES = {BASELINE: "one instance", "pd": "P/D (proxy)", "push": "P/D push (proxy)",
+         "deployed": "P/D as deployed"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_LENGTHS = (20, 50, 120, 500, 1000, 2000)
 TTFT_LIMIT = 1.05  # issue 25: P/D median TTFT at most 1.05x one instance's
@@ -48,6 +51,8 @@ TRANSFER_S = "kvxfer_kv_transfer_duration_seconds_sum"
 READ_WAIT_S = "kvxfer_kv_read_wait_seconds_sum"
 METRICS = ("ttft_ms", "tt2t_ms", "itl_ms")
 SIDECARS = ("both", "prefill", "decode", "decode-push")  # a name's role comes before "-"
+PROXIES = ("proxy", "proxy-push", "proxy-deployed")
+EVERY_LENGTH = ("--pd-min-tokens", "0")  # P/D itself, however short the prompt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -343,17 +348,18 @@ def _argvs(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[st
                        "--num-blocks", str(blocks), "--kv-load-failure-policy", "fail",
                        "--kv-transfer-mode", "push" if name.endswith("push") else "pull"]
                 for name in SIDECARS}
-    # No retry and no prefill timeout: a slow or failed request shows as it is. Both
-    # proxies front the same prefill, each its own decode.
+    # No retry and no prefill timeout: a slow or failed request shows as it is. Every
+    # proxy fronts the same prefill; pull's two share a decode.
     proxies = {proxy: [sys.executable, "-m", "proxy", "--port", str(ports[proxy]),
                        "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
                        str(ports["prefill"]), "--decoder-hosts", "127.0.0.1",
                        "--decoder-ports", str(ports[decode]), "--kv-transfer-mode", mode,
                        "--retries", "0", "--prefill-timeout", str(REQUEST_TIMEOUT_S),
-                       "--pd-min-tokens", "0",  # P/D itself, at every length
-                       "--health-timeout", "30", "--log-level", "warning"]
-               for proxy, decode, mode in (("proxy", "decode", "pull"),
-                                           ("proxy-push", "decode-push", "push"))}
+                       *routing, "--health-timeout", "30", "--log-level", "warning"]
+               for proxy, decode, mode, routing in (
+                   ("proxy", "decode", "pull", EVERY_LENGTH),
+                   ("proxy-push", "decode-push", "push", EVERY_LENGTH),
+                   ("proxy-deployed", "decode", "pull", ()))}
     return {**sidecars, **proxies}
 
 
@@ -361,16 +367,16 @@ def _argvs(args: argparse.Namespace, ports: dict[str, int]) -> dict[str, list[st
 def deployment(args: argparse.Namespace, log_dir: Path) -> Iterator[dict[str, Target]]:
     """The sidecars, then the proxy, ready: each mode's :class:`Target`. All are stopped
     on exit, Ctrl-C included (each runs in a session of its own: only we get the SIGINT)."""
-    names = (*SIDECARS, "proxy", "proxy-push")
+    names = (*SIDECARS, *PROXIES)
     port = local_ports(names)
     url = {name: f"http://127.0.0.1:{port[name]}" for name in names}
     env = _child_env()
     children = {name: Child(name, argv, url[name], env, log_dir)
                 for name, argv in _argvs(args, port).items()}
-    with started([[children[n] for n in SIDECARS],
-                  [children["proxy"], children["proxy-push"]]]):
+    with started([[children[n] for n in SIDECARS], [children[n] for n in PROXIES]]):
         yield {BASELINE: Target(url["both"]), "pd": Target(url["proxy"], url["decode"]),
-               "push": Target(url["proxy-push"], url["decode-push"])}
+               "push": Target(url["proxy-push"], url["decode-push"]),
+               "deployed": Target(url["proxy-deployed"], url["decode"])}
 
 
 # -- measuring --------------------------------------------------------------------------------
