@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+from abc import ABC, abstractmethod
 
 import zmq
 
@@ -84,9 +85,9 @@ def connect_error(host: str, port: int, timeout: float) -> str | None:
         return exc.strerror or str(exc) or type(exc).__name__
 
 
-class ServingThread:
-    """Sockets of one ZMQ context that one daemon thread serves from :meth:`start` until
-    :meth:`close` (ZMQ sockets are not thread-safe). A subclass binds its sockets in its
+class ServingThread(ABC):
+    """Sockets of one ZMQ context that one daemon thread serves from :meth:`_start_thread`
+    until :meth:`_close` (ZMQ sockets are not thread-safe). A subclass binds its sockets in its
     constructor, after this one's, names them in :meth:`_sockets`, and serves them in
     :meth:`_serve` until ``_stop`` is set, polling ``_wakeup`` beside them (:meth:`close`
     sets it; so may whoever hands the thread work)."""
@@ -98,11 +99,13 @@ class ServingThread:
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    @abstractmethod
     def _sockets(self) -> list[zmq.Socket[bytes]]:
-        raise NotImplementedError
+        """Every socket this server bound (closed by :meth:`_close`)."""
 
+    @abstractmethod
     def _serve(self) -> None:
-        raise NotImplementedError
+        """The serving thread's loop: until ``_stop`` is set; closes its sockets as it ends."""
 
     def _close_unbound(self) -> None:
         """A subclass whose constructor failed to bind: close what it made, then raise."""
