@@ -103,7 +103,8 @@ class Balancer:
         those whose URL is in ``avoid`` (a try of the request failed there) last.
 
         Each call advances the rotation by one, which breaks ties. Empty when none is
-        healthy. kv_aware without the prompt's tokens orders as least_outstanding.
+        healthy. kv_aware without the prompt's tokens, or without a believed KV index for
+        any of them, keeps the rotation's order (round robin).
         """
         healthy = [i for i in self._instances[role] if i.in_rotation]
         if not healthy:
