@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 STALE_AFTER_S = 3.0    # a stream silent this long is not believed (sidecars beat every 1 s)
 REPLAY_TIMEOUT_S = 1.0  # a replay's answer, all of it
-RECV_POLL_MS = 250      # how often a reading task looks up from its socket
 
 
 @dataclass(frozen=True)
@@ -96,10 +95,8 @@ class Subscription:
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.connect(self.stream.endpoint)
         try:
-            while True:
-                if await socket.poll(RECV_POLL_MS) and \
-                        (frames := await socket.recv_multipart()):
-                    await self._message(frames)
+            while True:  # cancelled by KVEvents.forget / close
+                await self._message(await socket.recv_multipart())
         finally:
             socket.close()
 
